@@ -1,0 +1,78 @@
+"""Small shared helpers: distributed info, printing on the main process, atomic writes, cache dir.
+
+Nothing here does work at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class TngramError(Exception):
+    """A user-facing error: one clear message, no traceback needed (the CLI prints it and exits 2)."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    ddp_rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.ddp_rank == 0
+
+
+def get_dist_info() -> DistInfo:
+    """Read torchrun's environment; a plain `python` run is rank 0 of 1."""
+    return DistInfo(
+        ddp_rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """print() on the main process only."""
+    if get_dist_info().is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same folder and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def cache_dir() -> Path:
+    """Where built data lives: $TNGRAM_CACHE, else $XDG_CACHE_HOME/tngram, else ~/.cache/tngram."""
+    env = os.environ.get("TNGRAM_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tngram"

@@ -1,0 +1,113 @@
+"""Engram's context-aware gate and short causal conv, shared by every memory (paper App. D).
+
+Both TN-gram and Engram produce a memory vector e_t (width d_mem) per position; everything after
+that is this one implementation, so a comparison between them changes only the memory lookup:
+
+    k_t = e_t W_K + b_K            v_t = e_t W_V + b_V                       (per branch m for K)
+    alpha_t = RMSNorm(h_t) . RMSNorm(k_t) / sqrt(d)                           (learnable-gain norms)
+    g_t = sigmoid(sign(alpha_t) * sqrt(max(|alpha_t|, 1e-6)))                 (signed-sqrt gate)
+    v~_t = g_t v_t
+    y_t = v~_t + SiLU(Conv1D(RMSNorm(v~))_t)       depthwise, causal, kernel w, dilation delta
+
+DeepSeek's reference supports hc_mult M hyper-connection branches: h is (B, T, M, d); each branch
+has its own key projection and gate norms, the value projection is shared, and the conv runs over
+the M*d channels. Our dense GPT uses M = 1, where h may also be passed as (B, T, d).
+
+Dimension letters: B batch, T time, M hc branches, D model width, E memory width (d_mem).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+GATE_CLAMP = 1e-6  # epsilon inside the signed square root (paper App. D, reference)
+
+
+def signed_sqrt_gate(alpha: Tensor) -> Tensor:
+    """g = sigmoid(sign(alpha) * sqrt(max(|alpha|, 1e-6))). torch.sign(0) = 0, so alpha = 0 -> 0.5."""
+    return torch.sigmoid(torch.sign(alpha) * torch.sqrt(alpha.abs().clamp_min(GATE_CLAMP)))
+
+
+def causal_depthwise_conv(x: Tensor, weight: Tensor, dilation: int) -> Tensor:
+    """Depthwise causal conv as shifted multiply-adds.
+
+    x: (B, T, C), weight: (C, w). out_t = sum_j weight[:, j] * x_{t - (w-1-j)*dilation}
+    (zero before the start), identical to nn.Conv1d(groups=C, padding=(w-1)*dilation) cut to T.
+    """
+    B, T, C = x.shape
+    w = weight.shape[1]
+    out = x * weight[:, w - 1]  # shift 0
+    for j in range(w - 1):
+        shift = (w - 1 - j) * dilation
+        if shift >= T:
+            continue
+        out = out + F.pad(x[:, : T - shift], (0, 0, shift, 0)) * weight[:, j]
+    return out
+
+
+class ShortConv(nn.Module):
+    """y = SiLU(Conv1D(RMSNorm(x))): per-branch RMSNorm (eps 1e-5), depthwise causal dilated conv."""
+
+    def __init__(self, d_model: int, hc_mult: int = 1, kernel_size: int = 4, dilation: int = 1,
+                 norm_eps: float = 1e-5, zero_init: bool = True) -> None:
+        super().__init__()
+        self.d_model, self.hc_mult = d_model, hc_mult
+        self.kernel_size, self.dilation, self.norm_eps = kernel_size, dilation, norm_eps
+        self.norm_weight = nn.Parameter(torch.ones(hc_mult, d_model))       # (M, D)
+        self.weight = nn.Parameter(torch.zeros(hc_mult * d_model, kernel_size))  # (M*D, w)
+        if not zero_init:  # nn.Conv1d's default init, as DeepSeek's demo leaves it
+            bound = 1.0 / math.sqrt(kernel_size)
+            nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: (B, T, M, D) -> (B, T, M, D)
+        B, T, M, D = x.shape
+        u = F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight      # (B, T, M, D)
+        u = causal_depthwise_conv(u.reshape(B, T, M * D), self.weight, self.dilation)
+        return F.silu(u).view(B, T, M, D)
+
+
+class GatedFusion(nn.Module):
+    """Memory vector e (B, T, E) + hidden h -> memory output y (same shape as h), App. D."""
+
+    def __init__(self, d_mem: int, d_model: int, *, hc_mult: int = 1, kernel_size: int = 4,
+                 dilation: int = 1, kv_bias: bool = True, zero_init_value: bool = True,
+                 zero_init_conv: bool = True) -> None:
+        super().__init__()
+        self.d_mem, self.d_model, self.hc_mult = d_mem, d_model, hc_mult
+        self.value_proj = nn.Linear(d_mem, d_model, bias=kv_bias)
+        self.key_proj = nn.ModuleList(nn.Linear(d_mem, d_model, bias=kv_bias) for _ in range(hc_mult))
+        if zero_init_value:  # the memory then starts as an exact no-op (y = 0)
+            nn.init.zeros_(self.value_proj.weight)
+            if kv_bias:
+                nn.init.zeros_(self.value_proj.bias)
+        # RMSNorm gains for the hidden state (query side) and the key, one pair per branch;
+        # eps is the dtype's machine epsilon like torch.nn.RMSNorm(eps=None) in the reference.
+        self.norm_h = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
+        self.norm_k = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
+        self.conv = ShortConv(d_model, hc_mult, kernel_size, dilation, zero_init=zero_init_conv)
+
+    def gates(self, h: Tensor, e: Tensor) -> Tensor:
+        """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
+        D = self.d_model
+        keys = torch.stack([proj(e) for proj in self.key_proj], dim=2)      # (B, T, M, D)
+        k_hat = F.rms_norm(keys, (D,)) * self.norm_k
+        h_hat = F.rms_norm(h, (D,)) * self.norm_h
+        alpha = (k_hat * h_hat).sum(-1, keepdim=True) / math.sqrt(D)       # (B, T, M, 1)
+        return signed_sqrt_gate(alpha)
+
+    def forward(self, h: Tensor, e: Tensor) -> Tensor:
+        squeeze = h.dim() == 3
+        if squeeze:
+            h = h.unsqueeze(2)                                              # (B, T, 1, D)
+        if h.shape[2] != self.hc_mult:
+            raise ValueError(f"hidden has {h.shape[2]} branches, module expects hc_mult={self.hc_mult}")
+        g = self.gates(h, e)                                                # (B, T, M, 1)
+        v = self.value_proj(e).unsqueeze(2)                                 # (B, T, 1, D) shared
+        v_gated = g * v                                                     # (B, T, M, D)
+        y = v_gated + self.conv(v_gated)
+        return y.squeeze(2) if squeeze else y

@@ -1,0 +1,43 @@
+"""Suffix n-gram windows (paper §3.1; Engram reference §2.1).
+
+At position t the order-n context is (x_{t-n+1}, ..., x_t). Positions before the start of the
+sequence hold `pad_id` (left padding). Nothing here ever reads a future token.
+
+Dimension letters: B batch, T time, N maximum n-gram order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tngram.common import TngramError
+
+
+def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids") -> None:
+    """Raise one clear error when ids are not integers in [0, vocab_size)."""
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TngramError(f"{what} must be an integer tensor, got dtype {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise TngramError(
+            f"{what} must lie in [0, {vocab_size}) (the vocabulary size); got min {lo}, max {hi}"
+        )
+
+
+def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
+    """Shifted copies of the sequence: out[b, t, k] = ids[b, t-k], or pad_id when t-k < 0.
+
+    ids: (B, T) integer -> (B, T, n_max) int64. Column k = 0 is the current token (newest),
+    column k = n_max-1 the oldest; the order-n context at t is out[b, t, :n] read right to left.
+    """
+    if n_max < 1:
+        raise TngramError(f"n_max must be >= 1, got {n_max}")
+    B, T = ids.shape
+    ids = ids.long()
+    padded = torch.cat([ids.new_full((B, n_max - 1), pad_id), ids], dim=1)  # (B, T + n_max - 1)
+    # column k = shift by k: padded[:, n_max-1-k : n_max-1-k+T]
+    cols = [padded[:, n_max - 1 - k : n_max - 1 - k + T] for k in range(n_max)]
+    return torch.stack(cols, dim=-1)  # (B, T, n_max)
