@@ -10,7 +10,7 @@ from tngram.common import TngramError
 
 # Modules that define `add_commands(subparsers)`; each owns its subcommands.
 _AREAS = (
-    "tngram.model.cli",
+    "tngram.recipes",
     "tngram.data.cli",
     "tngram.train.cli",
     "tngram.eval.cli",

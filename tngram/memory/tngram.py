@@ -1,0 +1,124 @@
+"""TN-gram: tensorized n-gram memory with shared CP factors (the paper's module).
+
+    ids -> suffix n-grams (left pad) -> gather A_{N-k}[x_{t-k}] -> running Hadamard products
+        -> b_n (Eq. 10) -> e_n = exp(l_n) RMSNorm(b_n) (Eq. 11) -> e_concat ((N-1) R)
+        -> absorbed K/V projections M_K, M_V (Eq. 13-14) -> Engram's gate + conv (App. D) -> y
+
+y is the block's memory output; the caller adds it to the residual stream.
+
+Initialisation (documented choice, see docs/LOG.md): factor entries are a random sign times
+exp(sigma * g), g ~ N(0, 1), sigma = `factor_init_std` (0.1). Every b_n then has entries of
+magnitude near 1 for any N (log-magnitude std sigma * sqrt(n)), so the product of eight factors
+stays in a sane range, while distinct tokens get near-orthogonal random sign patterns. A plain
+N(0, 1) init (`factor_init="normal"`) is available; its product of n factors has log-magnitude
+std ~1.1 sqrt(n), so at N = 8 a few coordinates dominate each vector. Absorption vectors start
+at 1 and log-scales at 0 (s_n = 1).
+
+Ablations (paper Fig. 4 right): use_norm=False drops RMSNorm (e_n = s_n b_n); learn_scales=False
+fixes s_n = 1 (no parameter); use_absorption=False removes w entirely, so each lower order uses
+only its own factors, b_n = A_{N-n+1}[x_{t-n+1}] * ... * A_N[x_t] (equivalent to w fixed at 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from tngram.common import TngramError
+from tngram.memory.cp import order_embeddings, order_vectors
+from tngram.memory.gating import GatedFusion
+from tngram.memory.ngrams import check_token_ids, suffix_ngrams
+
+
+@dataclass(kw_only=True, frozen=True)
+class TNGramConfig:
+    max_ngram: int = 5             # N: orders 2..N
+    cp_rank: int = 1024            # R
+    pad_id: int = 0                # left padding token id
+    use_norm: bool = True
+    learn_scales: bool = True
+    use_absorption: bool = True
+    factor_init: str = "sign"      # "sign" (random sign * exp(std * g)) or "normal" (N(0, 1))
+    factor_init_std: float = 0.1
+    norm_eps: float = 1e-6
+    kernel_size: int = 3           # paper: kernel 3 ...
+    dilation: int | None = None    # ... dilation N (None -> max_ngram)
+    hc_mult: int = 1
+    kv_bias: bool = True           # shared gate code with Engram (the reference has biases)
+    zero_init_value: bool = True
+    zero_init_conv: bool = True
+
+    kind: ClassVar[str] = "tngram"
+    injection: ClassVar[str] = "block"
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_ngram < 2:
+            raise TngramError(f"TN-gram max_ngram (N) must be >= 2, got {self.max_ngram}")
+        if self.cp_rank < 1:
+            raise TngramError(f"TN-gram cp_rank must be >= 1, got {self.cp_rank}")
+        if not 0 <= self.pad_id < vocab_size:
+            raise TngramError(f"TN-gram pad_id must lie in [0, {vocab_size}), got {self.pad_id}")
+        if self.factor_init not in ("sign", "normal"):
+            raise TngramError(f"TN-gram factor_init must be 'sign' or 'normal', got {self.factor_init!r}")
+
+    def build(self, d_model: int, vocab_size: int, layer_id: int = 0,
+              layer_ids: tuple[int, ...] = ()) -> "TNGram":
+        return TNGram(self, d_model, vocab_size)
+
+    def param_count(self, d_model: int, vocab_size: int, layer_id: int = 0,
+                    layer_ids: tuple[int, ...] = ()) -> int:
+        N, R, d, M = self.max_ngram, self.cp_rank, d_model, self.hc_mult
+        n = N * vocab_size * R                                   # factors
+        n += (N - 2) * R if self.use_absorption else 0           # w_1..w_{N-2}
+        n += (N - 1) if self.learn_scales else 0                 # l_2..l_N
+        d_mem = (N - 1) * R
+        n += (M + 1) * (d_mem * d + (d if self.kv_bias else 0))  # M_K per branch + shared M_V
+        n += 2 * M * d + M * d * self.kernel_size + M * d        # gate norms, conv, conv norms
+        return n
+
+
+class TNGram(nn.Module):
+    def __init__(self, config: TNGramConfig, d_model: int, vocab_size: int) -> None:
+        super().__init__()
+        config.validate(vocab_size)
+        self.config, self.d_model, self.vocab_size = config, d_model, vocab_size
+        N, R = config.max_ngram, config.cp_rank
+        self.factors = nn.Parameter(torch.empty(N, vocab_size, R))      # (N, V, R): A_1..A_N
+        self.absorb = nn.Parameter(torch.ones(N - 2, R)) if config.use_absorption and N > 2 else None
+        self.log_scales = nn.Parameter(torch.zeros(N - 1)) if config.learn_scales else None
+        self.fusion = GatedFusion(
+            (N - 1) * R, d_model, hc_mult=config.hc_mult, kernel_size=config.kernel_size,
+            dilation=config.dilation or N, kv_bias=config.kv_bias,
+            zero_init_value=config.zero_init_value, zero_init_conv=config.zero_init_conv)
+        self.reset_factors()
+
+    @torch.no_grad()
+    def reset_factors(self) -> None:
+        c = self.config
+        if c.factor_init == "normal":
+            self.factors.normal_()
+        else:
+            sign = torch.randint(0, 2, self.factors.shape).mul_(2).sub_(1).to(self.factors.dtype)
+            self.factors.copy_(sign * torch.exp(c.factor_init_std * torch.randn(self.factors.shape)))
+
+    def ngrams(self, input_ids: Tensor) -> Tensor:
+        check_token_ids(input_ids, self.vocab_size)
+        return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
+
+    def memory_vector(self, input_ids: Tensor) -> Tensor:
+        """The lookup stage: ids (B, T) -> e_concat (B, T, (N-1) R), everything before K/V."""
+        b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
+        return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
+
+    def forward(self, h: Tensor, input_ids: Tensor) -> Tensor:
+        """h: (B, T, D) or (B, T, M, D), input_ids: (B, T) -> memory output y, shaped like h."""
+        e = self.memory_vector(input_ids).to(h.dtype)
+        return self.fusion(h, e)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"N={c.max_ngram}, cp_rank={c.cp_rank}, vocab={self.vocab_size}, d_model={self.d_model}"
+

@@ -1,0 +1,150 @@
+"""Named recipes: functions returning a full TrainConfig (model + optimiser + schedule + data + run).
+
+Paper recipes (`paper-l9-*`, `paper-l18-*`) use the paper's hyperparameters (App. E, Tables 4-5):
+seq 1024, global batch 524,288 tokens, Muon lr 0.04 (momentum 0.85 -> 0.95 over 500 steps, 5 NS
+steps), Adam (0.9, 0.95, 1e-8), tied-embedding lr 0.05, scalar lr 0.04, 1200 warmdown steps,
+seed 1337, memory in blocks 1 and 7. L9 trains 6000 steps. L18 follows App. C: 18 layers, d 1024,
+10,000 steps; we choose 16 query / 8 KV heads (head dim 64 as at L9), memory blocks (1, 14)
+(the paper does not state them), R = 1800 for TN-gram, and 8 heads per order for Engram.
+
+Engram in the paper recipes: orders 2..5, 8 heads per order, per-head table budget 5*V,
+n_embed_per_ngram = d_model, kernel 3 with dilation N (the paper's conv). TN-gram: N = 5,
+R = 1024 (L9) / 1800 (L18). Padding id 0 (SentencePiece <pad>, never in the data).
+
+`mini-*` recipes are sized for a 2-core CPU (see docs/RESULTS.md for their measured speed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from tngram.common import TngramError
+from tngram.model.gpt import GPT, GPTConfig
+from tngram.train.config import DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+
+
+# ---- memory configurations
+
+def _engram(d_model: int, vocab: int, heads: int, max_ngram: int = 5, **kw: Any):
+    from tngram.memory.engram import EngramConfig
+    return EngramConfig(max_ngram=max_ngram, n_head_per_ngram=heads, n_embed_per_ngram=kw.pop("n_embed", d_model),
+                        table_budget=None, pad_id=0, kernel_size=3, dilation=None, **kw)
+
+
+def _tngram(cp_rank: int, max_ngram: int = 5, **kw: Any):
+    from tngram.memory.tngram import TNGramConfig
+    return TNGramConfig(max_ngram=max_ngram, cp_rank=cp_rank, pad_id=0, kernel_size=3, **kw)
+
+
+def _oe(max_ngram: int = 3, **kw: Any):
+    from tngram.memory.overencoding import OverEncodingConfig
+    return OverEncodingConfig(max_ngram=max_ngram, pad_id=0, **kw)
+
+
+# ---- backbones
+
+def _paper_l9(memory: Any, name: str) -> TrainConfig:
+    return TrainConfig(name=name, model=GPTConfig(memory=memory, memory_layers=(1, 7)),
+                       schedule=ScheduleConfig(steps=6000, warmdown_steps=1200),
+                       data=DataConfig(global_batch_tokens=524_288, micro_batch_seqs=64))
+
+
+def _paper_l18(memory: Any, name: str) -> TrainConfig:
+    model = GPTConfig(n_layer=18, n_embd=1024, n_head=16, n_kv_head=8, memory=memory,
+                      memory_layers=(1, 14))
+    return TrainConfig(name=name, model=model, schedule=ScheduleConfig(steps=10_000, warmdown_steps=1200),
+                       data=DataConfig(global_batch_tokens=524_288, micro_batch_seqs=32))
+
+
+MINI_D, MINI_VOCAB = 128, 1024
+
+
+def _mini(memory: Any, name: str) -> TrainConfig:
+    model = GPTConfig(n_layer=4, n_embd=MINI_D, n_head=4, n_kv_head=2, mlp_mult=2, sequence_len=256,
+                      memory=memory, memory_layers=(1, 3))
+    return TrainConfig(
+        name=name, model=model,
+        optim=OptimConfig(muon_momentum_warmup_steps=100),
+        schedule=ScheduleConfig(steps=400, warmdown_steps=120),
+        data=DataConfig(global_batch_tokens=16 * 256, micro_batch_seqs=16, val_tokens=131_072),
+        run=RunConfig(log_every=10, val_every=0, checkpoint_every=100))
+
+
+RECIPES: dict[str, Callable[[], TrainConfig]] = {
+    "paper-l9-raw": lambda: _paper_l9(None, "paper-l9-raw"),
+    "paper-l9-engram": lambda: _paper_l9(_engram(512, 1024, heads=8), "paper-l9-engram"),
+    "paper-l9-tngram": lambda: _paper_l9(_tngram(1024), "paper-l9-tngram"),
+    "paper-l9-oe": lambda: _paper_l9(_oe(), "paper-l9-oe"),
+    "paper-l18-raw": lambda: _paper_l18(None, "paper-l18-raw"),
+    "paper-l18-engram": lambda: _paper_l18(_engram(1024, 1024, heads=8), "paper-l18-engram"),
+    "paper-l18-tngram": lambda: _paper_l18(_tngram(1800), "paper-l18-tngram"),
+    "mini-raw": lambda: _mini(None, "mini-raw"),
+    "mini-engram": lambda: _mini(_engram(MINI_D, MINI_VOCAB, heads=4), "mini-engram"),
+    "mini-tngram": lambda: _mini(_tngram(352), "mini-tngram"),
+    "mini-oe": lambda: _mini(_oe(), "mini-oe"),
+}
+
+
+def recipe_names() -> list[str]:
+    return list(RECIPES)
+
+
+def get_recipe(name: str) -> TrainConfig:
+    if name not in RECIPES:
+        raise TngramError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
+    return RECIPES[name]()
+
+
+def raw_counterpart(cfg: TrainConfig) -> TrainConfig:
+    """The same backbone without memory (for delta_params)."""
+    return replace(cfg, model=replace(cfg.model, memory=None))
+
+
+def build_model(recipe_name: str, **model_overrides: Any) -> GPT:
+    cfg = get_recipe(recipe_name).model
+    return GPT(replace(cfg, **model_overrides) if model_overrides else cfg)
+
+
+def param_summary(cfg: TrainConfig) -> dict[str, Any]:
+    """{"recipe", "total_params", "delta_params", "memory_params"} computed on the meta device."""
+    import torch
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+        raw = GPT(raw_counterpart(cfg).model)
+    total, base = model.num_params(), raw.num_params()
+    return {"recipe": cfg.name, "total_params": total, "delta_params": total - base,
+            "memory_params": model.memory_params()}
+
+
+# ---- CLI: `tngram recipes`, `tngram params RECIPE [--json]`
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("recipes", help="list the named recipes")
+    p.set_defaults(func=_cmd_recipes)
+    p = sub.add_parser("params", help="parameter counts of a recipe (delta against its raw GPT)")
+    p.add_argument("recipe")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_params)
+
+
+def _cmd_recipes(args: Any) -> int:
+    for name in RECIPES:
+        cfg = get_recipe(name)
+        m = cfg.model
+        mem = "none" if m.memory is None else m.memory.kind
+        print(f"{name:18s} L{m.n_layer} d{m.n_embd} V{m.vocab_size} T{m.sequence_len} memory={mem} "
+              f"steps={cfg.schedule.steps} batch={cfg.data.global_batch_tokens} tokens")
+    return 0
+
+
+def _cmd_params(args: Any) -> int:
+    import json
+    s = param_summary(get_recipe(args.recipe))
+    if args.json:
+        print(json.dumps(s))
+    else:
+        for k, v in s.items():
+            print(f"{k:14s} {v:,}" if isinstance(v, int) else f"{k:14s} {v}")
+    return 0
