@@ -5,9 +5,12 @@ A run = a recipe function (tngram.recipes) + dotted overrides (`--set optim.matr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from tngram.common import TngramError
 from tngram.model.gpt import GPTConfig
 
 
@@ -73,3 +76,142 @@ class TrainConfig:
         return cls(name=d["name"], model=GPTConfig.from_dict(d["model"]),
                    optim=OptimConfig(**d["optim"]), schedule=ScheduleConfig(**d["schedule"]),
                    data=DataConfig(**d["data"]), run=RunConfig(**d["run"]))
+
+
+# ---- validation and dotted overrides (`--set section.field=value`)
+
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def _check(ok: bool, key: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise TngramError(f"{key} must be {expected}, got {got!r}")
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Cheap checks of every section (no data, no model weights); TngramError naming the field."""
+    o, s, d, r = cfg.optim, cfg.schedule, cfg.data, cfg.run
+    for k in ("matrix_lr", "tied_embed_lr", "scalar_lr", "adam_eps", "grad_clip_norm"):
+        _check(getattr(o, k) >= 0, f"optim.{k}", ">= 0", getattr(o, k))
+    _check(o.memory_table_lr is None or o.memory_table_lr >= 0, "optim.memory_table_lr",
+           ">= 0 or none", o.memory_table_lr)
+    for k in ("muon_momentum", "muon_momentum_start", "beta1", "beta2"):
+        _check(0 <= getattr(o, k) < 1, f"optim.{k}", "in [0, 1)", getattr(o, k))
+    _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
+    _check(o.muon_momentum_warmup_steps >= 0, "optim.muon_momentum_warmup_steps", ">= 0",
+           o.muon_momentum_warmup_steps)
+    _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)
+    _check(s.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", s.warmdown_steps)
+    _check(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
+    _check(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
+    _check(d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens)
+    _check(r.dtype in DTYPES, "run.dtype", f"one of {DTYPES}", r.dtype)
+    _check(r.log_every >= 1, "run.log_every", ">= 1", r.log_every)
+    for k in ("val_every", "checkpoint_every"):
+        _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
+    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
+    cfg.model.validate()
+    mem = cfg.model.memory
+    if mem is not None and hasattr(mem, "validate"):
+        mem.validate(cfg.model.vocab_size)
+
+
+def _sections(cfg: TrainConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "name"}
+    if cfg.model.memory is not None:
+        out["model.memory"] = cfg.model.memory
+    return out
+
+
+def config_keys(cfg: TrainConfig) -> list[str]:
+    """Every key `--set` accepts for this config (model.memory.* only when it has memory)."""
+    keys = ["name"]
+    for sec, obj in _sections(cfg).items():
+        keys += [f"{sec}.{f.name}" for f in fields(obj) if not (sec == "model" and f.name == "memory")]
+    return keys
+
+
+def _parse_value(key: str, text: str, hint: Any) -> Any:
+    """Parse `text` as the annotated type `hint` (int, float, bool, str, X | None, tuple[int, ...])."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        if type(None) in args and text.strip().lower() in ("none", "null"):
+            return None
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _parse_value(key, text, a)
+            except TngramError:
+                continue
+        raise TngramError(f"{key} expects {_type_name(hint)}, got {text!r}")
+    if origin is tuple:
+        items = [t for t in text.strip().strip("()[]").split(",") if t.strip()]
+        elem = args[0] if args else str
+        try:
+            return tuple(_parse_value(key, t.strip(), elem) for t in items)
+        except TngramError:
+            raise TngramError(f"{key} expects a comma-separated list of {_type_name(elem)} "
+                              f"(e.g. 1,3), got {text!r}") from None
+    if hint is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise TngramError(f"{key} expects a bool (true/false), got {text!r}")
+    if hint is int:
+        try:
+            return int(text.strip().replace("_", ""))
+        except ValueError:
+            raise TngramError(f"{key} expects an int, got {text!r}") from None
+    if hint is float:
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise TngramError(f"{key} expects a float, got {text!r}") from None
+    if hint is str:
+        return text
+    if hint is Any:  # free-form: JSON if it parses, else the string
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    raise TngramError(f"{key} has type {_type_name(hint)}, which --set cannot parse")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def apply_overrides(cfg: TrainConfig, items: list[str] | tuple[str, ...]) -> TrainConfig:
+    """Apply `section.field=value` strings (e.g. "optim.matrix_lr=0.02", "model.memory.cp_rank=64")
+    and validate. Unknown keys and unparsable values raise TngramError listing what is valid."""
+    for item in items:
+        if "=" not in item:
+            raise TngramError(f"--set expects section.field=value, got {item!r}")
+        key, text = (s.strip() for s in item.split("=", 1))
+        if key == "name":
+            cfg = replace(cfg, name=text)
+            continue
+        sec, _, fname = key.rpartition(".")
+        sections = _sections(cfg)
+        if sec not in sections:
+            if sec == "model.memory":
+                raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none)")
+            raise TngramError(f"unknown config section {sec!r} in {key!r}; valid keys: "
+                              + ", ".join(config_keys(cfg)))
+        obj = sections[sec]
+        names = {f.name for f in fields(obj)} - ({"memory"} if sec == "model" else set())
+        if fname not in names:
+            raise TngramError(f"unknown config key {key!r}; valid keys in {sec}: "
+                              + ", ".join(f"{sec}.{n}" for n in sorted(names)))
+        value = _parse_value(key, text, get_type_hints(type(obj))[fname])
+        try:
+            new = replace(obj, **{fname: value})
+        except TngramError as e:
+            raise TngramError(f"{key}={text}: {e}") from None
+        if sec == "model.memory":
+            cfg = replace(cfg, model=replace(cfg.model, memory=new))
+        else:
+            cfg = replace(cfg, **{sec: new})
+    validate_config(cfg)
+    return cfg

@@ -1,0 +1,143 @@
+"""Which parameter goes to which optimiser with which learning rate: one declared rule table.
+
+parameter-golf (parameter-golf.md §2.1) puts block matrices in Muon and the tied embedding and
+scalars in Adam; its rule only looks inside `blocks`, so a new 2-D module elsewhere silently gets
+no optimiser. Here every parameter must match a rule (else a TngramError names it), and the
+memory modules are covered explicitly (issue 4, docs/TRAINING.md "Parameter groups"):
+
+    group         optimiser  lr                              what
+    embed         Adam       tied_embed_lr (0.05)            tok_emb.weight (the tied head too)
+    memory_table  Adam       memory_table_lr or tied_emb_lr  TN-gram CP factors, Engram / OE tables
+    scalar        Adam       scalar_lr (0.04)                control-named parameters, depthwise
+                                                             conv kernels, every 1-D parameter
+    muon          Muon       matrix_lr (0.04)                every nn.Linear weight: attention,
+                                                             MLP, memory K/V, OE projection
+
+Rules are tried in order; the first match decides. Tables come before matrices, so an embedding
+table can never reach Muon. This module never imports the model: rules look at parameter names
+and at the torch module type that owns the parameter (nn.Embedding / nn.Linear).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor, nn
+
+from tngram.common import TngramError
+
+# Control parameters by leaf name: the backbone's (model.gpt.CONTROL_NAMES, parameter-golf §1.8)
+# plus the memory modules' absorption vectors, per-order log-scales and RMSNorm gains. Several
+# are 2-D ((2, D) resid_mix, (M, D) norm gains, (N-2, R) absorb) but are gains, not matrices.
+CONTROL_PARAM_NAMES = ("attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weights",
+                       "absorb", "log_scales", "norm_h", "norm_k", "norm_weight")
+
+GROUP_OPTIMIZER = {"embed": "adam", "memory_table": "adam", "scalar": "adam", "muon": "muon"}
+
+
+class OptimLrs(Protocol):
+    """The learning-rate fields build_param_groups reads (tngram.train.config.OptimConfig)."""
+    matrix_lr: float
+    tied_embed_lr: float
+    memory_table_lr: float | None
+    scalar_lr: float
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    group: str                                           # key of GROUP_OPTIMIZER
+    what: str                                            # human description (printed, documented)
+    matches: Callable[[str, Tensor, nn.Module], bool]    # (full name, parameter, owning module)
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def default_rules(control_names: tuple[str, ...] = CONTROL_PARAM_NAMES) -> tuple[ParamRule, ...]:
+    """The rule table, in priority order."""
+    return (
+        ParamRule("embed", "token embedding tok_emb.weight (tied head)",
+                  lambda n, p, m: n == "tok_emb.weight"),
+        ParamRule("memory_table", "TN-gram CP factors (*.factors)",
+                  lambda n, p, m: _leaf(n) == "factors"),
+        ParamRule("memory_table", "n-gram embedding tables (nn.Embedding: Engram, Over-Encoding)",
+                  lambda n, p, m: isinstance(m, nn.Embedding)),
+        ParamRule("scalar", "control parameters (" + ", ".join(control_names) + ")",
+                  lambda n, p, m: _leaf(n) in control_names),
+        ParamRule("scalar", "depthwise short-conv kernels (*.conv.weight, 2-D but per-channel)",
+                  lambda n, p, m: re.search(r"(^|\.)conv\.weight$", n) is not None),
+        ParamRule("scalar", "1-D parameters (biases, gains)",
+                  lambda n, p, m: p.dim() < 2),
+        ParamRule("muon", "nn.Linear weights (attention, MLP, memory K/V, OE projection)",
+                  lambda n, p, m: isinstance(m, nn.Linear) and _leaf(n) == "weight" and p.dim() == 2),
+    )
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    path = name.rsplit(".", 1)[0] if "." in name else ""
+    return model.get_submodule(path) if path else model
+
+
+def assign_groups(model: nn.Module, rules: tuple[ParamRule, ...] | None = None) -> dict[str, str]:
+    """{parameter name: group} for every trainable parameter; TngramError if one matches no rule."""
+    rules = default_rules() if rules is None else rules
+    out: dict[str, str] = {}
+    unmatched = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner = _owner(model, name)
+        group = next((r.group for r in rules if r.matches(name, p, owner)), None)
+        if group is None:
+            unmatched.append(f"{name} {tuple(p.shape)}")
+        else:
+            out[name] = group
+    if unmatched:
+        raise TngramError("parameters matched no optimiser rule (add a rule in "
+                          "tngram/optim/groups.py): " + ", ".join(unmatched))
+    return out
+
+
+def group_lrs(optim_cfg: OptimLrs) -> dict[str, float]:
+    """Base learning rate of each group (before the schedule's multiplier)."""
+    table_lr = optim_cfg.memory_table_lr
+    return {"embed": optim_cfg.tied_embed_lr,
+            "memory_table": optim_cfg.tied_embed_lr if table_lr is None else table_lr,
+            "scalar": optim_cfg.scalar_lr,
+            "muon": optim_cfg.matrix_lr}
+
+
+def build_param_groups(model: nn.Module, optim_cfg: OptimLrs,
+                       rules: tuple[ParamRule, ...] | None = None) -> list[dict]:
+    """Param groups for torch optimisers, in the fixed order embed, memory_table, scalar, muon.
+
+    Each dict: params, names, group, optimizer ("adam" | "muon"), lr and base_lr (equal at build
+    time; the trainer sets lr = base_lr * schedule multiplier). Empty groups are left out.
+    """
+    assignment = assign_groups(model, rules)
+    lrs = group_lrs(optim_cfg)
+    named = dict(model.named_parameters())
+    groups = []
+    for group in GROUP_OPTIMIZER:
+        names = [n for n, g in assignment.items() if g == group]
+        if names:
+            groups.append({"params": [named[n] for n in names], "names": names, "group": group,
+                           "optimizer": GROUP_OPTIMIZER[group], "lr": lrs[group],
+                           "base_lr": lrs[group]})
+    return groups
+
+
+def format_param_table(groups: list[dict]) -> str:
+    """A printable table: group, optimiser, base lr, number of tensors and of parameters."""
+    lines = [f"{'group':13s} {'optimizer':9s} {'lr':>8s} {'tensors':>7s} {'params':>12s}"]
+    total_t = total_p = 0
+    for g in groups:
+        n_t, n_p = len(g["params"]), sum(p.numel() for p in g["params"])
+        total_t, total_p = total_t + n_t, total_p + n_p
+        lines.append(f"{g['group']:13s} {g['optimizer']:9s} {g['base_lr']:8.4g} {n_t:7d} {n_p:12,d}")
+    lines.append(f"{'total':13s} {'':9s} {'':>8s} {total_t:7d} {total_p:12,d}")
+    return "\n".join(lines)
