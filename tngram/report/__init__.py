@@ -1,0 +1,1 @@
+"""Reporting: tables and plots built only from run folders (metrics.jsonl, summary.json)."""

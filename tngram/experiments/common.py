@@ -1,0 +1,63 @@
+"""Shared pieces of the experiment commands: presets, data resolution, config edits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError, print0
+from tngram.recipes import get_recipe
+from tngram.train.config import TrainConfig
+
+# preset -> (recipe prefix, default processes)
+PRESETS = {"cpu": "mini", "paper-l9": "paper-l9", "paper-l18": "paper-l18"}
+SCALES = {"cpu": "mini", "paper": "paper-l9"}
+
+
+def resolve_data(data: str | None, vocab_size: int = 1024) -> tuple[str, int]:
+    """(dataset dir, its vocab size): --data DIR, else the default offline corpus (built if missing)."""
+    from tngram.data.build import ensure_default_data, open_dataset
+
+    path = Path(data) if data else ensure_default_data(vocab_size=vocab_size)
+    info = open_dataset(path)
+    return str(info.dir), int(info.vocab_size)
+
+
+def with_data(cfg: TrainConfig, data_dir: str, vocab_size: int) -> TrainConfig:
+    return replace(cfg, data=replace(cfg.data, dir=data_dir), model=replace(cfg.model, vocab_size=vocab_size))
+
+
+def with_seed(cfg: TrainConfig, seed_index: int) -> TrainConfig:
+    return replace(cfg, run=replace(cfg.run, seed=cfg.run.seed + seed_index))
+
+
+def with_memory(cfg: TrainConfig, **fields: Any) -> TrainConfig:
+    if cfg.model.memory is None:
+        raise TngramError(f"recipe {cfg.name} has no memory to change")
+    return replace(cfg, model=replace(cfg.model, memory=replace(cfg.model.memory, **fields)))
+
+
+def with_steps(cfg: TrainConfig, steps: int | None) -> TrainConfig:
+    if steps is None:
+        return cfg
+    warm = min(cfg.schedule.warmdown_steps, max(1, int(steps * cfg.schedule.warmdown_steps / cfg.schedule.steps)))
+    return replace(cfg, schedule=replace(cfg.schedule, steps=steps, warmdown_steps=warm))
+
+
+def base_recipe(prefix: str, method: str) -> TrainConfig:
+    return get_recipe(f"{prefix}-{method}")
+
+
+def default_nproc(preset: str) -> int:
+    if preset == "cpu":
+        return 1
+    try:
+        import torch
+        return max(1, torch.cuda.device_count())
+    except Exception:  # pragma: no cover
+        return 1
+
+
+def announce(path: Path, what: str) -> None:
+    print0(f"{what}: {path}")

@@ -1,0 +1,37 @@
+"""`tngram compare`: raw GPT vs Engram vs TN-gram (and Over-Encoding) on the same data, in the same
+order, from the same backbone initialisation (paper Table 1), with a report and loss curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tngram.common import atomic_write_json, print0
+from tngram.experiments.common import (PRESETS, base_recipe, default_nproc, resolve_data, with_data,
+                                       with_seed, with_steps)
+from tngram.experiments.runner import RunSpec, run_all
+from tngram.report.compare import write_compare_report
+
+METHODS = ("raw", "engram", "tngram")
+
+
+def compare(preset: str, out: Path, seeds: int = 1, data: str | None = None, with_oe: bool = False,
+            steps: int | None = None, nproc: int | None = None) -> dict[str, Any]:
+    prefix = PRESETS[preset]
+    methods = METHODS + (("oe",) if with_oe else ())
+    data_dir, vocab = resolve_data(data)
+    specs = []
+    for s in range(seeds):
+        for method in methods:
+            cfg = with_steps(with_seed(with_data(base_recipe(prefix, method), data_dir, vocab), s), steps)
+            specs.append(RunSpec(f"{method}-s{s}", cfg, {"method": method, "seed": cfg.run.seed}))
+    rows = run_all(specs, out, nproc=nproc or default_nproc(preset))
+    keep = ("method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb", "core",
+            "tokens_per_s", "wall_s", "run_dir")
+    results = {"preset": preset, "data": data_dir, "seeds": seeds,
+               "rows": [{k: r.get(k) for k in keep} for r in rows]}
+    atomic_write_json(out / "results.json", results)
+    report = write_compare_report(out, results)
+    print0("\n" + report["table"])
+    print0(f"\nreport: {out / 'report.md'}\nresults: {out / 'results.json'}")
+    return results

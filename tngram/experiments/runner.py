@@ -1,0 +1,74 @@
+"""Run a list of training configs as subprocesses, reusing finished runs and resuming partial ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError, atomic_write_json, print0
+from tngram.train.config import TrainConfig
+
+
+@dataclass
+class RunSpec:
+    label: str                        # unique folder name under OUT/runs/
+    config: TrainConfig
+    tags: dict[str, Any] = field(default_factory=dict)   # method, seed, sweep value...
+
+
+def run_dir_of(out: Path, spec: RunSpec) -> Path:
+    return out / "runs" / spec.label
+
+
+def is_complete(run_dir: Path, cfg: TrainConfig) -> bool:
+    """Finished (summary.json written) with the same resolved config."""
+    summary, config = run_dir / "summary.json", run_dir / "config.json"
+    if not (summary.exists() and config.exists()):
+        return False
+    return json.loads(config.read_text()) == json.loads(json.dumps(cfg.to_dict()))
+
+
+def launch_command(nproc: int) -> list[str]:
+    if nproc <= 1:
+        return [sys.executable, "-m", "tngram.experiments.worker"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "tngram.experiments.worker"]
+
+
+def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, Any]]:
+    """Train every spec (in order) and return one row per run: tags + summary.json."""
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise TngramError(f"run labels must be unique, got {labels}")
+    rows = []
+    for i, spec in enumerate(specs, 1):
+        rdir = run_dir_of(out, spec)
+        if is_complete(rdir, spec.config):
+            print0(f"[{i}/{len(specs)}] {spec.label}: finished earlier, reused ({rdir})")
+        else:
+            if (rdir / "config.json").exists() and not _same_config(rdir, spec.config):
+                raise TngramError(f"{rdir} holds a run with a different config; choose another --out "
+                                  f"or remove that folder")
+            rdir.mkdir(parents=True, exist_ok=True)
+            cfg_path = rdir / "requested_config.json"
+            atomic_write_json(cfg_path, spec.config.to_dict())
+            print0(f"[{i}/{len(specs)}] {spec.label}: training ({rdir})")
+            t0 = time.time()
+            env = dict(os.environ)
+            proc = subprocess.run(launch_command(nproc) + [str(cfg_path), str(rdir)], env=env)
+            if proc.returncode != 0:
+                raise TngramError(f"run {spec.label} failed (exit {proc.returncode}); its folder is {rdir}")
+            print0(f"[{i}/{len(specs)}] {spec.label}: done in {time.time() - t0:.0f} s")
+        summary = json.loads((rdir / "summary.json").read_text())
+        rows.append({**spec.tags, "label": spec.label, "run_dir": str(rdir), **summary})
+    return rows
+
+
+def _same_config(rdir: Path, cfg: TrainConfig) -> bool:
+    return json.loads((rdir / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))

@@ -1,0 +1,65 @@
+"""Table-1-style report of a `tngram compare` folder (reads results.json + run folders only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tngram.common import atomic_write_text
+from tngram.report.plots import loss_curves
+from tngram.report.runs import fmt_mean_std, fmt_params, mean_std
+
+# Paper Table 1 (L9: N=5, R=1024; L18: N=5, R=1800): delta params, train loss, val BPB, CORE.
+PAPER_TABLE1 = {
+    "paper-l9": {"raw": (None, 2.209, 1.251, 0.06), "engram": (26e6, 2.142, 1.209, 0.072),
+                 "tngram": (19e6, 2.141, 1.208, 0.083)},
+    "paper-l18": {"raw": (None, 1.792, 1.086, 0.107), "engram": (60e6, 1.771, 1.070, 0.115),
+                  "tngram": (48e6, 1.770, 1.071, 0.120)},
+}
+NAMES = {"raw": "Raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding"}
+
+
+def compare_table(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    paper = PAPER_TABLE1.get(results.get("preset", ""), {})
+    has_core = any(r.get("core") is not None for r in rows)
+    head = ["Method", "ΔParams", "Train loss", "Val loss", "Val BPB"] + (["CORE"] if has_core else []) + ["tokens/s"]
+    if paper:
+        head += ["paper ΔParams", "paper train loss", "paper val BPB", "paper CORE"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    raw_bpb = mean_std([r["val_bpb"] for r in rows if r["method"] == "raw"])[0]
+    for m in methods:
+        rs = [r for r in rows if r["method"] == m]
+        cells = [NAMES.get(m, m), fmt_params(rs[0].get("delta_params")),
+                 fmt_mean_std([r["train_loss"] for r in rs]), fmt_mean_std([r["val_loss"] for r in rs]),
+                 fmt_mean_std([r["val_bpb"] for r in rs])]
+        if has_core:
+            cells.append(fmt_mean_std([r.get("core") for r in rs]))
+        cells.append(f"{mean_std([r['tokens_per_s'] for r in rs])[0]:,.0f}")
+        if paper:
+            p = paper.get(m, (None, None, None, None))
+            cells += [fmt_params(p[0])] + ["–" if v is None else f"{v}" for v in p[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    n = len({r["seed"] for r in rows})
+    lines.append("")
+    lines.append(f"Mean ± std over {n} seed(s). Loss in nats/token; BPB = bits per UTF-8 byte of the "
+                 f"validation text. ΔParams against the raw GPT of the same backbone.")
+    if raw_bpb == raw_bpb:  # not NaN
+        for m in methods:
+            if m != "raw":
+                d = mean_std([r["val_bpb"] for r in rows if r["method"] == m])[0] - raw_bpb
+                lines.append(f"- {NAMES.get(m, m)}: val BPB {d:+.4f} vs raw GPT")
+    return "\n".join(lines)
+
+
+def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
+    table = compare_table(results)
+    runs: dict[str, list[str]] = {}
+    for r in results["rows"]:
+        runs.setdefault(NAMES.get(r["method"], r["method"]), []).append(r["run_dir"])
+    png = loss_curves(runs, out / "loss_curves.png", title=f"tngram compare --preset {results['preset']}")
+    text = (f"# tngram compare — preset {results['preset']}\n\n"
+            f"Data: `{results['data']}`\n\n{table}\n\n![loss curves]({png.name})\n")
+    atomic_write_text(out / "report.md", text)
+    return {"table": table, "png": png}

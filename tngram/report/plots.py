@@ -1,0 +1,68 @@
+"""Plots from run folders (matplotlib, Agg backend, imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tngram.report.runs import read_metrics
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def loss_curves(runs: dict[str, list[str | Path]], out_png: str | Path, title: str = "") -> Path:
+    """Train (and val) loss vs step: one colour per method, one line per seed."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ci, (method, dirs) in enumerate(runs.items()):
+        color = f"C{ci}"
+        for si, d in enumerate(dirs):
+            rows = read_metrics(d)
+            tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+            va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+            lab = method if si == 0 else None
+            if tr:
+                axes[0].plot(*zip(*tr), color=color, alpha=0.8, lw=1, label=lab)
+            if va:
+                axes[1].plot(*zip(*va), "o-", color=color, alpha=0.8, label=lab)
+    axes[0].set(xlabel="step", ylabel="train loss (nats/token)", title="train loss")
+    axes[1].set(xlabel="step", ylabel="val loss (nats/token)", title="validation loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
+
+
+def xy_plot(series: dict[str, list[tuple[float, float, float]]], out_png: str | Path, xlabel: str,
+            ylabel: str, title: str = "", panels: list[dict[str, Any]] | None = None) -> Path:
+    """Mean ± std error bars per series: series[name] = [(x, mean, std), ...]. Optional extra panels
+    (each {"series", "xlabel", "ylabel", "title"}) are drawn to the right."""
+    plt = _plt()
+    all_panels = [{"series": series, "xlabel": xlabel, "ylabel": ylabel, "title": title}] + (panels or [])
+    fig, axes = plt.subplots(1, len(all_panels), figsize=(5.5 * len(all_panels), 4), squeeze=False)
+    for ax, p in zip(axes[0], all_panels):
+        for name, pts in p["series"].items():
+            pts = sorted(pts)
+            ax.errorbar([x for x, _, _ in pts], [m for _, m, _ in pts], yerr=[s for _, _, s in pts],
+                        marker="o", capsize=3, label=name)
+        ax.set(xlabel=p["xlabel"], ylabel=p["ylabel"], title=p.get("title", ""))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
