@@ -1,0 +1,28 @@
+"""`python -m tngram.train RECIPE --out DIR ...`: the train command, launchable by torchrun.
+
+    torchrun --standalone --nproc_per_node=2 -m tngram.train mini-tngram --out runs/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tngram.common import TngramError
+from tngram.train.cli import add_train_arguments, cmd_train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tngram.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_train(args)
+    except TngramError as e:
+        print(f"tngram: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

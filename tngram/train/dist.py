@@ -1,0 +1,138 @@
+"""Process group, device and batch arithmetic for single-process and torchrun (DDP) training.
+
+torchrun sets RANK / LOCAL_RANK / WORLD_SIZE (tngram.common.get_dist_info); with world_size > 1
+we join the default process group with NCCL on CUDA and gloo on CPU. A plain `python` run is
+rank 0 of 1 and runs the same code with every collective skipped.
+
+Batch arithmetic (parameter-golf.md §2.5): a recipe fixes the global batch in tokens and the
+micro-batch in sequences per process; gradient accumulation is derived so that
+
+    global_batch_tokens = world_size * grad_accum_steps * micro_batch_seqs * seq_len
+
+and 1 process with accumulation k*w sees the same data and takes the same steps as w processes
+with accumulation k (the loader gives micro-step i of 1 process the data of rank i of w).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tngram.common import TngramError, get_dist_info
+
+
+@dataclass(frozen=True)
+class DistContext:
+    ddp_rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None          # None when world_size == 1
+    owns_group: bool             # we created the process group (and destroy it at the end)
+
+    @property
+    def is_main(self) -> bool:
+        return self.ddp_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """"auto" -> cuda:LOCAL_RANK when CUDA is available, else cpu; "cuda" -> cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TngramError(f"run.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TngramError(f"run.device is {name!r} but CUDA is not available; use run.device=cpu")
+    return device
+
+
+def init_distributed(device_name: str = "auto") -> DistContext:
+    """Join torchrun's process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on CPU)."""
+    info = get_dist_info()
+    device = resolve_device(device_name, info.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info.world_size == 1:
+        return DistContext(0, 0, 1, device, None, owns_group=False)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(backend=backend)
+    return DistContext(info.ddp_rank, info.local_rank, info.world_size, device, backend, owns)
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def grad_accum_steps(global_batch_tokens: int, micro_batch_seqs: int, seq_len: int,
+                     world_size: int) -> int:
+    """Micro-steps per optimiser step; TngramError unless the global batch divides evenly."""
+    per_micro = world_size * micro_batch_seqs * seq_len
+    if global_batch_tokens % per_micro:
+        raise TngramError(
+            f"data.global_batch_tokens ({global_batch_tokens}) must be a multiple of world_size x "
+            f"data.micro_batch_seqs x model.sequence_len = {world_size} x {micro_batch_seqs} x "
+            f"{seq_len} = {per_micro}; change data.micro_batch_seqs or the number of processes")
+    return global_batch_tokens // per_micro
+
+
+def all_reduce_mean(t: Tensor, ctx: DistContext) -> Tensor:
+    """Mean over processes (in place); identity for a single process."""
+    if ctx.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= ctx.world_size
+    return t
+
+
+def all_true(flag: bool, ctx: DistContext) -> bool:
+    """True on every process iff `flag` is True on every process."""
+    if not ctx.distributed:
+        return flag
+    t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t) == 0
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def broadcast_str(value: str | None, ctx: DistContext) -> str | None:
+    """Rank 0's string (or None) on every process."""
+    if not ctx.distributed:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """DistributedDataParallel around `model` when world_size > 1, else the model itself."""
+    if not ctx.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+
+def no_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
+    """Skip DDP's gradient all-reduce on accumulation micro-steps that are not the last."""
+    if sync or not hasattr(model, "no_sync"):
+        return nullcontext()
+    return model.no_sync()

@@ -1,0 +1,306 @@
+"""The training loop: the one place that wires model, optimisers, data, evaluation and records.
+
+Follows parameter-golf's baseline trainer (parameter-golf.md §2) with the paper's App. E recipe:
+
+    for step in 0 .. stop-1:
+        for each of grad_accum micro-steps:      (DDP all-reduces gradients on the last only)
+            loss = model(x, y) ; (loss / grad_accum).backward()
+        mu    = muon_momentum(step) ; lr_g = base_lr_g * lr_multiplier(step)   (every group g)
+        Muon.step() ; Adam.step() ; zero grads
+
+Before the model is built the global RNG is seeded with run.seed (memory modules seed their own
+RNG, so backbone init is identical across methods). bf16 autocast on CUDA (run.dtype "auto"),
+fp32 on CPU unless run.dtype=bf16; parameters stay fp32 (parameter-golf keeps the tied
+embedding itself in bf16; we keep fp32 master weights everywhere).
+
+A run is resumable from its latest checkpoint and bit-identical on CPU to an uninterrupted run:
+weights, optimiser moments, loader position and RNG are restored, and the schedules depend only
+on the step. A non-finite training loss stops the run before the update (TngramError), leaving
+the checkpoints written so far untouched; parameters are also checked before every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tngram.common import TngramError, atomic_write_json
+from tngram.eval.bpb import evaluate_bpb
+from tngram.model.gpt import GPT
+from tngram.optim.groups import build_param_groups, format_param_table
+from tngram.optim.muon import Muon
+from tngram.optim.schedules import lr_multiplier, muon_momentum
+from tngram.train import checkpoint as ckpt
+from tngram.train.config import TrainConfig, validate_config
+from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
+                               grad_accum_steps, init_distributed, no_sync, shutdown, wrap_ddp)
+from tngram.train.metrics import MetricsLog, Progress, env_info
+
+# run.* fields that may change between an interrupted run and its resumption
+RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints")
+
+
+def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA by default; on CPU only when asked (run.dtype=bf16)."""
+    if run_dtype == "bf16" or (run_dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def delta_params(cfg: TrainConfig) -> dict[str, int]:
+    """total / memory / delta parameter counts, computed on the meta device (no allocation)."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+        raw = GPT(replace(cfg.model, memory=None))
+    return {"total_params": model.num_params(), "memory_params": model.memory_params(),
+            "delta_params": model.num_params() - raw.num_params()}
+
+
+def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
+          max_steps: int | None = None) -> dict[str, Any]:
+    """Train `cfg` into run folder `out_dir`; returns the summary (also DIR/summary.json).
+
+    max_steps stops after that many optimiser steps of the recipe's schedule (the schedule
+    itself is unchanged, so a later --resume can continue it). Under torchrun every process
+    calls this; only the main process writes files.
+    """
+    validate_config(cfg)
+    if max_steps is not None and max_steps < 1:
+        raise TngramError(f"--steps must be >= 1, got {max_steps}")
+    ctx = init_distributed(cfg.run.device)
+    try:
+        return _train(cfg, Path(out_dir), ctx, resume, max_steps)
+    finally:
+        shutdown(ctx)
+
+
+def _check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
+    saved = json.loads((run_dir / "config.json").read_text())
+    new = json.loads(json.dumps(cfg.to_dict()))
+    for d in (saved, new):
+        for k in RESUMABLE_RUN_FIELDS:
+            d.get("run", {}).pop(k, None)
+    if saved != new:
+        diffs = [f"{sec}.{k}" for sec in new if isinstance(new[sec], dict)
+                 for k in set(new[sec]) | set(saved.get(sec, {}))
+                 if new[sec].get(k) != saved.get(sec, {}).get(k)]
+        diffs += [k for k in new if not isinstance(new[k], dict) and new[k] != saved.get(k)]
+        raise TngramError(f"cannot resume {run_dir}: its config.json differs in {sorted(diffs)}; "
+                          f"resume with the same recipe and --set overrides (only run."
+                          f"{{{','.join(RESUMABLE_RUN_FIELDS)}}} may change)")
+
+
+def _open_data(cfg: TrainConfig, ctx: DistContext):
+    from tngram.data.build import ensure_default_data, open_dataset
+    data_dir = cfg.data.dir
+    if data_dir is None:  # the default corpus: built once by the main process
+        data_dir = str(ensure_default_data(vocab_size=cfg.model.vocab_size)) if ctx.is_main else None
+        data_dir = broadcast_str(data_dir, ctx)
+    info = open_dataset(data_dir)
+    if info.vocab_size != cfg.model.vocab_size:
+        raise TngramError(f"model.vocab_size is {cfg.model.vocab_size} but the dataset {info.dir} has "
+                          f"vocab {info.vocab_size}; pass --set model.vocab_size={info.vocab_size}")
+    return info
+
+
+def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
+           max_steps: int | None) -> dict[str, Any]:
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    seq_len = cfg.model.sequence_len
+    accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs, seq_len,
+                             ctx.world_size)
+    steps = cfg.schedule.steps
+    stop = min(steps, max_steps) if max_steps is not None else steps
+
+    # ---- run folder: refuse to overwrite checkpoints; on resume the config must match
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is not None and not resume:
+        raise TngramError(f"{run_dir} already holds a run with checkpoints; pass --resume to "
+                          f"continue it or choose another --out")
+    if resume and latest is not None:
+        _check_resume_config(run_dir, cfg)
+    elif resume:
+        say(f"tngram: no checkpoint in {run_dir}; starting from step 0")
+
+    # ---- data (built on first use), tokenizer byte tables, validation stream
+    from tngram.data.bpb import token_byte_luts
+    from tngram.data.loader import TokenLoader, load_val_tokens
+    from tngram.data.tokenizer import load_tokenizer
+    info = _open_data(cfg, ctx)
+    V = cfg.model.vocab_size
+    loader = TokenLoader(info.train_files, cfg.data.micro_batch_seqs, seq_len, ddp_rank=ctx.ddp_rank,
+                         world_size=ctx.world_size, seed=cfg.data.seed, vocab_size=V)
+    val_tokens = load_val_tokens(info.val_files, seq_len, vocab_size=V)
+    luts = token_byte_luts(load_tokenizer(info.tokenizer_path), V)
+
+    # ---- model and optimisers (global RNG seeded first)
+    device = ctx.device
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(cfg.model).to(device)
+    groups = build_param_groups(model, cfg.optim)
+    muon_groups = [g for g in groups if g["optimizer"] == "muon"]
+    adam_groups = [g for g in groups if g["optimizer"] == "adam"]
+    o = cfg.optim
+    optimizers: dict[str, torch.optim.Optimizer] = {
+        "adam": torch.optim.Adam(adam_groups, betas=(o.beta1, o.beta2), eps=o.adam_eps,
+                                 fused=device.type == "cuda")}
+    if muon_groups:
+        optimizers["muon"] = Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum_start,
+                                  nesterov=True, ns_steps=o.muon_ns_steps, ddp_rank=ctx.ddp_rank,
+                                  world_size=ctx.world_size)
+    sizes = delta_params(cfg)
+
+    step, tokens, wall_prev, train_time_prev = 0, 0, 0.0, 0.0
+    if resume and latest is not None:
+        meta = ckpt.load_checkpoint(latest, model, optimizers)
+        loader.load_state_dict(meta["loader"])
+        step, tokens = meta["step"], meta["tokens"]
+        wall_prev, train_time_prev = meta["wall_s"], meta["train_time_s"]
+        if meta.get("world_size") != ctx.world_size:
+            say(f"tngram: note: checkpoint was written with {meta.get('world_size')} processes, "
+                f"resuming with {ctx.world_size} (same global batch, so the same optimisation)")
+        say(f"tngram: resumed {run_dir} from {latest.name}")
+
+    amp = autocast_dtype(cfg.run.dtype, device)
+    autocast_ctx = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else nullcontext
+    fwd_model = torch.compile(model, dynamic=False) if cfg.run.compile else model
+    fwd_model = wrap_ddp(fwd_model, ctx)
+
+    # ---- records
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.save_run_config(run_dir, cfg.to_dict())
+        atomic_write_json(run_dir / "env.json", env_info(device, ctx.world_size, accum))
+    log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step)
+    say(f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
+        f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {accum} micro-step(s) x "
+        f"{cfg.data.micro_batch_seqs} x {seq_len} tokens = {cfg.data.global_batch_tokens:,} "
+        f"tokens/step; steps {step}->{stop} of {steps}; device {device}; "
+        f"autocast {amp or 'off (fp32)'}")
+    say(format_param_table(groups))
+
+    def evaluate() -> dict[str, Any]:
+        return evaluate_bpb(model, val_tokens, seq_len, luts, cfg.data.micro_batch_seqs,
+                            ddp_rank=ctx.ddp_rank, world_size=ctx.world_size, autocast_dtype=amp,
+                            max_tokens=cfg.data.val_tokens)
+
+    def save(at_step: int) -> None:
+        if not all_true(all(bool(torch.isfinite(p).all()) for p in model.parameters()), ctx):
+            raise TngramError(f"non-finite parameters after step {at_step}; not writing a checkpoint "
+                              f"(the last good one is kept in {run_dir / ckpt.CKPT_DIR})")
+        if ctx.is_main:
+            ckpt.save_checkpoint(run_dir, at_step, model, optimizers, {
+                "tokens": tokens, "wall_s": wall_prev + time.perf_counter() - t_start,
+                "train_time_s": train_time_prev + train_time, "world_size": ctx.world_size,
+                "loader": loader.state_dict(), "train_loss": last_loss}, keep=cfg.run.keep_checkpoints)
+        barrier(ctx)
+
+    # ---- loop
+    t_start = time.perf_counter()
+    train_time, session_tokens = 0.0, 0
+    win_time, win_tokens = 0.0, 0
+    last_loss, last_eval = float("nan"), None
+    progress = Progress(stop, step, cfg.name, ctx.is_main)
+    model.train()
+    try:
+        while step < stop:
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                x, y = loader.next_batch()
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
+                with no_sync(fwd_model, micro == accum - 1):
+                    with autocast_ctx():
+                        loss = fwd_model(x, y)
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+            train_loss = float(all_reduce_mean(loss_sum / accum, ctx))
+            if not math.isfinite(train_loss):
+                last = ckpt.latest_checkpoint(run_dir)
+                raise TngramError(
+                    f"non-finite training loss ({train_loss}) at step {step + 1}; stopped before the "
+                    f"update. Last good checkpoint: {last if last else 'none (none written yet)'}. "
+                    f"Lower the learning rates (optim.matrix_lr, optim.tied_embed_lr, "
+                    f"optim.scalar_lr) or check the data.")
+            mult = lr_multiplier(step, steps, cfg.schedule.warmdown_steps)
+            mom = muon_momentum(step, o.muon_momentum_start, o.muon_momentum, o.muon_momentum_warmup_steps)
+            for opt in optimizers.values():
+                for g in opt.param_groups:
+                    g["lr"] = g["base_lr"] * mult
+                    if "momentum" in g:
+                        g["momentum"] = mom
+            if o.grad_clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip_norm)
+            for opt in optimizers.values():
+                opt.step()
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            step += 1
+            tokens += cfg.data.global_batch_tokens
+            session_tokens += cfg.data.global_batch_tokens
+            train_time, win_time = train_time + dt, win_time + dt
+            win_tokens += cfg.data.global_batch_tokens
+            last_loss = train_loss
+            progress.update(train_loss, win_tokens / max(win_time, 1e-9))
+            # ---- log / evaluate / checkpoint
+            is_last = step == stop
+            do_val = is_last or (cfg.run.val_every > 0 and step % cfg.run.val_every == 0)
+            if is_last or do_val or step % cfg.run.log_every == 0:
+                row = {"step": step, "train_loss": train_loss, "lr": mult * o.matrix_lr,
+                       "lr_multiplier": mult, "muon_momentum": mom, "tokens": tokens,
+                       "tokens_per_s": win_tokens / max(win_time, 1e-9)}
+                win_time, win_tokens = 0.0, 0
+                if do_val:
+                    last_eval = evaluate()
+                    model.train()
+                    row.update({"val_loss": last_eval["val_loss"], "val_bpb": last_eval["val_bpb"]})
+                    progress.write(f"step {step}/{stop}: train {train_loss:.4f} val {last_eval['val_loss']:.4f} "
+                                   f"bpb {last_eval['val_bpb']:.4f}")
+                log.log(row)
+            if is_last or (cfg.run.checkpoint_every > 0 and step % cfg.run.checkpoint_every == 0):
+                save(step)
+        if last_eval is None:  # resumed a run that had already reached `stop`
+            last_eval = evaluate()
+    finally:
+        progress.close()
+        log.close()
+
+    # ---- summary
+    total_train_time = train_time_prev + train_time
+    summary = {
+        "recipe": cfg.name, **sizes, "steps": step, "schedule_steps": steps,
+        "train_loss": last_loss if math.isfinite(last_loss) else _last_logged_loss(run_dir),
+        "val_loss": last_eval["val_loss"], "val_bpb": last_eval["val_bpb"],
+        "val_tokens": last_eval["tokens"], "val_bytes": last_eval["bytes"],
+        "tokens": tokens, "tokens_per_s": tokens / max(total_train_time, 1e-9),
+        "train_time_s": total_train_time, "wall_s": wall_prev + time.perf_counter() - t_start,
+        "world_size": ctx.world_size, "grad_accum_steps": accum,
+        "device": str(device), "dtype": str(amp or torch.float32).replace("torch.", ""),
+    }
+    if ctx.is_main:
+        ckpt.save_final_weights(run_dir, model, step)
+        atomic_write_json(run_dir / "summary.json", summary)
+        say(f"tngram: {cfg.name} done: step {step}, train {summary['train_loss']:.4f}, val "
+            f"{summary['val_loss']:.4f} (bpb {summary['val_bpb']:.4f}), "
+            f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.0f} s -> {run_dir}")
+    barrier(ctx)
+    return summary
+
+
+def _last_logged_loss(run_dir: Path) -> float | None:
+    from tngram.train.metrics import read_metrics
+    rows = [r for r in read_metrics(run_dir) if "train_loss" in r]
+    return rows[-1]["train_loss"] if rows else None
