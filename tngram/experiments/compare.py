@@ -11,21 +11,32 @@ from tngram.experiments.common import (PRESETS, base_recipe, default_nproc, reso
                                        with_seed, with_steps)
 from tngram.experiments.runner import RunSpec, run_all
 from tngram.report.compare import write_compare_report
+from tngram.train.config import TrainConfig
 
 METHODS = ("raw", "engram", "tngram")
 
 
 def compare(preset: str, out: Path, seeds: int = 1, data: str | None = None, with_oe: bool = False,
             steps: int | None = None, nproc: int | None = None) -> dict[str, Any]:
+    """The `tngram compare` command: recipes `{preset prefix}-{method}` on one dataset."""
     prefix = PRESETS[preset]
     methods = METHODS + (("oe",) if with_oe else ())
     data_dir, vocab = resolve_data(data)
+    configs = {m: with_steps(with_data(base_recipe(prefix, m), data_dir, vocab), steps) for m in methods}
+    return compare_configs(configs, out, seeds=seeds, preset=preset, data_dir=data_dir,
+                           nproc=nproc or default_nproc(preset))
+
+
+def compare_configs(configs: dict[str, TrainConfig], out: Path, seeds: int = 1, preset: str = "custom",
+                    data_dir: str = "", nproc: int = 1) -> dict[str, Any]:
+    """Train each method's config for every seed (seed i adds i to run.seed, so all methods of one
+    seed share the backbone initialisation and the data order), then write results and report."""
     specs = []
     for s in range(seeds):
-        for method in methods:
-            cfg = with_steps(with_seed(with_data(base_recipe(prefix, method), data_dir, vocab), s), steps)
-            specs.append(RunSpec(f"{method}-s{s}", cfg, {"method": method, "seed": cfg.run.seed}))
-    rows = run_all(specs, out, nproc=nproc or default_nproc(preset))
+        for method, cfg in configs.items():
+            c = with_seed(cfg, s)
+            specs.append(RunSpec(f"{method}-s{s}", c, {"method": method, "seed": c.run.seed}))
+    rows = run_all(specs, out, nproc=nproc)
     keep = ("method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb", "core",
             "tokens_per_s", "wall_s", "run_dir")
     results = {"preset": preset, "data": data_dir, "seeds": seeds,

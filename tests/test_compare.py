@@ -1,0 +1,69 @@
+"""`tngram compare` plumbing on a tiny recipe: results.json schema, reuse/resume of a half-finished
+compare, identical backbone initialisation across methods, and the report files."""
+
+from __future__ import annotations
+
+import json
+import torch
+
+from test_train_support import tiny_config, tiny_data  # noqa: F401  (session fixture)
+from tngram.experiments.compare import compare_configs
+from tngram.experiments.runner import RunSpec, run_all
+from tngram.model.gpt import GPT
+
+FAST = ["schedule.steps=3", "schedule.warmdown_steps=1", "run.val_every=0", "run.checkpoint_every=0",
+        "run.log_every=1"]
+MEM = {"engram": ["model.memory.max_ngram=3", "model.memory.n_head_per_ngram=2",
+                  "model.memory.n_embed_per_ngram=16"], "raw": [], "tngram": []}
+
+
+def configs(data):
+    return {m: tiny_config(data, f"mini-{m}", extra=FAST + MEM[m]) for m in ("raw", "engram", "tngram")}
+
+
+def test_backbone_init_identical_across_methods(tiny_data):
+    cfgs = configs(tiny_data)
+    states = {}
+    for m, c in cfgs.items():
+        torch.manual_seed(c.run.seed)          # what the trainer does before building the model
+        states[m] = GPT(c.model).state_dict()
+    for k, v in states["raw"].items():
+        for m in ("engram", "tngram"):
+            assert torch.equal(states[m][k], v), (m, k)
+    # and every method trains on the same data, in the same order, from the same seed
+    assert len({(c.data, c.run.seed, c.schedule) for c in cfgs.values()}) == 1
+
+
+def test_compare_reuses_finished_runs_and_writes_results(tiny_data, tmp_path):
+    cfgs = configs(tiny_data)
+    out = tmp_path / "cmp"
+    # a half-finished compare: only the raw run of seed 0 exists
+    run_all([RunSpec("raw-s0", cfgs["raw"], {"method": "raw"})], out)
+    raw_summary = out / "runs" / "raw-s0" / "summary.json"
+    stamp = raw_summary.stat().st_mtime_ns
+
+    results = compare_configs(cfgs, out, seeds=1, preset="tiny", data_dir=str(tiny_data))
+    assert raw_summary.stat().st_mtime_ns == stamp          # reused, not retrained
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results))
+    assert [r["method"] for r in saved["rows"]] == ["raw", "engram", "tngram"]
+    for r in saved["rows"]:
+        assert set(r) == {"method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb", "core",
+                          "tokens_per_s", "wall_s", "run_dir"}
+        assert r["seed"] == cfgs["raw"].run.seed
+        assert r["val_bpb"] > 0 and r["tokens_per_s"] > 0
+    rows = {r["method"]: r for r in saved["rows"]}
+    assert rows["raw"]["delta_params"] == 0
+    assert rows["tngram"]["delta_params"] > 0 and rows["engram"]["delta_params"] > 0
+    # the run's own summary agrees with the row
+    s = json.loads((out / "runs" / "tngram-s0" / "summary.json").read_text())
+    assert s["val_bpb"] == rows["tngram"]["val_bpb"]
+    report = (out / "report.md").read_text()
+    assert "| Raw GPT |" in report and "| TN-gram |" in report
+    assert (out / "loss_curves.png").stat().st_size > 1000
+
+    # running the whole compare again retrains nothing
+    stamps = {m: (out / "runs" / f"{m}-s0" / "summary.json").stat().st_mtime_ns for m in cfgs}
+    compare_configs(cfgs, out, seeds=1, preset="tiny", data_dir=str(tiny_data))
+    assert stamps == {m: (out / "runs" / f"{m}-s0" / "summary.json").stat().st_mtime_ns for m in cfgs}
