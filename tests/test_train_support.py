@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,6 +62,25 @@ def build_tiny_dataset(root: Path) -> Path:
     out = build_from_text([text_dir], root / "data", vocab_size=TINY_VOCAB, progress=False)
     _CACHE[key] = out
     return out
+
+
+@contextmanager
+def single_thread():
+    """Train with 1 torch thread: on a busy 2-core machine 2 OpenMP threads can run 50x slower
+    (spin-waiting), and subprocess runs use OMP_NUM_THREADS=1 too."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -113,4 +133,4 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_metrics(run_dir)}
 
 
-__all__ = ["tiny_data", "tiny_config", "cli_args", "run_module", "weights", "losses", "replace"]
+__all__ = ["single_thread", "one_thread", "tiny_data", "tiny_config", "cli_args", "run_module", "weights", "losses", "replace"]
