@@ -14,6 +14,9 @@ N(0, 1) init (`factor_init="normal"`) is available; its product of n factors has
 std ~1.1 sqrt(n), so at N = 8 a few coordinates dominate each vector. Absorption vectors start
 at 1 and log-scales at 0 (s_n = 1).
 
+The lookup runs fused by default (`fused=True`, tngram.kernels: same equations, a hand-written
+backward, see docs/PERFORMANCE.md); `fused=False` runs the plain-autograd reference of cp.py.
+
 Ablations (paper Fig. 4 right): use_norm=False drops RMSNorm (e_n = s_n b_n); learn_scales=False
 fixes s_n = 1 (no parameter); use_absorption=False removes w entirely, so each lower order uses
 only its own factors, b_n = A_{N-n+1}[x_{t-n+1}] * ... * A_N[x_t] (equivalent to w fixed at 1).
@@ -28,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.kernels import tngram_lookup
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
 from tngram.memory.ngrams import check_token_ids, suffix_ngrams
@@ -50,6 +54,7 @@ class TNGramConfig:
     kv_bias: bool = True           # shared gate code with Engram (the reference has biases)
     zero_init_value: bool = True
     zero_init_conv: bool = True
+    fused: bool = True             # lookup via tngram.kernels (same math as cp.py, faster)
 
     kind: ClassVar[str] = "tngram"
     injection: ClassVar[str] = "block"
@@ -109,7 +114,15 @@ class TNGram(nn.Module):
         return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
 
     def memory_vector(self, input_ids: Tensor) -> Tensor:
-        """The lookup stage: ids (B, T) -> e_concat (B, T, (N-1) R), everything before K/V."""
+        """The lookup stage: ids (B, T) -> e_concat (B, T, (N-1) R), everything before K/V.
+
+        fused=True runs `tngram.kernels.tngram_lookup` (one gather, in-cache chunks, hand-written
+        backward; Triton on CUDA); fused=False the plain-autograd reference of cp.py.
+        """
+        c = self.config
+        if c.fused:
+            return tngram_lookup(self.factors, self.absorb, self.log_scales, self.ngrams(input_ids),
+                                 use_norm=c.use_norm, eps=c.norm_eps)
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 

@@ -1,0 +1,58 @@
+"""Fused kernels: the TN-gram lookup (paper Eqs. 10-11) as one autograd op.
+
+    tngram_lookup(factors, absorb, log_scales, ngrams) -> e_concat (B, T, (N-1) R)
+
+impl="auto" uses the Triton kernels on CUDA when triton is importable, else the CPU/torch path
+(`tngram_lookup.py`: chunked torch ops with a hand-written backward). "torch" and "triton" force
+one; "triton" also runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
+The plain-autograd reference is `tngram.memory.cp` (kernels never import memory/model).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, FusedTNGramLookup,
+                                          absorption_weights, clear_workspaces,
+                                          ngram_row_index)
+
+IMPLS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """True when the `triton` package can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def tngram_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
+                  ngrams: Tensor, *, use_norm: bool = True, eps: float = 1e-6,
+                  impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """e_concat (B, T, (N-1) R) = concat_n exp(l_n) RMSNorm(b_n), b_n from Eq. 10.
+
+    factors (N, V, R); absorb (N-2, R) or None; log_scales (N-1,) or None; ngrams (B, T, N)
+    suffix n-grams with column k = x_{t-k} (left-padded). use_norm=False drops the RMSNorm.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    N, V, R = factors.shape
+    B, T, n_cols = ngrams.shape
+    if n_cols != N:
+        raise ValueError(f"ngrams have {n_cols} columns, factors have N = {N}")
+    if impl == "auto":
+        impl = "triton" if factors.is_cuda and triton_available() else "torch"
+    idx = ngram_row_index(ngrams, V)                                     # (M, N)
+    W = absorption_weights(absorb, N, R, factors)                        # (N-1, R) | None
+    scales = torch.exp(log_scales) if log_scales is not None else None   # (N-1,) | None
+    fn = FusedTNGramLookup
+    if impl == "triton":
+        from tngram.kernels.tngram_triton import TritonTNGramLookup
+        fn = TritonTNGramLookup
+    e = fn.apply(factors, idx, W, scales, use_norm, eps, max(1, int(chunk)))  # (M, N-1, R)
+    return e.view(B, T, (N - 1) * R)
+
+
+__all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "clear_workspaces",
+           "ngram_row_index", "tngram_lookup", "triton_available"]
