@@ -44,8 +44,12 @@ def tngram_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | N
     if impl == "auto":
         impl = "triton" if factors.is_cuda and triton_available() else "torch"
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
-    W = absorption_weights(absorb, N, R, factors)                        # (N-1, R) | None
-    scales = torch.exp(log_scales) if log_scales is not None else None   # (N-1,) | None
+    # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
+    # are rounded once, at the cast back
+    up = (lambda p: p.float() if p.dtype in (torch.bfloat16, torch.float16) else p)
+    a = None if absorb is None else up(absorb)
+    W = absorption_weights(a, N, R, factors if a is None else a)         # (N-1, R) | None
+    scales = torch.exp(up(log_scales)) if log_scales is not None else None   # (N-1,) | None
     fn = FusedTNGramLookup
     if impl == "triton":
         from tngram.kernels.tngram_triton import TritonTNGramLookup

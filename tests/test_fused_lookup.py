@@ -1,0 +1,227 @@
+"""The fused TN-gram lookup (tngram.kernels) against the plain-autograd reference (memory/cp.py).
+
+Forward values and the gradients of factors, absorption vectors and log-scales are compared for
+N = 2..8, every ablation switch, padding, chunk boundaries, fp32 and bf16, for the CPU torch path
+and (under the Triton interpreter, in a subprocess) for the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tngram.kernels import absorption_weights, ngram_row_index, tngram_lookup, triton_available
+from tngram.memory.cp import absorption_products, order_embeddings, order_vectors
+from tngram.memory.ngrams import suffix_ngrams
+from tngram.memory.tngram import TNGramConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+V, R = 13, 24
+
+# fp32: both paths do the same products and one mean over R per order, in a different order of
+# operations, so they differ by a few fp32 ulps (1.2e-7) of the tensor's largest magnitude (sums
+# over tokens of products of up to 8 factors). Allowed: 2e-5 x max(1, max |reference|), >10x room.
+F32_REL = 2e-5
+
+
+def assert_close_scaled(got: torch.Tensor, ref: torch.Tensor, rel: float = F32_REL,
+                        what: str = "") -> None:
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (what, got.shape, ref.shape)
+    scale = max(1.0, ref.abs().max().item())
+    err = (got - ref).abs().max().item()
+    assert err <= rel * scale, f"{what}: max |diff| {err:.3g} > {rel:g} x {scale:.3g}"
+
+
+def params(N: int, dtype: torch.dtype = torch.float32, absorb: bool = True, scales: bool = True,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(N, V, R, generator=g).to(dtype).requires_grad_()
+    a = (torch.randn(N - 2, R, generator=g).to(dtype).requires_grad_()
+         if absorb and N > 2 else None)
+    l = (0.3 * torch.randn(N - 1, generator=g)).to(dtype).requires_grad_() if scales else None
+    return f, a, l
+
+
+def reference(f, a, l, ngrams, use_norm=True):
+    return order_embeddings(order_vectors(f, a, ngrams), l, use_norm)
+
+
+def value_and_grads(fn, f, a, l, upstream):
+    out = fn()
+    leaves = [p for p in (f, a, l) if p is not None]
+    return out, torch.autograd.grad(out, leaves, upstream)
+
+
+@pytest.mark.parametrize("N", range(2, 9))
+def test_fp32_forward_and_grads_match_reference(N):
+    f, a, l = params(N, seed=N)
+    ids = torch.randint(0, V, (3, 11), generator=torch.Generator().manual_seed(N))
+    ng = suffix_ngrams(ids, N, pad_id=0)
+    up = torch.randn(3, 11, (N - 1) * R)
+    ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
+    got, got_g = value_and_grads(lambda: tngram_lookup(f, a, l, ng, impl="torch", chunk=4),
+                                 f, a, l, up)
+    assert_close_scaled(got, ref, what="e")
+    for x, y, name in zip(got_g, ref_g, ("factors", "absorb", "log_scales")):
+        assert_close_scaled(x, y, what=name)
+
+
+@pytest.mark.parametrize("use_norm", [True, False])
+@pytest.mark.parametrize("learn_scales", [True, False])
+@pytest.mark.parametrize("use_absorption", [True, False])
+def test_module_switch_every_ablation_matches_reference(use_norm, learn_scales, use_absorption):
+    """TNGram(fused=True) == TNGram(fused=False): output y and every parameter gradient."""
+    kw = dict(max_ngram=4, cp_rank=R, use_norm=use_norm, learn_scales=learn_scales,
+              use_absorption=use_absorption, zero_init_value=False, zero_init_conv=False)
+    torch.manual_seed(0)
+    fused = TNGramConfig(fused=True, **kw).build(16, V)
+    ref = TNGramConfig(fused=False, **kw).build(16, V)
+    ref.load_state_dict(fused.state_dict())
+    with torch.no_grad():  # non-trivial absorption and scales
+        for m in (fused, ref):
+            if m.absorb is not None:
+                m.absorb.copy_(torch.linspace(-1.5, 1.5, m.absorb.numel()).view_as(m.absorb))
+            if m.log_scales is not None:
+                m.log_scales.copy_(torch.tensor([0.2, -0.3, 0.1]))
+    ids = torch.randint(0, V, (2, 9))
+    h = torch.randn(2, 9, 16)
+    for m in (fused, ref):
+        m(h, ids).square().sum().backward()
+    assert_close_scaled(fused(h, ids), ref(h, ids), what="y")
+    for (name, p), (_, q) in zip(fused.named_parameters(), ref.named_parameters()):
+        assert_close_scaled(p.grad, q.grad, what=name)
+
+
+@pytest.mark.parametrize("N", [2, 5, 8])
+def test_bf16_is_at_least_as_accurate_as_the_bf16_reference(N):
+    """bf16 parameters: the fused path computes in fp32 and rounds once. Against an fp64 evaluation
+    of the same bf16 numbers every output and gradient must be within bf16 rounding (2^-8 = 0.4%
+    relative per rounding, a few roundings on the log-scale path through autograd's bf16 exp:
+    allowed 1e-2 of the largest magnitude), and on e and the factor gradient (many elements, a
+    stable statistic) the mean error must not exceed the all-bf16 reference's."""
+    f, a, l = params(N, torch.bfloat16, seed=10 + N)
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(N))
+    ng = suffix_ngrams(ids, N, pad_id=1)
+    up = torch.randn(2, 10, (N - 1) * R, generator=torch.Generator().manual_seed(N)).bfloat16()
+    f64 = [None if p is None else p.detach().double().requires_grad_() for p in (f, a, l)]
+    truth, truth_g = value_and_grads(lambda: reference(*f64, ng), *f64, up.double())
+    ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
+    got, got_g = value_and_grads(lambda: tngram_lookup(f, a, l, ng, impl="torch", chunk=7),
+                                 f, a, l, up)
+    assert got.dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in got_g)
+    for i, (x, r, t) in enumerate(zip((got, *got_g), (ref, *ref_g), (truth, *truth_g))):
+        scale = t.abs().max().item()
+        err_got = (x.double() - t).abs()
+        assert err_got.max().item() <= 1e-2 * scale, (i, err_got.max().item(), scale)
+        if i < 2:  # e and d factors
+            assert err_got.mean() <= (r.double() - t).abs().mean(), i
+
+
+def test_padding_short_sequences_and_pad_row_gradient():
+    """T < N (every position padded), a non-zero pad id; the pad row gets exactly the reference's
+    gradient and rows of absent tokens get none."""
+    N, pad = 6, 5
+    f, a, l = params(N, seed=3)
+    ids = torch.tensor([[1, 2, 3], [2, 2, 7]])
+    ng = suffix_ngrams(ids, N, pad_id=pad)
+    up = torch.randn(2, 3, (N - 1) * R)
+    ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
+    got, got_g = value_and_grads(lambda: tngram_lookup(f, a, l, ng, impl="torch"), f, a, l, up)
+    assert_close_scaled(got, ref, what="e")
+    for x, y, name in zip(got_g, ref_g, ("factors", "absorb", "log_scales")):
+        assert_close_scaled(x, y, what=name)
+    touched = got_g[0].abs().sum(dim=(0, 2)) > 0
+    assert set(torch.nonzero(touched).flatten().tolist()) == {1, 2, 3, 7, pad}
+
+
+def test_chunking_does_not_change_results_and_no_grad_works():
+    N = 5
+    f, a, l = params(N, seed=4)
+    ng = suffix_ngrams(torch.randint(0, V, (3, 17)), N, pad_id=0)
+    outs = [tngram_lookup(f, a, l, ng, impl="torch", chunk=c) for c in (1, 5, 51, 1000)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(tngram_lookup(f, a, l, ng), outs[0], rtol=0, atol=0)
+
+
+def test_index_and_absorption_helpers_match_reference():
+    N = 5
+    f, a, _ = params(N)
+    ng = suffix_ngrams(torch.randint(0, V, (2, 6)), N, pad_id=0)
+    rows = f.reshape(N * V, R)[ngram_row_index(ng, V)]                    # (M, N, R)
+    # column k (token x_{t-k}) reads A_{N-k} = factors[N-1-k]
+    expect = torch.stack([f[N - 1 - k][ng[..., k].reshape(-1)] for k in range(N)], dim=1)
+    torch.testing.assert_close(rows, expect, rtol=0, atol=0)
+    torch.testing.assert_close(absorption_weights(a, N, R, f), absorption_products(a, N, R, f))
+    assert absorption_weights(None, N, R, f) is None
+
+
+def test_kernels_import_nothing_from_memory_or_model_and_not_triton():
+    banned = ("tngram.memory", "tngram.model", "tngram.train", "tngram.bench")
+    for path in sorted((ROOT / "tngram" / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            assert not any(m.startswith(banned) for m in mods), (path.name, mods)
+    code = "import sys, tngram.kernels, tngram.memory.tngram; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import torch
+    from tngram.kernels import tngram_lookup
+    from tngram.memory.cp import order_embeddings, order_vectors
+    from tngram.memory.ngrams import suffix_ngrams
+    V, R = 11, 20          # R not a power of two: exercises the lane masks
+    cases = [(N, True, True, True) for N in (2, 5, 8)]
+    cases += [(4, False, True, True), (4, True, False, False), (4, False, False, False)]
+    worst = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for N, use_norm, scales, absorb in cases:
+            if dtype == torch.bfloat16 and N != 5:
+                continue
+            g = torch.Generator().manual_seed(N)
+            f = torch.randn(N, V, R, generator=g).to(dtype).requires_grad_()
+            a = torch.randn(N - 2, R, generator=g).to(dtype).requires_grad_() if absorb and N > 2 else None
+            l = (0.3 * torch.randn(N - 1, generator=g)).to(dtype).requires_grad_() if scales else None
+            ng = suffix_ngrams(torch.randint(0, V, (2, 9), generator=g), N, pad_id=2)
+            up = torch.randn(2, 9, (N - 1) * R, generator=g).to(dtype)
+            leaves = [p for p in (f, a, l) if p is not None]
+            f64 = [p.detach().double().requires_grad_() for p in leaves]
+            it = iter(f64)
+            args = [next(it) if p is not None else None for p in (f, a, l)]
+            ref = order_embeddings(order_vectors(args[0], args[1], ng), args[2], use_norm)
+            ref_g = torch.autograd.grad(ref, f64, up.double())
+            got = tngram_lookup(f, a, l, ng, use_norm=use_norm, impl="triton")
+            got_g = torch.autograd.grad(got, leaves, up)
+            for x, t in zip((got, *got_g), (ref, *ref_g)):
+                rel = ((x.double() - t).abs().max() / t.abs().max().clamp_min(1e-12)).item()
+                key = str(dtype)
+                worst[key] = max(worst.get(key, 0.0), rel)
+    print(worst["torch.float32"], worst["torch.bfloat16"])
+""")
+
+
+@pytest.mark.skipif(not triton_available(),
+                    reason="triton is not installed (pip install triton); the Triton kernels "
+                           "are checked under TRITON_INTERPRET=1")
+def test_triton_kernels_match_reference_under_interpreter():
+    """Triton forward/backward vs an fp64 reference: fp32 within 1e-5 relative to the largest
+    magnitude (fp32 compute, reductions over R <= 32 terms), bf16 within 1e-2 (bf16 rounding of
+    inputs, output and gradients, 2^-8 relative)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err32, err16 = map(float, out.stdout.split())
+    assert err32 < 1e-5, err32
+    assert err16 < 1e-2, err16
