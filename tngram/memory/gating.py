@@ -90,15 +90,35 @@ class GatedFusion(nn.Module):
         self.norm_h = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
         self.norm_k = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
         self.conv = ShortConv(d_model, hc_mult, kernel_size, dilation, zero_init=zero_init_conv)
+        self.fuse_kv = True  # one K/V matmul when hc_mult == 1 (not a parameter; benchmarks flip it)
 
-    def gates(self, h: Tensor, e: Tensor) -> Tensor:
-        """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
-        D = self.d_model
+    def keys_values(self, e: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (B, T, M, D) and the shared value (B, T, 1, D) from e (B, T, E).
+
+        With one branch (hc_mult == 1) and `fuse_kv`, K and V are one matmul against the
+        concatenated [W_K; W_V] (2D x E): e is read once, and the backward forms dL/de with one
+        matmul instead of two plus an add. Same parameters, same numbers up to summation order.
+        """
+        if self.hc_mult == 1 and self.fuse_kv:
+            kp, vp = self.key_proj[0], self.value_proj
+            w = torch.cat([kp.weight, vp.weight], dim=0)                    # (2D, E)
+            b = None if kp.bias is None else torch.cat([kp.bias, vp.bias])  # (2D,)
+            k, v = F.linear(e, w, b).split(self.d_model, dim=-1)            # (B, T, D) each
+            return k.unsqueeze(2), v.unsqueeze(2)
         keys = torch.stack([proj(e) for proj in self.key_proj], dim=2)      # (B, T, M, D)
+        return keys, self.value_proj(e).unsqueeze(2)                        # (B, T, 1, D)
+
+    def gate_from_keys(self, h: Tensor, keys: Tensor) -> Tensor:
+        """Scalar gate per (token, branch): h (B, T, M, D), keys (B, T, M, D) -> (B, T, M, 1)."""
+        D = self.d_model
         k_hat = F.rms_norm(keys, (D,)) * self.norm_k
         h_hat = F.rms_norm(h, (D,)) * self.norm_h
         alpha = (k_hat * h_hat).sum(-1, keepdim=True) / math.sqrt(D)       # (B, T, M, 1)
         return signed_sqrt_gate(alpha)
+
+    def gates(self, h: Tensor, e: Tensor) -> Tensor:
+        """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
+        return self.gate_from_keys(h, self.keys_values(e)[0])
 
     def forward(self, h: Tensor, e: Tensor) -> Tensor:
         squeeze = h.dim() == 3
@@ -106,8 +126,8 @@ class GatedFusion(nn.Module):
             h = h.unsqueeze(2)                                              # (B, T, 1, D)
         if h.shape[2] != self.hc_mult:
             raise ValueError(f"hidden has {h.shape[2]} branches, module expects hc_mult={self.hc_mult}")
-        g = self.gates(h, e)                                                # (B, T, M, 1)
-        v = self.value_proj(e).unsqueeze(2)                                 # (B, T, 1, D) shared
+        keys, v = self.keys_values(e)                                       # (B,T,M,D), (B,T,1,D)
+        g = self.gate_from_keys(h, keys)                                    # (B, T, M, 1)
         v_gated = g * v                                                     # (B, T, M, D)
         y = v_gated + self.conv(v_gated)
         return y.squeeze(2) if squeeze else y
