@@ -26,7 +26,7 @@ cases and 1 process equals N processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,7 @@ class Muon(torch.optim.Optimizer):
         self.ddp_rank, self.world_size = ddp_rank, world_size
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch.optim.Optimizer signature
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

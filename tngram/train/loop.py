@@ -81,8 +81,11 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
         shutdown(ctx)
 
 
-def _check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
-    saved = json.loads((run_dir / "config.json").read_text())
+def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> None:
+    """The checkpoint's config must equal `cfg` except for RESUMABLE_RUN_FIELDS."""
+    saved = json.loads((checkpoint / "meta.json").read_text()).get("config")
+    if saved is None:
+        saved = json.loads((run_dir / "config.json").read_text())
     new = json.loads(json.dumps(cfg.to_dict()))
     for d in (saved, new):
         for k in RESUMABLE_RUN_FIELDS:
@@ -125,7 +128,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         raise TngramError(f"{run_dir} already holds a run with checkpoints; pass --resume to "
                           f"continue it or choose another --out")
     if resume and latest is not None:
-        _check_resume_config(run_dir, cfg)
+        _check_resume_config(run_dir, latest, cfg)
     elif resume:
         say(f"tngram: no checkpoint in {run_dir}; starting from step 0")
 
@@ -202,7 +205,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
             ckpt.save_checkpoint(run_dir, at_step, model, optimizers, {
                 "tokens": tokens, "wall_s": wall_prev + time.perf_counter() - t_start,
                 "train_time_s": train_time_prev + train_time, "world_size": ctx.world_size,
-                "loader": loader.state_dict(), "train_loss": last_loss}, keep=cfg.run.keep_checkpoints)
+                "loader": loader.state_dict(), "train_loss": last_loss, "config": cfg.to_dict()},
+                keep=cfg.run.keep_checkpoints)
         barrier(ctx)
 
     # ---- loop
