@@ -231,8 +231,14 @@ def profile_top(name: str, m: nn.Module, ids: Tensor, h: Tensor, g_vec: Tensor, 
     from torch.profiler import ProfilerActivity, profile
     res: dict[str, list[list[Any]]] = {}
     for part in ("lookup", "module"):
-        fn = ((lambda: lookup(name, m, ids).backward(g_vec)) if part == "lookup" else
-              (lambda: module_forward(name, m, h, ids).backward(g_out)))
+        def fn(part: str = part) -> None:
+            h.grad = None
+            for p in m.parameters():  # as in the timed runs: fresh gradients every rep
+                p.grad = None
+            if part == "lookup":
+                lookup(name, m, ids).backward(g_vec)
+            else:
+                module_forward(name, m, h, ids).backward(g_out)
         for _ in range(2):
             fn()
         with profile(activities=[ProfilerActivity.CPU]) as prof:

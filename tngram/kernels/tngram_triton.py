@@ -10,7 +10,8 @@ forward, one program per token m (BLOCK_R >= R lanes hold one row of R floats):
     r = rsqrt(mean(b^2) + eps)  (stored);  e_{k-1} = s_{k-1} r b
 
 backward, one program per BLOCK_M tokens (a loop), per token a reverse sweep k = N..2 that
-recomputes the prefix products P_{k-1}, P_k from the rows (O(N^2) row loads, all cache hits):
+recomputes the prefix products P_{k-1}, P_k from the rows (O(N^2) row loads, all cache hits;
+the kernels also compile for sm_80 without a GPU, checked with triton.compile):
     G += D_{k-2};  d rows_{k-1} = G P_{k-1};  G *= rows_{k-1};   finally d rows_0 = G
 with D_j = W_j db_j and db_j the RMSNorm backward. Row gradients go to an fp32 table gradient by
 atomic adds (rows repeat across tokens); dW and ds are summed over the program's tokens in
@@ -74,9 +75,10 @@ def _tngram_bwd_kernel(table_ptr, idx_ptr, w_ptr, s_ptr, rstd_ptr, grad_ptr,
             # prefix products P_{k-1} (rows 0..k-2) and P_k = P_{k-1} rows_{k-1}
             row0 = tl.load(idx_ptr + m * N)
             Pkm1 = tl.load(table_ptr + row0 * R + cols, mask=mask, other=0.0).to(tl.float32)
-            for q in tl.static_range(1, k - 1):
-                rq = tl.load(idx_ptr + m * N + q)
-                Pkm1 = Pkm1 * tl.load(table_ptr + rq * R + cols, mask=mask, other=0.0).to(tl.float32)
+            for q in tl.static_range(1, N - 1):                # rows q < k-1 only (k is not a
+                rq = tl.load(idx_ptr + m * N + q)               # compile-time constant here)
+                use = mask & ((cols * 0 + q) < k - 1)
+                Pkm1 = Pkm1 * tl.load(table_ptr + rq * R + cols, mask=use, other=1.0).to(tl.float32)
             rlast = tl.load(idx_ptr + m * N + (k - 1))
             xlast = tl.load(table_ptr + rlast * R + cols, mask=mask, other=0.0).to(tl.float32)
             Pk = Pkm1 * xlast
