@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tngram.kernels import absorption_weights, ngram_row_index, tngram_lookup, triton_available
+from tngram.kernels import absorption_weights, ngram_row_index, fused_lookup, triton_available
 from tngram.memory.cp import absorption_products, order_embeddings, order_vectors
 from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.tngram import TNGramConfig
@@ -66,7 +66,7 @@ def test_fp32_forward_and_grads_match_reference(N):
     ng = suffix_ngrams(ids, N, pad_id=0)
     up = torch.randn(3, 11, (N - 1) * R)
     ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
-    got, got_g = value_and_grads(lambda: tngram_lookup(f, a, l, ng, impl="torch", chunk=4),
+    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl="torch", chunk=4),
                                  f, a, l, up)
     assert_close_scaled(got, ref, what="e")
     for x, y, name in zip(got_g, ref_g, ("factors", "absorb", "log_scales")):
@@ -113,7 +113,7 @@ def test_bf16_is_at_least_as_accurate_as_the_bf16_reference(N):
     f64 = [None if p is None else p.detach().double().requires_grad_() for p in (f, a, l)]
     truth, truth_g = value_and_grads(lambda: reference(*f64, ng), *f64, up.double())
     ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
-    got, got_g = value_and_grads(lambda: tngram_lookup(f, a, l, ng, impl="torch", chunk=7),
+    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl="torch", chunk=7),
                                  f, a, l, up)
     assert got.dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in got_g)
     for i, (x, r, t) in enumerate(zip((got, *got_g), (ref, *ref_g), (truth, *truth_g))):
@@ -133,7 +133,7 @@ def test_padding_short_sequences_and_pad_row_gradient():
     ng = suffix_ngrams(ids, N, pad_id=pad)
     up = torch.randn(2, 3, (N - 1) * R)
     ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
-    got, got_g = value_and_grads(lambda: tngram_lookup(f, a, l, ng, impl="torch"), f, a, l, up)
+    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl="torch"), f, a, l, up)
     assert_close_scaled(got, ref, what="e")
     for x, y, name in zip(got_g, ref_g, ("factors", "absorb", "log_scales")):
         assert_close_scaled(x, y, what=name)
@@ -145,11 +145,11 @@ def test_chunking_does_not_change_results_and_no_grad_works():
     N = 5
     f, a, l = params(N, seed=4)
     ng = suffix_ngrams(torch.randint(0, V, (3, 17)), N, pad_id=0)
-    outs = [tngram_lookup(f, a, l, ng, impl="torch", chunk=c) for c in (1, 5, 51, 1000)]
+    outs = [fused_lookup(f, a, l, ng, impl="torch", chunk=c) for c in (1, 5, 51, 1000)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
     with torch.no_grad():
-        torch.testing.assert_close(tngram_lookup(f, a, l, ng), outs[0], rtol=0, atol=0)
+        torch.testing.assert_close(fused_lookup(f, a, l, ng), outs[0], rtol=0, atol=0)
 
 
 def test_index_and_absorption_helpers_match_reference():
@@ -178,7 +178,7 @@ def test_kernels_import_nothing_from_memory_or_model_and_not_triton():
 
 TRITON_SCRIPT = textwrap.dedent("""
     import torch
-    from tngram.kernels import tngram_lookup
+    from tngram.kernels import fused_lookup
     from tngram.memory.cp import order_embeddings, order_vectors
     from tngram.memory.ngrams import suffix_ngrams
     V, R = 11, 20          # R not a power of two: exercises the lane masks
@@ -201,7 +201,7 @@ TRITON_SCRIPT = textwrap.dedent("""
             args = [next(it) if p is not None else None for p in (f, a, l)]
             ref = order_embeddings(order_vectors(args[0], args[1], ng), args[2], use_norm)
             ref_g = torch.autograd.grad(ref, f64, up.double())
-            got = tngram_lookup(f, a, l, ng, use_norm=use_norm, impl="triton")
+            got = fused_lookup(f, a, l, ng, use_norm=use_norm, impl="triton")
             got_g = torch.autograd.grad(got, leaves, up)
             for x, t in zip((got, *got_g), (ref, *ref_g)):
                 rel = ((x.double() - t).abs().max() / t.abs().max().clamp_min(1e-12)).item()

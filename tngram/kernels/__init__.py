@@ -1,6 +1,6 @@
 """Fused kernels: the TN-gram lookup (paper Eqs. 10-11) as one autograd op.
 
-    tngram_lookup(factors, absorb, log_scales, ngrams) -> e_concat (B, T, (N-1) R)
+    fused_lookup(factors, absorb, log_scales, ngrams) -> e_concat (B, T, (N-1) R)
 
 impl="auto" uses the Triton kernels on CUDA when triton is importable, else the CPU/torch path
 (`tngram_lookup.py`: chunked torch ops with a hand-written backward). "torch" and "triton" force
@@ -27,7 +27,7 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def tngram_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
+def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
                   ngrams: Tensor, *, use_norm: bool = True, eps: float = 1e-6,
                   impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """e_concat (B, T, (N-1) R) = concat_n exp(l_n) RMSNorm(b_n), b_n from Eq. 10.
@@ -59,4 +59,4 @@ def tngram_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | N
 
 
 __all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "clear_workspaces",
-           "ngram_row_index", "tngram_lookup", "triton_available"]
+           "fused_lookup", "ngram_row_index", "triton_available"]

@@ -13,8 +13,9 @@ forward, for a chunk of `chunk` tokens at a time (so every temporary stays in ca
     e_j = s_j * r_j * b_j                         s_j = exp(l_j) (Eq. 11)
 
 backward, chunk by chunk, recomputing rows and P from the factors (a gather is cheaper than
-keeping 2 * M * N * R floats alive until the backward):
-    y = r b,  gy = s g
+keeping 2 * M * N * R floats alive until the backward); y = e / s is read from the saved output
+(the returned tensor itself, so no extra memory):
+    gy = s g
     ds_j  = sum_{t,R} g y
     db    = r (gy - y * mean_R(gy y))             RMSNorm backward (db = s g without the norm)
     dW_j  = sum_t db_j P_{j+2}
@@ -60,8 +61,10 @@ def absorption_weights(absorb: Tensor | None, N: int, R: int, like: Tensor) -> T
     """
     if absorb is None or N <= 2:
         return None
-    cum = torch.cumprod(absorb, dim=0)                                   # W_1..W_{N-2}: (N-2, R)
-    return torch.cat([cum.flip(0), like.new_ones(1, R)], dim=0)          # (N-1, R)
+    cum = [absorb[0]]                                                    # W_1..W_{N-2}, each (R,)
+    for i in range(1, N - 2):   # explicit products: torch.cumprod on (N-2, R) took ~0.4 ms here
+        cum.append(cum[-1] * absorb[i])
+    return torch.stack([*cum[::-1], like.new_ones(R)], dim=0)            # (N-1, R)
 
 
 _WS = threading.local()
@@ -158,9 +161,14 @@ def lookup_forward(table: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor 
 
 def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
                     scales: Tensor | None, rstd: Tensor | None, chunk: int,
-                    need_table: bool, need_W: bool, need_scales: bool
+                    need_table: bool, need_W: bool, need_scales: bool, out: Tensor | None = None
                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients (d table (N*V, R), dW (N-1, R), ds (N-1,)) from grad (M, N-1, R); see module doc."""
+    """Gradients (d table (N*V, R), dW (N-1, R), ds (N-1,)) from grad (M, N-1, R); see module doc.
+
+    out: the forward's e (M, N-1, R). When it is in the compute dtype and every s_j > 0, the
+    RMSNorm backward reads y = e / s from it (4 passes instead of 7); otherwise y is rebuilt
+    from the recomputed products (bf16 outputs: the rounded e would cost accuracy).
+    """
     M, N = idx.shape
     R = table.shape[1]
     cdt, dev = _compute_dtype(table.dtype), table.device
@@ -170,6 +178,9 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
     ds = torch.zeros(N - 1, dtype=cdt, device=dev) if (need_scales and scales is not None) else None
     Wc = None if W is None else W.to(cdt)
     sc = None if scales is None else scales.to(cdt)
+    use_out = (out is not None and out.dtype == cdt and
+               (sc is None or bool((sc > 0).all())))
+    inv_s = None if sc is None else 1.0 / sc
     for a in range(0, M, chunk):
         b_ = min(M, a + chunk)
         c = b_ - a
@@ -180,7 +191,18 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
         if g.dtype != cdt:
             g = _workspace("g", (c, N - 1, R), cdt, dev).copy_(g)
         db = _workspace("db", (c, N - 1, R), cdt, dev)                   # grad w.r.t. b
-        if use_norm:
+        if use_norm and use_out:
+            r = rstd[a:b_]                                               # (c, N-1)
+            e = out[a:b_]                                                # e = s y
+            gy = _rowdot(g, e, _workspace("gdot", (c, N - 1), cdt, dev))
+            if inv_s is not None:
+                gy.mul_(inv_s)                                           # sum_R g y
+            if ds is not None:
+                ds += gy.sum(0)
+            # db = (r s) g - (r s gdot / R) y = (r s) g - (r gdot / R) e
+            torch.mul(g, (r * sc if sc is not None else r).unsqueeze(-1), out=db)
+            db.addcmul_(e, (r * gy).div_(R).unsqueeze(-1), value=-1.0)
+        elif use_norm:
             r = rstd[a:b_]                                               # (c, N-1)
             y = _workspace("y", (c, N - 1, R), cdt, dev)                 # y = RMSNorm(b)
             if Wc is not None:
@@ -240,17 +262,18 @@ class FusedTNGramLookup(torch.autograd.Function):
         N, V, R = factors.shape
         table = factors.reshape(N * V, R)
         out, rstd = lookup_forward(table, idx, W, scales, use_norm, eps, chunk)
-        ctx.save_for_backward(factors, idx, W, scales, rstd)
+        # out is the returned tensor (kept alive downstream anyway): saving it costs no memory
+        ctx.save_for_backward(factors, idx, W, scales, rstd, out)
         ctx.chunk = chunk
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        factors, idx, W, scales, rstd = ctx.saved_tensors
+        factors, idx, W, scales, rstd, out = ctx.saved_tensors
         N, V, R = factors.shape
         need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
         d_table, dW, ds = lookup_backward(grad.contiguous(), factors.reshape(N * V, R), idx, W,
-                                          scales, rstd, ctx.chunk, need_f, need_W, need_s)
+                                          scales, rstd, ctx.chunk, need_f, need_W, need_s, out)
         d_f = None if d_table is None else d_table.view(N, V, R)
         return d_f, None, dW, ds, None, None, None

@@ -1,6 +1,6 @@
 """Triton kernels of the fused TN-gram lookup (CUDA), same equations as `tngram_lookup.py`.
 
-Imported lazily (only `tngram.kernels.tngram_lookup(..., impl="triton")` or a CUDA tensor with
+Imported lazily (only `tngram.kernels.fused_lookup(..., impl="triton")` or a CUDA tensor with
 triton installed imports it), so the package imports cleanly without triton. On CPU the kernels
 run under the Triton interpreter (TRITON_INTERPRET=1 set before this module is imported), which
 is how tests/test_fused_lookup.py checks them on a machine without a GPU.

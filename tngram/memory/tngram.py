@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.kernels import tngram_lookup
+from tngram.kernels import fused_lookup
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
 from tngram.memory.ngrams import check_token_ids, suffix_ngrams
@@ -121,7 +121,7 @@ class TNGram(nn.Module):
         """
         c = self.config
         if c.fused:
-            return tngram_lookup(self.factors, self.absorb, self.log_scales, self.ngrams(input_ids),
+            return fused_lookup(self.factors, self.absorb, self.log_scales, self.ngrams(input_ids),
                                  use_norm=c.use_norm, eps=c.norm_eps)
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
