@@ -14,6 +14,7 @@ _AREAS = (
     "tngram.data.cli",
     "tngram.train.cli",
     "tngram.eval.cli",
+    "tngram.eval.sample",
     "tngram.experiments.cli",
     "tngram.report.cli",
     "tngram.bench.cli",

@@ -36,7 +36,7 @@ from tngram.memory.compression import (build_compression_from_file, compressed_v
                                        lookup_fingerprint)
 from tngram.memory.gating import GatedFusion
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
-from tngram.memory.ngrams import check_token_ids, suffix_ngrams
+from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -212,10 +212,12 @@ class Engram(nn.Module):
         B, T, _ = rows.shape
         return self.table(rows).reshape(B, T, self.d_mem)                    # (B, T, (N-1)*E)
 
-    def forward(self, h: Tensor, input_ids: Tensor) -> Tensor:
+    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
+        """h (B, T, D) or (B, T, M, D), input_ids (B, T) -> y shaped like h; `cache` as TNGram."""
         if h.dim() not in (3, 4) or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
             raise TngramError(f"Engram expects h of shape (B, T, {self.d_model}) or (B, T, M, "
                               f"{self.d_model}) matching input_ids (B, T); got h "
                               f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}")
-        e = self.memory_vector(input_ids)                                    # (B, T, d_mem)
-        return self.fusion(h, e)                                             # same shape as h
+        ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id)
+        e = self.memory_vector(ids)[:, P:]                                   # (B, T, d_mem)
+        return self.fusion(h, e, cache)                                      # same shape as h

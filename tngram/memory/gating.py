@@ -63,12 +63,21 @@ class ShortConv(nn.Module):
             bound = 1.0 / math.sqrt(kernel_size)
             nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: (B, T, M, D) -> (B, T, M, D)
+    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+        """x: (B, T, M, D) -> (B, T, M, D). With `cache` (incremental decoding) the conv input of
+        the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start)."""
         B, T, M, D = x.shape
-        u = F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight      # (B, T, M, D)
-        u = causal_depthwise_conv(u.reshape(B, T, M * D), self.weight, self.dilation)
-        return F.silu(u).view(B, T, M, D)
+        u = (F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight).reshape(B, T, M * D)
+        if cache is None:
+            return F.silu(causal_depthwise_conv(u, self.weight, self.dilation)).view(B, T, M, D)
+        L = (self.kernel_size - 1) * self.dilation
+        prev = cache.get("conv")
+        if prev is None:
+            prev = u.new_zeros(B, L, M * D)
+        ext = torch.cat([prev, u], dim=1)                                  # (B, L + T, M*D)
+        cache["conv"] = ext[:, ext.shape[1] - L:]
+        out = causal_depthwise_conv(ext, self.weight, self.dilation)[:, L:]
+        return F.silu(out).reshape(B, T, M, D)
 
 
 class GatedFusion(nn.Module):
@@ -120,7 +129,7 @@ class GatedFusion(nn.Module):
         """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
         return self.gate_from_keys(h, self.keys_values(e)[0])
 
-    def forward(self, h: Tensor, e: Tensor) -> Tensor:
+    def forward(self, h: Tensor, e: Tensor, cache: dict | None = None) -> Tensor:
         squeeze = h.dim() == 3
         if squeeze:
             h = h.unsqueeze(2)                                              # (B, T, 1, D)
@@ -129,5 +138,5 @@ class GatedFusion(nn.Module):
         keys, v = self.keys_values(e)                                       # (B,T,M,D), (B,T,1,D)
         g = self.gate_from_keys(h, keys)                                    # (B, T, M, 1)
         v_gated = g * v                                                     # (B, T, M, D)
-        y = v_gated + self.conv(v_gated)
+        y = v_gated + self.conv(v_gated, cache)
         return y.squeeze(2) if squeeze else y

@@ -41,3 +41,22 @@ def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
     # column k = shift by k: padded[:, n_max-1-k : n_max-1-k+T]
     cols = [padded[:, n_max - 1 - k : n_max - 1 - k + T] for k in range(n_max)]
     return torch.stack(cols, dim=-1)  # (B, T, n_max)
+
+
+def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int) -> tuple[Tensor, int]:
+    """Incremental decoding: prepend the previous n_max-1 token ids kept in `cache["ids"]`
+    (pad_id before the sequence start) and store the new tail there.
+
+    Returns (ids_ext, P): ids_ext (B, P + T); the outputs of the first P positions are dropped
+    by the caller. Because the history is pad_id at the start, the n-grams of the new positions
+    equal those of a full forward over the whole sequence. cache None: (ids, 0) unchanged.
+    """
+    if cache is None:
+        return ids, 0
+    P = n_max - 1
+    hist = cache.get("ids")
+    if hist is None:
+        hist = ids.new_full((ids.shape[0], P), pad_id)
+    ext = torch.cat([hist, ids], dim=1)                                  # (B, P + T)
+    cache["ids"] = ext[:, ext.shape[1] - P:] if P > 0 else ext[:, :0]
+    return ext, P

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.memory.ngrams import check_token_ids, suffix_ngrams
+from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
 
 INT64_MAX = 2**63 - 1
 
@@ -168,11 +168,13 @@ class OverEncoding(nn.Module):
         B, T, _ = rows.shape
         return self.table(rows).reshape(B, T, self.n_tables * self.slice_dim)
 
-    def forward(self, tok_emb: Tensor, input_ids: Tensor) -> Tensor:
+    def forward(self, tok_emb: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
+        """New input embedding (B, T, D); `cache` keeps the n-gram window for incremental decoding."""
         if tok_emb.dim() != 3 or tok_emb.shape[:2] != input_ids.shape or \
                 tok_emb.shape[-1] != self.d_model:
             raise TngramError(f"Over-Encoding expects tok_emb (B, T, {self.d_model}) matching "
                               f"input_ids (B, T); got {tuple(tok_emb.shape)} and "
                               f"{tuple(input_ids.shape)}")
-        out = tok_emb + self.proj(self.memory_vector(input_ids))             # (B, T, D)
+        ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id)
+        out = tok_emb + self.proj(self.memory_vector(ids)[:, P:])            # (B, T, D)
         return out / (1 + self.n_tables) if self.config.average else out

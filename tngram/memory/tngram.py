@@ -34,7 +34,7 @@ from tngram.common import TngramError
 from tngram.kernels import fused_lookup
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
-from tngram.memory.ngrams import check_token_ids, suffix_ngrams
+from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -126,10 +126,14 @@ class TNGram(nn.Module):
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 
-    def forward(self, h: Tensor, input_ids: Tensor) -> Tensor:
-        """h: (B, T, D) or (B, T, M, D), input_ids: (B, T) -> memory output y, shaped like h."""
-        e = self.memory_vector(input_ids).to(h.dtype)
-        return self.fusion(h, e)
+    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
+        """h: (B, T, D) or (B, T, M, D), input_ids: (B, T) -> memory output y, shaped like h.
+
+        cache: a dict kept between calls for incremental decoding (n-gram window, conv state).
+        """
+        ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id)
+        e = self.memory_vector(ids)[:, P:].to(h.dtype)
+        return self.fusion(h, e, cache)
 
     def extra_repr(self) -> str:
         c = self.config

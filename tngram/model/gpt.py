@@ -117,7 +117,9 @@ class Attention(nn.Module):
         nn.init.zeros_(self.proj.weight)
         self.q_gain = nn.Parameter(torch.full((cfg.n_head,), cfg.qk_gain_init))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: dict | None = None) -> Tensor:
+        """x (B, T, D) -> (B, T, D). With `cache` (incremental decoding) the keys/values of earlier
+        positions are read from cache["k"], cache["v"] (B, K, T_past, E) and extended in place."""
         B, T, D = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, H, T, E)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, K, T, E)
@@ -125,7 +127,16 @@ class Attention(nn.Module):
         q, k = rms_norm(q), rms_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = q * self.q_gain.to(q.dtype).view(1, -1, 1, 1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        mask, causal = None, True
+        if cache is not None and "k" in cache:
+            past = cache["k"].shape[2]
+            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            # query i (absolute position past + i) sees keys 0..past + i
+            mask = torch.arange(past + T, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)
+            causal = False
+        if cache is not None:
+            cache["k"], cache["v"] = k, v
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=self.n_kv_head != self.n_head)
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
@@ -151,12 +162,17 @@ class Block(nn.Module):
         self.resid_mix = nn.Parameter(torch.stack([torch.ones(cfg.n_embd), torch.zeros(cfg.n_embd)]))
         self.memory = memory
 
-    def forward(self, x: Tensor, x0: Tensor, ids: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ids: Tensor, cos: Tensor, sin: Tensor,
+                cache: dict | None = None) -> Tensor:
         mix = self.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
         if self.memory is not None:
-            x = x + self.memory(x, ids)
-        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x), cos, sin)
+            if cache is None:
+                x = x + self.memory(x, ids)
+            else:
+                x = x + self.memory(x, ids, cache=cache.setdefault("memory", {}))
+        attn_cache = None if cache is None else cache.setdefault("attn", {})
+        x = x + self.attn_scale.to(x.dtype) * self.attn(rms_norm(x), cos, sin, attn_cache)
         return x + self.mlp_scale.to(x.dtype) * self.mlp(rms_norm(x))
 
 
@@ -204,29 +220,40 @@ class GPT(nn.Module):
         return n
 
     # ---- forward
-    def hidden(self, ids: Tensor) -> Tensor:
-        """ids (B, T) -> final normalised hidden states (B, T, D)."""
+    def hidden(self, ids: Tensor, cache: dict | None = None) -> Tensor:
+        """ids (B, T) -> final normalised hidden states (B, T, D).
+
+        cache: None for a full forward; a dict (start with {}) for incremental decoding, where
+        `ids` are the tokens after those already fed; attention keys/values, the memory modules'
+        n-gram window and conv state, and the position are kept in it.
+        """
         cfg = self.config
         if ids.dim() != 2:
             raise TngramError(f"input_ids must have shape (B, T), got {tuple(ids.shape)}")
         B, T = ids.shape
-        if T > cfg.sequence_len:
-            raise TngramError(f"sequence length {T} exceeds the model's sequence_len {cfg.sequence_len}")
+        pos = 0 if cache is None else cache.get("pos", 0)
+        if pos + T > cfg.sequence_len:
+            raise TngramError(f"sequence length {pos + T} exceeds the model's sequence_len {cfg.sequence_len}")
         check_token_ids(ids, cfg.vocab_size)
+        caches = [None] * cfg.n_layer if cache is None else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
         x = self.tok_emb(ids)                                               # (B, T, D)
         if self.embed_memory is not None:
-            x = self.embed_memory(x, ids)
+            x = (self.embed_memory(x, ids) if cache is None
+                 else self.embed_memory(x, ids, cache=cache.setdefault("embed_memory", {})))
         x = rms_norm(x)
         x0 = x
-        cos, sin = rope_tables(T, cfg.n_embd // cfg.n_head, cfg.rope_base, ids.device)
+        cos, sin = rope_tables(pos + T, cfg.n_embd // cfg.n_head, cfg.rope_base, ids.device)
+        cos, sin = cos[pos:], sin[pos:]
         skips = []
         for i in range(self.n_enc):
-            x = self.blocks[i](x, x0, ids, cos, sin)
+            x = self.blocks[i](x, x0, ids, cos, sin, caches[i])
             skips.append(x)
         for j in range(cfg.n_layer - self.n_enc):
             if skips:
                 x = x + self.skip_weights[j].to(x.dtype) * skips.pop()
-            x = self.blocks[self.n_enc + j](x, x0, ids, cos, sin)
+            x = self.blocks[self.n_enc + j](x, x0, ids, cos, sin, caches[self.n_enc + j])
+        if cache is not None:
+            cache["pos"] = pos + T
         return rms_norm(x)
 
     def logits(self, h: Tensor) -> Tensor:
@@ -234,9 +261,10 @@ class GPT(nn.Module):
         c = self.config.logit_softcap
         return c * torch.tanh(z / c)
 
-    def forward(self, ids: Tensor, targets: Tensor | None = None, reduction: str = "mean") -> Tensor:
-        """Logits (B, T, V) when targets is None, else the cross-entropy (fp32)."""
-        logits = self.logits(self.hidden(ids))
+    def forward(self, ids: Tensor, targets: Tensor | None = None, reduction: str = "mean",
+                cache: dict | None = None) -> Tensor:
+        """Logits (B, T, V) when targets is None, else the cross-entropy (fp32). See `hidden` for cache."""
+        logits = self.logits(self.hidden(ids, cache))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
