@@ -50,3 +50,21 @@ def fmt_params(n: float | None) -> str:
     if n is None or n == 0:
         return "–"
     return f"{n / 1e6:.2f}M"
+
+
+def read_core(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's CORE result written by `tngram eval core`: eval/core.json, else the newest
+    eval/core-max*.json; None when the run has not been evaluated."""
+    ev = Path(run_dir) / "eval"
+    full = ev / "core.json"
+    if full.exists():
+        return json.loads(full.read_text())
+    partial = sorted(ev.glob("core-max*.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(partial[-1].read_text()) if partial else None
+
+
+def run_name(run_dir: str | Path) -> str:
+    cfg = Path(run_dir) / "config.json"
+    if cfg.exists():
+        return str(json.loads(cfg.read_text()).get("name", Path(run_dir).name))
+    return Path(run_dir).name

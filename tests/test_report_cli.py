@@ -1,0 +1,45 @@
+"""`tngram report tables` and `report compare` read only run folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tngram.cli import main
+from tngram.common import TngramError
+from tngram.report.runs import read_core
+
+
+def fake_run(root, name, core, tasks):
+    d = root / name
+    (d / "eval").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"name": name}))
+    (d / "eval" / "core-max10.json").write_text(json.dumps(
+        {"core": core, "tasks": {t: {"accuracy": a, "centered": a - 0.25, "n": 10} for t, a in tasks.items()}}))
+    return d
+
+
+def test_tables_from_run_folders(tmp_path):
+    a = fake_run(tmp_path, "mini-raw", 0.01, {"piqa": 0.55, "copa": 0.50})
+    b = fake_run(tmp_path, "mini-tngram", 0.03, {"piqa": 0.60, "copa": 0.48})
+    assert main(["report", "tables", str(a), str(b), "--out", str(tmp_path / "t")]) == 0
+    md = (tmp_path / "t" / "core_tables.md").read_text()
+    # the best value of each column is bold: TN-gram on PIQA (60.0 > 55.0), raw on COPA
+    assert "**60.0**" in md and "**50.0**" in md and "| mini-tngram" in md
+    assert "piqa" in (tmp_path / "t" / "core_tables.csv").read_text().lower()
+
+
+def test_tables_needs_an_evaluated_run(tmp_path):
+    (tmp_path / "r").mkdir()
+    with pytest.raises(TngramError, match="tngram eval core"):
+        from tngram.report.cli import _cmd_tables
+        import argparse
+        _cmd_tables(argparse.Namespace(run_dirs=[str(tmp_path / "r")], metric="accuracy", out=tmp_path))
+
+
+def test_read_core_prefers_the_full_evaluation(tmp_path):
+    d = fake_run(tmp_path, "x", 0.02, {"piqa": 0.5})
+    assert read_core(d)["core"] == 0.02
+    (d / "eval" / "core.json").write_text(json.dumps({"core": 0.05, "tasks": {}}))
+    assert read_core(d)["core"] == 0.05

@@ -1,0 +1,60 @@
+"""CLI: `tngram report tables RUN_DIR...` (paper Tables 2-3 layout) and `tngram report compare DIR`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("report", help="tables and plots from run folders")
+    rs = p.add_subparsers(dest="report_command", metavar="WHAT")
+    rs.required = True
+    t = rs.add_parser("tables", help="downstream-task tables (methods x tasks, best in bold) from runs "
+                                     "evaluated with `tngram eval core`")
+    t.add_argument("run_dirs", nargs="+")
+    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy")
+    t.add_argument("--out", type=Path, default=Path("."), help="folder for core_tables.md/.csv")
+    t.set_defaults(func=_cmd_tables)
+    c = rs.add_parser("compare", help="rebuild report.md of a `tngram compare` folder (adds CORE when "
+                                      "the runs have been evaluated)")
+    c.add_argument("dir", type=Path)
+    c.set_defaults(func=_cmd_compare)
+
+
+def _cmd_tables(args: Any) -> int:
+    from tngram.common import TngramError, atomic_write_text
+    from tngram.eval.tables import core_tables
+    from tngram.report.runs import read_core, run_name
+
+    results = {}
+    for d in args.run_dirs:
+        core = read_core(d)
+        if core is None:
+            raise TngramError(f"{d} has no eval/core*.json: run `tngram eval core {d}` first")
+        results[run_name(d)] = core
+    md, csv_text = core_tables(results, metric=args.metric)
+    atomic_write_text(args.out / "core_tables.md", md + "\n")
+    atomic_write_text(args.out / "core_tables.csv", csv_text)
+    print(md)
+    print(f"\nwritten: {args.out / 'core_tables.md'}, {args.out / 'core_tables.csv'}")
+    return 0
+
+
+def _cmd_compare(args: Any) -> int:
+    from tngram.common import TngramError, atomic_write_json
+    from tngram.report.compare import write_compare_report
+    from tngram.report.runs import read_core
+
+    path = args.dir / "results.json"
+    if not path.exists():
+        raise TngramError(f"{path} not found: is {args.dir} a `tngram compare` folder?")
+    results = json.loads(path.read_text())
+    for r in results["rows"]:
+        core = read_core(r["run_dir"])
+        if core is not None:
+            r["core"] = core["core"]
+    atomic_write_json(path, results)
+    print(write_compare_report(args.dir, results)["table"])
+    return 0
