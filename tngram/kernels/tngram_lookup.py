@@ -50,8 +50,15 @@ def ngram_row_index(ngrams: Tensor, vocab_size: int) -> Tensor:
     Column k (token x_{t-k}) reads factor A_{N-k}, i.e. factors[N-1-k], row offset (N-1-k) * V.
     """
     N = ngrams.shape[-1]
-    offsets = torch.arange(N - 1, -1, -1, device=ngrams.device, dtype=torch.int64) * vocab_size
+    key = (N, vocab_size, ngrams.device)
+    offsets = _OFFSETS.get(key)
+    if offsets is None:   # cached: a fresh arange cost ~0.4 ms per call here
+        offsets = _OFFSETS[key] = torch.arange(N - 1, -1, -1, device=ngrams.device,
+                                               dtype=torch.int64) * vocab_size
     return (ngrams.long() + offsets).reshape(-1, N)                     # (M, N)
+
+
+_OFFSETS: dict[tuple[int, int, torch.device], Tensor] = {}
 
 
 def absorption_weights(absorb: Tensor | None, N: int, R: int, like: Tensor) -> Tensor | None:
@@ -99,10 +106,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _prefix_products(rows: Tensor, out: Tensor) -> None:
     """rows (c, N, R) -> out (c, N-1, R) with out[:, j] = P_{j+2} = rows_0 * ... * rows_{j+1}."""
-    N = rows.shape[1]
-    torch.mul(rows[:, 0], rows[:, 1], out=out[:, 0])
-    for k in range(2, N):
-        torch.mul(out[:, k - 2], rows[:, k], out=out[:, k - 1])
+    r, o = rows.unbind(1), out.unbind(1)                                 # views, one call each
+    torch.mul(r[0], r[1], out=o[0])
+    for k in range(2, len(r)):
+        torch.mul(o[k - 2], r[k], out=o[k - 1])
 
 
 def _gather(table: Tensor, idx: Tensor, cdt: torch.dtype) -> Tensor:
@@ -235,13 +242,14 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
             continue
         D = db
         GR = _workspace("GR", (c, N, R), cdt, dev)                       # d rows
-        G = D[:, N - 2]                                                  # grad w.r.t. P_N
+        Pv, Dv, rv, GRv = P.unbind(1), D.unbind(1), rows.unbind(1), GR.unbind(1)
+        G = Dv[N - 2]                                                    # grad w.r.t. P_N
         Gbuf = _workspace("G", (c, R), cdt, dev)
         for k in range(N, 2, -1):                                        # P_k = P_{k-1} rows_{k-1}
-            torch.mul(G, P[:, k - 3], out=GR[:, k - 1])
-            G = torch.addcmul(D[:, k - 3], G, rows[:, k - 1], out=Gbuf)  # grad w.r.t. P_{k-1}
-        torch.mul(G, rows[:, 0], out=GR[:, 1])                          # P_2 = rows_0 rows_1
-        torch.mul(G, rows[:, 1], out=GR[:, 0])
+            torch.mul(G, Pv[k - 3], out=GRv[k - 1])
+            G = torch.addcmul(Dv[k - 3], G, rv[k - 1], out=Gbuf)        # grad w.r.t. P_{k-1}
+        torch.mul(G, rv[0], out=GRv[1])                                 # P_2 = rows_0 rows_1
+        torch.mul(G, rv[1], out=GRv[0])
         d_table.index_add_(0, idx[a:b_].reshape(-1), GR.view(c * N, R))
     if d_table is not None and d_table.dtype != table.dtype:
         d_table = d_table.to(table.dtype)
