@@ -52,6 +52,7 @@ class RunConfig:
     dtype: str = "auto"                # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     compile: bool = False
     device: str = "auto"
+    threads: int = 0                   # CPU threads for torch (0: torch's default / OMP_NUM_THREADS)
     log_every: int = 10
     val_every: int = 250               # 0: only at the end
     checkpoint_every: int = 500        # 0: only at the end
@@ -110,6 +111,7 @@ def validate_config(cfg: TrainConfig) -> None:
     for k in ("val_every", "checkpoint_every"):
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
+    _check(r.threads >= 0, "run.threads", ">= 0 (0: torch's default)", r.threads)
     cfg.model.validate()
     mem = cfg.model.memory
     if mem is not None and hasattr(mem, "validate"):

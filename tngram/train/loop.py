@@ -44,7 +44,7 @@ from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, 
 from tngram.train.metrics import MetricsLog, Progress, env_info
 
 # run.* fields that may change between an interrupted run and its resumption
-RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints")
+RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints", "threads")
 
 
 def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
@@ -75,9 +75,13 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     if max_steps is not None and max_steps < 1:
         raise TngramError(f"--steps must be >= 1, got {max_steps}")
     ctx = init_distributed(cfg.run.device)
+    threads = torch.get_num_threads()
+    if cfg.run.threads > 0:
+        torch.set_num_threads(cfg.run.threads)
     try:
         return _train(cfg, Path(out_dir), ctx, resume, max_steps)
     finally:
+        torch.set_num_threads(threads)
         shutdown(ctx)
 
 
