@@ -5,12 +5,16 @@
 impl="auto" uses the Triton kernels on CUDA when triton is importable, else the CPU/torch path
 (`tngram_lookup.py`: chunked torch ops with a hand-written backward). "torch" and "triton" force
 one; "triton" also runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
+The environment variable TNGRAM_LOOKUP_IMPL (auto | torch | triton) overrides "auto", e.g. to
+fall back to the torch path on a GPU (the Triton kernels are compiled and interpreter-checked
+here, but were not run on GPU hardware).
 The plain-autograd reference is `tngram.memory.cp` (kernels never import memory/model).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 from torch import Tensor
@@ -41,6 +45,10 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     B, T, n_cols = ngrams.shape
     if n_cols != N:
         raise ValueError(f"ngrams have {n_cols} columns, factors have N = {N}")
+    if impl == "auto":
+        impl = os.environ.get("TNGRAM_LOOKUP_IMPL", "auto")
+        if impl not in IMPLS:
+            raise ValueError(f"TNGRAM_LOOKUP_IMPL must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "triton" if factors.is_cuda and triton_available() else "torch"
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
