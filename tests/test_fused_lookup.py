@@ -256,3 +256,13 @@ def test_triton_kernels_compile_for_cuda_without_a_gpu():
     out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_impl_environment_override(monkeypatch):
+    f, a, l = params(3)
+    ng = suffix_ngrams(torch.randint(0, V, (1, 5)), 3, pad_id=0)
+    monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", "torch")
+    assert_close_scaled(fused_lookup(f, a, l, ng), reference(f, a, l, ng), what="e")
+    monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", "cuda-please")
+    with pytest.raises(ValueError, match="TNGRAM_LOOKUP_IMPL"):
+        fused_lookup(f, a, l, ng)
