@@ -103,29 +103,29 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
         hashes = module.hash_ids(ids)[0].numpy()                       # (L, (N-1)*H)
     H, N = mem.n_head_per_ngram, mem.max_ngram
     primes = mem.layer_primes(cfg.model.vocab_size, layers[0], layers)  # [[p_{n,j}] per order]
-    lines = ["| order | distinct n-grams | mean table size/head | load | in shared bucket (per head) | collide in all heads | occurrences in shared bucket |",
+    lines = ["| order | distinct n-grams | mean table size/head | load (n-grams/row) | in a shared bucket (per head) "
+             "| n-grams sharing the bucket (occurrence-weighted) | indistinguishable in all heads |",
              "|---|---|---|---|---|---|---|"]
     stats = {}
     for n in range(2, N + 1):
         keys = ngram_keys(train, n)
         uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
-        shared_all = np.ones(len(uniq), dtype=bool)
-        per_head, occ = [], []
+        per_head, crowd = [], []
+        cols = hashes[first][:, (n - 2) * H:(n - 1) * H]                   # (distinct, H) buckets
         for j in range(H):
-            col = (n - 2) * H + j
-            bucket = hashes[first, col]                                # bucket of each distinct n-gram
-            _, b_inv, counts = np.unique(bucket, return_inverse=True, return_counts=True)
-            shared = counts[b_inv] >= 2
-            shared_all &= shared
-            per_head.append(shared.mean())
-            occ.append(shared[inv].mean())
+            _, b_inv, counts = np.unique(cols[:, j], return_inverse=True, return_counts=True)
+            per_head.append((counts[b_inv] >= 2).mean())
+            crowd.append(counts[b_inv][inv].mean())                    # per occurrence
+        # n-grams whose whole tuple of H buckets equals another n-gram's: no head tells them apart
+        _, t_inv, t_counts = np.unique(cols, axis=0, return_inverse=True, return_counts=True)
+        same_all = (t_counts[t_inv.reshape(-1)] >= 2).mean()
         size = float(np.mean(primes[n - 2]))
         stats[n] = {"distinct": int(len(uniq)), "table_size": size, "load": len(uniq) / size,
-                    "shared_per_head": float(np.mean(per_head)), "shared_all_heads": float(shared_all.mean()),
-                    "occurrences_shared": float(np.mean(occ))}
+                    "shared_per_head": float(np.mean(per_head)), "ngrams_per_bucket": float(np.mean(crowd)),
+                    "indistinguishable": float(same_all)}
         s = stats[n]
-        lines.append(f"| {n} | {s['distinct']:,} | {s['table_size']:,.0f} | {s['load']:.2f} | "
-                     f"{s['shared_per_head']:.1%} | {s['shared_all_heads']:.2%} | {s['occurrences_shared']:.1%} |")
+        lines.append(f"| {n} | {s['distinct']:,} | {s['table_size']:,.0f} | {s['load']:.1f} | "
+                     f"{s['shared_per_head']:.1%} | {s['ngrams_per_bucket']:.1f} | {s['indistinguishable']:.3%} |")
     body = (f"Engram ({cfg.name}, layer {layers[0]}) hash tables on {len(train):,} training tokens.\n\n"
             + "\n".join(lines))
     atomic_write_json(out / "collisions.json", {"recipe": cfg.name, "tokens": int(len(train)), "orders": stats})
