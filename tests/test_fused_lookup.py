@@ -266,3 +266,16 @@ def test_impl_environment_override(monkeypatch):
     monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", "cuda-please")
     with pytest.raises(ValueError, match="TNGRAM_LOOKUP_IMPL"):
         fused_lookup(f, a, l, ng)
+
+
+def test_intra_op_thread_count_is_restored():
+    """The CPU op runs its chunk loop single-threaded and must hand the thread count back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        f, a, l = params(4)
+        ng = suffix_ngrams(torch.randint(0, V, (2, 6)), 4, pad_id=0)
+        fused_lookup(f, a, l, ng).sum().backward()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -26,6 +26,9 @@ keeping 2 * M * N * R floats alive until the backward); y = e / s is read from t
 W (N-1, R) and s (N-1,) are built from `absorb` / `log_scales` outside the Function with ordinary
 autograd (tiny tensors), so their own backward (cumprod, exp) stays torch's.
 
+The chunk loop runs with one intra-op thread (`_single_threaded`): its ops are small, and on a
+shared 2-core machine OpenMP regions stall.
+
 Low-precision factors (bf16/fp16) are computed in fp32 chunk buffers; the output and the factor
 gradient are cast back to the factors' dtype.
 
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -260,6 +265,26 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
     return d_table, dW, ds
 
 
+@contextmanager
+def _single_threaded(device: torch.device) -> Iterator[None]:
+    """Run the chunk loop with one intra-op thread (CPU), restoring the count afterwards.
+
+    The loop issues ~700 small ops per fwd+bwd; with 2 threads each is an OpenMP region that
+    waits for its second thread, and when that thread is descheduled (a shared machine) the op
+    takes a scheduler slice: measured 4.9 s median vs 47 ms single-threaded under load, and
+    the single-threaded minimum was lower too (28 vs 40 ms). torch.set_num_threads is ~0.1 us.
+    """
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 class FusedTNGramLookup(torch.autograd.Function):
     """apply(factors (N,V,R), idx (M,N), W (N-1,R)|None, scales (N-1,)|None, use_norm, eps, chunk)
     -> e (M, N-1, R). Gradients for factors, W and scales; idx is not differentiable."""
@@ -269,7 +294,8 @@ class FusedTNGramLookup(torch.autograd.Function):
                 use_norm: bool, eps: float, chunk: int) -> Tensor:
         N, V, R = factors.shape
         table = factors.reshape(N * V, R)
-        out, rstd = lookup_forward(table, idx, W, scales, use_norm, eps, chunk)
+        with _single_threaded(table.device):
+            out, rstd = lookup_forward(table, idx, W, scales, use_norm, eps, chunk)
         # out is the returned tensor (kept alive downstream anyway): saving it costs no memory
         ctx.save_for_backward(factors, idx, W, scales, rstd, out)
         ctx.chunk = chunk
@@ -281,7 +307,9 @@ class FusedTNGramLookup(torch.autograd.Function):
         factors, idx, W, scales, rstd, out = ctx.saved_tensors
         N, V, R = factors.shape
         need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
-        d_table, dW, ds = lookup_backward(grad.contiguous(), factors.reshape(N * V, R), idx, W,
-                                          scales, rstd, ctx.chunk, need_f, need_W, need_s, out)
+        with _single_threaded(factors.device):
+            d_table, dW, ds = lookup_backward(grad.contiguous(), factors.reshape(N * V, R), idx,
+                                              W, scales, rstd, ctx.chunk, need_f, need_W, need_s,
+                                              out)
         d_f = None if d_table is None else d_table.view(N, V, R)
         return d_f, None, dW, ds, None, None, None
