@@ -60,6 +60,19 @@ def test_clean_stop_and_resume_is_bit_identical(reference, tiny_data, tmp_path):
     assert summary["tokens"] == reference[1]["tokens"] == 12 * 512
 
 
+def test_bf16_autocast_resume_is_bit_identical(tiny_data, tmp_path):
+    """The same property with CPU bf16 autocast (the mini recipes' setting), 6 steps."""
+    extra = EXTRA + ["run.dtype=bf16", "schedule.steps=6", "schedule.warmdown_steps=2"]
+    cfg = tiny_config(tiny_data, extra=extra)
+    train(cfg, tmp_path / "ref")
+    train(cfg, tmp_path / "run", max_steps=4)
+    train(cfg, tmp_path / "run", resume=True)
+    assert losses(tmp_path / "ref") == losses(tmp_path / "run") and len(losses(tmp_path / "run")) == 6
+    wa, wb = weights(tmp_path / "ref"), weights(tmp_path / "run")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_sigkill_between_checkpoints_then_resume(reference, tiny_data, tmp_path):
     ref, _ = reference
     run = tmp_path / "run"

@@ -96,6 +96,7 @@ TINY_SETS = [
     "data.global_batch_tokens=512", "data.micro_batch_seqs=4", "data.val_tokens=2048",
     "schedule.steps=8", "schedule.warmdown_steps=4", "optim.muon_momentum_warmup_steps=4",
     "run.log_every=1", "run.val_every=4", "run.checkpoint_every=2", "run.keep_checkpoints=10",
+    "run.dtype=fp32",
 ]
 TNGRAM_SETS = ["model.memory.cp_rank=16", "model.memory.max_ngram=3"]
 
