@@ -166,7 +166,8 @@ class OverEncoding(nn.Module):
         """Concatenated slice embeddings (B, T) -> (B, T, S*Ds), before the projections."""
         rows = self.ngram_ids(input_ids) + self.offsets                      # (B, T, S)
         B, T, _ = rows.shape
-        return self.table(rows).reshape(B, T, self.n_tables * self.slice_dim)
+        flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*S, Ds)
+        return flat.view(B, T, self.n_tables * self.slice_dim)
 
     def forward(self, tok_emb: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
         """New input embedding (B, T, D); `cache` keeps the n-gram window for incremental decoding."""
