@@ -70,7 +70,7 @@ def _mini(memory: Any, name: str) -> TrainConfig:
         name=name, model=model,
         optim=OptimConfig(muon_momentum_warmup_steps=50),
         schedule=ScheduleConfig(steps=256, warmdown_steps=80),
-        data=DataConfig(global_batch_tokens=16 * 256, micro_batch_seqs=16, val_tokens=131_072),
+        data=DataConfig(global_batch_tokens=16 * 256, micro_batch_seqs=8, val_tokens=131_072),
         run=RunConfig(dtype="bf16", log_every=10, val_every=0, checkpoint_every=100))
 
 

@@ -99,7 +99,7 @@ def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> N
                  for k in set(new[sec]) | set(saved.get(sec, {}))
                  if new[sec].get(k) != saved.get(sec, {}).get(k)]
         diffs += [k for k in new if not isinstance(new[k], dict) and new[k] != saved.get(k)]
-        raise TngramError(f"cannot resume {run_dir}: its config.json differs in {sorted(diffs)}; "
+        raise TngramError(f"cannot resume {run_dir}: the checkpoint's config differs in {sorted(diffs)}; "
                           f"resume with the same recipe and --set overrides (only run."
                           f"{{{','.join(RESUMABLE_RUN_FIELDS)}}} may change)")
 
