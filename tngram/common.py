@@ -5,12 +5,13 @@ Nothing here does work at import time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 
 class TngramError(Exception):
@@ -43,14 +44,18 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same folder and an atomic rename."""
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """Open a temp file beside `path` for binary writing; fsync and rename it onto `path` on
+    success. On any exception the temp file is removed and `path` is left untouched. Streams, so
+    a 200 MB shard is never held twice in memory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -58,6 +63,18 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same folder and an atomic rename."""
+    with atomic_output(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -12,16 +12,14 @@ are read the same way.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import tempfile
 from pathlib import Path
-from typing import IO, Iterator
+
 
 import numpy as np
 
-from tngram.common import TngramError
+from tngram.common import TngramError, atomic_output
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -42,35 +40,6 @@ __all__ = [
     "shard_name",
     "atomic_output",
 ]
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """Open a temp file beside `path` for binary writing; rename it onto `path` on success.
-
-    On any exception the temp file is removed and `path` is left untouched. Unlike
-    `tngram.common.atomic_write_bytes` this streams, so a 200 MB shard is never held twice in memory.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def shard_name(split: str, index: int) -> str:
