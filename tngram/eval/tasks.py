@@ -388,7 +388,7 @@ def _scalar(text: str, where: str) -> Any:
         return None
     if s[0] == '"':
         try:
-            return json.loads(s)    # YAML double-quoted escapes (\n, \t, \", \\, \uXXXX) = JSON's
+            return json.loads(s)    # YAML double-quoted escapes (\n, \t, \", \\, \u + 4 hex digits) = JSON's
         except json.JSONDecodeError:
             raise TngramError(f"{where}: cannot parse double-quoted string {s}") from None
     if s[0] == "'":
