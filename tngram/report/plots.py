@@ -15,6 +15,15 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, out_png: str | Path) -> Path:
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
+
+
 def loss_curves(runs: dict[str, list[str | Path]], out_png: str | Path, title: str = "") -> Path:
     """Train (and val) loss vs step: one colour per method, one line per seed."""
     plt = _plt()
@@ -37,12 +46,7 @@ def loss_curves(runs: dict[str, list[str | Path]], out_png: str | Path, title: s
         ax.legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return _save(plt, fig, out_png)
 
 
 def xy_plot(series: dict[str, list[tuple[float, float, float]]], out_png: str | Path, xlabel: str,
@@ -60,9 +64,4 @@ def xy_plot(series: dict[str, list[tuple[float, float, float]]], out_png: str | 
         ax.set(xlabel=p["xlabel"], ylabel=p["ylabel"], title=p.get("title", ""))
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return _save(plt, fig, out_png)
