@@ -13,7 +13,7 @@ R = 1024 (L9) / 1800 (L18). Padding id 0 (SentencePiece <pad>, never in the data
 Over-Encoding (a third baseline, not in the paper's tables): orders 2..5, 2 slices per order, the
 slice-table modulus chosen so its Δparams equals TN-gram's (36,380 rows at L9, 33,697 at mini).
 
-`mini-*` recipes are sized for a 2-core CPU (see docs/RESULTS.md for their measured speed).
+`mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed; docs/RESULTS.md the comparison).
 """
 
 from __future__ import annotations
