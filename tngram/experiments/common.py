@@ -57,7 +57,3 @@ def default_nproc(preset: str) -> int:
         return max(1, torch.cuda.device_count())
     except Exception:  # pragma: no cover
         return 1
-
-
-def announce(path: Path, what: str) -> None:
-    print0(f"{what}: {path}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -60,8 +59,7 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
             atomic_write_json(cfg_path, spec.config.to_dict())
             print0(f"[{i}/{len(specs)}] {spec.label}: training ({rdir})")
             t0 = time.time()
-            env = dict(os.environ)
-            proc = subprocess.run(launch_command(nproc) + [str(cfg_path), str(rdir)], env=env)
+            proc = subprocess.run(launch_command(nproc) + [str(cfg_path), str(rdir)])
             if proc.returncode != 0:
                 raise TngramError(f"run {spec.label} failed (exit {proc.returncode}); its folder is {rdir}")
             print0(f"[{i}/{len(specs)}] {spec.label}: done in {time.time() - t0:.0f} s")

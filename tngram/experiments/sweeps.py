@@ -131,7 +131,7 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int = 1, dat
     return EXPERIMENTS[name](out, scale, seeds, data, steps, nproc)
 
 
-def _train_sweep(name: str, out: Path, scale: str, seeds: int, data: str | None, steps: int | None,
+def _train_sweep(out: Path, scale: str, seeds: int, data: str | None, steps: int | None,
                  nproc: int | None, variants_fn: Callable[..., list], vocab_size: int = 1024):
     prefix = SCALES[scale]
     data_dir, vocab = resolve_data(data, vocab_size=vocab_size)
@@ -142,7 +142,7 @@ def _train_sweep(name: str, out: Path, scale: str, seeds: int, data: str | None,
 
 
 def _exp_ngram_order(out, scale, seeds, data, steps, nproc):
-    rows, data_dir = _train_sweep("ngram-order", out, scale, seeds, data, steps, nproc, _ngram_order)
+    rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _ngram_order)
     mem = [r for r in rows if r["method"] != "raw"]
     raw = mean_std([r["val_loss"] for r in rows if r["method"] == "raw"])
     loss = _series(mem, "method", "N", "val_loss")
@@ -156,7 +156,7 @@ def _exp_ngram_order(out, scale, seeds, data, steps, nproc):
 
 
 def _exp_capacity(out, scale, seeds, data, steps, nproc):
-    rows, data_dir = _train_sweep("capacity", out, scale, seeds, data, steps, nproc, _capacity)
+    rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _capacity)
     mem = [r for r in rows if r["method"] != "raw"]
     for r in mem:
         r["delta_m"] = r["delta_params"] / 1e6
@@ -169,7 +169,7 @@ def _exp_capacity(out, scale, seeds, data, steps, nproc):
 
 
 def _exp_vocab(out, scale, seeds, data, steps, nproc):
-    rows, data_dir = _train_sweep("vocab", out, scale, seeds, data, steps, nproc, _vocab, vocab_size=8192)
+    rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _vocab, vocab_size=8192)
     raw_tr = mean_std([r["train_loss"] for r in rows if r["method"] == "raw"])[0]
     raw_va = mean_std([r["val_loss"] for r in rows if r["method"] == "raw"])[0]
     lines = ["| method | train-loss reduction % | val-loss reduction % |", "|---|---|---|"]
@@ -187,7 +187,7 @@ def _exp_vocab(out, scale, seeds, data, steps, nproc):
 
 
 def _exp_ablation(out, scale, seeds, data, steps, nproc):
-    rows, data_dir = _train_sweep("ablation", out, scale, seeds, data, steps, nproc, _ablation)
+    rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _ablation)
     loss = _series(rows, "variant", "N", "val_loss")
     xy_plot(loss, out / "ablation.png", "max n-gram order N", "val loss (nats/token)", "TN-gram ablations")
     return _write(out, "ablation", rows, ["variant", "N", "seed", "delta_params", "val_loss", "val_bpb"],
@@ -195,7 +195,7 @@ def _exp_ablation(out, scale, seeds, data, steps, nproc):
 
 
 def _exp_tiny_table(out, scale, seeds, data, steps, nproc):
-    rows, data_dir = _train_sweep("tiny-table", out, scale, seeds, data, steps, nproc, _tiny_table)
+    rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _tiny_table)
     lines = ["| variant | Δparams | val loss | val BPB |", "|---|---|---|---|"]
     series = {}
     for i, v in enumerate(dict.fromkeys(r["variant"] for r in rows)):
@@ -212,7 +212,7 @@ def _exp_tiny_table(out, scale, seeds, data, steps, nproc):
 
 def _exp_unseen(out, scale, seeds, data, steps, nproc):
     from tngram.experiments.analysis import unseen_split
-    rows, data_dir = _train_sweep("unseen", out, scale, seeds, data, steps, nproc, _vocab)
+    rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _vocab)
     return unseen_split(out, rows, data_dir)
 
 
