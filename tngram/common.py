@@ -77,6 +77,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         f.write(data)
 
 
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) for each non-blank line of a JSONL file; a bad line raises one
+    TngramError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TngramError(f"{path}: line {lineno}: malformed JSON ({e.msg})") from None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable, Sequence
 
-from tngram.common import TngramError, cache_dir
+from tngram.common import TngramError, cache_dir, iter_jsonl
 
 __all__ = [
     "Document",
@@ -227,19 +227,12 @@ def text_inputs(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
 
 
 def _read_jsonl(path: Path, name: str) -> Iterable[Document]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TngramError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            text = obj.get("text") if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                raise TngramError(f'{path}:{lineno}: each JSONL line needs a string field "text"')
-            if text.strip():
-                yield Document("text", f"{name}:{lineno}", text.strip())
+    for lineno, obj in iter_jsonl(path):
+        text = obj.get("text") if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            raise TngramError(f'{path}:{lineno}: each JSONL line needs a string field "text"')
+        if text.strip():
+            yield Document("text", f"{name}:{lineno}", text.strip())
 
 
 def read_text_paths(paths: Sequence[str | os.PathLike]) -> list[Document]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError
+from tngram.common import TngramError, iter_jsonl
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
 TASK_TYPES = (MC, SCHEMA, LM)
@@ -575,18 +575,11 @@ def _check_record(rec: Any, ttype: str) -> str | None:
 def load_task_data(bundle: Bundle, task: BundleTask) -> list[dict[str, Any]]:
     """All records of a task's jsonl, validated for its type."""
     out: list[dict[str, Any]] = []
-    with open(task.path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TngramError(f"{task.path}: line {n}: malformed JSON ({e.msg})") from None
-            why = _check_record(rec, task.task_type)
-            if why:
-                raise TngramError(f"{task.path}: line {n}: {why} (task {task.label!r}, {task.task_type})")
-            out.append(rec)
+    for n, rec in iter_jsonl(task.path):
+        why = _check_record(rec, task.task_type)
+        if why:
+            raise TngramError(f"{task.path}: line {n}: {why} (task {task.label!r}, {task.task_type})")
+        out.append(rec)
     if not out:
         raise TngramError(f"{task.path}: no records (task {task.label!r})")
     return out

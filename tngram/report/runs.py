@@ -8,20 +8,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError
+from tngram.common import TngramError, iter_jsonl
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise TngramError(f"{path} not found: is {run_dir} a tngram run folder?")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise TngramError(f"{path}: line {i} is not JSON ({e.msg})") from None
+    rows = [obj for _, obj in iter_jsonl(path)]
     return rows
 
 
