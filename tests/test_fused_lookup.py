@@ -1,8 +1,9 @@
 """The fused TN-gram lookup (tngram.kernels) against the plain-autograd reference (memory/cp.py).
 
 Forward values and the gradients of factors, absorption vectors and log-scales are compared for
-N = 2..8, every ablation switch, padding, chunk boundaries, fp32 and bf16, for the CPU torch path
-and (under the Triton interpreter, in a subprocess) for the Triton kernels.
+N = 2..8, every ablation switch, padding, chunk boundaries, fp32 and bf16, for the CPU torch path,
+the C kernel (fp32; skipped only when no C compiler works) and (under the Triton interpreter, in
+a subprocess) for the Triton kernels.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tngram.kernels import absorption_weights, ngram_row_index, fused_lookup, triton_available
+from tngram.kernels import (absorption_weights, c_unavailable_reason, fused_lookup, ngram_row_index,
+                            triton_available)
 from tngram.memory.cp import absorption_products, order_embeddings, order_vectors
 from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.tngram import TNGramConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 V, R = 13, 24
+CPU_IMPLS = ["torch", pytest.param("c", marks=pytest.mark.skipif(
+    c_unavailable_reason() is not None, reason=f"C kernel unavailable: {c_unavailable_reason()}"))]
 
 # fp32: both paths do the same products and one mean over R per order, in a different order of
 # operations, so they differ by a few fp32 ulps (1.2e-7) of the tensor's largest magnitude (sums
@@ -59,14 +63,15 @@ def value_and_grads(fn, f, a, l, upstream):
     return out, torch.autograd.grad(out, leaves, upstream)
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("N", range(2, 9))
-def test_fp32_forward_and_grads_match_reference(N):
+def test_fp32_forward_and_grads_match_reference(N, impl):
     f, a, l = params(N, seed=N)
     ids = torch.randint(0, V, (3, 11), generator=torch.Generator().manual_seed(N))
     ng = suffix_ngrams(ids, N, pad_id=0)
     up = torch.randn(3, 11, (N - 1) * R)
     ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
-    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl="torch", chunk=4),
+    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl=impl, chunk=4),
                                  f, a, l, up)
     assert_close_scaled(got, ref, what="e")
     for x, y, name in zip(got_g, ref_g, ("factors", "absorb", "log_scales")):
@@ -76,8 +81,11 @@ def test_fp32_forward_and_grads_match_reference(N):
 @pytest.mark.parametrize("use_norm", [True, False])
 @pytest.mark.parametrize("learn_scales", [True, False])
 @pytest.mark.parametrize("use_absorption", [True, False])
-def test_module_switch_every_ablation_matches_reference(use_norm, learn_scales, use_absorption):
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_module_switch_every_ablation_matches_reference(use_norm, learn_scales, use_absorption,
+                                                        impl, monkeypatch):
     """TNGram(fused=True) == TNGram(fused=False): output y and every parameter gradient."""
+    monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", impl)
     kw = dict(max_ngram=4, cp_rank=R, use_norm=use_norm, learn_scales=learn_scales,
               use_absorption=use_absorption, zero_init_value=False, zero_init_conv=False)
     torch.manual_seed(0)
@@ -124,7 +132,8 @@ def test_bf16_is_at_least_as_accurate_as_the_bf16_reference(N):
             assert err_got.mean() <= (r.double() - t).abs().mean(), i
 
 
-def test_padding_short_sequences_and_pad_row_gradient():
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_padding_short_sequences_and_pad_row_gradient(impl):
     """T < N (every position padded), a non-zero pad id; the pad row gets exactly the reference's
     gradient and rows of absent tokens get none."""
     N, pad = 6, 5
@@ -133,7 +142,7 @@ def test_padding_short_sequences_and_pad_row_gradient():
     ng = suffix_ngrams(ids, N, pad_id=pad)
     up = torch.randn(2, 3, (N - 1) * R)
     ref, ref_g = value_and_grads(lambda: reference(f, a, l, ng), f, a, l, up)
-    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl="torch"), f, a, l, up)
+    got, got_g = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl=impl), f, a, l, up)
     assert_close_scaled(got, ref, what="e")
     for x, y, name in zip(got_g, ref_g, ("factors", "absorb", "log_scales")):
         assert_close_scaled(x, y, what=name)
@@ -149,7 +158,8 @@ def test_chunking_does_not_change_results_and_no_grad_works():
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
     with torch.no_grad():
-        torch.testing.assert_close(fused_lookup(f, a, l, ng), outs[0], rtol=0, atol=0)
+        torch.testing.assert_close(fused_lookup(f, a, l, ng, impl="torch"), outs[0], rtol=0, atol=0)
+        assert_close_scaled(fused_lookup(f, a, l, ng), outs[0], what="auto impl under no_grad")
 
 
 def test_index_and_absorption_helpers_match_reference():
@@ -279,3 +289,36 @@ def test_intra_op_thread_count_is_restored():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(c_unavailable_reason() is not None, reason="C kernel unavailable")
+def test_c_kernel_rejects_out_of_range_ids_and_non_fp32():
+    """The C loop has no bounds checks, so the wrapper must refuse ids outside [0, V)."""
+    f, a, l = params(3)
+    ng = suffix_ngrams(torch.randint(0, V, (1, 5)), 3, pad_id=0)
+    bad = ng.clone()
+    bad[0, 2, 1] = V
+    with pytest.raises(ValueError, match=r"\[0, 13\)"):
+        fused_lookup(f, a, l, bad, impl="c")
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        fused_lookup(*params(3, torch.bfloat16), ng, impl="c")
+    # "auto" sends bf16 factors to the torch path: identical to forcing it
+    fb, ab, lb = params(3, torch.bfloat16)
+    torch.testing.assert_close(fused_lookup(fb, ab, lb, ng), fused_lookup(fb, ab, lb, ng, impl="torch"),
+                               rtol=0, atol=0)
+
+
+def test_without_a_c_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
+    """No compiler: "auto" runs the torch path (bit-identical to it), "c" errors saying why."""
+    import tngram.kernels.tngram_c as tc
+    monkeypatch.setattr(tc, "_STATE", {})
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    monkeypatch.setenv("TNGRAM_CACHE", str(tmp_path))
+    monkeypatch.delenv("TNGRAM_LOOKUP_IMPL", raising=False)
+    assert "no-such-compiler-xyz" in tc.c_unavailable_reason()
+    f, a, l = params(4)
+    ng = suffix_ngrams(torch.randint(0, V, (2, 6)), 4, pad_id=0)
+    torch.testing.assert_close(fused_lookup(f, a, l, ng), fused_lookup(f, a, l, ng, impl="torch"),
+                               rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="C lookup is unavailable"):
+        fused_lookup(f, a, l, ng, impl="c")

@@ -67,7 +67,7 @@ def add_commands(sub: Any) -> None:
     m.add_argument("--batch", type=int, default=4)
     m.add_argument("--seq", type=int, default=256)
     m.add_argument("--only", nargs="+", metavar="NAME",
-                   help="candidates among none engram engram-isel tngram tngram-ref oe")
+                   help="candidates among none engram tngram tngram-torch tngram-ref oe")
     m.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
     m.add_argument("--profile", action="store_true", help="add a per-op profile of the lookups")
     m.set_defaults(func=_modules)

@@ -2,10 +2,10 @@
 
 Modules (built exactly as the paper-l9 recipes build them, d 512, V 1024, memory layer 1 of
 (1, 7)): Engram (orders 2..5, 8 heads x 64 per order, d_mem 2048), TN-gram (N 5, R 1024,
-d_mem 4096; fused lookup and the plain-autograd reference), Over-Encoding (input n-gram
-embeddings, 8 slice tables). "engram-isel" is Engram with its table read by index_select instead
-of nn.Embedding (the same numbers; a cheap win Engram's own code could take, shown so the
-TN-gram/Engram ratios are also reported against the faster Engram). "none" has no memory.
+d_mem 4096), Over-Encoding (input n-gram embeddings, 8 slice tables). TN-gram three ways:
+"tngram" is what training uses (`fused_lookup` impl "auto": the C kernel on fp32 CPU tensors when
+it builds), "tngram-torch" the fused torch-ops path (impl "torch"), "tngram-ref" the
+plain-autograd reference of memory/cp.py. "none" has no memory.
 
 Per candidate: (a) the lookup stage alone (`memory_vector`: n-gram extraction/hashing, gathers,
 products, norms, scales; everything before the K/V projections), forward + backward into the
@@ -27,6 +27,9 @@ branch, Over-Encoding's projection), plus elementwise estimates: the gate/conv ~
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +40,25 @@ from tngram.bench.common import (fmt_ms, fmt_si, interleaved, machine_info, matm
                                  peak_rss_delta_subprocess, vm_hwm_bytes, vm_rss_bytes)
 
 D_MODEL, VOCAB = 512, 1024
-CANDIDATES = ("none", "engram", "engram-isel", "tngram", "tngram-ref", "oe")
+CANDIDATES = ("none", "engram", "tngram", "tngram-torch", "tngram-ref", "oe")
+TN_IMPL = {"tngram": "auto", "tngram-torch": "torch"}        # forced TNGRAM_LOOKUP_IMPL per candidate
+
+
+@contextmanager
+def _impl(name: str) -> Iterator[None]:
+    """Run with TNGRAM_LOOKUP_IMPL set for the TN-gram candidates (restored afterwards)."""
+    if name not in TN_IMPL:
+        yield
+        return
+    old = os.environ.get("TNGRAM_LOOKUP_IMPL")
+    os.environ["TNGRAM_LOOKUP_IMPL"] = TN_IMPL[name]
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TNGRAM_LOOKUP_IMPL", None)
+        else:
+            os.environ["TNGRAM_LOOKUP_IMPL"] = old
 
 
 def build(name: str) -> nn.Module | None:
@@ -46,29 +67,27 @@ def build(name: str) -> nn.Module | None:
     torch.manual_seed(0)
     if name == "none":
         return None
-    kind = {"engram": "engram", "engram-isel": "engram", "tngram": "tngram",
+    if name not in CANDIDATES:
+        raise ValueError(f"unknown candidate {name!r}; valid: {', '.join(CANDIDATES)}")
+    kind = {"engram": "engram", "tngram": "tngram", "tngram-torch": "tngram",
             "tngram-ref": "tngram", "oe": "oe"}[name]
     cfg = get_recipe(f"paper-l9-{kind}").model.memory
     if name == "tngram-ref":
         cfg = replace(cfg, fused=False)
-    elif name == "tngram":
+    elif name in TN_IMPL:
         cfg = replace(cfg, fused=True)
     return cfg.build(D_MODEL, VOCAB, 1, (1, 7))
 
 
 def lookup(name: str, m: nn.Module, ids: Tensor) -> Tensor:
     """The lookup stage (B, T) -> memory vector (B, T, d_mem)."""
-    if name == "engram-isel":
-        rows = m.row_ids(ids)                                           # (B, T, (N-1) H)
-        B, T, _ = rows.shape
-        return torch.index_select(m.table.weight, 0, rows.reshape(-1)).view(B, T, m.d_mem)
-    return m.memory_vector(ids)
+    with _impl(name):
+        return m.memory_vector(ids)
 
 
 def module_forward(name: str, m: nn.Module, h: Tensor, ids: Tensor) -> Tensor:
-    if name == "engram-isel":
-        return m.fusion(h, lookup(name, m, ids))
-    return m(h, ids)
+    with _impl(name):
+        return m(h, ids)
 
 
 def d_mem(name: str, m: nn.Module) -> int:
@@ -190,19 +209,19 @@ def run(names: tuple[str, ...] = CANDIDATES, batch: int = 4, seq: int = 256, rep
            "candidates": rows, "ratios": ratios(rows)}
     if profile:
         out["profile"] = {n: profile_top(n, live[n], ids, h, g_vec[n], g_out)
-                          for n in live if n in ("tngram", "engram", "engram-isel")}
+                          for n in live if n in ("engram", *TN_IMPL)}
     return out
 
 
 def ratios(rows: dict[str, Any]) -> dict[str, Any]:
-    """TN-gram/Engram time ratios beside the analytic ratios (against both Engram variants)."""
+    """TN-gram/Engram time ratios beside the analytic ratios (for each TN-gram lookup impl)."""
     out: dict[str, Any] = {}
-    tn = rows.get("tngram")
-    for en_name in ("engram", "engram-isel"):
-        en = rows.get(en_name)
+    en = rows.get("engram")
+    for tn_name in TN_IMPL:
+        tn = rows.get(tn_name)
         if not tn or not en or "lookup" not in tn or "lookup" not in en:
             continue
-        key = f"tngram/{en_name}"
+        key = f"{tn_name}/engram"
         out[key] = {
             "lookup_time": tn["lookup"]["median_s"] / en["lookup"]["median_s"],
             "lookup_time_min": tn["lookup"]["min_s"] / en["lookup"]["min_s"],
@@ -216,12 +235,16 @@ def ratios(rows: dict[str, Any]) -> dict[str, Any]:
         r["lookup_target_met"] = r["lookup_time"] <= r["lookup_bytes_mirror"]
         r["module_target_met"] = r["module_time"] <= 1.05 * r["module_flops"]
     ref = rows.get("tngram-ref")
-    if tn and ref and "lookup" in tn and "lookup" in ref:
-        out["tngram-ref/tngram"] = {
+    for tn_name in TN_IMPL:
+        tn = rows.get(tn_name)
+        if not tn or not ref or "lookup" not in tn or "lookup" not in ref:
+            continue
+        key = f"tngram-ref/{tn_name}"
+        out[key] = {
             "lookup_speedup": ref["lookup"]["median_s"] / tn["lookup"]["median_s"],
             "lookup_speedup_min": ref["lookup"]["min_s"] / tn["lookup"]["min_s"],
             "module_speedup": ref["module"]["median_s"] / tn["module"]["median_s"]}
-        out["tngram-ref/tngram"]["target_met"] = out["tngram-ref/tngram"]["lookup_speedup"] >= 3
+        out[key]["target_met"] = out[key]["lookup_speedup"] >= 3
     return out
 
 

@@ -2,10 +2,12 @@
 
     fused_lookup(factors, absorb, log_scales, ngrams) -> e_concat (B, T, (N-1) R)
 
-impl="auto" uses the Triton kernels on CUDA when triton is importable, else the CPU/torch path
-(`tngram_lookup.py`: chunked torch ops with a hand-written backward). "torch" and "triton" force
-one; "triton" also runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1).
-The environment variable TNGRAM_LOOKUP_IMPL (auto | torch | triton) overrides "auto", e.g. to
+impl="auto" uses the Triton kernels on CUDA when triton is importable; on CPU with fp32 factors
+the C kernel (`tngram_lookup.c`, built on first use by `tngram_c.py`) when a C compiler works;
+else the torch path (`tngram_lookup.py`: chunked torch ops with a hand-written backward, any
+device and dtype). "torch", "c" and "triton" force one; "triton" also runs on CPU tensors under
+the Triton interpreter (TRITON_INTERPRET=1).
+The environment variable TNGRAM_LOOKUP_IMPL (auto | torch | c | triton) overrides "auto", e.g. to
 fall back to the torch path on a GPU (the Triton kernels are compiled and interpreter-checked
 here, but were not run on GPU hardware).
 The plain-autograd reference is `tngram.memory.cp` (kernels never import memory/model).
@@ -19,11 +21,12 @@ import os
 import torch
 from torch import Tensor
 
+from tngram.kernels.tngram_c import CTNGramLookup, c_supported, c_unavailable_reason
 from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, FusedTNGramLookup,
                                           absorption_weights, clear_workspaces,
                                           ngram_row_index)
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "c", "triton")
 
 
 def triton_available() -> bool:
@@ -50,7 +53,10 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
         if impl not in IMPLS:
             raise ValueError(f"TNGRAM_LOOKUP_IMPL must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "triton" if factors.is_cuda and triton_available() else "torch"
+        if factors.is_cuda:
+            impl = "triton" if triton_available() else "torch"
+        else:
+            impl = "c" if c_supported(factors) and c_unavailable_reason() is None else "torch"
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
     # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
     # are rounded once, at the cast back
@@ -59,12 +65,18 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     W = absorption_weights(a, N, R, factors if a is None else a)         # (N-1, R) | None
     scales = torch.exp(up(log_scales)) if log_scales is not None else None   # (N-1,) | None
     fn = FusedTNGramLookup
-    if impl == "triton":
+    if impl == "c":
+        if not c_supported(factors):
+            raise ValueError(f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}")
+        if ngrams.numel() and (int(ngrams.min()) < 0 or int(ngrams.max()) >= V):  # C: no bounds checks
+            raise ValueError(f"ngram token ids must be in [0, {V}), got {int(ngrams.min())}..{int(ngrams.max())}")
+        fn = CTNGramLookup
+    elif impl == "triton":
         from tngram.kernels.tngram_triton import TritonTNGramLookup
         fn = TritonTNGramLookup
     e = fn.apply(factors, idx, W, scales, use_norm, eps, max(1, int(chunk)))  # (M, N-1, R)
     return e.view(B, T, (N - 1) * R)
 
 
-__all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "clear_workspaces",
+__all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "c_unavailable_reason", "clear_workspaces",
            "fused_lookup", "ngram_row_index", "triton_available"]

@@ -1,0 +1,163 @@
+"""The C fused lookup (`tngram_lookup.c`): built once with the system compiler, called via ctypes.
+
+Why C and not more torch ops: the torch path (`tngram_lookup.py`) is bounded by ~20 separate
+elementwise passes per chunk and ~700 op dispatches per fwd+bwd; the C loop does each token's
+gather, products, norm and scale in one pass over L1-resident rows, and the backward adds
+straight into the factor gradient (no (c, N, R) buffers). No torch headers are involved, so the
+build takes well under a second; the library is cached under `<cache>/kernels/` keyed by the
+source, the compiler, its flags and the CPU's feature flags (the build uses -march=native).
+
+Used by `fused_lookup` for fp32 CPU tensors when the build works (`impl="auto"`); if there is no
+C compiler or the build fails, the torch path runs instead and `c_unavailable_reason()` says why.
+`TNGRAM_LOOKUP_IMPL=c` forces it (and errors if it cannot be built). `CC` picks the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("tngram_lookup.c")
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O3"])
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() + platform.machine()
+
+
+def _build(cc: str, flags: list[str], out: Path) -> None:
+    """Compile SOURCE into the shared library `out` (atomically: temp file + rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-fPIC", "-shared", "-o", tmp, str(SOURCE), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL:
+    from tngram.common import cache_dir
+
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler: {cc!r} is not on PATH (set CC)")
+    src = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([src, cc.encode(), " ".join(flags).encode(),
+                                          _cpu_flags().encode(), torch.__version__.encode()]))
+        lib = cache_dir() / "kernels" / f"tngram_lookup-{key.hexdigest()[:16]}.so"
+        try:
+            if not lib.exists():
+                _build(cc, flags, lib)
+            return _declare(ctypes.CDLL(str(lib)))
+        except OSError as e:
+            errors.append(str(e))
+    raise OSError("; ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.tn_lookup_forward.argtypes = [p, p, p, p, i64, i64, i64, i32, f32, p, p, p]
+    lib.tn_lookup_forward.restype = None
+    lib.tn_lookup_backward.argtypes = [p, p, p, p, p, p, i64, i64, i64, p, p, p, p]
+    lib.tn_lookup_backward.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None if that is impossible."""
+    with _LOCK:
+        if "lib" not in _STATE:
+            try:
+                _STATE["lib"], _STATE["reason"] = _load(), None
+            except OSError as e:
+                _STATE["lib"], _STATE["reason"] = None, str(e)
+        return _STATE["lib"]  # type: ignore[return-value]
+
+
+def c_unavailable_reason() -> str | None:
+    """None when the C kernels load, else why not (building them if not tried yet)."""
+    library()
+    return _STATE.get("reason")  # type: ignore[return-value]
+
+
+def c_supported(factors: Tensor) -> bool:
+    """The C path handles contiguous-able fp32 CPU factors (others use the torch path)."""
+    return factors.device.type == "cpu" and factors.dtype == torch.float32
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CTNGramLookup(torch.autograd.Function):
+    """Same contract as `FusedTNGramLookup.apply(factors, idx, W, scales, use_norm, eps, chunk)`
+    (chunk is ignored: the C loop works token by token)."""
+
+    @staticmethod
+    def forward(ctx, factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,  # noqa: ANN001
+                use_norm: bool, eps: float, chunk: int) -> Tensor:
+        lib = library()
+        if lib is None:
+            raise RuntimeError(f"the C lookup is unavailable: {c_unavailable_reason()}")
+        N, V, R = factors.shape
+        M = idx.shape[0]
+        table = factors.detach().contiguous()
+        idx = idx.contiguous()
+        Wc = (torch.ones(N - 1, R, dtype=torch.float32) if W is None
+              else W.detach().to(torch.float32).contiguous())
+        sc = None if scales is None else scales.detach().to(torch.float32).contiguous()
+        out = torch.empty(M, N - 1, R, dtype=torch.float32)
+        rstd = torch.empty(M, N - 1, dtype=torch.float32) if use_norm else None
+        scratch = torch.empty(R, dtype=torch.float32)
+        lib.tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
+                              int(use_norm), float(eps), out.data_ptr(), _ptr(rstd),
+                              scratch.data_ptr())
+        ctx.save_for_backward(table, idx, Wc, sc, rstd)
+        ctx.W_dtype = None if W is None else W.dtype
+        ctx.s_dtype = None if scales is None else scales.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        table, idx, Wc, sc, rstd = ctx.saved_tensors
+        N, V, R = table.shape
+        M = idx.shape[0]
+        need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
+        g = grad.to(torch.float32).contiguous()
+        d_table = torch.zeros(N, V, R, dtype=torch.float32) if need_f else None
+        dW = torch.zeros(N - 1, R, dtype=torch.float32) if (need_W and ctx.W_dtype) else None
+        ds = torch.zeros(N - 1, dtype=torch.float32) if (need_s and sc is not None) else None
+        scratch = torch.empty((2 * (N - 1) + 1) * R, dtype=torch.float32)
+        library().tn_lookup_backward(g.data_ptr(), table.data_ptr(), idx.data_ptr(), Wc.data_ptr(),
+                                     _ptr(sc), _ptr(rstd), M, N, R, _ptr(d_table), _ptr(dW),
+                                     _ptr(ds), scratch.data_ptr())
+        dW = None if dW is None else dW.to(ctx.W_dtype)
+        ds = None if ds is None else ds.to(ctx.s_dtype)
+        return d_table, None, dW, ds, None, None, None
