@@ -34,6 +34,23 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# The C op reads raw data pointers, which torch.compile's fake tensors do not have: it runs
+# outside the graph (a graph break), as does the one-time build/load check.
+@torch.compiler.disable
+def _c_ok() -> bool:
+    return c_unavailable_reason() is None
+
+
+@torch.compiler.disable
+def _c_apply(factors: Tensor, ngrams: Tensor, *args: object) -> Tensor:
+    N, V, R = factors.shape
+    if not c_supported(factors):
+        raise ValueError(f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}")
+    if ngrams.numel() and (int(ngrams.min()) < 0 or int(ngrams.max()) >= V):  # C: no bounds checks
+        raise ValueError(f"ngram token ids must be in [0, {V}), got {int(ngrams.min())}..{int(ngrams.max())}")
+    return CTNGramLookup.apply(factors, *args)
+
+
 def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
                   ngrams: Tensor, *, use_norm: bool = True, eps: float = 1e-6,
                   impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
@@ -56,7 +73,7 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
         if factors.is_cuda:
             impl = "triton" if triton_available() else "torch"
         else:
-            impl = "c" if c_supported(factors) and c_unavailable_reason() is None else "torch"
+            impl = "c" if c_supported(factors) and _c_ok() else "torch"
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
     # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
     # are rounded once, at the cast back
@@ -64,17 +81,14 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     a = None if absorb is None else up(absorb)
     W = absorption_weights(a, N, R, factors if a is None else a)         # (N-1, R) | None
     scales = torch.exp(up(log_scales)) if log_scales is not None else None   # (N-1,) | None
-    fn = FusedTNGramLookup
+    args = (idx, W, scales, use_norm, eps, max(1, int(chunk)))
     if impl == "c":
-        if not c_supported(factors):
-            raise ValueError(f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}")
-        if ngrams.numel() and (int(ngrams.min()) < 0 or int(ngrams.max()) >= V):  # C: no bounds checks
-            raise ValueError(f"ngram token ids must be in [0, {V}), got {int(ngrams.min())}..{int(ngrams.max())}")
-        fn = CTNGramLookup
+        e = _c_apply(factors, ngrams, *args)                             # (M, N-1, R)
     elif impl == "triton":
         from tngram.kernels.tngram_triton import TritonTNGramLookup
-        fn = TritonTNGramLookup
-    e = fn.apply(factors, idx, W, scales, use_norm, eps, max(1, int(chunk)))  # (M, N-1, R)
+        e = TritonTNGramLookup.apply(factors, *args)
+    else:
+        e = FusedTNGramLookup.apply(factors, *args)
     return e.view(B, T, (N - 1) * R)
 
 
