@@ -37,7 +37,7 @@ def _step(args: argparse.Namespace) -> int:
     _threads(args)
     res = step.run(tuple(args.recipes) if args.recipes else step.DEFAULT_RECIPES,
                    reps=args.reps, warmup=args.warmup, dtypes=tuple(args.dtype),
-                   paper_batch=args.paper_batch, profile=args.profile)
+                   paper_batch=args.paper_batch, profile=args.profile, compile=args.compile)
     _emit(res, step.report(res), args)
     return 0
 
@@ -78,6 +78,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     s.add_argument("--paper-batch", type=int, default=2, help="sequences of 1024 for paper-l9 (default 2)")
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
+    s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
     s.set_defaults(func=_step)
 
     d = bs.add_parser("data", help="shard reading and tokenisation throughput")

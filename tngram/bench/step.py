@@ -13,6 +13,10 @@ nn.Linear weight (attention, MLP, memory K/V, Over-Encoding projection) plus the
 models' extra gathers, products and gates show up as lower achieved FLOP/s. Achieved FLOP/s is
 reported as a fraction of this machine's matmul peak measured in the same run (2048^3 torch.mm,
 fp32 and bf16).
+
+With `compile=True` every recipe/dtype is also measured with the model wrapped in
+`torch.compile(dynamic=False)`, as the trainer does with `run.compile=true` (key suffix
+"+compile"; the compile itself happens in the warm-up reps and is not timed).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def matmul_params(model: nn.Module) -> int:
     return n + model.tok_emb.weight.numel()
 
 
-def build_step(recipe: str, dtype: str, paper_batch: int) -> tuple[Callable[[], None], dict[str, Any]]:
+def build_step(recipe: str, dtype: str, paper_batch: int,
+               compiled: bool = False) -> tuple[Callable[[], None], dict[str, Any]]:
     """A closure doing one training step, and its analytic facts."""
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
@@ -61,10 +66,11 @@ def build_step(recipe: str, dtype: str, paper_batch: int) -> tuple[Callable[[], 
     seq = torch.randint(1, V, (B, T + 1), generator=gen)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else nullcontext
+    fwd = torch.compile(model, dynamic=False) if compiled else model
 
     def step() -> None:
         with ctx():
-            loss = model(x, y)
+            loss = fwd(x, y)
         loss.backward()
         for opt in opts:
             opt.step()
@@ -73,7 +79,7 @@ def build_step(recipe: str, dtype: str, paper_batch: int) -> tuple[Callable[[], 
     tokens = B * T
     m = cfg.model
     flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
-    facts = {"recipe": recipe, "dtype": dtype, "batch": B, "seq": T, "tokens": tokens,
+    facts = {"recipe": recipe, "dtype": dtype, "compiled": compiled, "batch": B, "seq": T, "tokens": tokens,
              "params": model.num_params(), "matmul_params": matmul_params(model),
              "flops": float(flops), "optimizer": "Adam + Muon (tngram.optim.muon)"}
     return step, facts
@@ -81,7 +87,7 @@ def build_step(recipe: str, dtype: str, paper_batch: int) -> tuple[Callable[[], 
 
 def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int = 2,
         dtypes: tuple[str, ...] = ("fp32", "bf16"), paper_batch: int = 2,
-        profile: bool = False) -> dict[str, Any]:
+        profile: bool = False, compile: bool = False) -> dict[str, Any]:
     load_before = machine_info()["loadavg"]
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     results: dict[str, Any] = {}
@@ -92,8 +98,9 @@ def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int =
         steps, facts = {}, {}
         for r in names:
             for dt in dtypes:
-                key = f"{r}:{dt}"
-                steps[key], facts[key] = build_step(r, dt, paper_batch)
+                for c in ((False, True) if compile else (False,)):
+                    key = f"{r}:{dt}" + ("+compile" if c else "")
+                    steps[key], facts[key] = build_step(r, dt, paper_batch, compiled=c)
         g_reps, g_warm = (reps, warmup) if group == "mini" else (max(2, reps // 3), 1)
         times = interleaved(steps, g_reps, g_warm)
         for key, t in times.items():
@@ -102,7 +109,7 @@ def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int =
             results[key] = {**f, "step": t.to_dict(), "tokens_per_s": f["tokens"] / t.median,
                             "flops_per_s": achieved, "peak_fraction": achieved / peaks[f["dtype"]]}
         if profile and group == "mini":
-            results["profile"] = {k: profile_step(steps[k]) for k in steps}
+            results["profile"] = {k: profile_step(steps[k]) for k in steps if not k.endswith("+compile")}
         del steps
     info = machine_info()
     info["loadavg_before"] = load_before
@@ -112,16 +119,17 @@ def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int =
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for dt in ("fp32", "bf16"):
+    for dt in ("fp32", "bf16", "fp32+compile", "bf16+compile"):
         raw, tn = results.get(f"mini-raw:{dt}"), results.get(f"mini-tngram:{dt}")
         if raw and tn:
             ratio = tn["flops_per_s"] / raw["flops_per_s"]
             out[f"mini tngram/raw FLOP/s ({dt})"] = {"ratio": ratio, "target": 0.95, "met": ratio >= 0.95}
-        if dt == "bf16":
+        if dt.startswith("bf16"):
+            sfx = dt[4:]
             for name, r in (("mini-raw", raw), ("mini-tngram", tn)):
                 if r:
-                    out[f"{name} share of bf16 peak"] = {"fraction": r["peak_fraction"], "target": 0.35,
-                                                         "met": r["peak_fraction"] >= 0.35}
+                    out[f"{name}{sfx} share of bf16 peak"] = {"fraction": r["peak_fraction"], "target": 0.35,
+                                                              "met": r["peak_fraction"] >= 0.35}
     return out
 
 
@@ -141,11 +149,11 @@ def report(res: dict[str, Any]) -> str:
              f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, load "
              f"{mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
              f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 {fmt_si(pk['bf16'], 'FLOP/s')}", "",
-             f"{'recipe:dtype':22s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} {'of peak':>8s}"]
+             f"{'recipe:dtype':28s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} {'of peak':>8s}"]
     for key, r in res["results"].items():
         if key == "profile":
             continue
-        lines.append(f"{key:22s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} ({fmt_ms(r['step']['min_s']).strip():>7s})"
+        lines.append(f"{key:28s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} ({fmt_ms(r['step']['min_s']).strip():>7s})"
                      f" {r['tokens_per_s']:10,.0f} {fmt_si(r['flops_per_s'], 'FLOP/s'):>13s} {100 * r['peak_fraction']:7.1f}%")
     lines.append("")
     for name, t in res["targets"].items():
