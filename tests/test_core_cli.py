@@ -1,6 +1,7 @@
 """`tngram eval core|bpb|build-bundle` handlers on a tiny trained-shape run folder (random weights).
 
-The run folder is made here: a SentencePiece model (BOS 1) in a data folder, a 2-layer GPT's
+The run folder is made here: a SentencePiece model (BOS 1) in a data folder with a manifest and
+a val shard (the handlers open it like the trainer, `open_dataset`), a 2-layer GPT's
 config.json + model.safetensors via tngram.train.checkpoint, and the toy bundle of
 test_core_fixtures. Numbers are not checked against constants (random weights); the handler must
 write JSON equal to calling evaluate_core directly with the same model, tokenizer and max length.
@@ -43,6 +44,13 @@ def _make_run(tmp: Path) -> tuple[Path, Path]:
     spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus * 10), model_prefix=str(data / "tokenizer"),
                                    vocab_size=96, model_type="bpe", pad_id=0, bos_id=1, eos_id=2, unk_id=3,
                                    character_coverage=1.0, minloglevel=2)
+    import numpy as np
+
+    from tngram.data.build import FORMAT, write_manifest
+    from tngram.data.shards import write_shard
+    write_shard(data / "val_000000.bin", np.arange(4, 4 + 48 * 4 + 1, dtype=np.uint16) % 96)
+    write_manifest(data, {"format": FORMAT, "vocab_size": 96, "tokenizer": {"model": "tokenizer.model"},
+                          "files": {"train": [], "val": ["val_000000.bin"]}})
     torch.manual_seed(0)
     cfg = TrainConfig(name="tiny", model=GPTConfig(vocab_size=96, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
                                                    sequence_len=48, memory=None),

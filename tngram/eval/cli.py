@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +89,19 @@ def _cpu_threads(requested: int, device: str) -> int | None:
     return max(1, min(torch.get_num_threads(), idle))
 
 
-def _init_dist(device: str) -> bool:
-    """Initialise torch.distributed under torchrun; True if this call created the group."""
+@contextmanager
+def _dist_group(device: str) -> Iterator[Any]:
+    """Under torchrun: a process group for the evaluation (torn down after, if we made it)."""
     import torch.distributed as dist
     info = get_dist_info()
-    if info.world_size <= 1 or dist.is_initialized():
-        return False
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return True
+    created = info.world_size > 1 and not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    try:
+        yield info
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
@@ -107,14 +114,11 @@ def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
     return load_run_model(run_dir, device=device)
 
 
-def _data_dir(cfg: dict[str, Any], override: str | None = None) -> Path:
-    if override:
-        return Path(override)
-    d = (cfg.get("data") or {}).get("dir")
-    if d:
-        return Path(d)
-    from tngram.data.build import default_data_dir
-    return default_data_dir(int(cfg["model"]["vocab_size"]))
+def _dataset(cfg: dict[str, Any], override: str | None = None) -> Any:
+    """The run's dataset (or `override`), opened and checked (`tngram.data.build.open_dataset`)."""
+    from tngram.data.build import default_data_dir, open_dataset
+    d = override or (cfg.get("data") or {}).get("dir")
+    return open_dataset(Path(d) if d else default_data_dir(int(cfg["model"]["vocab_size"])))
 
 
 # ------------------------------------------------------------------ handlers
@@ -141,11 +145,9 @@ def cmd_core(args: argparse.Namespace) -> int:
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
         raise TngramError(f"{bundle / 'core.yaml'}: missing{hint}")
-    created = _init_dist(device)
-    info = get_dist_info()
-    try:
+    with _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
-        tok = SentencePieceTokenizer(_data_dir(cfg) / "tokenizer.model")
+        tok = SentencePieceTokenizer(_dataset(cfg).tokenizer_path)
         max_len = int(cfg["model"]["sequence_len"])
 
         @torch.no_grad()
@@ -168,31 +170,22 @@ def cmd_core(args: argparse.Namespace) -> int:
                 f"core-max{n}.json" if n else "core.json")
             atomic_write_json(path, res)
             print0(f"wrote {path}")
-    finally:
-        if created:
-            import torch.distributed as dist
-            dist.destroy_process_group()
     return 0
 
 
 def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.data.bpb import token_byte_luts
     from tngram.data.loader import load_val_tokens
-    from tngram.data.shards import list_shards
     from tngram.data.tokenizer import load_tokenizer
     from tngram.eval.bpb import evaluate_bpb
     device = _device(args.device)
-    created = _init_dist(device)
-    info = get_dist_info()
-    try:
+    with _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
-        data = _data_dir(cfg, args.data)
+        ds = _dataset(cfg, args.data)
+        data = ds.dir
         seq_len, vocab = int(cfg["model"]["sequence_len"]), int(cfg["model"]["vocab_size"])
-        files = list_shards(data, "val")
-        if not files:
-            raise TngramError(f"{data}: no validation shards (val_*.bin)")
-        val = load_val_tokens(files, seq_len, vocab)
-        luts = token_byte_luts(load_tokenizer(data / "tokenizer.model"), vocab)
+        val = load_val_tokens(ds.val_files, seq_len, vocab)
+        luts = token_byte_luts(load_tokenizer(ds.tokenizer_path), vocab)
         max_tokens = args.max_tokens if args.max_tokens is not None else (cfg.get("data") or {}).get("val_tokens")
         t0 = time.perf_counter()
         res = dict(evaluate_bpb(model, val, seq_len, luts, args.batch_seqs, ddp_rank=info.ddp_rank,
@@ -204,8 +197,4 @@ def cmd_bpb(args: argparse.Namespace) -> int:
             path = Path(args.json) if args.json else Path(args.run_dir) / "eval" / "bpb.json"
             atomic_write_json(path, res)
             print0(f"wrote {path}")
-    finally:
-        if created:
-            import torch.distributed as dist
-            dist.destroy_process_group()
     return 0
