@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tngram.kernels import (absorption_weights, c_unavailable_reason, fused_lookup, ngram_row_index,
-                            triton_available)
+                            resolved_impl, triton_available)
 from tngram.memory.cp import absorption_products, order_embeddings, order_vectors
 from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.tngram import TNGramConfig
@@ -273,6 +273,7 @@ def test_impl_environment_override(monkeypatch):
     ng = suffix_ngrams(torch.randint(0, V, (1, 5)), 3, pad_id=0)
     monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", "torch")
     assert_close_scaled(fused_lookup(f, a, l, ng), reference(f, a, l, ng), what="e")
+    assert resolved_impl("cpu") == "torch (TNGRAM_LOOKUP_IMPL)"
     monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", "cuda-please")
     with pytest.raises(ValueError, match="TNGRAM_LOOKUP_IMPL"):
         fused_lookup(f, a, l, ng)
@@ -316,6 +317,8 @@ def test_without_a_c_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("TNGRAM_CACHE", str(tmp_path))
     monkeypatch.delenv("TNGRAM_LOOKUP_IMPL", raising=False)
     assert "no-such-compiler-xyz" in tc.c_unavailable_reason()
+    assert resolved_impl("cpu").startswith("torch (C kernel unavailable")  # recorded in env.json
+    assert resolved_impl("cpu", torch.bfloat16) == "torch (torch.bfloat16 factors)"
     f, a, l = params(4)
     ng = suffix_ngrams(torch.randint(0, V, (2, 6)), 4, pad_id=0)
     torch.testing.assert_close(fused_lookup(f, a, l, ng), fused_lookup(f, a, l, ng, impl="torch"),

@@ -21,7 +21,7 @@ import os
 import torch
 from torch import Tensor
 
-from tngram.kernels.tngram_c import CTNGramLookup, c_supported, c_unavailable_reason
+from tngram.kernels.tngram_c import c_lookup, c_supported, c_unavailable_reason
 from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, FusedTNGramLookup,
                                           absorption_weights, clear_workspaces,
                                           ngram_row_index)
@@ -34,21 +34,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-# The C op reads raw data pointers, which torch.compile's fake tensors do not have: it runs
-# outside the graph (a graph break), as does the one-time build/load check.
-@torch.compiler.disable
-def _c_ok() -> bool:
-    return c_unavailable_reason() is None
-
-
-@torch.compiler.disable
-def _c_apply(factors: Tensor, ngrams: Tensor, *args: object) -> Tensor:
-    N, V, R = factors.shape
-    if not c_supported(factors):
-        raise ValueError(f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}")
-    if ngrams.numel() and (int(ngrams.min()) < 0 or int(ngrams.max()) >= V):  # C: no bounds checks
-        raise ValueError(f"ngram token ids must be in [0, {V}), got {int(ngrams.min())}..{int(ngrams.max())}")
-    return CTNGramLookup.apply(factors, *args)
+def resolved_impl(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Which path impl="auto" takes for factors on `device`/`dtype` (for run provenance)."""
+    impl = os.environ.get("TNGRAM_LOOKUP_IMPL", "auto")
+    if impl != "auto":
+        return f"{impl} (TNGRAM_LOOKUP_IMPL)"
+    if torch.device(device).type == "cuda":
+        return "triton" if triton_available() else "torch (triton not installed)"
+    if dtype != torch.float32:
+        return f"torch ({dtype} factors)"
+    reason = c_unavailable_reason()
+    return "c" if reason is None else f"torch (C kernel unavailable: {reason[:200]})"
 
 
 def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
@@ -73,7 +69,7 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
         if factors.is_cuda:
             impl = "triton" if triton_available() else "torch"
         else:
-            impl = "c" if c_supported(factors) and _c_ok() else "torch"
+            impl = "c" if c_supported(factors) and c_unavailable_reason() is None else "torch"
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
     # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
     # are rounded once, at the cast back
@@ -83,7 +79,9 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     scales = torch.exp(up(log_scales)) if log_scales is not None else None   # (N-1,) | None
     args = (idx, W, scales, use_norm, eps, max(1, int(chunk)))
     if impl == "c":
-        e = _c_apply(factors, ngrams, *args)                             # (M, N-1, R)
+        if not c_supported(factors):
+            raise ValueError(f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}")
+        e = c_lookup(factors, *args)                                     # (M, N-1, R)
     elif impl == "triton":
         from tngram.kernels.tngram_triton import TritonTNGramLookup
         e = TritonTNGramLookup.apply(factors, *args)
@@ -93,4 +91,4 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
 
 
 __all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "c_unavailable_reason", "clear_workspaces",
-           "fused_lookup", "ngram_row_index", "triton_available"]
+           "fused_lookup", "ngram_row_index", "resolved_impl", "triton_available"]

@@ -112,52 +112,95 @@ def c_supported(factors: Tensor) -> bool:
 
 
 def _ptr(t: Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+    return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
-class CTNGramLookup(torch.autograd.Function):
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the C lookup is unavailable: {c_unavailable_reason()}")
+    return lib
+
+
+# Two torch.library custom ops (forward, backward) with fake implementations, so torch.compile
+# sees opaque ops with known output shapes instead of tracing into ctypes (fake tensors have no
+# data). Optional outputs are returned as empty tensors.
+
+@torch.library.custom_op("tngram::c_lookup_fwd", mutates_args=())
+def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Tensor | None, use_norm: bool,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """factors (N, V, R) fp32, idx (M, N) row ids, W (N-1, R) -> e (M, N-1, R), r (M, N-1 | 0)."""
+    N, V, R = factors.shape
+    M = idx.shape[0]
+    table, idx = factors.contiguous(), idx.contiguous()
+    lo = torch.arange(N - 1, -1, -1, dtype=torch.int64) * V              # column k reads A_{N-k}
+    if M and (bool((idx < lo).any()) or bool((idx >= lo + V).any())):    # C: no bounds checks
+        raise ValueError(f"ngram token ids must be in [0, {V})")
+    Wc = W.to(torch.float32).contiguous()
+    sc = None if scales is None else scales.to(torch.float32).contiguous()
+    out = torch.empty(M, N - 1, R, dtype=torch.float32)
+    rstd = torch.empty(M, N - 1 if use_norm else 0, dtype=torch.float32)
+    scratch = torch.empty(R, dtype=torch.float32)
+    _lib().tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
+                             int(use_norm), float(eps), out.data_ptr(), _ptr(rstd), scratch.data_ptr())
+    return out, rstd
+
+
+@c_lookup_fwd.register_fake
+def _(factors, idx, W, scales, use_norm, eps):  # noqa: ANN001, ANN202
+    N, V, R = factors.shape
+    M = idx.shape[0]
+    return factors.new_empty(M, N - 1, R), factors.new_empty(M, N - 1 if use_norm else 0)
+
+
+@torch.library.custom_op("tngram::c_lookup_bwd", mutates_args=())
+def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: Tensor | None,
+                 rstd: Tensor, need_factors: bool, need_W: bool, need_scales: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """-> d factors (N, V, R), dW (N-1, R), ds (N-1,); each empty when not needed."""
+    N, V, R = factors.shape
+    M = idx.shape[0]
+    g = grad.to(torch.float32).contiguous()
+    d_f = torch.zeros(N, V, R, dtype=torch.float32) if need_factors else factors.new_empty(0)
+    dW = torch.zeros(N - 1, R, dtype=torch.float32) if need_W else factors.new_empty(0)
+    ds = torch.zeros(N - 1, dtype=torch.float32) if (need_scales and scales is not None) else factors.new_empty(0)
+    scratch = torch.empty((2 * (N - 1) + 1) * R, dtype=torch.float32)
+    sc = None if scales is None else scales.to(torch.float32).contiguous()
+    _lib().tn_lookup_backward(g.data_ptr(), factors.contiguous().data_ptr(), idx.contiguous().data_ptr(),
+                              W.to(torch.float32).contiguous().data_ptr(), _ptr(sc), _ptr(rstd),
+                              M, N, R, _ptr(d_f), _ptr(dW), _ptr(ds), scratch.data_ptr())
+    return d_f, dW, ds
+
+
+@c_lookup_bwd.register_fake
+def _(grad, factors, idx, W, scales, rstd, need_factors, need_W, need_scales):  # noqa: ANN001, ANN202
+    N, V, R = factors.shape
+    return (factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
+            factors.new_empty(N - 1, R) if need_W else factors.new_empty(0),
+            factors.new_empty(N - 1) if (need_scales and scales is not None) else factors.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    factors, idx, W, scales, use_norm, eps = inputs
+    ctx.save_for_backward(factors, idx, W, scales, output[1])
+
+
+def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
+    factors, idx, W, scales, rstd = ctx.saved_tensors
+    need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
+    d_f, dW, ds = c_lookup_bwd(grad_out, factors, idx, W, scales, rstd, need_f, need_W, need_s)
+    return (d_f if need_f else None, None, dW.to(W.dtype) if need_W else None,
+            ds.to(scales.dtype) if (need_s and scales is not None) else None, None, None)
+
+
+c_lookup_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def c_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None, use_norm: bool,
+             eps: float, chunk: int = 0) -> Tensor:
     """Same contract as `FusedTNGramLookup.apply(factors, idx, W, scales, use_norm, eps, chunk)`
-    (chunk is ignored: the C loop works token by token)."""
-
-    @staticmethod
-    def forward(ctx, factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,  # noqa: ANN001
-                use_norm: bool, eps: float, chunk: int) -> Tensor:
-        lib = library()
-        if lib is None:
-            raise RuntimeError(f"the C lookup is unavailable: {c_unavailable_reason()}")
-        N, V, R = factors.shape
-        M = idx.shape[0]
-        table = factors.detach().contiguous()
-        idx = idx.contiguous()
-        Wc = (torch.ones(N - 1, R, dtype=torch.float32) if W is None
-              else W.detach().to(torch.float32).contiguous())
-        sc = None if scales is None else scales.detach().to(torch.float32).contiguous()
-        out = torch.empty(M, N - 1, R, dtype=torch.float32)
-        rstd = torch.empty(M, N - 1, dtype=torch.float32) if use_norm else None
-        scratch = torch.empty(R, dtype=torch.float32)
-        lib.tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
-                              int(use_norm), float(eps), out.data_ptr(), _ptr(rstd),
-                              scratch.data_ptr())
-        ctx.save_for_backward(table, idx, Wc, sc, rstd)
-        ctx.W_dtype = None if W is None else W.dtype
-        ctx.s_dtype = None if scales is None else scales.dtype
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        table, idx, Wc, sc, rstd = ctx.saved_tensors
-        N, V, R = table.shape
-        M = idx.shape[0]
-        need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
-        g = grad.to(torch.float32).contiguous()
-        d_table = torch.zeros(N, V, R, dtype=torch.float32) if need_f else None
-        dW = torch.zeros(N - 1, R, dtype=torch.float32) if (need_W and ctx.W_dtype) else None
-        ds = torch.zeros(N - 1, dtype=torch.float32) if (need_s and sc is not None) else None
-        scratch = torch.empty((2 * (N - 1) + 1) * R, dtype=torch.float32)
-        library().tn_lookup_backward(g.data_ptr(), table.data_ptr(), idx.data_ptr(), Wc.data_ptr(),
-                                     _ptr(sc), _ptr(rstd), M, N, R, _ptr(d_table), _ptr(dW),
-                                     _ptr(ds), scratch.data_ptr())
-        dW = None if dW is None else dW.to(ctx.W_dtype)
-        ds = None if ds is None else ds.to(ctx.s_dtype)
-        return d_table, None, dW, ds, None, None, None
+    (chunk is ignored: the C loop works token by token). W None = no absorption (ones)."""
+    N, V, R = factors.shape
+    if W is None:
+        W = factors.new_ones(N - 1, R)
+    return c_lookup_fwd(factors, idx, W, scales, use_norm, eps)[0]
