@@ -6,6 +6,7 @@ import json
 from collections import defaultdict
 
 import numpy as np
+import pytest
 
 from test_train_support import tiny_config, tiny_data  # noqa: F401  (session fixture)
 from tngram.experiments.analysis import collision_stats, ngram_keys
@@ -49,3 +50,22 @@ def test_collision_stats_match_brute_force(tiny_data, tmp_path):
         shares.append(sum(len(s) for s in buckets.values() if len(s) >= 2) / len(distinct))
     assert stats["2"]["distinct"] == len(distinct)
     assert abs(stats["2"]["shared_per_head"] - sum(shares) / 2) < 1e-12
+
+
+def test_paired_differences_pair_runs_by_seed():
+    """TN-gram − Engram per seed, then mean ± std: seed 1 seen 3.30 - 3.40 = -0.10, unseen
+    3.9 - 3.6 = +0.3; seed 2 seen -0.20, unseen +0.1 -> seen mean -0.15, std sqrt(0.005) = 0.0707;
+    the raw run and an unpaired Engram seed are ignored."""
+    from tngram.experiments.analysis import paired_differences
+    rows = [{"method": "raw", "seed": 1, "label": "raw-s0"},
+            {"method": "engram", "seed": 1, "label": "e1"}, {"method": "tngram", "seed": 1, "label": "t1"},
+            {"method": "engram", "seed": 2, "label": "e2"}, {"method": "tngram", "seed": 2, "label": "t2"},
+            {"method": "engram", "seed": 3, "label": "e3"}]
+    runs = {"raw-s0": {"2": {"seen": 9.0, "unseen": 9.0}},
+            "e1": {"2": {"seen": 3.40, "unseen": 3.6}}, "t1": {"2": {"seen": 3.30, "unseen": 3.9}},
+            "e2": {"2": {"seen": 3.50, "unseen": 3.6}}, "t2": {"2": {"seen": 3.30, "unseen": 3.7}},
+            "e3": {"2": {"seen": 0.0, "unseen": 0.0}}}
+    out = paired_differences(rows, runs, [2])
+    assert out["2"]["seen"][0] == pytest.approx(-0.15) and out["2"]["seen"][1] == pytest.approx(0.005 ** 0.5)
+    assert out["2"]["unseen"][0] == pytest.approx(0.2) and out["2"]["unseen"][1] == pytest.approx(0.02 ** 0.5)
+    assert paired_differences(rows[:2], runs, [2]) == {}

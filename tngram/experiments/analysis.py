@@ -86,10 +86,36 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
     frac = ", ".join(f"{n}-gram {v['seen_fraction']:.1%}" for n, v in results["orders"].items())
     body = (f"Validation loss (nats/token) at positions whose n-gram ending at t occurs in the training "
             f"data (seen) or not (unseen). Seen fractions: {frac}.\n\n" + "\n".join(lines))
+    paired = paired_differences(rows, results["runs"], list(seen_by_order))
+    if paired:
+        results["tngram_minus_engram"] = paired
+        body += ("\n\nTN-gram − Engram, paired by seed (mean ± std over seeds; negative = TN-gram better):\n\n"
+                 "| order | seen | unseen |\n|---|---|---|\n" + "\n".join(
+                     f"| {n} | {d['seen'][0]:+.4f} ± {d['seen'][1]:.4f} | {d['unseen'][0]:+.4f} ± {d['unseen'][1]:.4f} |"
+                     for n, d in paired.items()))
     atomic_write_json(out / "unseen.json", results)
     atomic_write_text(out / "report.md", f"# tngram experiment unseen\n\nData: `{data_dir}`\n\n{body}\n")
     print0(body)
     return out / "report.md"
+
+
+def paired_differences(rows: list[dict[str, Any]], runs: dict[str, Any], orders: list[int]
+                       ) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per order: mean ± std over seeds of (TN-gram − Engram) loss on seen and on unseen positions,
+    pairing the two runs of each seed (same backbone init and data order). {} without pairs."""
+    from tngram.report.runs import mean_std
+    by_seed: dict[Any, dict[str, str]] = {}
+    for r in rows:
+        by_seed.setdefault(r.get("seed"), {})[r["method"]] = r["label"]
+    pairs = [(d["tngram"], d["engram"]) for d in by_seed.values() if "tngram" in d and "engram" in d]
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for n in orders:
+        diffs = {part: [runs[t][str(n)][part] - runs[e][str(n)][part] for t, e in pairs
+                        if runs[t][str(n)][part] is not None and runs[e][str(n)][part] is not None]
+                 for part in ("seen", "unseen")}
+        if diffs["seen"] and diffs["unseen"]:
+            out[str(n)] = {part: mean_std(v) for part, v in diffs.items()}
+    return out
 
 
 def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
