@@ -24,7 +24,7 @@ from tngram.common import TngramError, atomic_write_text, print0
 from tngram.experiments.common import (SCALES, base_recipe, default_nproc, resolve_data, with_data,
                                        with_memory, with_seed, with_steps)
 from tngram.experiments.runner import RunSpec, run_all
-from tngram.report.plots import xy_plot
+from tngram.report.plots import bar_plot, xy_plot
 from tngram.report.runs import mean_std
 from tngram.recipes import param_summary
 
@@ -172,15 +172,15 @@ def _exp_vocab(out, scale, seeds, data, steps, nproc):
     rows, data_dir = _train_sweep(out, scale, seeds, data, steps, nproc, _vocab, vocab_size=8192)
     raw_tr = mean_std([r["train_loss"] for r in rows if r["method"] == "raw"])[0]
     raw_va = mean_std([r["val_loss"] for r in rows if r["method"] == "raw"])[0]
-    lines = ["| method | train-loss reduction % | val-loss reduction % |", "|---|---|---|"]
-    series = {}
+    lines = ["| method | Δparams | train-loss reduction % | val-loss reduction % |", "|---|---|---|---|"]
+    groups: dict[str, dict[str, tuple[float, float]]] = {"train loss": {}, "val loss": {}}
     for m in ("engram", "tngram"):
         rs = [r for r in rows if r["method"] == m]
-        tr = [100 * (raw_tr - r["train_loss"]) / raw_tr for r in rs]
-        va = [100 * (raw_va - r["val_loss"]) / raw_va for r in rs]
-        lines.append(f"| {m} | {mean_std(tr)[0]:.2f} | {mean_std(va)[0]:.2f} |")
-        series[m] = [(0.0, *mean_std(tr)), (1.0, *mean_std(va))]
-    xy_plot(series, out / "vocab.png", "0 = train, 1 = val", "loss reduction vs raw GPT (%)", "vocabulary 8192")
+        tr = mean_std([100 * (raw_tr - r["train_loss"]) / raw_tr for r in rs])
+        va = mean_std([100 * (raw_va - r["val_loss"]) / raw_va for r in rs])
+        lines.append(f"| {m} | {rs[0]['delta_params'] / 1e6:.2f}M | {tr[0]:.2f} ± {tr[1]:.2f} | {va[0]:.2f} ± {va[1]:.2f} |")
+        groups["train loss"][m], groups["val loss"][m] = tr, va
+    bar_plot(groups, out / "vocab.png", "loss reduction vs raw GPT (%)", "vocabulary 8192")
     return _write(out, "vocab", rows, ["method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb"],
                   "Loss reduction relative to the raw GPT at vocabulary 8192 (paper: Engram 3.99/4.17 %, "
                   "TN-gram 4.27/4.44 % train/val).\n\n" + "\n".join(lines), data_dir)

@@ -65,3 +65,24 @@ def xy_plot(series: dict[str, list[tuple[float, float, float]]], out_png: str | 
         ax.grid(alpha=0.3)
         ax.legend()
     return _save(plt, fig, out_png)
+
+
+def bar_plot(groups: dict[str, dict[str, tuple[float, float]]], out_png: str | Path, ylabel: str,
+             title: str = "") -> Path:
+    """Grouped bars with std error bars: groups[category][series] = (mean, std)."""
+    plt = _plt()
+    cats = list(groups)
+    names = list(dict.fromkeys(n for g in groups.values() for n in g))
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(cats) * max(1, len(names)) / 2, 4))
+    for i, n in enumerate(names):
+        xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(cats))]
+        ms = [groups[c].get(n, (float("nan"), 0.0))[0] for c in cats]
+        ss = [groups[c].get(n, (float("nan"), 0.0))[1] for c in cats]
+        bars = ax.bar(xs, ms, width, yerr=ss, capsize=3, label=n)
+        ax.bar_label(bars, fmt="%.2f", padding=2, fontsize=8)
+    ax.set_xticks(range(len(cats)), cats)
+    ax.set(ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    return _save(plt, fig, out_png)
