@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -124,10 +125,11 @@ def _lib() -> ctypes.CDLL:
 
 # Two torch.library custom ops (forward, backward) with fake implementations, so torch.compile
 # sees opaque ops with known output shapes instead of tracing into ctypes (fake tensors have no
-# data). Optional outputs are returned as empty tensors.
+# data). Optional outputs are returned as empty tensors. `Optional[...]` rather than `X | None`
+# in the op signatures: torch's schema inference parses these annotations.
 
 @torch.library.custom_op("tngram::c_lookup_fwd", mutates_args=())
-def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Tensor | None, use_norm: bool,
+def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tensor], use_norm: bool,
                  eps: float) -> tuple[Tensor, Tensor]:
     """factors (N, V, R) fp32, idx (M, N) row ids, W (N-1, R) -> e (M, N-1, R), r (M, N-1 | 0)."""
     N, V, R = factors.shape
@@ -154,7 +156,7 @@ def _(factors, idx, W, scales, use_norm, eps):  # noqa: ANN001, ANN202
 
 
 @torch.library.custom_op("tngram::c_lookup_bwd", mutates_args=())
-def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: Tensor | None,
+def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tensor],
                  rstd: Tensor, need_factors: bool, need_W: bool, need_scales: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """-> d factors (N, V, R), dW (N-1, R), ds (N-1,); each empty when not needed."""
