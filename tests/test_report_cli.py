@@ -56,3 +56,24 @@ def test_compare_table_pairs_tngram_and_engram_by_seed():
     assert paired_val_loss(rows, "tngram", "engram") == pytest.approx([-0.05, 0.01])
     table = compare_table({"rows": rows, "preset": "cpu"})
     assert "paired by seed" in table and "-0.0500, +0.0100 (mean -0.0200 ± 0.0424" in table
+
+
+def test_report_compare_finds_runs_inside_a_moved_folder(tmp_path, monkeypatch):
+    """results.json records run_dir relative to where `tngram compare` ran; `report compare DIR`
+    must read DIR/runs/NAME (here the recorded paths do not exist from the test's cwd) and pick
+    up each run's CORE."""
+    cmp_dir = tmp_path / "moved" / "compare-cpu"
+    rows = []
+    for i, (m, v) in enumerate([("raw", 3.7), ("engram", 3.36), ("tngram", 3.35)]):
+        d = fake_run(cmp_dir / "runs", f"{m}-s0", 0.01 * (i + 1), {"t": 0.3})
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "train_loss": v + 0.1, "val_loss": v}) + "\n")
+        rows.append({"method": m, "seed": 1, "delta_params": i, "train_loss": v, "val_loss": v,
+                     "val_bpb": v / 2, "core": None, "tokens_per_s": 1.0, "wall_s": 1.0,
+                     "run_dir": f"runs/compare-cpu/runs/{m}-s0"})
+    (cmp_dir / "results.json").write_text(json.dumps({"preset": "cpu", "data": "x", "rows": rows}))
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", "compare", str(cmp_dir)]) == 0
+    res = json.loads((cmp_dir / "results.json").read_text())
+    assert [r["core"] for r in res["rows"]] == [0.01, 0.02, 0.03]
+    assert res["rows"][0]["run_dir"] == "runs/compare-cpu/runs/raw-s0"     # the record is kept
+    assert "| CORE |" in (cmp_dir / "report.md").read_text() and (cmp_dir / "loss_curves.png").exists()

@@ -51,10 +51,16 @@ def _cmd_compare(args: Any) -> int:
     if not path.exists():
         raise TngramError(f"{path} not found: is {args.dir} a `tngram compare` folder?")
     results = json.loads(path.read_text())
+    # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
+    # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
+    local = {id(r): args.dir / "runs" / Path(r["run_dir"]).name for r in results["rows"]}
+    local = {k: v for k, v in local.items() if v.is_dir()}
     for r in results["rows"]:
-        core = read_core(r["run_dir"])
+        core = read_core(local.get(id(r), r["run_dir"]))
         if core is not None:
             r["core"] = core["core"]
     atomic_write_json(path, results)
-    print(write_compare_report(args.dir, results)["table"])
+    shown = {**results, "rows": [{**r, "run_dir": str(local[id(r)])} if id(r) in local else r
+                                 for r in results["rows"]]}
+    print(write_compare_report(args.dir, shown)["table"])
     return 0
