@@ -373,7 +373,7 @@ def ensure_default_data(
     data_root()/{corpus}-tok-<sha>. The no-op check needs no network: the inputs are the pinned
     package versions.
     """
-    srcs = corpus_sources(corpus)
+    srcs = DEFAULT_SOURCES if corpus == "default" else corpus_sources(corpus)
     if tokenizer is None and vocab_size is None:
         vocab_size = 1024
     if out is None:
