@@ -126,14 +126,18 @@ class TNGram(nn.Module):
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 
-    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None,
+                valid: Tensor | None = None) -> Tensor:
         """h: (B, T, D) or (B, T, M, D), input_ids: (B, T) -> memory output y, shaped like h.
 
         cache: a dict kept between calls for incremental decoding (n-gram window, conv state).
+        valid: optional (B, T) bool mask of real tokens (False = padding): padded positions
+        read as pad_id in the n-gram windows, stay out of the conv state and output 0.
         """
-        ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id)
+        ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id,
+                                     valid)
         e = self.memory_vector(ids)[:, P:].to(h.dtype)
-        return self.fusion(h, e, cache)
+        return self.fusion(h, e, cache, valid)
 
     def extra_repr(self) -> str:
         c = self.config

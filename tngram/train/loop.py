@@ -43,6 +43,7 @@ from tngram.train.config import TrainConfig, validate_config
 from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
                                grad_accum_steps, init_distributed, no_sync, shutdown, wrap_ddp)
 from tngram.train.metrics import MetricsLog, Progress, env_info
+from tngram.train.portable import record_dataset
 
 # run.* fields that may change between an interrupted run and its resumption
 RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints", "threads")
@@ -189,6 +190,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.save_run_config(run_dir, cfg.to_dict())
+        record_dataset(run_dir, info)  # tokenizer + manifest copy: the run folder stands alone
         atomic_write_json(run_dir / "env.json", env_info(device, ctx.world_size, accum))
     log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step)
     say(f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
