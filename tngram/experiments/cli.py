@@ -25,6 +25,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--data", default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--ranks", default=None,
+                   help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--out", required=True, type=Path)
     p.set_defaults(func=_cmd_experiment)
 
@@ -40,7 +42,14 @@ def _cmd_compare(args: Any) -> int:
 
 
 def _cmd_experiment(args: Any) -> int:
+    from tngram.common import TngramError
     from tngram.experiments.sweeps import run_experiment
+    ranks = None
+    if args.ranks is not None:
+        try:
+            ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+        except ValueError:
+            raise TngramError(f"--ranks expects comma-separated integers, got {args.ranks!r}") from None
     run_experiment(args.name, args.out, scale=args.scale, seeds=args.seeds, data=args.data,
-                   steps=args.steps, nproc=args.nproc)
+                   steps=args.steps, nproc=args.nproc, ranks=ranks)
     return 0
