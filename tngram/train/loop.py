@@ -35,6 +35,7 @@ from tngram.common import TngramError, atomic_write_json
 from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT
 from tngram.optim.groups import build_param_groups, format_param_table
+from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
 from tngram.train import checkpoint as ckpt
@@ -176,6 +177,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model).to(device)
+    apply_warmstart(model, cfg.run.init_from, cfg.optim.trainable)
     groups = build_param_groups(model, cfg.optim)
     muon_groups = [g for g in groups if g["optimizer"] == "muon"]
     adam_groups = [g for g in groups if g["optimizer"] == "adam"]
