@@ -41,6 +41,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--preset", choices=["cpu", "paper"], default="cpu",
                    help="model size: cpu (mini recipes) or paper (paper-l9)")
     _common(p)
+    p.add_argument("--ranks", default=None, metavar="R1,R2,...",
+                   help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.set_defaults(func=_cmd_experiment)
 
 
@@ -67,11 +69,18 @@ def _cmd_compare(args: Any) -> int:
 
 
 def _cmd_experiment(args: Any) -> int:
+    from tngram.common import TngramError
     from tngram.experiments.common import SCALES
     from tngram.experiments.runner import config_overrides
     from tngram.experiments.sweeps import run_experiment
     _check(args, SCALES[args.preset])
+    ranks = None
+    if args.ranks is not None:
+        try:
+            ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+        except ValueError:
+            raise TngramError(f"--ranks expects comma-separated integers, got {args.ranks!r}") from None
     with config_overrides(args.overrides):
         run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
-                       steps=args.steps, nproc=args.nproc)
+                       steps=args.steps, nproc=args.nproc, ranks=ranks)
     return 0

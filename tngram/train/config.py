@@ -29,6 +29,7 @@ class OptimConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip_norm: float = 0.0        # 0 disables
+    trainable: str = "all"             # "all" | "memory" (backbone frozen; tngram.train.warmstart)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,6 +58,7 @@ class RunConfig:
     val_every: int = 250               # 0: only at the end
     checkpoint_every: int = 500        # 0: only at the end
     keep_checkpoints: int = 2
+    init_from: str | None = None       # run folder or `tngram export --hf` folder to start from
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -112,6 +114,12 @@ def validate_config(cfg: TrainConfig) -> None:
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
     _check(r.threads >= 0, "run.threads", ">= 0 (0: torch's default)", r.threads)
+    from tngram.train.warmstart import TRAINABLE, check_init_from
+    _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
+    if o.trainable == "memory" and cfg.model.memory is None:
+        raise TngramError("optim.trainable=memory needs a model with memory (model.memory is none)")
+    if r.init_from is not None:
+        check_init_from(r.init_from)
     cfg.model.validate()
     mem = cfg.model.memory
     if mem is not None and hasattr(mem, "validate"):

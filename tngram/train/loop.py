@@ -36,6 +36,7 @@ from tngram.common import TngramError, atomic_write_json
 from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT
 from tngram.optim.groups import build_param_groups, format_param_table
+from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
 from tngram.train import checkpoint as ckpt
@@ -63,6 +64,26 @@ def delta_params(cfg: TrainConfig) -> dict[str, int]:
         raw = GPT(replace(cfg.model, memory=None))
     return {"total_params": model.num_params(), "memory_params": model.memory_params(),
             "delta_params": model.num_params() - raw.num_params()}
+
+
+def live_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
+    """`sizes` (from delta_params) updated to the model's actual shapes (after CP-rank pruning)."""
+    raw_total = sizes["total_params"] - sizes["delta_params"]
+    total = model.num_params()
+    return {"total_params": total, "memory_params": model.memory_params(),
+            "delta_params": total - raw_total}
+
+
+def _prune_at_step(cfg: TrainConfig, world_size: int) -> int:
+    """The adaptive CP-rank pruning step of the memory config (0: none), checked."""
+    at = int(getattr(cfg.model.memory, "prune_at_step", 0) or 0)
+    if at and at >= cfg.schedule.steps:
+        raise TngramError(f"model.memory.prune_at_step ({at}) must be < schedule.steps "
+                          f"({cfg.schedule.steps}); 0 switches pruning off")
+    if at and world_size > 1:
+        raise TngramError("model.memory.prune_at_step > 0 (adaptive CP rank) runs in one process only; "
+                          "DDP cannot change parameter shapes mid-run")
+    return at
 
 
 def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
@@ -132,6 +153,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs, seq_len,
                              ctx.world_size)
     steps = cfg.schedule.steps
+    prune_at = _prune_at_step(cfg, ctx.world_size)
     stop = min(steps, max_steps) if max_steps is not None else steps
 
     # ---- run folder: refuse to overwrite checkpoints; on resume the config must match
@@ -162,6 +184,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model).to(device)
+    apply_warmstart(model, cfg.run.init_from, cfg.optim.trainable)
     groups = build_param_groups(model, cfg.optim)
     muon_groups = [g for g in groups if g["optimizer"] == "muon"]
     adam_groups = [g for g in groups if g["optimizer"] == "adam"]
@@ -181,6 +204,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         loader.load_state_dict(meta["loader"])
         step, tokens = meta["step"], meta["tokens"]
         wall_prev, train_time_prev = meta["wall_s"], meta["train_time_s"]
+        sizes = live_sizes(model, sizes)   # smaller if the checkpoint was written after pruning
         if meta.get("world_size") != ctx.world_size:
             say(f"tngram: note: checkpoint was written with {meta.get('world_size')} processes, "
                 f"resuming with {ctx.world_size} (same global batch, so the same optimisation)")
@@ -272,6 +296,15 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
             train_time, win_time = train_time + dt, win_time + dt
             win_tokens += cfg.data.global_batch_tokens
             last_loss = train_loss
+            if prune_at and step == prune_at:    # adaptive CP rank (tngram.memory.cp_rank)
+                from tngram.memory.cp_rank import prune_model
+                tp = time.perf_counter()
+                changes = prune_model(model, optimizers.values())
+                dp = time.perf_counter() - tp
+                train_time, win_time = train_time + dp, win_time + dp
+                sizes = live_sizes(model, sizes)
+                say(f"tngram: step {step}: CP rank pruned " + ", ".join(
+                    f"{n} {a}->{b}" for n, a, b in changes) + f"; delta params now {sizes['delta_params']:,}")
             progress.update(train_loss, win_tokens / max(win_time, 1e-9))
             # ---- log / evaluate / checkpoint
             is_last = step == stop
@@ -308,6 +341,10 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         "world_size": ctx.world_size, "grad_accum_steps": accum,
         "device": str(device), "dtype": str(amp or torch.float32).replace("torch.", ""),
     }
+    if prune_at:
+        from tngram.memory.cp_rank import cp_ranks
+        summary["cp_ranks"] = cp_ranks(model)
+        summary["prune_at_step"] = prune_at
     if ctx.is_main:
         ckpt.save_final_weights(run_dir, model, step)
         atomic_write_json(run_dir / "summary.json", summary)
