@@ -24,11 +24,14 @@ _LAZY = {
     "memory_modules": "tngram.hf.attach",
     "split_memory_params": "tngram.optim.groups",
     "memory_param_groups": "tngram.optim.groups",
+    "TngramGPTConfig": "tngram.hf.gpt_model",
+    "TngramGPTForCausalLM": "tngram.hf.gpt_model",
+    "export_run": "tngram.hf.export",
 }
 
 # modules imported by register(): each registers its own config/model classes with the Auto
 # classes at import time (the export of our GPT adds its module here)
-_REGISTERING_MODULES: tuple[str, ...] = ()
+_REGISTERING_MODULES: tuple[str, ...] = ("tngram.hf.gpt_model",)
 
 __all__ = sorted(_LAZY) + ["register"]
 

@@ -43,13 +43,13 @@ def _cmd_tables(args: Any) -> int:
 
 
 def _cmd_compare(args: Any) -> int:
-    from tngram.common import TngramError, atomic_write_json
+    from tngram.common import MissingFileError, atomic_write_json
     from tngram.report.compare import write_compare_report
     from tngram.report.runs import read_core
 
     path = args.dir / "results.json"
     if not path.exists():
-        raise TngramError(f"{path} not found: is {args.dir} a `tngram compare` folder?")
+        raise MissingFileError(f"{path} not found: is {args.dir} a `tngram compare` folder?")
     results = json.loads(path.read_text())
     # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
     # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
