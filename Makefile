@@ -6,6 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 KSTAMP  := $(VENV)/.installed-triton
+HSTAMP  := $(VENV)/.installed-hf
 
 .PHONY: demo test install clean bench
 
@@ -27,7 +28,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tngram compare --preset cpu --out runs/compare-cpu
 
-test: $(KSTAMP)
+# ... and the `hf` extra (transformers, pinned) so the tngram.hf tests run in CI.
+$(HSTAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[dev,hf]"
+	touch $(HSTAMP)
+
+test: $(KSTAMP) $(HSTAMP)
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)

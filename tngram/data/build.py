@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 import tngram
-from tngram.common import TngramError, cache_dir, get_dist_info, print0
+from tngram.common import MissingFileError, TngramError, cache_dir, get_dist_info, print0
 from tngram.data.corpus import (
     DEFAULT_SOURCES,
     corpus_sources,
@@ -226,7 +226,7 @@ def _build(
     """The shared pipeline. `inputs` identify the input data (for the fingerprint); `load_docs`
     returns (documents, per-source manifest entries)."""
     if tokenizer is not None and not Path(tokenizer).is_file():
-        raise TngramError(f"tokenizer {tokenizer}: file not found")
+        raise MissingFileError(f"tokenizer {tokenizer}: file not found")
     tok_sha = sha256_file(tokenizer) if tokenizer is not None else None
     if tokenizer is None and vocab_size is None:
         vocab_size = 1024
@@ -382,7 +382,7 @@ def ensure_default_data(
             out_path = default_data_dir(vocab_size, corpus)
         else:
             if not Path(tokenizer).is_file():
-                raise TngramError(f"tokenizer {tokenizer}: file not found")
+                raise MissingFileError(f"tokenizer {tokenizer}: file not found")
             out_path = data_root() / f"{corpus}-tok-{sha256_file(tokenizer)[:12]}"
         _check_outside_source_tree(out_path)
     else:
@@ -460,7 +460,7 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     """Open a dataset folder (ours or a FineWeb download). TngramError naming what is missing."""
     d = Path(dir).expanduser()
     if not d.is_dir():
-        raise TngramError(f"dataset {d} does not exist (build one with `tngram data build`)")
+        raise MissingFileError(f"dataset {d} does not exist (build one with `tngram data build`)")
     mpath = d / "manifest.json"
     if not mpath.is_file():
         raise TngramError(
@@ -478,13 +478,13 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
             raise TngramError(f"{mpath}: field {key!r} is missing")
     tok = d / m["tokenizer"]["model"]
     if not tok.is_file():
-        raise TngramError(f"dataset {d}: tokenizer file {tok.name} is missing")
+        raise MissingFileError(f"dataset {d}: tokenizer file {tok.name} is missing")
     split_files: dict[str, list[Path]] = {}
     for split in ("train", "val"):
         paths = [d / f for f in m["files"].get(split, [])]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
-            raise TngramError(f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}")
+            raise MissingFileError(f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}")
         for p in paths:
             read_shard_header(p)
         split_files[split] = paths

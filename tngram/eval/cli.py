@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, atomic_write_json, get_dist_info, print0
+from tngram.common import MissingFileError, TngramError, atomic_write_json, get_dist_info, print0
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +46,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None, metavar="PATH", help="result file (default: RUN_DIR/eval/core*.json)")
     c.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens per forward (rows x longest row); lower it to save memory")
+    c.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="SentencePiece .model instead of the run's own (older runs without one)")
     c.add_argument("--seed", type=int, default=1337, help="task shuffle seed (nanochat: 1337)")
     c.add_argument("--device", default="auto", help="cpu | cuda | auto")
     c.add_argument("--threads", type=int, default=0,
@@ -110,15 +112,15 @@ def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
     except ImportError as e:
         raise TngramError(f"cannot load runs: tngram.train.checkpoint is unavailable ({e})") from e
     if not Path(run_dir).is_dir():
-        raise TngramError(f"run folder {run_dir} does not exist")
+        raise MissingFileError(f"run folder {run_dir} does not exist")
     return load_run_model(run_dir, device=device)
 
 
-def _dataset(cfg: dict[str, Any], override: str | None = None) -> Any:
-    """The run's dataset (or `override`), opened and checked (`tngram.data.build.open_dataset`)."""
-    from tngram.data.build import default_data_dir, open_dataset
-    d = override or (cfg.get("data") or {}).get("dir")
-    return open_dataset(Path(d) if d else default_data_dir(int(cfg["model"]["vocab_size"])))
+def _dataset(run_dir: str, cfg: dict[str, Any], override: str | None = None) -> Any:
+    """The run's dataset (or `override`), found even when the run folder was moved
+    (`tngram.train.portable.run_dataset`)."""
+    from tngram.train.portable import run_dataset
+    return run_dataset(run_dir, cfg, override)
 
 
 # ------------------------------------------------------------------ handlers
@@ -144,10 +146,11 @@ def cmd_core(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle) if args.bundle else default_bundle_dir()
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
-        raise TngramError(f"{bundle / 'core.yaml'}: missing{hint}")
+        raise MissingFileError(f"{bundle / 'core.yaml'}: missing{hint}")
     with _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
-        tok = SentencePieceTokenizer(_dataset(cfg).tokenizer_path)
+        from tngram.train.portable import run_tokenizer_path
+        tok = SentencePieceTokenizer(run_tokenizer_path(args.run_dir, cfg, args.tokenizer))
         max_len = int(cfg["model"]["sequence_len"])
 
         @torch.no_grad()
@@ -181,7 +184,7 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     device = _device(args.device)
     with _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
-        ds = _dataset(cfg, args.data)
+        ds = _dataset(args.run_dir, cfg, args.data)
         data = ds.dir
         seq_len, vocab = int(cfg["model"]["sequence_len"]), int(cfg["model"]["vocab_size"])
         val = load_val_tokens(ds.val_files, seq_len, vocab)

@@ -63,19 +63,31 @@ class ShortConv(nn.Module):
             bound = 1.0 / math.sqrt(kernel_size)
             nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: dict | None = None, valid: Tensor | None = None) -> Tensor:
         """x: (B, T, M, D) -> (B, T, M, D). With `cache` (incremental decoding) the conv input of
-        the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start)."""
+        the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start;
+        every position when cache["keep_history"] is set). valid: optional (B, T) bool mask; the
+        conv input is 0 at invalid (padding) positions, as before the start of an unpadded row."""
         B, T, M, D = x.shape
         u = (F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight).reshape(B, T, M * D)
+        if valid is not None:
+            u = u.masked_fill(~valid.bool().unsqueeze(-1), 0.0)
         if cache is None:
             return F.silu(causal_depthwise_conv(u, self.weight, self.dilation)).view(B, T, M, D)
         L = (self.kernel_size - 1) * self.dilation
         prev = cache.get("conv")
-        if prev is None:
-            prev = u.new_zeros(B, L, M * D)
-        ext = torch.cat([prev, u], dim=1)                                  # (B, L + T, M*D)
-        cache["conv"] = ext[:, ext.shape[1] - L:]
+        if cache.get("keep_history"):
+            seen = u.new_zeros(B, 0, M * D) if prev is None else prev      # (B, T_seen, M*D)
+            window = seen[:, max(0, seen.shape[1] - L):]
+            if window.shape[1] < L:
+                window = torch.cat([window.new_zeros(B, L - window.shape[1], M * D), window], 1)
+            cache["conv"] = torch.cat([seen, u], dim=1)
+            ext = torch.cat([window, u], dim=1)                              # (B, L + T, M*D)
+        else:
+            if prev is None:
+                prev = u.new_zeros(B, L, M * D)
+            ext = torch.cat([prev, u], dim=1)                                # (B, L + T, M*D)
+            cache["conv"] = ext[:, ext.shape[1] - L:]
         out = causal_depthwise_conv(ext, self.weight, self.dilation)[:, L:]
         return F.silu(out).reshape(B, T, M, D)
 
@@ -129,7 +141,10 @@ class GatedFusion(nn.Module):
         """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
         return self.gate_from_keys(h, self.keys_values(e)[0])
 
-    def forward(self, h: Tensor, e: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, h: Tensor, e: Tensor, cache: dict | None = None,
+                valid: Tensor | None = None) -> Tensor:
+        """valid: optional (B, T) bool mask; y is 0 at invalid (padding) positions and they do not
+        enter the conv state (see ShortConv)."""
         squeeze = h.dim() == 3
         if squeeze:
             h = h.unsqueeze(2)                                              # (B, T, 1, D)
@@ -138,5 +153,7 @@ class GatedFusion(nn.Module):
         keys, v = self.keys_values(e)                                       # (B,T,M,D), (B,T,1,D)
         g = self.gate_from_keys(h, keys)                                    # (B, T, M, 1)
         v_gated = g * v                                                     # (B, T, M, D)
-        y = v_gated + self.conv(v_gated, cache)
+        y = v_gated + self.conv(v_gated, cache, valid)
+        if valid is not None:
+            y = y.masked_fill(~valid.bool()[:, :, None, None], 0.0)
         return y.squeeze(2) if squeeze else y

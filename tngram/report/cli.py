@@ -46,15 +46,15 @@ def _cmd_tables(args: Any) -> int:
 
 
 def _cmd_compare(args: Any) -> int:
-    from tngram.common import TngramError
+    from tngram.common import MissingFileError, TngramError
     from tngram.report.compare import rows_from_folder, significance_table
 
-    if len(args.dir) == 1 and (args.dir[0] / "results.json").exists():
+    if len(args.dir) == 1 and ((args.dir[0] / "results.json").exists() or not (args.dir[0] / "runs").is_dir()):
         return _compare_one(args.dir[0])
     by_corpus = {}
     for d in args.dir:
         if not (d / "runs").is_dir():
-            raise TngramError(f"{d} has no runs/ folder: is it a `tngram compare` folder?")
+            raise MissingFileError(f"{d} has no runs/ folder: is it a `tngram compare` folder?")
         rows = rows_from_folder(d)
         if not rows:
             raise TngramError(f"{d}: no finished runs yet (no runs/*/summary.json)")
@@ -64,13 +64,13 @@ def _cmd_compare(args: Any) -> int:
 
 
 def _compare_one(dir: Path) -> int:
-    from tngram.common import TngramError, atomic_write_json
+    from tngram.common import MissingFileError, TngramError, atomic_write_json
     from tngram.report.compare import write_compare_report
     from tngram.report.runs import read_core
 
     path = dir / "results.json"
     if not path.exists():
-        raise TngramError(f"{path} not found: is {dir} a `tngram compare` folder?")
+        raise MissingFileError(f"{path} not found: is {dir} a `tngram compare` folder?")
     results = json.loads(path.read_text())
     # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
     # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
