@@ -119,6 +119,7 @@ def add_memory(model: nn.Module, memory_config: Any, layers: Sequence[int] | Non
     setattr(config, CONFIG_KEY, spec)
     if base is not model:
         setattr(base.config, CONFIG_KEY, spec)
+        _install_call_hooks(model, base._tngram_state)
         _wrap_prepare_inputs(model)
     return model
 
@@ -163,9 +164,15 @@ def _attach(base: nn.Module, spec: dict[str, Any]) -> None:
             layer._tngram_state = state
             state.handles.append(layer.register_forward_pre_hook(
                 functools.partial(_layer_pre_hook, f"layer{i}"), with_kwargs=True))
-    base._tngram_state = state
-    state.handles.append(base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True))
-    state.handles.append(base.register_forward_hook(_base_post_hook, always_call=True))
+    _install_call_hooks(base, state)
+
+
+def _install_call_hooks(module: nn.Module, state: _State) -> None:
+    """Hooks reading input_ids / attention_mask / cache of each call of `module` (the base
+    model, and the top model too: some heads, e.g. OPT's, call an inner decoder directly)."""
+    module._tngram_state = state
+    state.handles.append(module.register_forward_pre_hook(_base_pre_hook, with_kwargs=True))
+    state.handles.append(module.register_forward_hook(_base_post_hook, always_call=True))
 
 
 def memory_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -181,7 +188,7 @@ def remove_memory(model: nn.Module) -> nn.Module:
         return model
     for h in state.handles:
         h.remove()
-    for m in list(base.modules()):
+    for m in list(model.modules()):
         if getattr(m, "_tngram_state", None) is state:
             del m._tngram_state
             if MEMORY_ATTR in m._modules:
@@ -220,6 +227,8 @@ def _valid_mask(mask: Any, ids: Tensor, state: _State) -> Tensor | None:
 
 def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _State = base._tngram_state
+    if state.ctx is not None:      # an outer hooked module (the top model) already read the call
+        return None
     sig = _signature(type(base))
     bound = sig.bind_partial(*args, **kwargs)
     a = bound.arguments
@@ -263,14 +272,16 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
         states = memory_states(cache)
         check_and_advance(cache, ids.shape[1])
     state.ctx = {"ids": ids, "valid": _valid_mask(a.get("attention_mask"), ids, state),
-                 "states": states, "base": base}
+                 "states": states, "owner": base,
+                 "base": getattr(base, "base_model", base)}
     return (args, kwargs) if changed else None
 
 
-def _base_post_hook(base: nn.Module, args: tuple, output: Any) -> None:
-    state: _State = base._tngram_state
-    state.ctx = None
-    state.pending_mask = None
+def _base_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    state: _State = module._tngram_state
+    if state.ctx is not None and state.ctx["owner"] is module:
+        state.ctx = None
+        state.pending_mask = None
 
 
 def _context(module: nn.Module) -> dict[str, Any]:
@@ -329,7 +340,9 @@ def _after_post_init(model: nn.Module) -> None:
     if base is model:
         if getattr(model, "_tngram_state", None) is None:
             _attach(model, spec)
-    elif getattr(base, "_tngram_state", None) is not None:
+    elif getattr(base, "_tngram_state", None) is not None and \
+            getattr(model, "_tngram_state", None) is None:
+        _install_call_hooks(model, base._tngram_state)
         _wrap_prepare_inputs(model)
 
 
