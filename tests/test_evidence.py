@@ -59,6 +59,7 @@ def test_log_trend_exact_line_and_noise():
     assert math.isnan(log_trend([1e6, 1e6], [0.0, 0.1])["slope"])
 
 
+@pytest.mark.slow
 def test_corpora_experiment_plumbing(tiny_data, tmp_path, monkeypatch):  # noqa: F811
     """Two 'corpora' (the same tiny dataset under two names), 1 seed, 2 steps: every table,
     the significance rows and the figure are written; a second call trains nothing."""
