@@ -9,17 +9,18 @@ from typing import Any
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("report", help="tables and plots from run folders")
-    rs = p.add_subparsers(dest="report_command", metavar="WHAT")
+    rs = p.add_subparsers(dest="report_command", metavar="SUBCOMMAND")
     rs.required = True
     t = rs.add_parser("tables", help="downstream-task tables (methods x tasks, best in bold) from runs "
                                      "evaluated with `tngram eval core`")
-    t.add_argument("run_dirs", nargs="+")
-    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy")
+    t.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders evaluated with `tngram eval core`")
+    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy",
+                   help="accuracy, or centered (0 = random baseline, 1 = perfect)")
     t.add_argument("--out", type=Path, default=Path("."), help="folder for core_tables.md/.csv")
     t.set_defaults(func=_cmd_tables)
     c = rs.add_parser("compare", help="rebuild report.md of a `tngram compare` folder (adds CORE when "
                                       "the runs have been evaluated)")
-    c.add_argument("dir", type=Path)
+    c.add_argument("dir", type=Path, metavar="DIR", help="the --out folder of `tngram compare`")
     c.set_defaults(func=_cmd_compare)
 
 
