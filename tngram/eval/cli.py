@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, atomic_write_json, get_dist_info, print0
+from tngram.common import MissingFileError, TngramError, atomic_write_json, get_dist_info, print0
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -112,7 +112,7 @@ def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
     except ImportError as e:
         raise TngramError(f"cannot load runs: tngram.train.checkpoint is unavailable ({e})") from e
     if not Path(run_dir).is_dir():
-        raise TngramError(f"run folder {run_dir} does not exist")
+        raise MissingFileError(f"run folder {run_dir} does not exist")
     return load_run_model(run_dir, device=device)
 
 
@@ -146,7 +146,7 @@ def cmd_core(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle) if args.bundle else default_bundle_dir()
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
-        raise TngramError(f"{bundle / 'core.yaml'}: missing{hint}")
+        raise MissingFileError(f"{bundle / 'core.yaml'}: missing{hint}")
     with _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
         from tngram.train.portable import run_tokenizer_path
