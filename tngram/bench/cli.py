@@ -1,4 +1,4 @@
-"""`tngram bench modules|step|data`: performance measurements (never part of the test suite).
+"""`tngram bench modules|step|data|decode`: performance measurements (never part of the test suite).
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
@@ -49,6 +49,15 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode(args: argparse.Namespace) -> int:
+    from tngram.bench import decode
+    _threads(args)
+    res = decode.run(tuple(args.shapes), tuple(args.methods), tokens=args.tokens,
+                     prompt_len=args.prompt, reps=args.reps, warmup=args.warmup, hf=not args.no_hf)
+    _emit(res, decode.report(res), args)
+    return 0
+
+
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("bench", help="performance benchmarks (modules, training step, data)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,3 +102,15 @@ def add_commands(sub: Any) -> None:
     d.add_argument("--batch", type=int, default=16, help="sequences per batch")
     d.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     d.set_defaults(func=_data)
+
+    c = bs.add_parser("decode", help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
+                                     "generate) with the per-token FLOP ratio")
+    common(c, 5, 1)
+    c.add_argument("--shapes", nargs="+", choices=("mini", "paper-l9"), default=["mini", "paper-l9"],
+                   help="model sizes to measure")
+    c.add_argument("--methods", nargs="+", choices=("raw", "engram", "tngram"),
+                   default=["raw", "engram", "tngram"], help="memories to measure")
+    c.add_argument("--tokens", type=int, default=64, help="new tokens per rep")
+    c.add_argument("--prompt", type=int, default=16, help="prompt length")
+    c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")
+    c.set_defaults(func=_decode)

