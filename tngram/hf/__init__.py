@@ -22,6 +22,7 @@ _LAZY = {
     "add_memory": "tngram.hf.attach",
     "remove_memory": "tngram.hf.attach",
     "memory_modules": "tngram.hf.attach",
+    "memory_spec": "tngram.hf.attach",
     "split_memory_params": "tngram.optim.groups",
     "memory_param_groups": "tngram.optim.groups",
     "TngramGPTConfig": "tngram.hf.gpt_model",
@@ -47,7 +48,8 @@ _registered = False
 
 def register() -> None:
     """Teach transformers about tngram (idempotent): models whose config carries a
-    `tngram_memory` entry get their memory rebuilt on construction / from_pretrained, and the
+    `tngram_memory` entry get their memory rebuilt on construction / from_pretrained,
+    save_pretrained writes that entry for models with a memory, and the
     modules in _REGISTERING_MODULES register their Auto classes. Called by tngram._hf_hook when
     transformers is imported after tngram, or directly."""
     global _registered

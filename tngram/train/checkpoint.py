@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from tngram.common import TngramError, atomic_write_bytes, atomic_write_json
+from tngram.common import MissingFileError, TngramError, atomic_write_bytes, atomic_write_json
 
 CKPT_DIR = "checkpoints"
 FINAL_WEIGHTS = "model.safetensors"
@@ -236,7 +236,7 @@ def load_run_model(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module,
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.json"
     if not cfg_file.exists():
-        raise TngramError(f"{run_dir} is not a run folder (no config.json)")
+        raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
     cfg_dict = json.loads(cfg_file.read_text())
     candidates = []
     final = run_dir / FINAL_WEIGHTS

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -42,7 +43,7 @@ from tngram.train import checkpoint as ckpt
 from tngram.train.config import TrainConfig, validate_config
 from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
                                grad_accum_steps, init_distributed, no_sync, shutdown, wrap_ddp)
-from tngram.train.metrics import MetricsLog, Progress, env_info
+from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info
 from tngram.train.portable import record_dataset
 
 # run.* fields that may change between an interrupted run and its resumption
@@ -86,14 +87,20 @@ def _prune_at_step(cfg: TrainConfig, world_size: int) -> int:
 
 
 def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
-          max_steps: int | None = None) -> dict[str, Any]:
+          max_steps: int | None = None, logger: str = "none",
+          progress: bool | None = None) -> dict[str, Any]:
     """Train `cfg` into run folder `out_dir`; returns the summary (also DIR/summary.json).
 
     max_steps stops after that many optimiser steps of the recipe's schedule (the schedule
     itself is unchanged, so a later --resume can continue it). Under torchrun every process
-    calls this; only the main process writes files.
+    calls this; only the main process writes files. logger: "none" | "tensorboard" | "wandb"
+    (metrics.jsonl is always written). progress: a tqdm bar (True), plain lines every
+    run.log_every steps (False), or None: a bar only when stderr is a terminal.
     """
     validate_config(cfg)
+    check_logger(logger)
+    if progress is None:
+        progress = sys.stderr.isatty()
     if max_steps is not None and max_steps < 1:
         raise TngramError(f"--steps must be >= 1, got {max_steps}")
     ctx = init_distributed(cfg.run.device)
@@ -101,7 +108,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     try:
-        return _train(cfg, Path(out_dir), ctx, resume, max_steps)
+        return _train(cfg, Path(out_dir), ctx, resume, max_steps, logger, progress)
     finally:
         torch.set_num_threads(threads)
         shutdown(ctx)
@@ -140,7 +147,7 @@ def _open_data(cfg: TrainConfig, ctx: DistContext):
 
 
 def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
-           max_steps: int | None) -> dict[str, Any]:
+           max_steps: int | None, logger: str = "none", bar: bool = True) -> dict[str, Any]:
     say = print if ctx.is_main else (lambda *a, **k: None)
     seq_len = cfg.model.sequence_len
     accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs, seq_len,
@@ -214,7 +221,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         ckpt.save_run_config(run_dir, cfg.to_dict())
         record_dataset(run_dir, info)  # tokenizer + manifest copy: the run folder stands alone
         atomic_write_json(run_dir / "env.json", env_info(device, ctx.world_size, accum))
-    log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step)
+    log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step, logger=logger, run_name=cfg.name,
+                     config=cfg.to_dict())
     say(f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
         f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {accum} micro-step(s) x "
         f"{cfg.data.micro_batch_seqs} x {seq_len} tokens = {cfg.data.global_batch_tokens:,} "
@@ -244,7 +252,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     train_time, session_tokens = 0.0, 0
     win_time, win_tokens = 0.0, 0
     last_loss, last_eval = float("nan"), None
-    progress = Progress(stop, step, cfg.name, ctx.is_main)
+    progress = Progress(stop, step, cfg.name, ctx.is_main, bar=bar, log_every=cfg.run.log_every)
     model.train()
     try:
         while step < stop:

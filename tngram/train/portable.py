@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, atomic_write_json, print0
+from tngram.common import MissingFileError, TngramError, atomic_write_json, print0
 
 RUN_TOKENIZER = "tokenizer.model"
 RUN_DATASET = "dataset.json"
@@ -62,7 +62,7 @@ def run_tokenizer_path(run_dir: str | os.PathLike, cfg: dict[str, Any],
     if override is not None:
         p = Path(override).expanduser()
         if not p.is_file():
-            raise TngramError(f"--tokenizer {p}: file not found")
+            raise MissingFileError(f"--tokenizer {p}: file not found")
         return p
     own = Path(run_dir) / RUN_TOKENIZER
     if own.is_file():
