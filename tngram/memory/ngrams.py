@@ -75,18 +75,34 @@ def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
     return torch.stack(cols, dim=-1)  # (B, T, n_max)
 
 
-def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int) -> tuple[Tensor, int]:
+def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int,
+                        valid: Tensor | None = None) -> tuple[Tensor, int]:
     """Incremental decoding: prepend the previous n_max-1 token ids kept in `cache["ids"]`
     (pad_id before the sequence start) and store the new tail there.
 
     Returns (ids_ext, P): ids_ext (B, P + T); the outputs of the first P positions are dropped
     by the caller. Because the history is pad_id at the start, the n-grams of the new positions
     equal those of a full forward over the whole sequence. cache None: (ids, 0) unchanged.
+
+    valid: optional (B, T) bool mask (False = a padding position, e.g. left padding in a batch):
+    those ids are replaced by pad_id, so a left-padded row sees exactly the windows it would see
+    alone. cache["keep_history"] = True keeps every id seen (not only the last n_max-1), so the
+    history can be cut back to any length (tngram.hf uses it for cache cropping).
     """
+    if valid is not None:
+        ids = ids.long().masked_fill(~valid.bool(), pad_id)
     if cache is None:
         return ids, 0
     P = n_max - 1
     hist = cache.get("ids")
+    if cache.get("keep_history"):
+        B = ids.shape[0]
+        seen = ids.new_zeros((B, 0)) if hist is None else hist              # (B, T_seen)
+        window = seen[:, max(0, seen.shape[1] - P):]
+        if window.shape[1] < P:                                             # pad_id before the start
+            window = torch.cat([window.new_full((B, P - window.shape[1]), pad_id), window], dim=1)
+        cache["ids"] = torch.cat([seen, ids.to(seen.dtype)], dim=1)
+        return torch.cat([window.to(ids.dtype), ids], dim=1), P
     if hist is None:
         hist = ids.new_full((ids.shape[0], P), pad_id)
     ext = torch.cat([hist, ids], dim=1)                                  # (B, P + T)

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from tngram.common import TngramError, atomic_write_bytes, atomic_write_json
+from tngram.common import MissingFileError, TngramError, atomic_write_bytes, atomic_write_json
 
 CKPT_DIR = "checkpoints"
 FINAL_WEIGHTS = "model.safetensors"
@@ -181,7 +182,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     """Restore weights (and optimisers, RNG) from a checkpoint folder; returns its meta.json."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    load_weights(model, path / "model.safetensors")
+    load_weights(model, path / "model.safetensors", (optimizers or {}).values())
     if optimizers:
         state = load_file(str(path / "state.safetensors"))
         for name, opt in optimizers.items():
@@ -193,8 +194,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     return meta
 
 
-def load_weights(model: nn.Module, file: str | os.PathLike) -> None:
+def load_weights(model: nn.Module, file: str | os.PathLike,
+                 optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
     tensors = load_file(str(file))
+    # weights saved after adaptive CP-rank pruning have smaller TN-gram shapes than the config's
+    # starting rank: shrink those modules first (the loaded values then overwrite them; the
+    # optimisers are pointed at the new, smaller parameters)
+    from tngram.memory.cp_rank import shrink_to_state
+    shrink_to_state(model, tensors, optimizers)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise TngramError(f"weights in {file} do not fit the model: missing {missing[:5]}, "
@@ -229,7 +236,7 @@ def load_run_model(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module,
     run_dir = Path(run_dir)
     cfg_file = run_dir / "config.json"
     if not cfg_file.exists():
-        raise TngramError(f"{run_dir} is not a run folder (no config.json)")
+        raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
     cfg_dict = json.loads(cfg_file.read_text())
     candidates = []
     final = run_dir / FINAL_WEIGHTS
