@@ -27,6 +27,8 @@ _AREAS = (
     "tngram.experiments.cli",
     "tngram.report.cli",
     "tngram.bench.cli",
+    "tngram.doctor",
+    "tngram.plan",
 )
 
 
