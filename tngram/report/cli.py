@@ -9,18 +9,19 @@ from typing import Any
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("report", help="tables and plots from run folders")
-    rs = p.add_subparsers(dest="report_command", metavar="WHAT")
+    rs = p.add_subparsers(dest="report_command", metavar="SUBCOMMAND")
     rs.required = True
     t = rs.add_parser("tables", help="downstream-task tables (methods x tasks, best in bold) from runs "
                                      "evaluated with `tngram eval core`")
-    t.add_argument("run_dirs", nargs="+")
-    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy")
+    t.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders evaluated with `tngram eval core`")
+    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy",
+                   help="accuracy, or centered (0 = random baseline, 1 = perfect)")
     t.add_argument("--out", type=Path, default=Path("."), help="folder for core_tables.md/.csv")
     t.set_defaults(func=_cmd_tables)
     c = rs.add_parser("compare", help="rebuild report.md of a `tngram compare` folder (adds CORE when "
                                       "the runs have been evaluated); with several folders (one per corpus), "
                                       "paired significance per corpus and pooled")
-    c.add_argument("dir", type=Path, nargs="+")
+    c.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="the --out folder(s) of `tngram compare`")
     c.add_argument("--metric", choices=["val_loss", "val_bpb", "train_loss"], default="val_loss",
                    help="metric of the significance table (several folders)")
     c.set_defaults(func=_cmd_compare)
@@ -64,7 +65,7 @@ def _cmd_compare(args: Any) -> int:
 
 
 def _compare_one(dir: Path) -> int:
-    from tngram.common import MissingFileError, TngramError, atomic_write_json
+    from tngram.common import MissingFileError, atomic_write_json
     from tngram.report.compare import write_compare_report
     from tngram.report.runs import read_core
 
