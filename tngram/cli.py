@@ -28,6 +28,8 @@ _AREAS = (
     "tngram.report.cli",
     "tngram.bench.cli",
     "tngram.export_cli",
+    "tngram.doctor",
+    "tngram.plan",
 )
 
 
