@@ -167,3 +167,33 @@ def test_license_and_citation_match():
     assert paper["title"] in README and str(paper["year"]) in README and "ICML" in README
     bib = re.search(r"author\s*=\s*\{(.*)\},", README).group(1)
     assert bib == " and ".join(f"{a['family-names']}, {a['given-names']}" for a in paper["authors"])
+
+
+def test_command_lines_in_docs_parse():
+    """Every `tngram COMMAND ...` line in a code block of docs/*.md still parses (stale flags such
+    as a renamed option fail here). Usage synopses (with [optional] parts) and output lines whose
+    first word is not a command are skipped."""
+    from tngram.cli import build_parser
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
+    bad, n = [], 0
+    for f in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.findall(r"```[a-z]*\n(.*?)```", f.read_text(encoding="utf-8"), flags=re.S):
+            for line in block.splitlines():
+                for part in line.split(" #")[0].split(" ; "):
+                    m = re.search(r"(?:^|\s)tngram\s+(.*)$", part.strip())
+                    if not m or " [" in part:
+                        continue
+                    try:
+                        argv = shlex.split(m.group(1))
+                    except ValueError:
+                        continue
+                    if not argv or argv[0] not in commands:
+                        continue
+                    n += 1
+                    try:
+                        with contextlib.redirect_stderr(io.StringIO()):
+                            parser.parse_args(argv)
+                    except SystemExit:
+                        bad.append(f"{f.name}: tngram {m.group(1)}")
+    assert n >= 10 and not bad, bad
