@@ -18,7 +18,7 @@ from hf_tiny import FAMILIES, MEMORIES, VOCAB, prompt, tiny_model, with_memory  
 import transformers  # noqa: E402
 
 from tngram.common import TngramError  # noqa: E402
-from tngram.hf import add_memory, memory_modules, remove_memory  # noqa: E402
+from tngram.hf import add_memory, memory_modules, memory_spec, remove_memory  # noqa: E402
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -48,6 +48,15 @@ def test_causal_through_the_integration(family, kind):
         a, b = model(x).logits, model(y).logits
     torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
     assert (a[:, t:] - b[:, t:]).abs().max() > 1e-4
+
+
+def test_config_object_is_not_changed():
+    """The caller's config can still build plain models; the spec goes into config.json only."""
+    model = tiny_model("llama")
+    add_memory(model, MEMORIES["tngram"])
+    assert not hasattr(model.config, "tngram_memory") and memory_spec(model)["layers"] == [1]
+    again = type(model)(model.config)
+    assert not memory_modules(again)
 
 
 def test_default_zero_init_memory_is_a_no_op_at_start():
@@ -136,7 +145,7 @@ def test_deepcopy_and_remove_memory():
         twin.model.layers[0].ngram_memory.fusion.value_proj.weight.add_(1.0)
         assert not torch.equal(twin(x).logits, ref) and torch.equal(model(x).logits, ref)
     remove_memory(model)
-    assert not memory_modules(model) and not hasattr(model.config, "tngram_memory")
+    assert not memory_modules(model) and memory_spec(model) is None
     with torch.no_grad():
         assert torch.equal(model(x).logits, tiny_model("llama")(x).logits)
 
@@ -183,3 +192,21 @@ def test_train_only_the_memory():
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
+
+
+def test_nothing_below_the_integration_imports_it():
+    """Layers point one way: the library core never imports tngram.hf or transformers
+    (only the integration itself, the CLI and the bench/experiment tools on top may)."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "tngram"
+    below = ("memory", "model", "optim", "data", "train", "eval", "report", "kernels")
+    bad = []
+    for area in below:
+        for f in sorted((pkg / area).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                bad += [f"{f.relative_to(pkg.parent)}: {n}" for n in names
+                        if n.startswith(("tngram.hf", "transformers"))]
+    assert not bad, bad

@@ -81,6 +81,28 @@ def test_left_padded_row_generates_what_it_generates_alone(family, kind):
         assert torch.equal(batch[1, 7:], alone_short[0, 4:])
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_padded_over_encoding(family):
+    model = with_memory(family, "oe")
+    short = prompt(1, 4, seed=3)[0]
+    ids = torch.stack([prompt(1, 7, seed=2)[0], torch.cat([torch.zeros(3, dtype=torch.long), short])])
+    mask = (torch.arange(7) >= torch.tensor([[0], [3]])).long()
+    batch = gen(model, ids, attention_mask=mask, do_sample=False)
+    assert torch.equal(batch[1, 7:], gen(model, short[None], do_sample=False)[0, 4:])
+
+
+def test_continue_from_the_returned_cache():
+    """A plain forward creates the cache itself (with the memory state in it); feeding the rest
+    with the returned past_key_values equals one full forward."""
+    model = with_memory("gpt_neox", "engram")
+    x = prompt(2, 11, seed=6)
+    with torch.no_grad():
+        first = model(x[:, :7])
+        rest = model(x[:, 7:], past_key_values=first.past_key_values).logits
+        full = model(x, use_cache=False).logits
+    torch.testing.assert_close(rest, full[:, 7:], rtol=0, atol=1e-5)
+
+
 def test_left_padding_matters_for_the_memory(monkeypatch):
     """Negative control: the padded row only matches because of the valid mask. With the mask
     ignored by the memory (pads enter its windows and conv state) the logits move."""
@@ -149,3 +171,44 @@ def test_cache_filled_elsewhere_is_refused():
         plain(prompt(), past_key_values=cache)
         with pytest.raises(TngramError, match="cache holds 6 tokens"):
             model(prompt(), past_key_values=cache)
+
+
+def test_cache_batch_edits_and_copies_follow_the_memory_state():
+    """batch_select_indices / batch_repeat_interleave / reset / deepcopy act on the memory
+    state too: continuing from an edited cache equals the full forward of the edited batch."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = with_memory("qwen2", "tngram")
+    x = prompt(3, 9, seed=5)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(x[:, :6], past_key_values=cache)
+        snapshot = copy.deepcopy(cache)                        # prefix caching
+        idx = torch.tensor([2, 0])
+        cache.batch_select_indices(idx)
+        tail = model(x[idx, 6:], past_key_values=cache).logits
+        torch.testing.assert_close(tail, model(x[idx]).logits[:, 6:], rtol=0, atol=1e-5)
+
+        snapshot.batch_repeat_interleave(2)
+        rep = x.repeat_interleave(2, dim=0)
+        tail = model(rep[:, 6:], past_key_values=snapshot).logits
+        torch.testing.assert_close(tail, model(rep).logits[:, 6:], rtol=0, atol=1e-5)
+
+        snapshot.reset()
+        assert snapshot._tngram_seen == 0 and not snapshot._tngram_memory
+
+
+def test_gradient_checkpointing_keeps_memory_gradients():
+    model = with_memory("llama", "tngram").train()
+    x = prompt(2, 8)
+    model(x, labels=x).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if "ngram_memory" in n}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    model(x, labels=x).loss.backward()
+    for n, g in ref.items():
+        got = dict(model.named_parameters())[n].grad
+        assert got is not None and g.abs().sum() > 0, n
+        torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6)

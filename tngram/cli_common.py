@@ -24,17 +24,40 @@ from tngram.common import TngramError
 LOGGERS = ("none", "tensorboard", "wandb")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and appends "(default: X)" to every option that has a
-    default worth showing (not None/False, and not already stated in the help)."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions: paragraphs are re-wrapped, except indented lines (examples), which are kept.
+    Options: "(default: X)" is appended to every option that has a default worth showing (not
+    None/False, and not already stated in the help)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+        out = []
+        for para in text.strip("\n").split("\n\n"):
+            lines = para.split("\n")
+            if any(line.startswith((" ", "\t")) for line in lines):
+                out.append("\n".join(indent + line for line in lines))
+            else:
+                out.append(textwrap.fill(" ".join(line.strip() for line in lines), width,
+                                         initial_indent=indent, subsequent_indent=indent))
+        return "\n\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.option_strings == []:
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
             return text
         if isinstance(action.default, list) and not action.default:
             return text
         return f"{text} (default: %(default)s)"
+
+
+def use_formatter(parser: argparse.ArgumentParser) -> None:
+    """HelpFormatter for `parser` and every sub-command under it."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                use_formatter(sub)
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,11 @@ Goal (checked in the report): the adaptive run's mean val loss is within GOAL_NA
 fixed R's, at <= GOAL_PARAMS of that R's Δparams, in <= GOAL_TIME x its training time.
 Δparams of an adaptive run are those of the final, pruned model (summary.json).
 
+Training times of runs made one after another on a shared, loaded machine are noisy, so the
+report also times one optimiser step of each variant's final shapes with the candidates
+interleaved in one process (step_times) and estimates the adaptive run's time from it:
+(prune_at_step x t(start rank) + remaining steps x t(picked ranks)) / steps.
+
 Runs go in priority order (per seed: adaptive, then 704, 352, 128, 512, 256, 64, 32), so a
 partial sweep (`--ranks`, fewer `--seeds`) still gives the comparison that matters most, and a
 later full sweep reuses every finished run.
@@ -16,6 +21,10 @@ later full sweep reuses every finished run.
 
 from __future__ import annotations
 
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,7 @@ from tngram.experiments.common import (SCALES, base_recipe, default_nproc, resol
                                        with_memory, with_seed, with_steps)
 from tngram.experiments.runner import RunSpec, run_all
 from tngram.report.runs import mean_std
+from tngram.train.config import TrainConfig
 
 FIXED_RANKS = (32, 64, 128, 256, 352, 512, 704)
 PRIORITY = (704, 352, 128, 512, 256, 64, 32)
@@ -56,6 +66,96 @@ def adaptive_specs(prefix: str, data_dir: str, vocab: int, seeds: int, steps: in
             specs.append(RunSpec(f"fixed-R{r}-s{s}", cfg, {"variant": "fixed", "seed": cfg.run.seed,
                                                            "start_rank": r}))
     return specs
+
+
+def _train_step(cfg: TrainConfig, ranks: tuple[int, ...]):
+    """A closure running one optimiser step (all micro-steps, Adam + Muon) of cfg's model with its
+    TN-gram layers at `ranks` (one per memory layer), on fixed random tokens."""
+    import torch
+
+    from tngram.memory.cp_rank import prune_tngram, tngram_modules
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import build_param_groups
+    from tngram.optim.muon import Muon
+
+    start = max(ranks)
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(replace(cfg.model, memory=replace(cfg.model.memory, cp_rank=start, prune_at_step=0)))
+    mods = tngram_modules(model)
+    if len(mods) != len(ranks):
+        raise TngramError(f"{len(ranks)} ranks given for {len(mods)} TN-gram layers")
+    for (_, m), r in zip(mods, ranks):
+        if r < start:
+            prune_tngram(m, torch.arange(r), correct_scales=False)
+    o = cfg.optim
+    groups = build_param_groups(model, o)
+    opts = [torch.optim.Adam([g for g in groups if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2),
+                             eps=o.adam_eps),
+            Muon([g for g in groups if g["optimizer"] == "muon"], lr=o.matrix_lr, momentum=o.muon_momentum)]
+    B, T = cfg.data.micro_batch_seqs, cfg.model.sequence_len
+    accum = max(1, cfg.data.global_batch_tokens // (B * T))
+    seq = torch.randint(1, cfg.model.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.run.dtype == "bf16" else nullcontext
+
+    def step() -> None:
+        for _ in range(accum):
+            with amp():
+                loss = model(x, y)
+            (loss / accum).backward()
+        for opt in opts:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def step_times(cfg: TrainConfig, variants: dict[str, tuple[int, ...]], reps: int = 5,
+               warmup: int = 1) -> dict[str, float]:
+    """Median seconds per optimiser step of each variant (per-layer ranks), interleaved."""
+    steps = {k: _train_step(cfg, r) for k, r in variants.items()}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(warmup + reps):
+        for k, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def timing_section(cfg: TrainConfig, rows: list[dict[str, Any]], reps: int = 5) -> str:
+    """Interleaved step times of the fixed ranks run and of each adaptive run's picked ranks,
+    and the adaptive runs' estimated time relative to the best fixed R."""
+    import torch
+    n_layers = len(cfg.model.memory_layers)
+    fixed = sorted({int(r["start_rank"]) for r in rows if r["variant"] == "fixed"})
+    adapt = [r for r in rows if r["variant"] == "adaptive"]
+    if not fixed or not adapt:
+        return ""
+    variants = {f"fixed R={R}": (R,) * n_layers for R in fixed}
+    start = int(adapt[0]["start_rank"])
+    variants.setdefault(f"fixed R={start}", (start,) * n_layers)
+    for r in adapt:
+        variants[f"adaptive seed {r['seed']} after pruning"] = tuple(_final_ranks(r))
+    t = step_times(cfg, variants, reps=reps)
+    best = min(fixed, key=lambda R: mean_std([r["val_loss"] for r in rows
+                                              if r["variant"] == "fixed" and int(r["start_rank"]) == R])[0])
+    tb = t[f"fixed R={best}"]
+    lines = [f"Step time (one optimiser step, median of {reps} interleaved repetitions, "
+             f"{torch.get_num_threads()} thread(s)):", "", "| variant | ranks | s/step | vs best fixed R |",
+             "|---|---|---|---|"]
+    for k, v in variants.items():
+        lines.append(f"| {k} | {', '.join(map(str, v))} | {t[k]:.3f} | {t[k] / tb:.2f}x |")
+    S = cfg.schedule.steps
+    ests = []
+    for r in adapt:
+        p = int(r["prune_at_step"])
+        est = (p * t[f"fixed R={start}"] + (S - p) * t[f"adaptive seed {r['seed']} after pruning"]) / S
+        ests.append(est / tb)
+    lines += ["", f"Estimated adaptive training time from these step times ((p t_{start} + (S - p) t_picked) / S, "
+                  f"S = {S}): {', '.join(f'{e:.2f}x' for e in ests)} of fixed R = {best} "
+                  f"(goal <= {GOAL_TIME}x): {'met' if max(ests) <= GOAL_TIME else 'NOT met'}"]
+    return "\n".join(lines)
 
 
 def _final_ranks(row: dict[str, Any]) -> list[int]:
@@ -113,9 +213,11 @@ def _csv(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_report(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
+def write_report(out: Path, rows: list[dict[str, Any]], data_dir: str, timing: str = "") -> Path:
     from tngram.report.plots import xy_plot
     body, series = report_body(rows)
+    if timing:
+        body += "\n\n" + timing
     xy_plot(series, out / "adaptive-rank.png", "Δparams (M)", "val loss (nats/token)",
             "fixed CP rank vs adaptive rank")
     atomic_write_text(out / "results.csv", _csv(rows))
@@ -133,4 +235,4 @@ def run_adaptive_rank(out: Path, scale: str = "cpu", seeds: int = 3, data: str |
     data_dir, vocab = resolve_data(data)
     specs = adaptive_specs(prefix, data_dir, vocab, seeds, steps, ranks or FIXED_RANKS)
     rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
-    return write_report(out, rows, data_dir)
+    return write_report(out, rows, data_dir, timing_section(specs[0].config, rows))

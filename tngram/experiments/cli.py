@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tngram.cli_common import HelpFormatter, add_steps_argument
+from tngram.cli_common import HelpFormatter, add_progress_argument, add_steps_argument
 
 
 def _common(p: Any) -> None:
@@ -20,6 +20,7 @@ def _common(p: Any) -> None:
                    help="processes per run, torchrun when > 1 (default: 1 on CPU, all GPUs for paper presets)")
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="output folder: runs/, results.json, report.md (finished runs are reused)")
+    add_progress_argument(p)
 
 
 def add_commands(sub: Any) -> None:
@@ -50,6 +51,9 @@ def add_commands(sub: Any) -> None:
 
 
 def _check(args: Any, prefix: str) -> None:
+    import os
+    if getattr(args, "no_progress", False):   # read by the worker subprocesses
+        os.environ["TNGRAM_NO_PROGRESS"] = "1"
     from tngram.cli_common import check_positive
     from tngram.recipes import get_recipe
     from tngram.train.config import apply_overrides

@@ -11,9 +11,10 @@
 Keys of the backbone do not change (a base checkpoint still loads; only memory keys are new).
 Decode state lives in the call's transformers Cache (tngram.hf.cache_state); left padding comes
 from the 2-D attention_mask (padded positions do not enter the n-gram windows or conv state).
-The memory spec is stored in `config.tngram_memory`, so save_pretrained writes it to
-config.json, and a model built from such a config (from_pretrained included) gets its memory
-back once tngram is imported (tngram._hf_hook patches PreTrainedModel.post_init).
+The memory spec belongs to the model (not to its config object, which the caller may reuse
+to build other models): save_pretrained writes it into config.json as `tngram_memory`, and a
+model built from a config carrying that key (from_pretrained included) gets its memory back
+once tngram is imported (tngram._hf_hook patches PreTrainedModel.post_init / save_pretrained).
 
 Per-call context lives on the model between the pre-hook and the end of the forward: one
 forward at a time per model (not thread-safe).
@@ -116,9 +117,7 @@ def add_memory(model: nn.Module, memory_config: Any, layers: Sequence[int] | Non
     spec = {"memory": memory_config_to_dict(memory_config), "layers": list(ids),
             "layers_attr": path, "memory_seed": int(memory_seed), "vocab_size": rows}
     _attach(base, spec)
-    setattr(config, CONFIG_KEY, spec)
     if base is not model:
-        setattr(base.config, CONFIG_KEY, spec)
         _install_call_hooks(model, base._tngram_state)
         _wrap_prepare_inputs(model)
     return model
@@ -193,9 +192,6 @@ def remove_memory(model: nn.Module) -> nn.Module:
             del m._tngram_state
             if MEMORY_ATTR in m._modules:
                 del m._modules[MEMORY_ATTR]
-    for cfg in {id(model.config): model.config, id(base.config): base.config}.values():
-        if hasattr(cfg, CONFIG_KEY):
-            delattr(cfg, CONFIG_KEY)
     model.__dict__.pop("prepare_inputs_for_generation", None)
     return model
 
@@ -332,14 +328,19 @@ def _wrap_prepare_inputs(model: nn.Module) -> None:
 
 # ---- transformers patch: rebuild the memory of models whose config carries a spec -----------
 
+def memory_spec(model: nn.Module) -> dict[str, Any] | None:
+    """The memory spec of a model with add_memory (what save_pretrained writes), else None."""
+    state = getattr(getattr(model, "base_model", model), "_tngram_state", None)
+    return None if state is None else state.spec
+
+
 def _after_post_init(model: nn.Module) -> None:
-    spec = getattr(getattr(model, "config", None), CONFIG_KEY, None)
-    if not spec:
-        return
     base = getattr(model, "base_model", model)
     if base is model:
-        if getattr(model, "_tngram_state", None) is None:
+        spec = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+        if spec and getattr(model, "_tngram_state", None) is None:
             _attach(model, spec)
+            delattr(model.config, CONFIG_KEY)   # from now on the spec lives with the model
     elif getattr(base, "_tngram_state", None) is not None and \
             getattr(model, "_tngram_state", None) is None:
         _install_call_hooks(model, base._tngram_state)
@@ -347,18 +348,35 @@ def _after_post_init(model: nn.Module) -> None:
 
 
 def install_transformers_patches() -> None:
-    """Wrap PreTrainedModel.post_init (once) so models built from a config with a memory spec
-    (LlamaForCausalLM(config), from_pretrained, AutoModel...) get their memory."""
-    from transformers import PreTrainedModel
+    """Wrap PreTrainedModel.post_init (models built from a config with a memory spec --
+    LlamaForCausalLM(config), from_pretrained, AutoModel... -- get their memory) and
+    save_pretrained (writes the spec into config.json). Once; idempotent."""
+    import sys
 
-    orig = PreTrainedModel.post_init
-    if getattr(orig, "_tngram_patched", False):
+    if "transformers.modeling_utils" in sys.modules:   # called from the import hook: no re-entry
+        PreTrainedModel = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    else:
+        from transformers import PreTrainedModel
+    if getattr(PreTrainedModel.post_init, "_tngram_patched", False):
         return
+    orig_post_init, orig_save = PreTrainedModel.post_init, PreTrainedModel.save_pretrained
 
-    @functools.wraps(orig)
+    @functools.wraps(orig_post_init)
     def post_init(self: Any) -> None:
-        orig(self)
+        orig_post_init(self)
         _after_post_init(self)
+
+    @functools.wraps(orig_save)
+    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = memory_spec(self)
+        if spec is None:
+            return orig_save(self, *args, **kwargs)
+        setattr(self.config, CONFIG_KEY, spec)
+        try:
+            return orig_save(self, *args, **kwargs)
+        finally:
+            delattr(self.config, CONFIG_KEY)
 
     post_init._tngram_patched = True
     PreTrainedModel.post_init = post_init
+    PreTrainedModel.save_pretrained = save_pretrained

@@ -13,8 +13,9 @@ from tngram.train.cli import add_train_arguments, cmd_train
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tngram.cli_common import HelpFormatter
     parser = argparse.ArgumentParser(prog="python -m tngram.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_train_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""`tngram train [RECIPE] --out DIR [--config FILE] [--set section.field=value ...] [--steps N]`.
+"""Train a recipe into a run folder, in one process or under torchrun.
 
 The config is built in this order, later winning: the recipe (`tngram recipes`), the --config
 file (TOML or YAML; may name the recipe with `recipe = "..."`), --data, --steps, each --set.
@@ -36,6 +36,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="dataset folder (default: the offline default corpus, built on first use)")
+    p.add_argument("--device", default=None, metavar="D",
+                   help="auto | cpu | cuda | cuda:N (same as --set run.device=D; default: the config's, auto)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
+                        "(same as --set run.threads=N; default: the config's, 0)")
     add_logger_argument(p)
     add_progress_argument(p)
 
@@ -74,7 +79,9 @@ def resolve_config(recipe: str | None, overrides: list[str], data: str | None = 
 def cmd_train(args: argparse.Namespace) -> int:
     check_positive("--steps", args.steps)
     check_positive("--stop-after", args.stop_after)
-    cfg = resolve_config(args.recipe, args.overrides, args.data, args.config, args.steps)
+    sugar = ([f"run.device={args.device}"] if args.device is not None else []) + (
+        [f"run.threads={args.threads}"] if args.threads is not None else [])
+    cfg = resolve_config(args.recipe, sugar + args.overrides, args.data, args.config, args.steps)
     if args.print_config:
         from tngram.train.config_file import config_to_toml
         print(config_to_toml(cfg.to_dict(), _recipe_name(args)), end="")
