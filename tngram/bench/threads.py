@@ -173,3 +173,47 @@ def report(res: dict[str, Any]) -> str:
         lines.append("16-core: Amdahl from the measured 2-thread speed-up (an upper bound: memory "
                      "bandwidth per core is assumed constant)")
     return "\n".join(lines)
+
+
+def kernel_share(batch: int = 4, seq: int = 256, reps: int = 25) -> dict[str, Any]:
+    """At 1 thread: the share p of TN-gram's lookup fwd+bwd spent inside the two C custom ops
+    (whose loops and gradient fill run on every thread), from the minimum of `reps` interleaved
+    runs (the least disturbed). The rest (n-gram windows, row ids, W and s, autograd glue) runs on
+    one thread. Amdahl: S(n) = 1 / ((1 - p) + p / n); memory bandwidth not modelled."""
+    from tngram.bench import modules
+    from tngram.kernels import absorption_weights, c_unavailable_reason, ngram_row_index
+    from tngram.kernels.tngram_c import c_lookup_bwd, c_lookup_fwd
+    from tngram.memory.ngrams import suffix_ngrams
+
+    if c_unavailable_reason() is not None:
+        return {"error": f"C kernel unavailable: {c_unavailable_reason()}"}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = modules.build("tngram")
+        c = m.config
+        ids = torch.randint(1, modules.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+        g_vec = torch.randn(batch, seq, modules.d_mem("tngram", m))
+        N, V, R = m.factors.shape
+        idx = ngram_row_index(suffix_ngrams(ids, N, c.pad_id), V)
+        with torch.no_grad():
+            W = absorption_weights(m.absorb, N, R, m.absorb)
+            s = torch.exp(m.log_scales)
+            e, rstd = c_lookup_fwd(m.factors, idx, W, s, c.use_norm, c.norm_eps)
+        g = g_vec.view(-1, N - 1, R)
+
+        def whole() -> None:
+            m.zero_grad(set_to_none=True)
+            modules.lookup("tngram", m, ids).backward(g_vec)
+
+        cands = {"whole": whole,
+                 "c_fwd": lambda: c_lookup_fwd(m.factors.detach(), idx, W, s, c.use_norm, c.norm_eps),
+                 "c_bwd": lambda: c_lookup_bwd(g, m.factors.detach(), idx, W, s, rstd, True, True, True)}
+        times = interleaved(cands, reps, 3)
+    finally:
+        torch.set_num_threads(before)
+    t = {k: v.best for k, v in times.items()}
+    p = min(1.0, (t["c_fwd"] + t["c_bwd"]) / t["whole"])
+    return {"min_s": t, "parallel_share": p,
+            "amdahl": {n: 1.0 / ((1.0 - p) + p / n) for n in (2, 4, 8, 16, 64)},
+            "loadavg": machine_info()["loadavg"]}
