@@ -117,10 +117,15 @@ def test_parameter_table_equals_param_summary():
         assert row[4] == ("–" if s["delta_params"] == 0 else f"{s['delta_params']:,}"), row
 
 
-def test_generated_results_block_equals_its_results_file():
-    """The README's demo table is `tngram report readme`'s rendering of the file it cites."""
+@pytest.mark.parametrize("path", [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_generated_results_blocks_equal_their_results_files(path):
+    """Every generated table (README's demo table, any in docs/) is `tngram report readme`'s
+    rendering of the results file it cites."""
     from tngram.cli import main
-    assert main(["report", "readme", "--check", "--readme", str(ROOT / "README.md")]) == 0
+    from tngram.report.readme import block_names
+    if path.name == "README.md":
+        assert "demo-compare-cpu" in block_names(path.read_text())
+    assert main(["report", "readme", "--check", "--doc", str(path)]) == 0
 
 
 def test_report_readme_regenerates_the_block(tmp_path):
@@ -137,6 +142,7 @@ def test_report_readme_regenerates_the_block(tmp_path):
     (d / "results.json").write_text(json.dumps({"preset": snap["preset"], "seeds": snap["seeds"], "rows": rows}))
     readme = tmp_path / "README.md"
     shutil.copy(ROOT / "README.md", readme)
+    (tmp_path / "docs" / "results").mkdir(parents=True)
     assert main(["report", "readme", str(d), "--readme", str(readme)]) == 0
     block = current_block(readme.read_text(), BLOCK)
     assert "9.8765" in block and "docs/results/demo-compare-cpu.json" in block
