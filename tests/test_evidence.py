@@ -102,3 +102,18 @@ def test_dense_variants_match_params_and_flops():
         for nb in (v - step, v + step):                     # no neighbouring size is closer
             assert abs(measure(rep(c, model=rep(c.model, **{field: nb}))) - target) >= err
         assert measure(c) > measure(cfgs["raw"])            # grown, not shrunk
+
+
+def test_tuning_variants_change_only_their_setting():
+    from tngram.experiments.evidence import FACTOR_INIT_STDS, TABLE_LR_FACTORS, tuning_variants
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    tv = tuning_variants(cfgs)
+    assert len(tv) == 2 * len(TABLE_LR_FACTORS) + len(FACTOR_INIT_STDS)
+    base = cfgs["tngram"].optim.tied_embed_lr                     # memory_table_lr unset -> tied_embed_lr
+    assert tv["tngram-lr2"].optim.memory_table_lr == 2 * base
+    assert tv["engram-lr0.25"].optim.memory_table_lr == 0.25 * base
+    assert tv["tngram-lr2"].model == cfgs["tngram"].model
+    assert tv["tngram-init0.3"].model.memory.factor_init_std == 0.3
+    assert tv["tngram-init0.3"].optim == cfgs["tngram"].optim

@@ -249,3 +249,53 @@ def dense(out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None
     atomic_write_text(out / "report.md", f"# tngram experiment dense\n\nData: `{data_dir}`\n\n{body}\n\n![dense](dense.png)\n")
     print0(body)
     return out / "report.md"
+
+
+# ---- fair tuning: each memory's table learning rate (and TN-gram's factor init) on one corpus
+
+TABLE_LR_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)      # x the recipe's table lr (tied_embed_lr when unset)
+FACTOR_INIT_STDS = (0.03, 0.1, 0.3, 1.0)            # TN-gram factor_init_std (recipe: 0.1)
+
+
+def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
+    """Engram and TN-gram at each table-lr factor; TN-gram also at each factor_init_std (at the
+    recipe's table lr). Names: <method>-lr<factor>, tngram-init<std>."""
+    from dataclasses import replace
+    from tngram.experiments.common import with_memory
+    out = {}
+    for m in ("engram", "tngram"):
+        c = cfgs[m]
+        base = c.optim.memory_table_lr if c.optim.memory_table_lr is not None else c.optim.tied_embed_lr
+        for f in TABLE_LR_FACTORS:
+            out[f"{m}-lr{f:g}"] = replace(c, optim=replace(c.optim, memory_table_lr=base * f))
+    for s in FACTOR_INIT_STDS:
+        out[f"tngram-init{s:g}"] = with_memory(cfgs["tngram"], factor_init_std=s)
+    return out
+
+
+def tuning(out: Path, scale: str = "cpu", seeds: int = 2, data: str | None = None, steps: int | None = None,
+           nproc: int | None = None, corpora: list[str] | None = None) -> Path:
+    """`tngram experiment tuning`: the tuning sweep on one corpus (default `literature`, so that
+    settings are never chosen on the default corpus); prints each method's best setting."""
+    from tngram.experiments.common import resolve_data, with_seed
+    from tngram.experiments.runner import RunSpec, run_all
+    from tngram.report.runs import mean_std
+
+    prefix = SCALES[scale]
+    data_dir, vocab = resolve_data(data) if data else _build((corpora or ["literature"])[0])
+    variants = tuning_variants(_configs(prefix, data_dir, vocab, steps))
+    specs = [RunSpec(f"{k}-s{s}", with_seed(c, s), {"method": k}) for s in range(seeds) for k, c in variants.items()]
+    rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
+    stats = {k: mean_std([r["val_loss"] for r in rows if r["method"] == k]) for k in variants}
+    lines = ["| setting | table lr | factor_init_std | val loss (mean ± std) |", "|---|---|---|---|"]
+    for k, c in variants.items():
+        std = getattr(c.model.memory, "factor_init_std", None)
+        lines.append(f"| {k} | {c.optim.memory_table_lr:g} | {'–' if std is None else f'{std:g}'} | "
+                     f"{stats[k][0]:.4f} ± {stats[k][1]:.4f} |")
+    best = {m: min((k for k in variants if k.startswith(m)), key=lambda k: stats[k][0]) for m in ("engram", "tngram")}
+    body = ("\n".join(lines) + "\n\nBest on this corpus (use these on the others, never re-tuned there): "
+            + ", ".join(f"{m}: {k}" for m, k in best.items()))
+    atomic_write_json(out / "tuning.json", {"data": data_dir, "rows": rows, "best": best})
+    atomic_write_text(out / "report.md", f"# tngram experiment tuning\n\nData: `{data_dir}`\n\n{body}\n")
+    print0(body)
+    return out / "report.md"
