@@ -2,7 +2,7 @@
 
 Prints the versions (Python, torch, CUDA, triton, the C compiler), the device(s), the CPU's
 vector features, torch's threads, which lookup each memory uses on each device/dtype (running
-the compiled kernels' first-use self-checks, tngram.kernels.choice) and their results. Exit
+the compiled kernels' first-use self-checks, as the kernel choice does) and their results. Exit
 status 0 when every compiled kernel that would be used passed its self-check, 1 otherwise.
 """
 

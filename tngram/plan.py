@@ -20,7 +20,7 @@ output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
 usable memory = gpu_mem x (1 - margin) - 1 GiB (CUDA context, cuBLAS/NCCL workspaces);
 micro-batch = the largest divisor of the sequences one GPU needs per step whose activations
 fit; gradient accumulation = global batch / (G x micro x T).
-FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (tngram.bench.step's count;
+FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (`tngram bench step`'s count;
 lookups and elementwise work excluded); step time = FLOPs / (G x peak x MFU), peak default
 312 TFLOP/s (A100 bf16 dense) and MFU default 0.35 - stated assumptions, not measurements.
 """
@@ -177,7 +177,7 @@ def report(r: dict[str, Any]) -> str:
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("plan", help="memory, micro-batch, accumulation and step time of a recipe on GPUs",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (DDP, one process each)")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU in GB (default 80)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation precision")

@@ -1,4 +1,4 @@
-"""`tngram bench modules|step|data|decode`: performance measurements (never part of the test suite).
+"""`tngram bench modules|step|data|decode`: performance measurements.
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
