@@ -113,9 +113,8 @@ def test_version_and_python_m(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tngram {tngram.__version__}"
     p = subprocess.run([sys.executable, "-m", "tngram", "--version"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == f"tngram {tngram.__version__}"
-    p = subprocess.run([sys.executable, "-m", "tngram", "params", "mini-tngram", "--json"],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and json.loads(p.stdout)["recipe"] == "mini-tngram"
+    assert main(["params", "mini-tngram", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recipe"] == "mini-tngram"
 
 
 def test_user_errors_are_builtin_exceptions(tmp_path):

@@ -79,3 +79,41 @@ def test_corpora_experiment_plumbing(tiny_data, tmp_path, monkeypatch):  # noqa:
     stamp = (out / "a" / "runs" / "tngram-s0" / "summary.json").stat().st_mtime_ns
     ev.corpora(out, seeds=1, steps=2, corpora=["a", "b"])
     assert (out / "a" / "runs" / "tngram-s0" / "summary.json").stat().st_mtime_ns == stamp
+
+
+def test_dense_variants_match_params_and_flops():
+    from dataclasses import replace as rep
+
+    from tngram.experiments.evidence import dense_variants, train_flops_per_token
+    from tngram.recipes import get_recipe, param_summary
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    total = lambda c: param_summary(c)["total_params"]  # noqa: E731
+    dv = dense_variants(cfgs["raw"], {m: cfgs[m] for m in ("engram", "tngram")})
+    assert set(dv) == {f"dense-{w}-{m}" for w in ("wide", "deep", "mlp", "flops") for m in ("engram", "tngram")}
+    for key, c in dv.items():
+        _, way, method = key.split("-")
+        assert c.model.memory is None
+        field, step = {"wide": ("n_embd", 8), "flops": ("n_embd", 8), "deep": ("n_layer", 1), "mlp": ("mlp_mult", 1)}[way]
+        measure = train_flops_per_token if way == "flops" else total
+        target = measure(cfgs[method])
+        err = abs(measure(c) - target)
+        v = getattr(c.model, field)
+        for nb in (v - step, v + step):                     # no neighbouring size is closer
+            assert abs(measure(rep(c, model=rep(c.model, **{field: nb}))) - target) >= err
+        assert measure(c) > measure(cfgs["raw"])            # grown, not shrunk
+
+
+def test_tuning_variants_change_only_their_setting():
+    from tngram.experiments.evidence import FACTOR_INIT_STDS, TABLE_LR_FACTORS, tuning_variants
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    tv = tuning_variants(cfgs)
+    assert len(tv) == 2 * len(TABLE_LR_FACTORS) + len(FACTOR_INIT_STDS)
+    base = cfgs["tngram"].optim.tied_embed_lr                     # memory_table_lr unset -> tied_embed_lr
+    assert tv["tngram-lr2"].optim.memory_table_lr == 2 * base
+    assert tv["engram-lr0.25"].optim.memory_table_lr == 0.25 * base
+    assert tv["tngram-lr2"].model == cfgs["tngram"].model
+    assert tv["tngram-init0.3"].model.memory.factor_init_std == 0.3
+    assert tv["tngram-init0.3"].optim == cfgs["tngram"].optim

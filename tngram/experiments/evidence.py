@@ -6,6 +6,8 @@
     data-scaling  the same three methods at 1, 4 and 16 M training tokens (steps × 1, 4, 16) on
                   one corpus: the gap with its 95% CI per budget and a least-squares trend in
                   log10(tokens) with its uncertainty, extrapolated (with a warning) to 3 B tokens.
+    dense         raw GPTs grown to the Engram / TN-gram models' total parameters (wider, deeper,
+                  larger MLP) and to their training FLOPs per token; val loss vs params and FLOPs.
 
 Both reuse finished runs (one `tngram compare`-style folder per corpus or budget under OUT).
 """
@@ -159,3 +161,141 @@ def data_scaling(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None
     print0(body)
     return out / "report.md"
 
+
+
+# ---- dense baselines: is memory a better use of parameters / FLOPs than a bigger raw GPT?
+
+def train_flops_per_token(cfg: Any) -> float:
+    """Training FLOPs per token, 6 x matmul weights (nn.Linear + tied head) + 12 L d T for
+    attention (the estimate of `tngram plan`); memory lookups add no matmul and are not counted."""
+    import torch
+    from tngram.bench.step import matmul_params
+    from tngram.model.gpt import GPT
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    m = cfg.model
+    return float(6 * matmul_params(model) + 12 * m.n_layer * m.n_embd * m.sequence_len)
+
+
+def _closest(cfg: Any, field: str, values: range, measure: Any, target: float) -> Any:
+    """The config with model.`field` in `values` whose measure(cfg) is closest to target."""
+    from dataclasses import replace
+    best, best_err = cfg, math.inf
+    for v in values:
+        c = replace(cfg, model=replace(cfg.model, **{field: v}))
+        try:
+            c.model.validate()
+        except Exception:  # noqa: BLE001 - shape not allowed (head dims), skip it
+            continue
+        err = abs(measure(c) - target)
+        if err < best_err:
+            best, best_err = c, err
+        elif measure(c) > target:
+            break
+    return best
+
+
+def dense_variants(raw: Any, memory_cfgs: dict[str, Any]) -> dict[str, Any]:
+    """Raw GPTs grown to each memory model's total parameters — wider (n_embd), deeper (n_layer),
+    larger MLP (mlp_mult) — and to its training FLOPs per token (wider). Names: dense-<way>-<method>."""
+    from tngram.recipes import param_summary
+    total = lambda c: param_summary(c)["total_params"]  # noqa: E731
+    m = raw.model
+    step = 2 * m.n_head
+    out = {}
+    for method, mc in memory_cfgs.items():
+        p, f = total(mc), train_flops_per_token(mc)
+        out[f"dense-wide-{method}"] = _closest(raw, "n_embd", range(m.n_embd, 16 * m.n_embd + 1, step), total, p)
+        out[f"dense-deep-{method}"] = _closest(raw, "n_layer", range(m.n_layer, 64 * m.n_layer + 1), total, p)
+        out[f"dense-mlp-{method}"] = _closest(raw, "mlp_mult", range(m.mlp_mult, 256 * m.mlp_mult + 1), total, p)
+        out[f"dense-flops-{method}"] = _closest(raw, "n_embd", range(m.n_embd, 16 * m.n_embd + 1, step),
+                                                train_flops_per_token, f)
+    return out
+
+
+def dense(out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None, steps: int | None = None,
+          nproc: int | None = None, corpora: list[str] | None = None) -> Path:
+    """`tngram experiment dense`: raw / Engram / TN-gram and the dense_variants on one corpus;
+    val loss against total parameters and training FLOPs (Pareto figure)."""
+    from dataclasses import replace
+    from tngram.experiments.common import resolve_data, with_seed
+    from tngram.experiments.runner import RunSpec, run_all
+    from tngram.recipes import param_summary
+    from tngram.report.plots import xy_plot
+    from tngram.report.runs import mean_std
+
+    prefix = SCALES[scale]
+    data_dir, vocab = resolve_data(data) if data else _build((corpora or ["default"])[0])
+    cfgs = _configs(prefix, data_dir, vocab, steps)
+    variants = {**cfgs, **{k: replace(c, name=k) for k, c in dense_variants(cfgs["raw"], {
+        m: cfgs[m] for m in ("engram", "tngram")}).items()}}
+    specs = [RunSpec(f"{k}-s{s}", with_seed(c, s), {"method": k}) for s in range(seeds) for k, c in variants.items()]
+    rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
+    lines = ["| model | n_embd | n_layer | mlp_mult | total params | train FLOPs/token | val loss |", "|---|---|---|---|---|---|---|"]
+    by_params, by_flops = {}, {}
+    for k, c in variants.items():
+        loss = mean_std([r["val_loss"] for r in rows if r["method"] == k])
+        p, f = param_summary(c)["total_params"], train_flops_per_token(c)
+        lines.append(f"| {k} | {c.model.n_embd} | {c.model.n_layer} | {c.model.mlp_mult} | {p / 1e6:.2f}M | "
+                     f"{f / 1e6:.1f}M | {loss[0]:.4f} ± {loss[1]:.4f} |")
+        group = k.split("-")[0] if not k.startswith("dense") else "-".join(k.split("-")[:2])
+        by_params.setdefault(group, []).append((p / 1e6, *loss))
+        by_flops.setdefault(group, []).append((f / 1e6, *loss))
+    xy_plot(by_params, out / "dense.png", "total parameters (M)", "val loss (nats/token)", "val loss vs parameters",
+            panels=[{"series": by_flops, "xlabel": "training FLOPs per token (M)", "ylabel": "val loss (nats/token)",
+                     "title": "val loss vs training FLOPs"}])
+    body = "Raw GPTs grown to the memory models' total parameters (three ways) and training FLOPs.\n\n" + "\n".join(lines)
+    atomic_write_json(out / "dense.json", {"data": data_dir, "rows": rows})
+    atomic_write_text(out / "report.md", f"# tngram experiment dense\n\nData: `{data_dir}`\n\n{body}\n\n![dense](dense.png)\n")
+    print0(body)
+    return out / "report.md"
+
+
+# ---- fair tuning: each memory's table learning rate (and TN-gram's factor init) on one corpus
+
+TABLE_LR_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)      # x the recipe's table lr (tied_embed_lr when unset)
+FACTOR_INIT_STDS = (0.03, 0.1, 0.3, 1.0)            # TN-gram factor_init_std (recipe: 0.1)
+
+
+def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
+    """Engram and TN-gram at each table-lr factor; TN-gram also at each factor_init_std (at the
+    recipe's table lr). Names: <method>-lr<factor>, tngram-init<std>."""
+    from dataclasses import replace
+    from tngram.experiments.common import with_memory
+    out = {}
+    for m in ("engram", "tngram"):
+        c = cfgs[m]
+        base = c.optim.memory_table_lr if c.optim.memory_table_lr is not None else c.optim.tied_embed_lr
+        for f in TABLE_LR_FACTORS:
+            out[f"{m}-lr{f:g}"] = replace(c, optim=replace(c.optim, memory_table_lr=base * f))
+    for s in FACTOR_INIT_STDS:
+        out[f"tngram-init{s:g}"] = with_memory(cfgs["tngram"], factor_init_std=s)
+    return out
+
+
+def tuning(out: Path, scale: str = "cpu", seeds: int = 2, data: str | None = None, steps: int | None = None,
+           nproc: int | None = None, corpora: list[str] | None = None) -> Path:
+    """`tngram experiment tuning`: the tuning sweep on one corpus (default `literature`, so that
+    settings are never chosen on the default corpus); prints each method's best setting."""
+    from tngram.experiments.common import resolve_data, with_seed
+    from tngram.experiments.runner import RunSpec, run_all
+    from tngram.report.runs import mean_std
+
+    prefix = SCALES[scale]
+    data_dir, vocab = resolve_data(data) if data else _build((corpora or ["literature"])[0])
+    variants = tuning_variants(_configs(prefix, data_dir, vocab, steps))
+    specs = [RunSpec(f"{k}-s{s}", with_seed(c, s), {"method": k}) for s in range(seeds) for k, c in variants.items()]
+    rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
+    stats = {k: mean_std([r["val_loss"] for r in rows if r["method"] == k]) for k in variants}
+    lines = ["| setting | table lr | factor_init_std | val loss (mean ± std) |", "|---|---|---|---|"]
+    for k, c in variants.items():
+        std = getattr(c.model.memory, "factor_init_std", None)
+        lines.append(f"| {k} | {c.optim.memory_table_lr:g} | {'–' if std is None else f'{std:g}'} | "
+                     f"{stats[k][0]:.4f} ± {stats[k][1]:.4f} |")
+    best = {m: min((k for k in variants if k.startswith(m)), key=lambda k: stats[k][0]) for m in ("engram", "tngram")}
+    body = ("\n".join(lines) + "\n\nBest on this corpus (use these on the others, never re-tuned there): "
+            + ", ".join(f"{m}: {k}" for m, k in best.items()))
+    atomic_write_json(out / "tuning.json", {"data": data_dir, "rows": rows, "best": best})
+    atomic_write_text(out / "report.md", f"# tngram experiment tuning\n\nData: `{data_dir}`\n\n{body}\n")
+    print0(body)
+    return out / "report.md"

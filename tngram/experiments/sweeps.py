@@ -9,6 +9,8 @@
     collisions   hash-collision statistics of Engram's tables on the training data (no training)
     corpora      Table 1 on every built-in corpus + seen/unseen balance + significance (evidence.py)
     data-scaling the three methods at 1, 4, 16 M training tokens, gap trend (evidence.py)
+    tuning       table lr (both memories) and TN-gram factor init on a tuning corpus (evidence.py)
+    dense        raw GPTs grown to the memory models' params (wider/deeper/MLP) and FLOPs (evidence.py)
     memory-on-trained  add TN-gram / Engram to a trained raw GPT, train only the memory
                        (tngram.experiments.memory_on_trained)
     adaptive-rank  fixed CP ranks vs one run that prunes its own rank (adaptive_rank.py)
@@ -134,11 +136,11 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int = 1, dat
                    ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None) -> Path:
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
-    if corpora is not None and name not in ("corpora", "data-scaling"):
-        raise TngramError(f"--corpora applies to the corpora and data-scaling experiments only, not {name!r}")
-    if name in ("corpora", "data-scaling"):
+    if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning"):
+        raise TngramError(f"--corpora applies to the corpora, data-scaling, dense and tuning experiments only, not {name!r}")
+    if name in ("corpora", "data-scaling", "dense", "tuning"):
         from tngram.experiments import evidence
-        fn = evidence.corpora if name == "corpora" else evidence.data_scaling
+        fn = getattr(evidence, name.replace("-", "_"))
         return fn(out, scale, seeds, data, steps, nproc, corpora=corpora)
     if name == "adaptive-rank":
         from tngram.experiments.adaptive_rank import run_adaptive_rank
@@ -261,4 +263,6 @@ EXPERIMENTS: dict[str, Callable[..., Path]] = {
     "adaptive-rank": lambda *a: run_experiment("adaptive-rank", *a),
     "corpora": lambda *a: run_experiment("corpora", *a),
     "data-scaling": lambda *a: run_experiment("data-scaling", *a),
+    "dense": lambda *a: run_experiment("dense", *a),
+    "tuning": lambda *a: run_experiment("tuning", *a),
 }
