@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from tngram.argtypes import OneLineParser, report_error
 from tngram.common import TngramError
 
 # Modules that define `add_commands(subparsers)`; each owns its subcommands.
@@ -22,7 +23,7 @@ _AREAS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tngram", description=__doc__)
+    parser = OneLineParser(prog="tngram", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _AREAS:
@@ -41,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
-    except TngramError as e:
-        print(f"tngram: error: {e}", file=sys.stderr)
+    except (TngramError, OSError) as e:  # user/environment errors: one line, exit 2
+        print(f"tngram: error: {report_error(e)}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

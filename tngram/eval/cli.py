@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tngram.argtypes import int_range
 from tngram.common import TngramError, atomic_write_json, get_dist_info, print0
 
 
@@ -41,14 +42,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("run_dir", metavar="RUN_DIR")
     c.add_argument("--bundle", default=None, help="bundle folder (default: the CORE-offline bundle; "
                                                    "nanochat's eval_bundle works too)")
-    c.add_argument("--max-per-task", type=int, default=None, metavar="N",
+    c.add_argument("--max-per-task", type=int_range(1), default=None, metavar="N",
                    help="evaluate a deterministic sample of N items per task (default: all)")
     c.add_argument("--json", default=None, metavar="PATH", help="result file (default: RUN_DIR/eval/core*.json)")
-    c.add_argument("--batch-tokens", type=int, default=8192,
+    c.add_argument("--batch-tokens", type=int_range(1), default=8192,
                    help="padded tokens per forward (rows x longest row); lower it to save memory")
-    c.add_argument("--seed", type=int, default=1337, help="task shuffle seed (nanochat: 1337)")
+    c.add_argument("--seed", type=int_range(0), default=1337, help="task shuffle seed (nanochat: 1337)")
     c.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    c.add_argument("--threads", type=int, default=0,
+    c.add_argument("--threads", type=int_range(0), default=0,
                    help="torch CPU threads per process (default 0 = auto: the cores not already busy "
                         "by the 1-minute load average, at least 1; oversubscribed OpenMP threads on a "
                         "shared CPU can be several times slower, see docs/EVAL.md)")
@@ -58,8 +59,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("run_dir", metavar="RUN_DIR")
     q.add_argument("--data", default=None, help="dataset folder (default: the run's data.dir)")
     q.add_argument("--json", default=None, metavar="PATH", help="result file (default: RUN_DIR/eval/bpb.json)")
-    q.add_argument("--batch-seqs", type=int, default=8, help="sequences per forward")
-    q.add_argument("--max-tokens", type=int, default=None, help="cap on validation targets (default: run config)")
+    q.add_argument("--batch-seqs", type=int_range(1), default=8, help="sequences per forward")
+    q.add_argument("--max-tokens", type=int_range(1), default=None, help="cap on validation targets (default: run config)")
     q.add_argument("--device", default="auto", help="cpu | cuda | auto")
     q.set_defaults(func=cmd_bpb)
 

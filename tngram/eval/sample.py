@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tngram.argtypes import float_range, int_range
 from tngram.common import TngramError
 
 
@@ -56,10 +57,10 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("sample", help="sample text from a trained run (incremental decoding)")
     p.add_argument("run_dir")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int_range(1), default=64)
+    p.add_argument("--temperature", type=float_range(0.0), default=0.8)
+    p.add_argument("--top-k", type=int_range(0), default=50)
+    p.add_argument("--seed", type=int_range(0), default=0)
     p.set_defaults(func=_cmd_sample)
 
 

@@ -6,7 +6,8 @@ A run = a recipe function (tngram.recipes) + dotted overrides (`--set optim.matr
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -82,6 +83,8 @@ class TrainConfig:
 # ---- validation and dotted overrides (`--set section.field=value`)
 
 DTYPES = ("auto", "fp32", "bf16")
+_SECTION_NAME = {"OptimConfig": "optim", "ScheduleConfig": "schedule", "DataConfig": "data",
+                 "RunConfig": "run"}
 
 
 def _check(ok: bool, key: str, expected: str, got: Any) -> None:
@@ -89,9 +92,59 @@ def _check(ok: bool, key: str, expected: str, got: Any) -> None:
         raise TngramError(f"{key} must be {expected}, got {got!r}")
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+MODEL_INT_MIN = {"vocab_size": 2, "n_layer": 1, "n_embd": 2, "n_head": 1, "n_kv_head": 1,
+                 "mlp_mult": 1, "sequence_len": 1, "memory_seed": 0}
+MAX_VOCAB = 65536   # token shards store uint16 ids
+
+
+def _validate_model(m: GPTConfig) -> None:
+    for k, lo in MODEL_INT_MIN.items():
+        _check(isinstance(getattr(m, k), int) and getattr(m, k) >= lo, f"model.{k}", f"an int >= {lo}",
+               getattr(m, k))
+    _check(m.vocab_size <= MAX_VOCAB, "model.vocab_size", f"<= {MAX_VOCAB} (uint16 token shards)", m.vocab_size)
+    for k in ("rope_base", "logit_softcap"):
+        _check(_finite(getattr(m, k)) and getattr(m, k) > 0, f"model.{k}", "a finite float > 0", getattr(m, k))
+    for k in ("qk_gain_init", "tied_embed_init_std"):
+        _check(_finite(getattr(m, k)) and getattr(m, k) >= 0, f"model.{k}", "a finite float >= 0",
+               getattr(m, k))
+    _check(all(isinstance(i, int) for i in m.memory_layers), "model.memory_layers", "block indices",
+           m.memory_layers)
+
+
+def _validate_memory(mem: Any) -> None:
+    """Generic ranges of a memory config's fields (the module's own validate() adds the rest):
+    seeds and pad ids >= 0, every other int (and tuple element) >= 1, every float finite > 0."""
+    if mem is None or not is_dataclass(mem):
+        return
+    for f in fields(mem):
+        v, key = getattr(mem, f.name), f"model.memory.{f.name}"
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        lo = 0 if f.name in ("seed", "pad_id") or f.name.endswith("_seed") else 1
+        if isinstance(v, int):
+            _check(v >= lo, key, f"an int >= {lo}", v)
+        elif isinstance(v, float):
+            _check(math.isfinite(v) and v > 0, key, "a finite float > 0", v)
+        elif isinstance(v, tuple):
+            _check(all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v), key,
+                   "ints >= 1", v)
+
+
 def validate_config(cfg: TrainConfig) -> None:
-    """Cheap checks of every section (no data, no model weights); TngramError naming the field."""
+    """Cheap checks of every field (no data, no model weights); TngramError naming the field and
+    its range. Every float must be finite (nan/inf are refused everywhere)."""
     o, s, d, r = cfg.optim, cfg.schedule, cfg.data, cfg.run
+    for sec in (o, s, d, r):
+        for f in fields(sec):
+            v = getattr(sec, f.name)
+            if isinstance(v, float):
+                _check(math.isfinite(v), f"{_SECTION_NAME[type(sec).__name__]}.{f.name}", "finite", v)
+    _validate_model(cfg.model)
+    _validate_memory(cfg.model.memory)
     for k in ("matrix_lr", "tied_embed_lr", "scalar_lr", "adam_eps", "grad_clip_norm"):
         _check(getattr(o, k) >= 0, f"optim.{k}", ">= 0", getattr(o, k))
     _check(o.memory_table_lr is None or o.memory_table_lr >= 0, "optim.memory_table_lr",
@@ -103,6 +156,10 @@ def validate_config(cfg: TrainConfig) -> None:
            o.muon_momentum_warmup_steps)
     _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)
     _check(s.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", s.warmdown_steps)
+    _check(d.seed >= 0, "data.seed", ">= 0", d.seed)
+    _check(r.seed >= 0, "run.seed", ">= 0", r.seed)
+    _check(r.device == "auto" or r.device == "cpu" or r.device == "mps" or r.device.startswith("cuda"),
+           "run.device", "auto, cpu, cuda, cuda:N or mps", r.device)
     _check(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
     _check(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
     _check(d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens)
@@ -195,6 +252,9 @@ def apply_overrides(cfg: TrainConfig, items: list[str] | tuple[str, ...]) -> Tra
             cfg = replace(cfg, name=text)
             continue
         sec, _, fname = key.rpartition(".")
+        if key == "model.memory_layers" and cfg.model.memory is None:
+            raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none), "
+                              f"so memory_layers has no effect")
         sections = _sections(cfg)
         if sec not in sections:
             if sec == "model.memory":
