@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from tngram.argtypes import float_range, int_range
-from tngram.common import TngramError
+from tngram.common import TngramError, check_writable_dir
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -14,6 +14,8 @@ def _build(args: argparse.Namespace) -> int:
 
     seed = DEFAULT_SEED if args.seed is None else args.seed
     progress = not args.no_progress
+    if args.out is not None:   # before any download or tokenizing
+        check_writable_dir(Path(args.out), "--out")
     if args.from_text:
         if args.out is None:
             raise TngramError("`tngram data build --from-text` needs --out DIR (where to write the dataset)")

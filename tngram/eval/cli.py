@@ -112,7 +112,19 @@ def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
         raise TngramError(f"cannot load runs: tngram.train.checkpoint is unavailable ({e})") from e
     if not Path(run_dir).is_dir():
         raise TngramError(f"run folder {run_dir} does not exist")
-    return load_run_model(run_dir, device=device)
+    return load_run_model(run_dir, device=device, say=print0)
+
+
+def _claim_output(path: Path, run_dir: str, what: str) -> Any:
+    """Context manager holding the checks of tngram.train.rundir.claim_output_file (main process)."""
+    from contextlib import nullcontext
+
+    from tngram.train.rundir import claim_output_file
+    if not Path(run_dir).is_dir():
+        raise TngramError(f"run folder {run_dir} does not exist")
+    if not get_dist_info().is_main:
+        return nullcontext()
+    return claim_output_file(path, Path(run_dir), what) or nullcontext()
 
 
 def _dataset(cfg: dict[str, Any], override: str | None = None) -> Any:
@@ -146,7 +158,10 @@ def cmd_core(args: argparse.Namespace) -> int:
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
         raise TngramError(f"{bundle / 'core.yaml'}: missing{hint}")
-    with _dist_group(device) as info:
+    n = args.max_per_task
+    path = Path(args.json) if args.json else Path(args.run_dir) / "eval" / (f"core-max{n}.json" if n else "core.json")
+    lock = _claim_output(path, args.run_dir, "eval core")     # writable + run locked, before any work
+    with lock, _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
         tok = SentencePieceTokenizer(_dataset(cfg).tokenizer_path)
         max_len = int(cfg["model"]["sequence_len"])
@@ -166,9 +181,6 @@ def cmd_core(args: argparse.Namespace) -> int:
         res["wall_seconds"] = round(time.perf_counter() - t0, 2)
         if info.is_main:
             print0(format_core_table(res))
-            n = res["max_per_task"]
-            path = Path(args.json) if args.json else Path(args.run_dir) / "eval" / (
-                f"core-max{n}.json" if n else "core.json")
             atomic_write_json(path, res)
             print0(f"wrote {path}")
     return 0
@@ -180,7 +192,9 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.data.tokenizer import load_tokenizer
     from tngram.eval.bpb import evaluate_bpb
     device = _device(args.device)
-    with _dist_group(device) as info:
+    path = Path(args.json) if args.json else Path(args.run_dir) / "eval" / "bpb.json"
+    lock = _claim_output(path, args.run_dir, "eval bpb")      # writable + run locked, before any work
+    with lock, _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
         ds = _dataset(cfg, args.data)
         data = ds.dir
@@ -195,7 +209,6 @@ def cmd_bpb(args: argparse.Namespace) -> int:
         if info.is_main:
             print0(f"{'run':<40}{'val_loss':>10}{'val_bpb':>10}{'tokens':>12}")
             print0(f"{str(args.run_dir):<40}{res['val_loss']:>10.4f}{res['val_bpb']:>10.4f}{res['tokens']:>12}")
-            path = Path(args.json) if args.json else Path(args.run_dir) / "eval" / "bpb.json"
             atomic_write_json(path, res)
             print0(f"wrote {path}")
     return 0

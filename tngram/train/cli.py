@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tngram.argtypes import int_range
 from tngram.common import TngramError
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
     p.add_argument("--out", required=True, help="run folder (config.json, metrics.jsonl, checkpoints, summary.json)")
-    p.add_argument("--steps", type=int_range(1), default=None,
+    p.add_argument("--steps", type=int, default=None,
                    help="stop after N optimiser steps of the recipe's schedule (the schedule is not "
                         "shortened; use --set schedule.steps=N for that)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")

@@ -252,9 +252,6 @@ def apply_overrides(cfg: TrainConfig, items: list[str] | tuple[str, ...]) -> Tra
             cfg = replace(cfg, name=text)
             continue
         sec, _, fname = key.rpartition(".")
-        if key == "model.memory_layers" and cfg.model.memory is None:
-            raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none), "
-                              f"so memory_layers has no effect")
         sections = _sections(cfg)
         if sec not in sections:
             if sec == "model.memory":
@@ -267,6 +264,9 @@ def apply_overrides(cfg: TrainConfig, items: list[str] | tuple[str, ...]) -> Tra
             raise TngramError(f"unknown config key {key!r}; valid keys in {sec}: "
                               + ", ".join(f"{sec}.{n}" for n in sorted(names)))
         value = _parse_value(key, text, get_type_hints(type(obj))[fname])
+        if key == "model.memory_layers" and cfg.model.memory is None:
+            raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none), "
+                              f"so memory_layers would have no effect")
         try:
             new = replace(obj, **{fname: value})
         except TngramError as e:

@@ -132,7 +132,7 @@ def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> N
 
 
 def _open_data(cfg: TrainConfig, ctx: DistContext):
-    from tngram.data.build import ensure_default_data, open_dataset
+    from tngram.data.build import ensure_default_data, open_dataset, validate_dataset
     data_dir = cfg.data.dir
     if data_dir is None:  # the default corpus: built once by the main process
         data_dir = str(ensure_default_data(vocab_size=cfg.model.vocab_size)) if ctx.is_main else None
@@ -141,6 +141,15 @@ def _open_data(cfg: TrainConfig, ctx: DistContext):
     if info.vocab_size != cfg.model.vocab_size:
         raise TngramError(f"model.vocab_size is {cfg.model.vocab_size} but the dataset {info.dir} has "
                           f"vocab {info.vocab_size}; pass --set model.vocab_size={info.vocab_size}")
+    err = None
+    if ctx.is_main:        # every shard, before step 1 (cached in the dataset's manifest)
+        try:
+            validate_dataset(info, cfg.model.vocab_size)
+        except TngramError as e:
+            err = str(e)
+    err = broadcast_str(err, ctx)
+    if err is not None:
+        raise TngramError(err)
     return info
 
 

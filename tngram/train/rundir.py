@@ -5,7 +5,8 @@
   * `--out` must be a folder or not exist yet; a file is refused;
   * the folder is locked (tngram.train.runlock): a second writer fails at once, naming the holder;
   * a non-empty folder must be a run of the same recipe (its config.json names it) — anything
-    else (another recipe, a dataset, your home folder) is refused, nothing in it is touched;
+    else (another recipe, a dataset, your home folder) is refused, nothing in it is touched
+    (log/text files such as a redirected `train.log` do not count);
   * torn temporaries of a killed or failed writer are removed (checkpoints/.tmp-step_*, .*.tmp).
 
 `claim_output_file` is the same for a single result file (`eval ... --json PATH`): its folder
@@ -15,34 +16,16 @@ run is locked for the duration.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
-from tngram.common import TngramError
+from tngram.common import TngramError, check_writable_dir
 from tngram.train.runlock import LOCK_FILE, RunLock
 
 # what a run folder may hold besides its own records (so a crashed fresh run can be restarted)
 _RUN_ENTRIES = {"config.json", "env.json", "metrics.jsonl", "summary.json", "model.safetensors",
-                "checkpoints", "eval", "tb", LOCK_FILE}
-
-
-def check_writable_dir(folder: Path, flag: str) -> None:
-    """TngramError unless `folder` is (or can be created as) a writable folder."""
-    if folder.exists() and not folder.is_dir():
-        raise TngramError(f"{flag} {folder} is a file, expected a folder")
-    probe_root = folder
-    while not probe_root.exists():          # the nearest existing parent must accept the mkdir
-        probe_root = probe_root.parent
-    if not probe_root.is_dir():
-        raise TngramError(f"{flag} {folder}: {probe_root} is a file, not a folder")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tngram-probe.", suffix=".tmp", dir=probe_root)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise TngramError(f"{flag} {folder} is not writable ({e.strerror or e}); choose another "
-                          f"folder") from None
+                "checkpoints", "eval", "tb", "requested_config.json", LOCK_FILE}
+# a user's own notes / redirected output (`> DIR/train.log`) never make a folder "not a run"
+_NOTE_SUFFIXES = (".log", ".out", ".txt", ".md")
 
 
 def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train") -> RunLock:
@@ -53,7 +36,9 @@ def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train")
     lock = RunLock(run_dir, what).acquire()
     try:
         lock.created = not existed
-        entries = {p.name for p in run_dir.iterdir()} - {LOCK_FILE}
+        entries = {p.name for p in run_dir.iterdir()
+                   if p.name not in (LOCK_FILE, "requested_config.json")   # (tngram experiment's)
+                   and not (p.is_file() and p.name.endswith(_NOTE_SUFFIXES))}
         if entries:
             if "config.json" not in entries:
                 raise TngramError(f"--out {run_dir} is not empty and is not a tngram run (no config.json); "
@@ -97,5 +82,8 @@ def claim_output_file(path: Path, run_dir: Path | None, what: str) -> RunLock | 
             path.resolve().relative_to(run_dir.resolve())
         except ValueError:
             return None
-        return RunLock(run_dir, what).acquire()
+        try:
+            return RunLock(run_dir, what).acquire()
+        except TngramError as e:
+            raise TngramError(f"{e}, or write the result elsewhere with --json PATH") from None
     return None

@@ -102,7 +102,7 @@ class RunLock:
         return self._fd is not None
 
     def __enter__(self) -> "RunLock":
-        return self.acquire()
+        return self if self.held else self.acquire()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
