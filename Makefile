@@ -6,6 +6,8 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 KSTAMP  := $(VENV)/.installed-triton
+HSTAMP  := $(VENV)/.installed-hf
+XSTAMP  := $(VENV)/.installed-loggers
 
 .PHONY: demo test install clean bench
 
@@ -27,7 +29,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tngram compare --preset cpu --out runs/compare-cpu
 
-test: $(KSTAMP)
+# ... and the `hf` extra (transformers, pinned) so the tngram.hf tests run in CI.
+$(HSTAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[dev,hf]"
+	touch $(HSTAMP)
+
+# ... and the optional loggers, so --logger tensorboard|wandb (offline) are tested.
+$(XSTAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[dev,tensorboard,wandb]"
+	touch $(XSTAMP)
+
+test: $(KSTAMP) $(HSTAMP) $(XSTAMP)
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)

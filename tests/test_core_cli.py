@@ -96,7 +96,7 @@ def test_bpb_handler(tmp_path: Path) -> None:
     run, data = _make_run(tmp_path)
     rng = np.random.default_rng(0)
     write_shard(data / "val_000000.bin", rng.integers(4, 96, size=48 * 4 + 1).astype(np.uint16))
-    args = _parse(["eval", "bpb", str(run), "--device", "cpu", "--json", str(tmp_path / "bpb.json")])
+    args = _parse(["eval", "bpb", str(run), "--device", "cpu", "--out", str(tmp_path / "bpb.json")])
     assert args.func(args) == 0
     res = json.loads((tmp_path / "bpb.json").read_text())
     assert res["val_bpb"] > 0 and res["tokens"] == 48 * 4

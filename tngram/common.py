@@ -14,8 +14,18 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 
-class TngramError(Exception):
-    """A user-facing error: one clear message, no traceback needed (the CLI prints it and exits 2)."""
+class TngramError(ValueError):
+    """A user-facing error: one clear message, no traceback needed (the CLI prints it and exits 2).
+
+    A ValueError (bad input), so callers can catch it as the built-in; a missing file or folder
+    raises the subclass MissingFileError, which is also a FileNotFoundError."""
+
+
+class MissingFileError(TngramError, FileNotFoundError):
+    """A file or folder the user named (or that a command needs) does not exist."""
+
+    def __str__(self) -> str:  # FileNotFoundError's would format (errno, strerror) pairs
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)

@@ -125,9 +125,14 @@ def param_summary(cfg: TrainConfig) -> dict[str, Any]:
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("recipes", help="list the named recipes")
     p.set_defaults(func=_cmd_recipes)
-    p = sub.add_parser("params", help="parameter counts of a recipe (delta against its raw GPT)")
-    p.add_argument("recipe")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    from tngram.cli_common import add_config_arguments, add_json_argument
+    p = sub.add_parser("params", help="parameter counts of a recipe (delta against its raw GPT)",
+                       description="Total, memory and delta parameters (delta = total minus the same "
+                       "backbone without memory) of a recipe, a --config file or both, with --set applied.")
+    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE",
+                   help="a named recipe (optional when --config names one)")
+    add_config_arguments(p)
+    add_json_argument(p)
     p.set_defaults(func=_cmd_params)
 
 
@@ -143,7 +148,8 @@ def _cmd_recipes(args: Any) -> int:
 
 def _cmd_params(args: Any) -> int:
     import json
-    s = param_summary(get_recipe(args.recipe))
+    from tngram.train.cli import resolve_config
+    s = param_summary(resolve_config(args.recipe, args.overrides, config_file=args.config))
     if args.json:
         print(json.dumps(s))
     else:

@@ -1,4 +1,4 @@
-"""`tngram bench modules|step|data`: performance measurements (never part of the test suite).
+"""`tngram bench modules|step|data|decode`: performance measurements (never part of the test suite).
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
@@ -10,14 +10,13 @@ import argparse
 import json
 from typing import Any
 
-import torch
-
 from tngram.argtypes import int_range
 
 
+
 def _threads(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from tngram.cli_common import apply_threads
+    apply_threads(args.threads)
 
 
 def _emit(res: dict[str, Any], text: str, args: argparse.Namespace) -> None:
@@ -47,8 +46,17 @@ def _step(args: argparse.Namespace) -> int:
 def _data(args: argparse.Namespace) -> int:
     from tngram.bench import data
     _threads(args)
-    res = data.run(tokens=args.tokens, reps=args.reps, batch=args.batch, seq=args.seq)
+    res = data.run(tokens=args.tokens, reps=args.reps, batch=args.batch, seq=args.seq, dataset=args.dir)
     _emit(res, data.report(res), args)
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from tngram.bench import decode
+    _threads(args)
+    res = decode.run(tuple(args.shapes), tuple(args.methods), tokens=args.tokens,
+                     prompt_len=args.prompt, reps=args.reps, warmup=args.warmup, hf=not args.no_hf)
+    _emit(res, decode.report(res), args)
     return 0
 
 
@@ -59,15 +67,16 @@ def add_commands(sub: Any) -> None:
     bs.required = True
 
     def common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
-        q.add_argument("--json", action="store_true", help="print one JSON object")
-        q.add_argument("--reps", type=int_range(1), default=reps, help=f"timed repetitions (default {reps})")
-        q.add_argument("--warmup", type=int_range(0), default=warmup, help=f"untimed warm-up reps (default {warmup})")
-        q.add_argument("--threads", type=int_range(0), default=0, help="torch threads (default: torch's)")
+        from tngram.cli_common import add_json_argument, add_threads_argument
+        add_json_argument(q)
+        q.add_argument("--reps", type=int_range(1), default=reps, help="timed repetitions")
+        q.add_argument("--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions")
+        add_threads_argument(q)
 
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
     common(m, 15, 3)
-    m.add_argument("--batch", type=int_range(1), default=4)
-    m.add_argument("--seq", type=int_range(1), default=256)
+    m.add_argument("--batch", type=int_range(1), default=4, help="sequences per forward")
+    m.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
     m.add_argument("--only", nargs="+", metavar="NAME",
                    help="candidates among none engram tngram tngram-torch tngram-ref oe")
     m.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
@@ -77,15 +86,33 @@ def add_commands(sub: Any) -> None:
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
     common(s, 8, 2)
     s.add_argument("--recipes", nargs="+", metavar="RECIPE", help="recipes (default: mini-* and paper-l9-*)")
-    s.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
-    s.add_argument("--paper-batch", type=int_range(1), default=2, help="sequences of 1024 for paper-l9 (default 2)")
+    s.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
+                   help="precisions to measure")
+    s.add_argument("--paper-batch", type=int_range(1), default=2, help="sequences of 1024 tokens for paper-l9")
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
     s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
     s.set_defaults(func=_step)
 
-    d = bs.add_parser("data", help="shard reading and tokenisation throughput")
+    d = bs.add_parser("data", help="data loader (shard reading) and tokenisation throughput",
+                      description="Loader throughput (tokens/s of training batches read from shards, page "
+                      "cache warm) and tokenisation throughput. Without DIR: synthetic shards and the "
+                      "default corpus's tokenizer; with DIR: that dataset's train shards and tokenizer.")
+    d.add_argument("dir", nargs="?", default=None, metavar="DIR",
+                   help="a dataset folder to read (default: synthetic shards)")
     common(d, 5, 1)
     d.add_argument("--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards")
-    d.add_argument("--batch", type=int_range(1), default=16)
-    d.add_argument("--seq", type=int_range(1), default=256)
+    d.add_argument("--batch", type=int_range(1), default=16, help="sequences per batch")
+    d.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
     d.set_defaults(func=_data)
+
+    c = bs.add_parser("decode", help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
+                                     "generate) with the per-token FLOP ratio")
+    common(c, 5, 1)
+    c.add_argument("--shapes", nargs="+", choices=("mini", "paper-l9"), default=["mini", "paper-l9"],
+                   help="model sizes to measure")
+    c.add_argument("--methods", nargs="+", choices=("raw", "engram", "tngram"),
+                   default=["raw", "engram", "tngram"], help="memories to measure")
+    c.add_argument("--tokens", type=int_range(1), default=64, help="new tokens per rep")
+    c.add_argument("--prompt", type=int_range(1), default=16, help="prompt length")
+    c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")
+    c.set_defaults(func=_decode)

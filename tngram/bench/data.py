@@ -22,20 +22,23 @@ import numpy as np
 from tngram.bench.common import machine_info
 
 
-def _read_throughput(tokens: int, reps: int, batch: int, seq: int) -> dict[str, Any]:
+def _read_throughput(tokens: int, reps: int, batch: int, seq: int, dataset: Any = None) -> dict[str, Any]:
     try:
         from tngram.data.loader import TokenLoader
-        from tngram.data.shards import write_shard
+        from tngram.data.shards import read_shard, write_shard
     except ImportError as e:
         return {"skipped": f"tngram.data loader/shards not available ({e})"}
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="tngram-bench-") as tmp:
         files = []
-        for i in range(4):
+        if dataset is not None:  # a real dataset's train shards (val when it has none)
+            files = list(dataset.train_files or dataset.val_files)
+            tokens = sum(int(np.asarray(read_shard(f)).size) for f in files)
+        for i in range(4 if dataset is None else 0):
             path = Path(tmp) / f"bench_train_{i:06d}.bin"
             write_shard(path, rng.integers(0, 1024, tokens // 4, dtype=np.uint16))
             files.append(path)
-        loader = TokenLoader(files, batch, seq, vocab_size=1024)
+        loader = TokenLoader(files, batch, seq, vocab_size=1024 if dataset is None else dataset.vocab_size)
         for _ in range(tokens // (batch * seq) + 1):  # one pass: page cache warm, shards checked
             loader.next_batch()
         rates = []
@@ -45,11 +48,12 @@ def _read_throughput(tokens: int, reps: int, batch: int, seq: int) -> dict[str, 
                 loader.next_batch()
                 n += batch * seq
             rates.append(n / (time.perf_counter() - t0))
-    return {"tokens_in_shards": tokens, "batch": batch, "seq": seq,
+    return {"shards": "synthetic" if dataset is None else str(dataset.dir), "n_shards": len(files),
+            "tokens_in_shards": tokens, "batch": batch, "seq": seq,
             "tokens_per_s_median": statistics.median(rates), "tokens_per_s_max": max(rates)}
 
 
-def _tokenise_throughput(reps: int) -> dict[str, Any]:
+def _tokenise_throughput(reps: int, dataset: Any = None) -> dict[str, Any]:
     try:
         from tngram.data.build import default_data_dir, open_dataset
         from tngram.data.shards import read_shard
@@ -57,7 +61,7 @@ def _tokenise_throughput(reps: int) -> dict[str, Any]:
     except ImportError as e:
         return {"skipped": f"tngram.data build/tokenizer not available ({e})"}
     try:
-        info = open_dataset(default_data_dir())
+        info = dataset if dataset is not None else open_dataset(default_data_dir())
     except Exception as e:  # noqa: BLE001 - any reason the dataset is not there
         return {"skipped": f"default dataset not built (run `tngram data build`): {e}"}
     sp = load_tokenizer(info.tokenizer_path)
@@ -85,10 +89,16 @@ def _tokenise_throughput(reps: int) -> dict[str, Any]:
             "tokens": n_tok, "bytes_per_s": n_bytes / t, "tokens_per_s": n_tok / t}
 
 
-def run(tokens: int = 8_000_000, reps: int = 5, batch: int = 16, seq: int = 256) -> dict[str, Any]:
+def run(tokens: int = 8_000_000, reps: int = 5, batch: int = 16, seq: int = 256,
+        dataset: str | None = None) -> dict[str, Any]:
+    """dataset: a dataset folder to read and tokenise (None: synthetic shards, default corpus)."""
+    info = None
+    if dataset is not None:
+        from tngram.data.build import open_dataset
+        info = open_dataset(dataset)
     return {"benchmark": "data", "machine": machine_info(),
-            "shard_reading": _read_throughput(tokens, reps, batch, seq),
-            "tokenisation": _tokenise_throughput(reps)}
+            "shard_reading": _read_throughput(tokens, reps, batch, seq, info),
+            "tokenisation": _tokenise_throughput(reps, info)}
 
 
 def report(res: dict[str, Any]) -> str:
@@ -97,8 +107,8 @@ def report(res: dict[str, Any]) -> str:
     if "skipped" in r:
         lines.append(f"shard reading: skipped: {r['skipped']}")
     else:
-        lines.append(f"shard reading (TokenLoader.next_batch, {r['batch']} x {r['seq']}, "
-                     f"{r['tokens_in_shards']:,} tokens in 4 shards): "
+        lines.append(f"shard reading (loader batches of {r['batch']} x {r['seq']}, "
+                     f"{r['tokens_in_shards']:,} tokens in {r['n_shards']} {r['shards']} shard(s)): "
                      f"{r['tokens_per_s_median'] / 1e6:,.1f} M tokens/s median "
                      f"({r['tokens_per_s_max'] / 1e6:,.1f} best)")
     t = res["tokenisation"]

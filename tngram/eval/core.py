@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tngram.common import TngramError, print0
+from tngram.common import MissingFileError, TngramError, print0
 from tngram.eval.tasks import LM, MC, SCHEMA, BundleTask, load_bundle, load_task_data
 
 FEWSHOT_SEED_BASE = 1234      # nanochat: random.Random(1234 + idx)
@@ -66,7 +66,7 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
         path = Path(model_file)
         if not path.is_file():
-            raise TngramError(f"tokenizer model {path} not found")
+            raise MissingFileError(f"tokenizer model {path} not found")
         self.sp = spm.SentencePieceProcessor(model_file=str(path))
         self.bos_id = int(self.sp.bos_id())
         if self.bos_id < 0:

@@ -6,43 +6,86 @@ from pathlib import Path
 from typing import Any
 
 from tngram.argtypes import int_range
+from tngram.cli_common import HelpFormatter, add_progress_argument, add_steps_argument
+
+
+def _common(p: Any) -> None:
+    p.add_argument("--seeds", type=int_range(1), default=1, help="seeds per configuration (mean ± std in the report)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="dataset folder (default: the offline default corpus, built on first use)")
+    add_steps_argument(p)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config key in every run, after the experiment's own settings, e.g. "
+                        "--set optim.matrix_lr=0.02 (repeatable; model.memory.* skips runs without a memory)")
+    p.add_argument("--nproc", type=int_range(1), default=None, metavar="N",
+                   help="processes per run, torchrun when > 1 (default: 1 on CPU, all GPUs for paper presets)")
+    p.add_argument("--out", required=True, type=Path, metavar="DIR",
+                   help="output folder: runs/, results.json, report.md (finished runs are reused)")
+    add_progress_argument(p)
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("compare", help="raw GPT vs Engram vs TN-gram on the same data (paper Table 1)")
-    p.add_argument("--preset", choices=["cpu", "paper-l9", "paper-l18"], default="cpu")
-    p.add_argument("--seeds", type=int_range(1), default=1, help="seeds per method (mean ± std in the report)")
-    p.add_argument("--data", default=None, help="dataset folder (default: the offline corpus, built if missing)")
+    p = sub.add_parser("compare", help="raw GPT vs Engram vs TN-gram on the same data (paper Table 1)",
+                       description="Train the preset's raw, Engram and TN-gram recipes on one dataset "
+                       "and write a report (one row per method, mean ± std over seeds).",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--preset", choices=["cpu", "paper-l9", "paper-l18"], default="cpu",
+                   help="model size: cpu (minutes on a laptop), paper-l9, paper-l18 (GPUs)")
     p.add_argument("--with-oe", action="store_true", help="also train Over-Encoding")
-    p.add_argument("--steps", type=int_range(1), default=None, help="override the recipe's step count")
-    p.add_argument("--nproc", type=int_range(1), default=None, help="processes per run (torchrun when > 1)")
-    p.add_argument("--out", required=True, type=Path)
+    _common(p)
     p.set_defaults(func=_cmd_compare)
 
     from tngram.experiments.sweeps import EXPERIMENTS
-    p = sub.add_parser("experiment", help="one paper figure or analysis: " + ", ".join(EXPERIMENTS))
-    p.add_argument("name", choices=list(EXPERIMENTS))
-    p.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
-    p.add_argument("--seeds", type=int_range(1), default=1)
-    p.add_argument("--data", default=None)
-    p.add_argument("--steps", type=int_range(1), default=None)
-    p.add_argument("--nproc", type=int_range(1), default=None)
-    p.add_argument("--out", required=True, type=Path)
+    p = sub.add_parser("experiment", help="one paper figure or analysis: " + ", ".join(EXPERIMENTS),
+                       description="Run one experiment (a sweep of training runs, or an analysis) and "
+                       "write its table, figure and report under --out.", formatter_class=HelpFormatter)
+    p.add_argument("name", choices=list(EXPERIMENTS), metavar="NAME", help="one of " + ", ".join(EXPERIMENTS))
+    p.add_argument("--preset", choices=["cpu", "paper"], default="cpu",
+                   help="model size: cpu (mini recipes) or paper (paper-l9)")
+    _common(p)
+    p.add_argument("--ranks", default=None, metavar="R1,R2,...",
+                   help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.set_defaults(func=_cmd_experiment)
 
 
+def _check(args: Any, prefix: str) -> None:
+    import os
+    if getattr(args, "no_progress", False):   # read by the worker subprocesses
+        os.environ["TNGRAM_NO_PROGRESS"] = "1"
+    from tngram.cli_common import check_positive
+    from tngram.recipes import get_recipe
+    from tngram.train.config import apply_overrides
+    check_positive("--seeds", args.seeds)
+    check_positive("--steps", args.steps)
+    check_positive("--nproc", args.nproc)
+    if args.overrides:  # bad keys/values fail before any data or training work
+        apply_overrides(get_recipe(f"{prefix}-tngram"), args.overrides)
+
+
 def _cmd_compare(args: Any) -> int:
-    from tngram.common import TngramError
+    from tngram.experiments.common import PRESETS
     from tngram.experiments.compare import compare
-    if args.seeds < 1:
-        raise TngramError(f"--seeds must be >= 1, got {args.seeds}")
-    compare(args.preset, args.out, seeds=args.seeds, data=args.data, with_oe=args.with_oe,
-            steps=args.steps, nproc=args.nproc)
+    from tngram.experiments.runner import config_overrides
+    _check(args, PRESETS[args.preset])
+    with config_overrides(args.overrides):
+        compare(args.preset, args.out, seeds=args.seeds, data=args.data, with_oe=args.with_oe,
+                steps=args.steps, nproc=args.nproc)
     return 0
 
 
 def _cmd_experiment(args: Any) -> int:
+    from tngram.common import TngramError
+    from tngram.experiments.common import SCALES
+    from tngram.experiments.runner import config_overrides
     from tngram.experiments.sweeps import run_experiment
-    run_experiment(args.name, args.out, scale=args.scale, seeds=args.seeds, data=args.data,
-                   steps=args.steps, nproc=args.nproc)
+    _check(args, SCALES[args.preset])
+    ranks = None
+    if args.ranks is not None:
+        try:
+            ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+        except ValueError:
+            raise TngramError(f"--ranks expects comma-separated integers, got {args.ranks!r}") from None
+    with config_overrides(args.overrides):
+        run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
+                       steps=args.steps, nproc=args.nproc, ranks=ranks)
     return 0

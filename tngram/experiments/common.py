@@ -39,10 +39,8 @@ def with_memory(cfg: TrainConfig, **fields: Any) -> TrainConfig:
 
 
 def with_steps(cfg: TrainConfig, steps: int | None) -> TrainConfig:
-    if steps is None:
-        return cfg
-    warm = min(cfg.schedule.warmdown_steps, max(1, int(steps * cfg.schedule.warmdown_steps / cfg.schedule.steps)))
-    return replace(cfg, schedule=replace(cfg.schedule, steps=steps, warmdown_steps=warm))
+    from tngram.train.config import with_schedule_steps
+    return with_schedule_steps(cfg, steps)
 
 
 def base_recipe(prefix: str, method: str) -> TrainConfig:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tngram.common import TngramError, atomic_write_json, print0
 from tngram.train.config import TrainConfig
@@ -19,6 +21,29 @@ class RunSpec:
     label: str                        # unique folder name under OUT/runs/
     config: TrainConfig
     tags: dict[str, Any] = field(default_factory=dict)   # method, seed, sweep value...
+
+
+# `--set` items of `tngram compare` / `tngram experiment`, applied by run_all to every run
+_OVERRIDES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("tngram_overrides", default=())
+
+
+@contextlib.contextmanager
+def config_overrides(items: list[str] | tuple[str, ...]) -> Iterator[None]:
+    """Within the block, run_all applies these `section.field=value` items to every run's config
+    (after the experiment's own settings); model.memory.* items skip runs without a memory."""
+    token = _OVERRIDES.set(tuple(items))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def with_overrides(cfg: TrainConfig, items: tuple[str, ...] | list[str]) -> TrainConfig:
+    from tngram.train.config import apply_overrides, split_override
+    if cfg.model.memory is None:
+        items = [i for i in items if not (split_override(i)[0].startswith("model.memory.")
+                                          and split_override(i)[0] != "model.memory.kind")]
+    return apply_overrides(cfg, list(items))
 
 
 def run_dir_of(out: Path, spec: RunSpec) -> Path:
@@ -42,6 +67,8 @@ def launch_command(nproc: int) -> list[str]:
 
 def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, Any]]:
     """Train every spec (in order) and return one row per run: tags + summary.json."""
+    if _OVERRIDES.get():
+        specs = [replace(s, config=with_overrides(s.config, _OVERRIDES.get())) for s in specs]
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise TngramError(f"run labels must be unique, got {labels}")

@@ -7,6 +7,9 @@
     tiny-table   Engram with per-head table capacity ~1 (primes 2, 3, 5, ...): is it memorisation?
     unseen       val loss split by whether the position's N-gram occurs in the training data
     collisions   hash-collision statistics of Engram's tables on the training data (no training)
+    memory-on-trained  add TN-gram / Engram to a trained raw GPT, train only the memory
+                       (tngram.experiments.memory_on_trained)
+    adaptive-rank  fixed CP ranks vs one run that prunes its own rank (adaptive_rank.py)
 
 Each writes OUT/results.csv, OUT/<name>.png and OUT/report.md.
 """
@@ -125,9 +128,15 @@ def _vocab(scale: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
 
 
 def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None,
-                   steps: int | None = None, nproc: int | None = None) -> Path:
+                   steps: int | None = None, nproc: int | None = None,
+                   ranks: tuple[int, ...] | None = None) -> Path:
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+    if name == "adaptive-rank":
+        from tngram.experiments.adaptive_rank import run_adaptive_rank
+        return run_adaptive_rank(out, scale, seeds, data, steps, nproc, ranks)
+    if ranks is not None:
+        raise TngramError(f"--ranks applies to the adaptive-rank experiment only, not {name!r}")
     return EXPERIMENTS[name](out, scale, seeds, data, steps, nproc)
 
 
@@ -232,8 +241,14 @@ def _write(out: Path, name: str, rows: list[dict[str, Any]], cols: list[str], bo
     return out / "report.md"
 
 
+def _exp_memory_on_trained(out, scale, seeds, data, steps, nproc):
+    from tngram.experiments.memory_on_trained import run  # its own module (export helper's area)
+    return run(out, scale, seeds, data, steps, nproc)
+
+
 EXPERIMENTS: dict[str, Callable[..., Path]] = {
     "ngram-order": _exp_ngram_order, "capacity": _exp_capacity, "vocab": _exp_vocab,
     "ablation": _exp_ablation, "tiny-table": _exp_tiny_table, "unseen": _exp_unseen,
-    "collisions": _exp_collisions,
+    "collisions": _exp_collisions, "memory-on-trained": _exp_memory_on_trained,
+    "adaptive-rank": lambda *a: run_experiment("adaptive-rank", *a),
 }

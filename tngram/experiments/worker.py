@@ -6,6 +6,7 @@ Also works under torchrun. Resumes from the run folder's last checkpoint when th
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
     run_dir = Path(argv[1])
     try:
-        train(cfg, run_dir, resume=has_checkpoint(run_dir))
+        train(cfg, run_dir, resume=has_checkpoint(run_dir),   # no bars: --no-progress or stderr not a TTY
+              progress=False if os.environ.get("TNGRAM_NO_PROGRESS") else None)
     except TngramError as e:
         print(f"tngram: error: {e}", file=sys.stderr)
         return 2

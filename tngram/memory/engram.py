@@ -36,7 +36,7 @@ from tngram.memory.compression import (build_compression_from_file, compressed_v
                                        lookup_fingerprint)
 from tngram.memory.gating import GatedFusion
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
-from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
+from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -192,7 +192,7 @@ class Engram(nn.Module):
 
     def compress(self, input_ids: Tensor) -> Tensor:
         """Raw ids (B, T) -> compressed ids (B, T) int64 (identity when compress=False)."""
-        check_token_ids(input_ids, self.vocab_size)
+        check_ids_in_forward(input_ids, self.vocab_size)
         ids = input_ids.long()
         return ids if self.compress_lookup is None else self.compress_lookup[ids]
 
@@ -214,12 +214,14 @@ class Engram(nn.Module):
         flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*(N-1)*H, D_h)
         return flat.view(B, T, self.d_mem)                                   # (B, T, (N-1)*E)
 
-    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
-        """h (B, T, D) or (B, T, M, D), input_ids (B, T) -> y shaped like h; `cache` as TNGram."""
+    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None,
+                valid: Tensor | None = None) -> Tensor:
+        """h (B, T, D) or (B, T, M, D), input_ids (B, T) -> y shaped like h; `cache` and `valid`
+        (padding mask) as TNGram."""
         if h.dim() not in (3, 4) or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
             raise TngramError(f"Engram expects h of shape (B, T, {self.d_model}) or (B, T, M, "
                               f"{self.d_model}) matching input_ids (B, T); got h "
                               f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}")
-        ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id)
+        ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
         e = self.memory_vector(ids)[:, P:]                                   # (B, T, d_mem)
-        return self.fusion(h, e, cache)                                      # same shape as h
+        return self.fusion(h, e, cache, valid)                               # same shape as h

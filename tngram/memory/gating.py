@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 GATE_CLAMP = 1e-6  # epsilon inside the signed square root (paper App. D, reference)
+FUSE_KV_MIN_ROWS = 64  # fuse the K and V matmuls only from this many rows (B*T); see keys_values
 
 
 def signed_sqrt_gate(alpha: Tensor) -> Tensor:
@@ -63,19 +64,31 @@ class ShortConv(nn.Module):
             bound = 1.0 / math.sqrt(kernel_size)
             nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: dict | None = None, valid: Tensor | None = None) -> Tensor:
         """x: (B, T, M, D) -> (B, T, M, D). With `cache` (incremental decoding) the conv input of
-        the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start)."""
+        the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start;
+        every position when cache["keep_history"] is set). valid: optional (B, T) bool mask; the
+        conv input is 0 at invalid (padding) positions, as before the start of an unpadded row."""
         B, T, M, D = x.shape
         u = (F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight).reshape(B, T, M * D)
+        if valid is not None:
+            u = u.masked_fill(~valid.bool().unsqueeze(-1), 0.0)
         if cache is None:
             return F.silu(causal_depthwise_conv(u, self.weight, self.dilation)).view(B, T, M, D)
         L = (self.kernel_size - 1) * self.dilation
         prev = cache.get("conv")
-        if prev is None:
-            prev = u.new_zeros(B, L, M * D)
-        ext = torch.cat([prev, u], dim=1)                                  # (B, L + T, M*D)
-        cache["conv"] = ext[:, ext.shape[1] - L:]
+        if cache.get("keep_history"):
+            seen = u.new_zeros(B, 0, M * D) if prev is None else prev      # (B, T_seen, M*D)
+            window = seen[:, max(0, seen.shape[1] - L):]
+            if window.shape[1] < L:
+                window = torch.cat([window.new_zeros(B, L - window.shape[1], M * D), window], 1)
+            cache["conv"] = torch.cat([seen, u], dim=1)
+            ext = torch.cat([window, u], dim=1)                              # (B, L + T, M*D)
+        else:
+            if prev is None:
+                prev = u.new_zeros(B, L, M * D)
+            ext = torch.cat([prev, u], dim=1)                                # (B, L + T, M*D)
+            cache["conv"] = ext[:, ext.shape[1] - L:]
         out = causal_depthwise_conv(ext, self.weight, self.dilation)[:, L:]
         return F.silu(out).reshape(B, T, M, D)
 
@@ -100,6 +113,7 @@ class GatedFusion(nn.Module):
         self.norm_k = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
         self.conv = ShortConv(d_model, hc_mult, kernel_size, dilation, zero_init=zero_init_conv)
         self.fuse_kv = True  # one K/V matmul when hc_mult == 1 (not a parameter; benchmarks flip it)
+        self.fuse_kv_min_rows = FUSE_KV_MIN_ROWS
 
     def keys_values(self, e: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (B, T, M, D) and the shared value (B, T, 1, D) from e (B, T, E).
@@ -107,8 +121,11 @@ class GatedFusion(nn.Module):
         With one branch (hc_mult == 1) and `fuse_kv`, K and V are one matmul against the
         concatenated [W_K; W_V] (2D x E): e is read once, and the backward forms dL/de with one
         matmul instead of two plus an add. Same parameters, same numbers up to summation order.
+        Only from `fuse_kv_min_rows` (64) rows of e: the concatenation copies both weights on
+        every call, which at decode time (1 row per step) cost more than the saved matmul
+        (tngram bench decode, docs/PERFORMANCE.md "Decode").
         """
-        if self.hc_mult == 1 and self.fuse_kv:
+        if self.hc_mult == 1 and self.fuse_kv and e[..., 0].numel() >= self.fuse_kv_min_rows:
             kp, vp = self.key_proj[0], self.value_proj
             w = torch.cat([kp.weight, vp.weight], dim=0)                    # (2D, E)
             b = None if kp.bias is None else torch.cat([kp.bias, vp.bias])  # (2D,)
@@ -129,7 +146,10 @@ class GatedFusion(nn.Module):
         """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
         return self.gate_from_keys(h, self.keys_values(e)[0])
 
-    def forward(self, h: Tensor, e: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, h: Tensor, e: Tensor, cache: dict | None = None,
+                valid: Tensor | None = None) -> Tensor:
+        """valid: optional (B, T) bool mask; y is 0 at invalid (padding) positions and they do not
+        enter the conv state (see ShortConv)."""
         squeeze = h.dim() == 3
         if squeeze:
             h = h.unsqueeze(2)                                              # (B, T, 1, D)
@@ -138,5 +158,7 @@ class GatedFusion(nn.Module):
         keys, v = self.keys_values(e)                                       # (B,T,M,D), (B,T,1,D)
         g = self.gate_from_keys(h, keys)                                    # (B, T, M, 1)
         v_gated = g * v                                                     # (B, T, M, D)
-        y = v_gated + self.conv(v_gated, cache)
+        y = v_gated + self.conv(v_gated, cache, valid)
+        if valid is not None:
+            y = y.masked_fill(~valid.bool()[:, :, None, None], 0.0)
         return y.squeeze(2) if squeeze else y

@@ -8,6 +8,8 @@ Dimension letters: B batch, T time, N maximum n-gram order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,36 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids") -> No
         )
 
 
+def ids_checked_in_forward(ids: Tensor) -> bool:
+    """Whether model/memory forwards validate token ids (reading them: min/max).
+
+    Never while torch.compile traces (a data-dependent value breaks the graph). Otherwise
+    TNGRAM_CHECK_IDS decides: "1" always, "0" never, "auto" (default) only for CPU tensors,
+    where reading the ids costs microseconds and no device sync; on a GPU the read would stall
+    the host every step, so there the entry points check instead: the data loader (every
+    shard against the vocabulary), `generate` (the prompt), and `check_token_ids` for callers
+    feeding their own ids. Out-of-range ids on a GPU without the check fail inside the gather
+    (a device-side assert), never silently.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    mode = os.environ.get("TNGRAM_CHECK_IDS", "auto")
+    if mode == "1":
+        return True
+    if mode == "0":
+        return False
+    return ids.device.type == "cpu"
+
+
+def check_ids_in_forward(ids: Tensor, vocab_size: int, what: str = "input_ids") -> None:
+    """The forwards' check: the dtype always (no data read), the range when
+    `ids_checked_in_forward` (same error as `check_token_ids`)."""
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TngramError(f"{what} must be an integer tensor, got dtype {ids.dtype}")
+    if ids_checked_in_forward(ids):
+        check_token_ids(ids, vocab_size, what)
+
+
 def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
     """Shifted copies of the sequence: out[b, t, k] = ids[b, t-k], or pad_id when t-k < 0.
 
@@ -43,18 +75,34 @@ def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
     return torch.stack(cols, dim=-1)  # (B, T, n_max)
 
 
-def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int) -> tuple[Tensor, int]:
+def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int,
+                        valid: Tensor | None = None) -> tuple[Tensor, int]:
     """Incremental decoding: prepend the previous n_max-1 token ids kept in `cache["ids"]`
     (pad_id before the sequence start) and store the new tail there.
 
     Returns (ids_ext, P): ids_ext (B, P + T); the outputs of the first P positions are dropped
     by the caller. Because the history is pad_id at the start, the n-grams of the new positions
     equal those of a full forward over the whole sequence. cache None: (ids, 0) unchanged.
+
+    valid: optional (B, T) bool mask (False = a padding position, e.g. left padding in a batch):
+    those ids are replaced by pad_id, so a left-padded row sees exactly the windows it would see
+    alone. cache["keep_history"] = True keeps every id seen (not only the last n_max-1), so the
+    history can be cut back to any length (tngram.hf uses it for cache cropping).
     """
+    if valid is not None:
+        ids = ids.long().masked_fill(~valid.bool(), pad_id)
     if cache is None:
         return ids, 0
     P = n_max - 1
     hist = cache.get("ids")
+    if cache.get("keep_history"):
+        B = ids.shape[0]
+        seen = ids.new_zeros((B, 0)) if hist is None else hist              # (B, T_seen)
+        window = seen[:, max(0, seen.shape[1] - P):]
+        if window.shape[1] < P:                                             # pad_id before the start
+            window = torch.cat([window.new_full((B, P - window.shape[1]), pad_id), window], dim=1)
+        cache["ids"] = torch.cat([seen, ids.to(seen.dtype)], dim=1)
+        return torch.cat([window.to(ids.dtype), ids], dim=1), P
     if hist is None:
         hist = ids.new_full((ids.shape[0], P), pad_id)
     ext = torch.cat([hist, ids], dim=1)                                  # (B, P + T)

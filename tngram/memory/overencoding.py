@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
+from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 INT64_MAX = 2**63 - 1
 
@@ -151,7 +151,7 @@ class OverEncoding(nn.Module):
 
     def ngram_ids(self, input_ids: Tensor) -> Tensor:
         """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T, S) int64."""
-        check_token_ids(input_ids, self.vocab_size)
+        check_ids_in_forward(input_ids, self.vocab_size)
         grams = suffix_ngrams(input_ids, self.max_ngram, self.config.pad_id)  # (B, T, N), col l = x_{t-l}
         B, T, N = grams.shape
         r = torch.zeros(B, T, self.n_tables, dtype=torch.int64, device=grams.device)
@@ -169,13 +169,19 @@ class OverEncoding(nn.Module):
         flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*S, Ds)
         return flat.view(B, T, self.n_tables * self.slice_dim)
 
-    def forward(self, tok_emb: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
-        """New input embedding (B, T, D); `cache` keeps the n-gram window for incremental decoding."""
+    def forward(self, tok_emb: Tensor, input_ids: Tensor, cache: dict | None = None,
+                valid: Tensor | None = None) -> Tensor:
+        """New input embedding (B, T, D); `cache` keeps the n-gram window for incremental decoding.
+        valid: optional (B, T) bool mask (False = padding): padded ids read as pad_id in the
+        windows and get no n-gram term."""
         if tok_emb.dim() != 3 or tok_emb.shape[:2] != input_ids.shape or \
                 tok_emb.shape[-1] != self.d_model:
             raise TngramError(f"Over-Encoding expects tok_emb (B, T, {self.d_model}) matching "
                               f"input_ids (B, T); got {tuple(tok_emb.shape)} and "
                               f"{tuple(input_ids.shape)}")
-        ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id)
-        out = tok_emb + self.proj(self.memory_vector(ids)[:, P:])            # (B, T, D)
+        ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
+        mem = self.proj(self.memory_vector(ids)[:, P:])                      # (B, T, D)
+        if valid is not None:
+            mem = mem.masked_fill(~valid.bool().unsqueeze(-1), 0.0)
+        out = tok_emb + mem
         return out / (1 + self.n_tables) if self.config.average else out

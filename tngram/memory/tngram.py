@@ -34,7 +34,7 @@ from tngram.common import TngramError
 from tngram.kernels import fused_lookup
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
-from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
+from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,6 +55,12 @@ class TNGramConfig:
     zero_init_value: bool = True
     zero_init_conv: bool = True
     fused: bool = True             # lookup via tngram.kernels (same math as cp.py, faster)
+    # adaptive CP rank (tngram.memory.cp_rank): after optimiser step `prune_at_step` (0: off) the
+    # rank-1 components are scored by energy and the fewest holding (1 - prune_energy_tol) of it
+    # are kept (never fewer than min_cp_rank); the rest are removed from every tensor.
+    prune_at_step: int = 0
+    prune_energy_tol: float = 0.1
+    min_cp_rank: int = 8
 
     kind: ClassVar[str] = "tngram"
     injection: ClassVar[str] = "block"
@@ -66,6 +72,13 @@ class TNGramConfig:
             raise TngramError(f"TN-gram cp_rank must be >= 1, got {self.cp_rank}")
         if not 0 <= self.pad_id < vocab_size:
             raise TngramError(f"TN-gram pad_id must lie in [0, {vocab_size}), got {self.pad_id}")
+        if self.prune_at_step < 0:
+            raise TngramError(f"TN-gram prune_at_step must be >= 0 (0: no pruning), got {self.prune_at_step}")
+        if not 0.0 <= self.prune_energy_tol < 1.0:
+            raise TngramError(f"TN-gram prune_energy_tol must be in [0, 1), got {self.prune_energy_tol}")
+        if self.prune_at_step > 0 and not 1 <= self.min_cp_rank <= self.cp_rank:
+            raise TngramError(f"TN-gram min_cp_rank must be in [1, cp_rank={self.cp_rank}], "
+                              f"got {self.min_cp_rank}")
         if self.factor_init not in ("sign", "normal"):
             raise TngramError(f"TN-gram factor_init must be 'sign' or 'normal', got {self.factor_init!r}")
 
@@ -110,7 +123,7 @@ class TNGram(nn.Module):
             self.factors.copy_(sign * torch.exp(c.factor_init_std * torch.randn(self.factors.shape)))
 
     def ngrams(self, input_ids: Tensor) -> Tensor:
-        check_token_ids(input_ids, self.vocab_size)
+        check_ids_in_forward(input_ids, self.vocab_size)
         return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
 
     def memory_vector(self, input_ids: Tensor) -> Tensor:
@@ -126,14 +139,18 @@ class TNGram(nn.Module):
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 
-    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None,
+                valid: Tensor | None = None) -> Tensor:
         """h: (B, T, D) or (B, T, M, D), input_ids: (B, T) -> memory output y, shaped like h.
 
         cache: a dict kept between calls for incremental decoding (n-gram window, conv state).
+        valid: optional (B, T) bool mask of real tokens (False = padding): padded positions
+        read as pad_id in the n-gram windows, stay out of the conv state and output 0.
         """
-        ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id)
+        ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id,
+                                     valid)
         e = self.memory_vector(ids)[:, P:].to(h.dtype)
-        return self.fusion(h, e, cache)
+        return self.fusion(h, e, cache, valid)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -141,3 +141,55 @@ def format_param_table(groups: list[dict]) -> str:
         lines.append(f"{g['group']:13s} {g['optimizer']:9s} {g['base_lr']:8.4g} {n_t:7d} {n_p:12,d}")
     lines.append(f"{'total':13s} {'':9s} {'':>8s} {total_t:7d} {total_p:12,d}")
     return "\n".join(lines)
+
+
+# ---- any model (e.g. a transformers model with tngram.hf.add_memory) -------------------------
+
+def memory_table_params(model: nn.Module) -> list[nn.Parameter]:
+    """The memory lookup tables of any model, found by module type: TN-gram CP factors
+    (TNGram.factors) and the Engram / Over-Encoding n-gram tables (.table.weight)."""
+    from tngram.memory.engram import Engram
+    from tngram.memory.overencoding import OverEncoding
+    from tngram.memory.tngram import TNGram
+
+    out: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        if isinstance(m, TNGram):
+            out[id(m.factors)] = m.factors
+        elif isinstance(m, (Engram, OverEncoding)):
+            out[id(m.table.weight)] = m.table.weight
+    return list(out.values())
+
+
+def split_memory_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(memory tables/factors, every other parameter) of any model, trainable ones only, each
+    parameter once (tied weights are listed once), in model.parameters() order.
+
+    For your own trainer: give the first list to Adam at the table learning rate and never to
+    Muon (an n-gram table is a lookup table, not a matrix acting on activations); the second
+    list is everything else (backbone, memory K/V projections, gates, conv), for your usual rules.
+    """
+    table_ids = {id(p) for p in memory_table_params(model)}
+    tables, rest = [], []
+    for p in model.parameters():          # deduplicates shared parameters
+        if p.requires_grad:
+            (tables if id(p) in table_ids else rest).append(p)
+    return tables, rest
+
+
+def memory_param_groups(model: nn.Module, table_lr: float, lr: float | None = None,
+                        table_weight_decay: float = 0.0) -> list[dict]:
+    """torch.optim param groups: [memory tables at table_lr (weight decay table_weight_decay,
+    default 0), everything else (at `lr` if given, else the optimiser's default)]. Each group
+    carries a "group" name ("memory_table" / "rest"); empty groups are left out.
+
+        opt = torch.optim.AdamW(memory_param_groups(model, table_lr=0.05), lr=3e-4)
+    """
+    tables, rest = split_memory_params(model)
+    groups = []
+    if tables:
+        groups.append({"params": tables, "lr": table_lr, "weight_decay": table_weight_decay,
+                       "group": "memory_table"})
+    if rest:
+        groups.append({"params": rest, "group": "rest", **({} if lr is None else {"lr": lr})})
+    return groups

@@ -9,18 +9,62 @@ from typing import Any
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("report", help="tables and plots from run folders")
-    rs = p.add_subparsers(dest="report_command", metavar="WHAT")
+    rs = p.add_subparsers(dest="report_command", metavar="SUBCOMMAND")
     rs.required = True
     t = rs.add_parser("tables", help="downstream-task tables (methods x tasks, best in bold) from runs "
                                      "evaluated with `tngram eval core`")
-    t.add_argument("run_dirs", nargs="+")
-    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy")
+    t.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders evaluated with `tngram eval core`")
+    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy",
+                   help="accuracy, or centered (0 = random baseline, 1 = perfect)")
     t.add_argument("--out", type=Path, default=Path("."), help="folder for core_tables.md/.csv")
     t.set_defaults(func=_cmd_tables)
     c = rs.add_parser("compare", help="rebuild report.md of a `tngram compare` folder (adds CORE when "
-                                      "the runs have been evaluated)")
-    c.add_argument("dir", type=Path)
+                                      "the runs have been evaluated); with several folders (one per corpus), "
+                                      "paired significance per corpus and pooled")
+    c.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="the --out folder(s) of `tngram compare`")
+    c.add_argument("--metric", choices=["val_loss", "val_bpb", "train_loss"], default="val_loss",
+                   help="metric of the significance table (several folders)")
     c.set_defaults(func=_cmd_compare)
+    r = rs.add_parser("readme", help="regenerate the README's results table from a `tngram compare` folder",
+                      description="Snapshot a `tngram compare` folder (the runs/compare-cpu of `make demo`) "
+                      "into docs/results/demo-compare-cpu.json and regenerate the README table that cites "
+                      "it. With --check, only verify that the README table equals the snapshot's.")
+    r.add_argument("dir", type=Path, nargs="?", default=None, metavar="DIR",
+                   help="the --out folder of `tngram compare --preset cpu` (not needed with --check)")
+    r.add_argument("--readme", type=Path, default=Path("README.md"), help="the README to update")
+    r.add_argument("--snapshot", type=Path, default=None, metavar="FILE",
+                   help="results snapshot (default: docs/results/demo-compare-cpu.json beside the README)")
+    r.add_argument("--check", action="store_true", help="compare only; exit 1 when the README disagrees")
+    r.set_defaults(func=_cmd_readme)
+
+
+def _cmd_readme(args: Any) -> int:
+    import sys
+
+    from tngram.common import MissingFileError, TngramError, atomic_write_json, atomic_write_text
+    from tngram.report.readme import BLOCK, SNAPSHOT, current_block, render_block, replace_block, snapshot
+
+    if not args.readme.is_file():
+        raise MissingFileError(f"{args.readme}: README not found (pass --readme PATH)")
+    snap_path = args.snapshot or args.readme.parent / SNAPSHOT
+    text = args.readme.read_text(encoding="utf-8")
+    if args.check:
+        if not snap_path.is_file():
+            raise MissingFileError(f"{snap_path} not found")
+        want = render_block(json.loads(snap_path.read_text()))
+        if current_block(text, BLOCK) != want:
+            print(f"{args.readme}: the generated block {BLOCK!r} differs from {snap_path}; run "
+                  f"`tngram report readme DIR` to regenerate it", file=sys.stderr)
+            return 1
+        print(f"{args.readme}: block {BLOCK!r} matches {snap_path}")
+        return 0
+    if args.dir is None:
+        raise TngramError("give the `tngram compare` folder DIR (or --check)")
+    snap = snapshot(args.dir)
+    atomic_write_json(snap_path, snap)
+    atomic_write_text(args.readme, replace_block(text, BLOCK, render_block(snap)))
+    print(f"wrote {snap_path} and the {BLOCK!r} block of {args.readme}")
+    return 0
 
 
 def _cmd_tables(args: Any) -> int:
@@ -43,17 +87,35 @@ def _cmd_tables(args: Any) -> int:
 
 
 def _cmd_compare(args: Any) -> int:
-    from tngram.common import TngramError, atomic_write_json
+    from tngram.common import MissingFileError, TngramError
+    from tngram.report.compare import rows_from_folder, significance_table
+
+    if len(args.dir) == 1 and ((args.dir[0] / "results.json").exists() or not (args.dir[0] / "runs").is_dir()):
+        return _compare_one(args.dir[0])
+    by_corpus = {}
+    for d in args.dir:
+        if not (d / "runs").is_dir():
+            raise MissingFileError(f"{d} has no runs/ folder: is it a `tngram compare` folder?")
+        rows = rows_from_folder(d)
+        if not rows:
+            raise TngramError(f"{d}: no finished runs yet (no runs/*/summary.json)")
+        by_corpus[d.name] = rows
+    print(significance_table(by_corpus, metric=args.metric))
+    return 0
+
+
+def _compare_one(dir: Path) -> int:
+    from tngram.common import MissingFileError, atomic_write_json
     from tngram.report.compare import write_compare_report
     from tngram.report.runs import read_core
 
-    path = args.dir / "results.json"
+    path = dir / "results.json"
     if not path.exists():
-        raise TngramError(f"{path} not found: is {args.dir} a `tngram compare` folder?")
+        raise MissingFileError(f"{path} not found: is {dir} a `tngram compare` folder?")
     results = json.loads(path.read_text())
     # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
     # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
-    local = {id(r): args.dir / "runs" / Path(r["run_dir"]).name for r in results["rows"]}
+    local = {id(r): dir / "runs" / Path(r["run_dir"]).name for r in results["rows"]}
     local = {k: v for k, v in local.items() if v.is_dir()}
     for r in results["rows"]:
         core = read_core(local.get(id(r), r["run_dir"]))
@@ -62,5 +124,5 @@ def _cmd_compare(args: Any) -> int:
     atomic_write_json(path, results)
     shown = {**results, "rows": [{**r, "run_dir": str(local[id(r)])} if id(r) in local else r
                                  for r in results["rows"]]}
-    print(write_compare_report(args.dir, shown)["table"])
+    print(write_compare_report(dir, shown)["table"])
     return 0

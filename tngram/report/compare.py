@@ -66,8 +66,80 @@ def paired_val_loss(rows: list[dict[str, Any]], a: str, b: str) -> list[float]:
     return [d[a] - d[b] for _, d in sorted(by_seed.items()) if a in d and b in d]
 
 
+def paired_metric(rows: list[dict[str, Any]], a: str, b: str, metric: str = "val_loss") -> list[float]:
+    """metric(a) − metric(b) for every seed that has both methods, in seed order."""
+    by_seed: dict[Any, dict[str, float]] = {}
+    for r in rows:
+        if r.get(metric) is not None:
+            by_seed.setdefault(r["seed"], {})[r["method"]] = r[metric]
+    return [d[a] - d[b] for _, d in sorted(by_seed.items()) if a in d and b in d]
+
+
+def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
+    """(later, earlier) for every pair, in the order given: raw, engram, tngram ->
+    (engram, raw), (tngram, raw), (tngram, engram)."""
+    return [(methods[j], methods[i]) for i in range(len(methods)) for j in range(i + 1, len(methods))]
+
+
+def _fmt_p(p: float) -> str:
+    return "–" if p != p else (f"{p:.3f}" if p >= 0.001 else f"{p:.1e}")
+
+
+def significance_table(by_corpus: dict[str, list[dict[str, Any]]], metric: str = "val_loss") -> str:
+    """Per pair of methods: paired mean difference with 95% CI, paired t-test p, sign-test p and
+    sign-flip permutation p, per corpus and pooled over corpora (every (corpus, seed) pair one
+    observation). Negative = the first-named method has the lower `metric`."""
+    from tngram.report.stats import paired_stats
+
+    methods = list(dict.fromkeys(r["method"] for rows in by_corpus.values() for r in rows))
+    order = [m for m in ("raw", "engram", "tngram", "oe") if m in methods] + \
+        [m for m in methods if m not in ("raw", "engram", "tngram", "oe")]
+    lines = [f"Paired differences of {metric} (same seed = same backbone init and data order; negative = "
+             "the first method is better). 95% CI from the t distribution; p two-sided.", "",
+             "| pair | corpus | n | mean diff | 95% CI | t-test p | sign p | permutation p | first better / worse |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for a, b in method_pairs(order):
+        pooled: list[float] = []
+        groups = list(by_corpus.items())
+        for corpus, rows in groups:
+            d = paired_metric(rows, a, b, metric)
+            pooled += d
+            if d:
+                lines.append(_stats_row(f"{NAMES.get(a, a)} − {NAMES.get(b, b)}", corpus, paired_stats(d)))
+        if len(groups) > 1 and pooled:
+            lines.append(_stats_row(f"{NAMES.get(a, a)} − {NAMES.get(b, b)}", "**pooled**", paired_stats(pooled)))
+    return "\n".join(lines)
+
+
+def _stats_row(pair: str, corpus: str, s: Any) -> str:
+    ci = "–" if s.ci_low != s.ci_low else f"[{s.ci_low:+.4f}, {s.ci_high:+.4f}]"
+    return (f"| {pair} | {corpus} | {s.n} | {s.mean:+.4f} | {ci} | {_fmt_p(s.t_p)} | {_fmt_p(s.sign_p)} | "
+            f"{_fmt_p(s.perm_p)} | {s.wins} / {s.losses} |")
+
+
+def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
+    """Rows (method, seed, losses, run_dir) of a compare-style folder: results.json when written,
+    else every finished run in folder/runs/<method>-s<i>/ (summary.json + config.json), so a
+    half-finished `tngram compare` can be reported."""
+    import json
+
+    path = folder / "results.json"
+    if path.exists():
+        return json.loads(path.read_text())["rows"]
+    rows = []
+    for run in sorted((folder / "runs").glob("*-s*")):
+        summary, config = run / "summary.json", run / "config.json"
+        if not (summary.exists() and config.exists()):
+            continue
+        s, c = json.loads(summary.read_text()), json.loads(config.read_text())
+        rows.append({**s, "method": run.name.rsplit("-s", 1)[0], "seed": c["run"]["seed"], "run_dir": str(run)})
+    return rows
+
+
 def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
     table = compare_table(results)
+    if len({r["seed"] for r in results["rows"]}) > 1:
+        table += "\n\n" + significance_table({Path(str(results.get("data") or out)).name: results["rows"]})
     runs: dict[str, list[str]] = {}
     for r in results["rows"]:
         runs.setdefault(NAMES.get(r["method"], r["method"]), []).append(r["run_dir"])

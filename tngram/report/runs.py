@@ -8,13 +8,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, iter_jsonl
+from tngram.common import MissingFileError, iter_jsonl
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise TngramError(f"{path} not found: is {run_dir} a tngram run folder?")
+        raise MissingFileError(f"{path} not found: is {run_dir} a tngram run folder?")
     rows = [obj for _, obj in iter_jsonl(path)]
     return rows
 
@@ -22,7 +22,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     path = Path(run_dir) / "summary.json"
     if not path.exists():
-        raise TngramError(f"{path} not found: the run in {run_dir} has not finished")
+        raise MissingFileError(f"{path} not found: the run in {run_dir} has not finished")
     return json.loads(path.read_text())
 
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from tngram.argtypes import OneLineParser, report_error
@@ -14,8 +13,8 @@ from tngram.train.cli import add_train_arguments, cmd_train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="python -m tngram.train", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tngram.cli_common import HelpFormatter
+    parser = OneLineParser(prog="python -m tngram.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from tngram.common import TngramError, atomic_write_bytes, atomic_write_json
+from tngram.common import MissingFileError, TngramError, atomic_write_bytes, atomic_write_json
 
 CKPT_DIR = "checkpoints"
 FINAL_WEIGHTS = "model.safetensors"
@@ -312,7 +313,7 @@ def _read_safetensors_header(file: Path) -> dict[str, Any]:
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_slice(k).get_shape() for k in f.keys()}
     except FileNotFoundError:
-        raise TngramError(f"{file}: missing") from None
+        raise MissingFileError(f"{file}: missing") from None
     except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError
         raise TngramError(f"{file}: corrupt or truncated safetensors file ({_short(e)})") from None
 
@@ -325,7 +326,7 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except FileNotFoundError:
-        raise TngramError(f"{file}: missing") from None
+        raise MissingFileError(f"{file}: missing") from None
     except Exception as e:
         raise TngramError(f"{file}: corrupt or truncated safetensors file ({_short(e)})") from None
 
@@ -334,7 +335,7 @@ def _load_json(file: Path) -> Any:
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise TngramError(f"{file}: missing") from None
+        raise MissingFileError(f"{file}: missing") from None
     except (OSError, ValueError) as e:
         raise TngramError(f"{file}: corrupt or truncated JSON ({_short(e)})") from None
 
@@ -346,7 +347,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     Every problem is a TngramError naming the file."""
     path = Path(path)
     meta = _load_json(path / "meta.json")
-    load_weights(model, path / "model.safetensors")
+    load_weights(model, path / "model.safetensors", (optimizers or {}).values())
     if optimizers:
         state = _load_tensors(path / "state.safetensors")
         for name, opt in optimizers.items():
@@ -364,11 +365,17 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     return meta
 
 
-def load_weights(model: nn.Module, file: str | os.PathLike) -> None:
+def load_weights(model: nn.Module, file: str | os.PathLike,
+                 optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
     """Load a safetensors state dict into `model`; names and shapes are checked first, so a file
-    that does not fit changes nothing and raises one TngramError naming it."""
+    that does not fit raises one TngramError naming it (and loads nothing)."""
     file = Path(file)
     tensors = _load_tensors(file)
+    # weights saved after adaptive CP-rank pruning have smaller TN-gram shapes than the config's
+    # starting rank: shrink those modules first (the loaded values then overwrite them; the
+    # optimisers are pointed at the new, smaller parameters)
+    from tngram.memory.cp_rank import shrink_to_state
+    shrink_to_state(model, tensors, optimizers)
     own = model.state_dict()
     missing = [k for k in own if k not in tensors]
     unexpected = [k for k in tensors if k not in own]
@@ -415,7 +422,7 @@ def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     """DIR/config.json as a dict; TngramError naming the file if missing or corrupt."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
-        raise TngramError(f"{run_dir} is not a run folder (no config.json)")
+        raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
     d = _load_json(path)
     if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("model"), dict):
         raise TngramError(f"{path}: not a tngram run config (no name/model)")

@@ -1,9 +1,14 @@
-"""`tngram train RECIPE --out DIR [--steps N] [--resume] [--data DIR] [--set section.field=value ...]`.
+"""Train a recipe into a run folder, in one process or under torchrun.
 
-Everything that can be checked without data or weights (recipe name, every --set key and value
-type, config ranges) is checked before any work, with a TngramError listing what is valid.
-The same arguments work under torchrun through `python -m tngram.train` (tngram/train/__main__.py):
+The config is built in this order, later winning: the recipe (`tngram recipes`), the --config
+file (TOML or YAML; may name the recipe with `recipe = "..."`), --data, --steps, each --set.
+Everything that can be checked without data or weights (recipe name, every key and value type,
+config ranges) is checked before any work, with one error line listing what is valid.
+`--print-config` prints the resolved config as a TOML file `--config` reads back, and exits.
 
+    tngram train mini-tngram --out runs/x --set model.memory.cp_rank=64
+    tngram train mini-raw --out runs/y --set model.memory.kind=tngram    # add a memory to any recipe
+    tngram train --config my.toml --out runs/z
     torchrun --standalone --nproc_per_node=2 -m tngram.train mini-tngram --out runs/x
 """
 
@@ -12,45 +17,85 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tngram.cli_common import (HelpFormatter, add_config_arguments, add_logger_argument,
+                               add_progress_argument, add_steps_argument, check_positive)
 from tngram.common import TngramError
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
-    p.add_argument("--out", required=True, help="run folder (config.json, metrics.jsonl, checkpoints, summary.json)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="stop after N optimiser steps of the recipe's schedule (the schedule is not "
-                        "shortened; use --set schedule.steps=N for that)")
+    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE",
+                   help="a named recipe (see `tngram recipes`); optional when --config names one")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="run folder: config.json, metrics.jsonl, checkpoints, model.safetensors, tokenizer.model")
+    add_config_arguments(p)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (TOML, readable by --config) and exit without training")
+    add_steps_argument(p, "the run's")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop after N optimiser steps of the (unchanged) schedule; --resume continues it")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
-    p.add_argument("--data", default=None, help="dataset folder (default: build/use the default corpus)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a config field, e.g. --set optim.matrix_lr=0.02 (repeatable)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="dataset folder (default: the offline default corpus, built on first use)")
+    p.add_argument("--device", default=None, metavar="D",
+                   help="auto | cpu | cuda | cuda:N (same as --set run.device=D; default: the config's, auto)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
+                        "(same as --set run.threads=N; default: the config's, 0)")
+    add_logger_argument(p)
+    add_progress_argument(p)
 
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("train", help="train a recipe (single process or under torchrun)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
 
 
-def resolve_config(recipe: str, overrides: list[str], data: str | None = None):
-    """The recipe's TrainConfig with --data and --set applied and validated (no work done)."""
+def resolve_config(recipe: str | None, overrides: list[str], data: str | None = None,
+                   config_file: str | None = None, steps: int | None = None):
+    """The TrainConfig of recipe + config file + --data + --steps + --set, validated (no work done)."""
     from dataclasses import replace
 
     from tngram.recipes import get_recipe
-    from tngram.train.config import apply_overrides
+    from tngram.train.config import apply_overrides, apply_settings, with_schedule_steps
 
+    settings: list[tuple[str, Any]] = []
+    if config_file is not None:
+        from tngram.train.config_file import load_config_file
+        file_recipe, settings = load_config_file(config_file)
+        recipe = recipe or file_recipe
+    if recipe is None:
+        raise TngramError("name a RECIPE (see `tngram recipes`) or give a --config file with recipe = \"...\"")
     cfg = get_recipe(recipe)
+    if settings:
+        cfg = apply_settings(cfg, settings, origin=str(config_file))
     if data is not None:
         cfg = replace(cfg, data=replace(cfg.data, dir=str(data)))
+    cfg = with_schedule_steps(cfg, steps)
     return apply_overrides(cfg, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.steps is not None and args.steps < 1:
-        raise TngramError(f"--steps must be >= 1, got {args.steps}")
-    cfg = resolve_config(args.recipe, args.overrides, args.data)
+    check_positive("--steps", args.steps)
+    check_positive("--stop-after", args.stop_after)
+    sugar = ([f"run.device={args.device}"] if args.device is not None else []) + (
+        [f"run.threads={args.threads}"] if args.threads is not None else [])
+    cfg = resolve_config(args.recipe, sugar + args.overrides, args.data, args.config, args.steps)
+    if args.print_config:
+        from tngram.train.config_file import config_to_toml
+        print(config_to_toml(cfg.to_dict(), _recipe_name(args)), end="")
+        return 0
+    if args.out is None:
+        raise TngramError("--out DIR is required (the run folder)")
     from tngram.train.loop import train
-    train(cfg, args.out, resume=args.resume, max_steps=args.steps)
+    train(cfg, args.out, resume=args.resume, max_steps=args.stop_after, logger=args.logger,
+          progress=False if args.no_progress else None)
     return 0
+
+
+def _recipe_name(args: argparse.Namespace) -> str | None:
+    if args.recipe is not None or args.config is None:
+        return args.recipe
+    from tngram.train.config_file import load_config_file
+    return load_config_file(args.config)[0]

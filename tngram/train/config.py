@@ -30,6 +30,7 @@ class OptimConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip_norm: float = 0.0        # 0 disables
+    trainable: str = "all"             # "all" | "memory" (backbone frozen; tngram.train.warmstart)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -58,6 +59,7 @@ class RunConfig:
     val_every: int = 250               # 0: only at the end
     checkpoint_every: int = 500        # 0: only at the end
     keep_checkpoints: int = 2
+    init_from: str | None = None       # run folder or `tngram export --hf` folder to start from
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -169,6 +171,12 @@ def validate_config(cfg: TrainConfig) -> None:
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
     _check(r.threads >= 0, "run.threads", ">= 0 (0: torch's default)", r.threads)
+    from tngram.train.warmstart import TRAINABLE, check_init_from
+    _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
+    if o.trainable == "memory" and cfg.model.memory is None:
+        raise TngramError("optim.trainable=memory needs a model with memory (model.memory is none)")
+    if r.init_from is not None:
+        check_init_from(r.init_from)
     cfg.model.validate()
     mem = cfg.model.memory
     if mem is not None and hasattr(mem, "validate"):
@@ -183,11 +191,19 @@ def _sections(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def config_keys(cfg: TrainConfig) -> list[str]:
-    """Every key `--set` accepts for this config (model.memory.* only when it has memory)."""
-    keys = ["name"]
+    """Every key `--set` / a config file accepts for this config. model.memory.kind (tngram,
+    engram, oe or none) is always accepted; the other model.memory.* keys are those of the current
+    memory kind (set model.memory.kind first to add a memory to a recipe without one)."""
+    keys = ["name", "model.memory.kind"]
     for sec, obj in _sections(cfg).items():
-        keys += [f"{sec}.{f.name}" for f in fields(obj) if not (sec == "model" and f.name == "memory")]
+        keys += [f"{sec}.{f.name}" for f in fields(obj)
+                 if not (sec == "model" and f.name == "memory") and f"{sec}.{f.name}" not in keys]
     return keys
+
+
+def _memory_kinds() -> dict[str, Any]:
+    from tngram.memory import memory_config_classes
+    return memory_config_classes()
 
 
 def _parse_value(key: str, text: str, hint: Any) -> Any:
@@ -237,43 +253,121 @@ def _parse_value(key: str, text: str, hint: Any) -> Any:
     raise TngramError(f"{key} has type {_type_name(hint)}, which --set cannot parse")
 
 
+def _coerce_value(key: str, value: Any, hint: Any) -> Any:
+    """A typed value from a config file (TOML/YAML) checked against `hint`; strings are parsed
+    as `--set` parses them (so "none" works where TOML has no null)."""
+    if isinstance(value, str):
+        return _parse_value(key, value, hint)
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _coerce_value(key, value, a)
+            except TngramError:
+                continue
+        raise TngramError(f"{key} expects {_type_name(hint)}, got {value!r}")
+    if origin is tuple:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        elem = args[0] if args else Any
+        return tuple(_coerce_value(key, v, elem) for v in items)
+    ok = {bool: isinstance(value, bool),
+          int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if hint in ok:
+        if not ok[hint]:
+            raise TngramError(f"{key} expects {_type_name(hint)}, got {value!r}")
+        return float(value) if hint is float else value
+    if hint is Any:
+        return value
+    raise TngramError(f"{key} expects {_type_name(hint)}, got {value!r}")
+
+
 def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def split_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise TngramError(f"--set expects section.field=value, got {item!r}")
+    key, text = (s.strip() for s in item.split("=", 1))
+    return key, text
 
 
 def apply_overrides(cfg: TrainConfig, items: list[str] | tuple[str, ...]) -> TrainConfig:
     """Apply `section.field=value` strings (e.g. "optim.matrix_lr=0.02", "model.memory.cp_rank=64")
     and validate. Unknown keys and unparsable values raise TngramError listing what is valid."""
-    for item in items:
-        if "=" not in item:
-            raise TngramError(f"--set expects section.field=value, got {item!r}")
-        key, text = (s.strip() for s in item.split("=", 1))
-        if key == "name":
-            cfg = replace(cfg, name=text)
-            continue
-        sec, _, fname = key.rpartition(".")
-        sections = _sections(cfg)
-        if sec not in sections:
-            if sec == "model.memory":
-                raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none)")
-            raise TngramError(f"unknown config section {sec!r} in {key!r}; valid keys: "
-                              + ", ".join(config_keys(cfg)))
-        obj = sections[sec]
-        names = {f.name for f in fields(obj)} - ({"memory"} if sec == "model" else set())
-        if fname not in names:
-            raise TngramError(f"unknown config key {key!r}; valid keys in {sec}: "
-                              + ", ".join(f"{sec}.{n}" for n in sorted(names)))
-        value = _parse_value(key, text, get_type_hints(type(obj))[fname])
-        if key == "model.memory_layers" and cfg.model.memory is None:
-            raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none), "
-                              f"so memory_layers would have no effect")
+    return apply_settings(cfg, [split_override(item) for item in items])
+
+
+def apply_settings(cfg: TrainConfig, settings: list[tuple[str, Any]], origin: str = "") -> TrainConfig:
+    """Apply (dotted key, value) pairs in order, then validate. A value is a `--set` string or a
+    typed value from a config file. `model.memory.kind=K` switches the memory to K's defaults
+    (none removes it); later model.memory.* keys then refine it. `origin` prefixes errors
+    (e.g. the config file's name)."""
+    where = f"{origin}: " if origin else ""
+    for key, value in settings:
         try:
-            new = replace(obj, **{fname: value})
+            cfg = _apply_one(cfg, key, value)
         except TngramError as e:
-            raise TngramError(f"{key}={text}: {e}") from None
-        if sec == "model.memory":
-            cfg = replace(cfg, model=replace(cfg.model, memory=new))
-        else:
-            cfg = replace(cfg, **{sec: new})
-    validate_config(cfg)
+            raise TngramError(f"{where}{e}") from None
+    if cfg.model.memory is None and any(k == "model.memory_layers" for k, _ in settings):
+        raise TngramError(f"{where}model.memory_layers: recipe {cfg.name!r} has no memory module (model.memory "
+                          f"is none), so memory_layers would have no effect")
+    try:
+        validate_config(cfg)
+    except TngramError as e:
+        raise TngramError(f"{where}{e}") from None
     return cfg
+
+
+def _apply_one(cfg: TrainConfig, key: str, value: Any) -> TrainConfig:
+    text = value if isinstance(value, str) else json.dumps(value)
+    if key == "name":
+        return replace(cfg, name=str(value))
+    if key in ("model.memory.kind", "model.memory"):
+        kinds = _memory_kinds()
+        kind = None if value is None or str(value).strip().lower() in ("none", "null") else str(value).strip()
+        if kind is not None and kind not in kinds:
+            raise TngramError(f"{key} must be one of {sorted(kinds) + ['none']}, got {value!r}")
+        mem = cfg.model.memory
+        if kind is None:
+            mem = None
+        elif mem is None or mem.kind != kind:
+            mem = kinds[kind]()
+        return replace(cfg, model=replace(cfg.model, memory=mem))
+    sec, _, fname = key.rpartition(".")
+    sections = _sections(cfg)
+    if sec not in sections:
+        if sec == "model.memory":
+            raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none); "
+                              f"set model.memory.kind=tngram|engram|oe first to add one")
+        raise TngramError(f"unknown config section {sec!r} in {key!r}; valid keys: "
+                          + ", ".join(config_keys(cfg)))
+    obj = sections[sec]
+    names = {f.name for f in fields(obj)} - ({"memory"} if sec == "model" else set())
+    if fname not in names:
+        raise TngramError(f"unknown config key {key!r}; valid keys in {sec}: "
+                          + ", ".join(f"{sec}.{n}" for n in sorted(names)))
+    hint = get_type_hints(type(obj))[fname]
+    new_value = _parse_value(key, value, hint) if isinstance(value, str) else _coerce_value(key, value, hint)
+    try:
+        new = replace(obj, **{fname: new_value})
+    except TngramError as e:
+        raise TngramError(f"{key}={text}: {e}") from None
+    if sec == "model.memory":
+        return replace(cfg, model=replace(cfg.model, memory=new))
+    return replace(cfg, **{sec: new})
+
+
+def with_schedule_steps(cfg: TrainConfig, steps: int | None) -> TrainConfig:
+    """`--steps N`: the schedule's length set to N, warm-down scaled in proportion (at least 1,
+    never longer than before)."""
+    if steps is None:
+        return cfg
+    if steps < 1:
+        raise TngramError(f"--steps must be >= 1, got {steps}")
+    s = cfg.schedule
+    warm = min(s.warmdown_steps, max(1, int(steps * s.warmdown_steps / s.steps)))
+    return replace(cfg, schedule=replace(s, steps=steps, warmdown_steps=warm))

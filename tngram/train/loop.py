@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -35,6 +36,7 @@ from tngram.common import TngramError, atomic_write_json
 from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT
 from tngram.optim.groups import build_param_groups, format_param_table
+from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
 from tngram.train import checkpoint as ckpt
@@ -42,7 +44,8 @@ from tngram.train.config import TrainConfig, validate_config
 from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
                                grad_accum_steps, init_distributed, no_sync, shutdown, wrap_ddp)
 from tngram.train.health import LossHealth, check_batch_vs_data, check_step_memory
-from tngram.train.metrics import MetricsLog, Progress, env_info
+from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info
+from tngram.train.portable import record_dataset
 from tngram.train.rundir import claim_run_dir, release_run_dir
 
 # run.* fields that may change between an interrupted run and its resumption
@@ -65,15 +68,41 @@ def delta_params(cfg: TrainConfig) -> dict[str, int]:
             "delta_params": model.num_params() - raw.num_params()}
 
 
+def live_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
+    """`sizes` (from delta_params) updated to the model's actual shapes (after CP-rank pruning)."""
+    raw_total = sizes["total_params"] - sizes["delta_params"]
+    total = model.num_params()
+    return {"total_params": total, "memory_params": model.memory_params(),
+            "delta_params": total - raw_total}
+
+
+def _prune_at_step(cfg: TrainConfig, world_size: int) -> int:
+    """The adaptive CP-rank pruning step of the memory config (0: none), checked."""
+    at = int(getattr(cfg.model.memory, "prune_at_step", 0) or 0)
+    if at and at >= cfg.schedule.steps:
+        raise TngramError(f"model.memory.prune_at_step ({at}) must be < schedule.steps "
+                          f"({cfg.schedule.steps}); 0 switches pruning off")
+    if at and world_size > 1:
+        raise TngramError("model.memory.prune_at_step > 0 (adaptive CP rank) runs in one process only; "
+                          "DDP cannot change parameter shapes mid-run")
+    return at
+
+
 def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
-          max_steps: int | None = None) -> dict[str, Any]:
+          max_steps: int | None = None, logger: str = "none",
+          progress: bool | None = None) -> dict[str, Any]:
     """Train `cfg` into run folder `out_dir`; returns the summary (also DIR/summary.json).
 
     max_steps stops after that many optimiser steps of the recipe's schedule (the schedule
     itself is unchanged, so a later --resume can continue it). Under torchrun every process
-    calls this; only the main process writes files.
+    calls this; only the main process writes files. logger: "none" | "tensorboard" | "wandb"
+    (metrics.jsonl is always written). progress: a tqdm bar (True), plain lines every
+    run.log_every steps (False), or None: a bar only when stderr is a terminal.
     """
     validate_config(cfg)
+    check_logger(logger)
+    if progress is None:
+        progress = sys.stderr.isatty()
     if max_steps is not None and max_steps < 1:
         raise TngramError(f"--steps must be >= 1, got {max_steps}")
     run_dir = Path(out_dir)
@@ -85,7 +114,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     lock = None
     try:
         lock = _claim(run_dir, cfg, resume, ctx)
-        return _train(cfg, run_dir, ctx, resume, max_steps)
+        return _train(cfg, run_dir, ctx, resume, max_steps, logger, progress)
     finally:
         if lock is not None:
             release_run_dir(lock)
@@ -154,12 +183,13 @@ def _open_data(cfg: TrainConfig, ctx: DistContext):
 
 
 def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
-           max_steps: int | None) -> dict[str, Any]:
+           max_steps: int | None, logger: str = "none", bar: bool = True) -> dict[str, Any]:
     say = print if ctx.is_main else (lambda *a, **k: None)
     seq_len = cfg.model.sequence_len
     accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs, seq_len,
                              ctx.world_size)
     steps = cfg.schedule.steps
+    prune_at = _prune_at_step(cfg, ctx.world_size)
     stop = min(steps, max_steps) if max_steps is not None else steps
 
     # ---- run folder: refuse to overwrite checkpoints; on resume take the newest checkpoint
@@ -196,6 +226,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model).to(device)
+    apply_warmstart(model, cfg.run.init_from, cfg.optim.trainable)
     groups = build_param_groups(model, cfg.optim)
     muon_groups = [g for g in groups if g["optimizer"] == "muon"]
     adam_groups = [g for g in groups if g["optimizer"] == "adam"]
@@ -218,6 +249,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         loader.load_state_dict(meta["loader"])
         step, tokens = meta["step"], meta["tokens"]
         wall_prev, train_time_prev = meta["wall_s"], meta["train_time_s"]
+        sizes = live_sizes(model, sizes)   # smaller if the checkpoint was written after pruning
         if meta.get("world_size") != ctx.world_size:
             say(f"tngram: note: checkpoint was written with {meta.get('world_size')} processes, "
                 f"resuming with {ctx.world_size} (same global batch, so the same optimisation)")
@@ -232,8 +264,10 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.save_run_config(run_dir, cfg.to_dict())
+        record_dataset(run_dir, info)  # tokenizer + manifest copy: the run folder stands alone
         atomic_write_json(run_dir / "env.json", env_info(device, ctx.world_size, accum))
-    log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step)
+    log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step, logger=logger, run_name=cfg.name,
+                     config=cfg.to_dict())
     say(f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
         f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {accum} micro-step(s) x "
         f"{cfg.data.micro_batch_seqs} x {seq_len} tokens = {cfg.data.global_batch_tokens:,} "
@@ -263,7 +297,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     train_time, session_tokens = 0.0, 0
     win_time, win_tokens = 0.0, 0
     last_loss, last_eval = float("nan"), None
-    progress = Progress(stop, step, cfg.name, ctx.is_main)
+    progress = Progress(stop, step, cfg.name, ctx.is_main, bar=bar, log_every=cfg.run.log_every)
     health = LossHealth(V)
     model.train()
     try:
@@ -311,6 +345,15 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
             warning = health.update(step, train_loss)
             if warning:
                 progress.write(warning) if progress.bar is not None else say(warning)
+            if prune_at and step == prune_at:    # adaptive CP rank (tngram.memory.cp_rank)
+                from tngram.memory.cp_rank import prune_model
+                tp = time.perf_counter()
+                changes = prune_model(model, optimizers.values())
+                dp = time.perf_counter() - tp
+                train_time, win_time = train_time + dp, win_time + dp
+                sizes = live_sizes(model, sizes)
+                say(f"tngram: step {step}: CP rank pruned " + ", ".join(
+                    f"{n} {a}->{b}" for n, a, b in changes) + f"; delta params now {sizes['delta_params']:,}")
             progress.update(train_loss, win_tokens / max(win_time, 1e-9))
             # ---- log / evaluate / checkpoint
             is_last = step == stop
@@ -349,6 +392,10 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     }
     healthy, why = health.verdict()
     summary.update(healthy=healthy, health_reason=why, health_steps_seen=health.steps)
+    if prune_at:
+        from tngram.memory.cp_rank import cp_ranks
+        summary["cp_ranks"] = cp_ranks(model)
+        summary["prune_at_step"] = prune_at
     if ctx.is_main:
         ckpt.save_final_weights(run_dir, model, step)
         atomic_write_json(run_dir / "summary.json", summary)

@@ -9,7 +9,7 @@
     (log/text files such as a redirected `train.log` do not count);
   * torn temporaries of a killed or failed writer are removed (checkpoints/.tmp-step_*, .*.tmp).
 
-`claim_output_file` is the same for a single result file (`eval ... --json PATH`): its folder
+`claim_output_file` is the same for a single result file (`eval ... --out PATH`): its folder
 must be writable before the evaluation starts, and when the file goes into a run folder that
 run is locked for the duration.
 """
@@ -23,7 +23,8 @@ from tngram.train.runlock import LOCK_FILE, RunLock
 
 # what a run folder may hold besides its own records (so a crashed fresh run can be restarted)
 _RUN_ENTRIES = {"config.json", "env.json", "metrics.jsonl", "summary.json", "model.safetensors",
-                "checkpoints", "eval", "tb", "requested_config.json", LOCK_FILE}
+                "checkpoints", "eval", "tb", "wandb", "wandb_id", "tokenizer.model", "dataset.json",
+                "requested_config.json", LOCK_FILE}
 # a user's own notes / redirected output (`> DIR/train.log`) never make a folder "not a run"
 _NOTE_SUFFIXES = (".log", ".out", ".txt", ".md")
 
@@ -53,6 +54,8 @@ def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train")
                                   f"({', '.join(strange[:5])}); choose another folder")
         remove_torn_temps(run_dir)
     except BaseException:
+        if lock.created_file:          # leave a folder we refused exactly as we found it
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
         release_run_dir(lock)
         raise
     return lock
@@ -75,8 +78,8 @@ def claim_output_file(path: Path, run_dir: Path | None, what: str) -> RunLock | 
     """Before an evaluation: `path`'s folder must be writable; if `path` lies inside `run_dir`,
     lock that run (returned; release it when done). TngramError otherwise."""
     if path.exists() and path.is_dir():
-        raise TngramError(f"--json {path} is a folder, expected a file path")
-    check_writable_dir(path.parent, "--json")
+        raise TngramError(f"--out {path} is a folder, expected a file path")
+    check_writable_dir(path.parent, "--out")
     if run_dir is not None:
         try:
             path.resolve().relative_to(run_dir.resolve())
@@ -85,5 +88,5 @@ def claim_output_file(path: Path, run_dir: Path | None, what: str) -> RunLock | 
         try:
             return RunLock(run_dir, what).acquire()
         except TngramError as e:
-            raise TngramError(f"{e}, or write the result elsewhere with --json PATH") from None
+            raise TngramError(f"{e}, or write the result elsewhere with --out PATH") from None
     return None

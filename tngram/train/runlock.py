@@ -58,12 +58,14 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.what = what
         self._fd: int | None = None
+        self.created_file = False        # the lock file did not exist before acquire()
         self.stale: dict | None = None   # holder info of a dead process whose lock we took over
 
     def acquire(self) -> "RunLock":
         path = self.run_dir / LOCK_FILE
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.created_file = not path.exists()
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise TngramError(f"cannot create the run lock {path}: {e.strerror or e}") from None

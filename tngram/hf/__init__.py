@@ -1,0 +1,61 @@
+"""Hugging Face `transformers` integration (optional extra: pip install "tngram[hf]").
+
+    from tngram.hf import add_memory
+    add_memory(model, TNGramConfig(max_ngram=3, cp_rank=64), layers=(0, 2))
+
+puts TN-gram, Engram or Over-Encoding into an existing decoder-only model (Llama, Qwen2,
+Mistral, GPT-2, GPT-NeoX families, or any model given an explicit layer list); generate() stays
+exact with the KV cache; save_pretrained / from_pretrained round-trip it (see docs/HF.md).
+
+Nothing below `tngram.hf` imports it, and `import tngram` does not import transformers: names
+here load on first use (`__getattr__`), and the transformers patches / Auto-class registrations
+run when transformers is imported (tngram._hf_hook).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it (loaded on first access)
+_LAZY = {
+    "add_memory": "tngram.hf.attach",
+    "remove_memory": "tngram.hf.attach",
+    "memory_modules": "tngram.hf.attach",
+    "memory_spec": "tngram.hf.attach",
+    "split_memory_params": "tngram.optim.groups",
+    "memory_param_groups": "tngram.optim.groups",
+    "TngramGPTConfig": "tngram.hf.gpt_model",
+    "TngramGPTForCausalLM": "tngram.hf.gpt_model",
+    "export_run": "tngram.hf.export",
+}
+
+# modules imported by register(): each registers its own config/model classes with the Auto
+# classes at import time (the export of our GPT adds its module here)
+_REGISTERING_MODULES: tuple[str, ...] = ("tngram.hf.gpt_model",)
+
+__all__ = sorted(_LAZY) + ["register", "register_auto_classes"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tngram.hf' has no attribute {name!r}")
+
+
+def register_auto_classes() -> None:
+    """Import the modules that register Auto classes (idempotent: imports run once)."""
+    for mod in _REGISTERING_MODULES:
+        importlib.import_module(mod)
+
+
+def register() -> None:
+    """Teach transformers about tngram (idempotent): models whose config carries a
+    `tngram_memory` entry get their memory rebuilt on construction / from_pretrained,
+    save_pretrained writes that entry for models with a memory, and the modules in
+    _REGISTERING_MODULES register their Auto classes. tngram._hf_hook runs both parts when
+    transformers is imported after tngram; add_memory calls this too."""
+    from tngram.hf import attach
+
+    attach.install_transformers_patches()
+    register_auto_classes()

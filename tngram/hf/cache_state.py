@@ -1,0 +1,107 @@
+"""The n-gram memories' decode state, kept inside the Hugging Face cache object.
+
+Incremental decoding needs, per memory, the last n-1 token ids (n-gram window) and the recent
+conv inputs. They live on the transformers `Cache` the model is called with, so that everything
+generate() does to the cache happens to them too:
+
+    reorder_cache(beam_idx)        beam search            rows picked by index_select
+    batch_select_indices(idx)      contrastive / manual   rows picked
+    batch_repeat_interleave(r)     expansion              rows repeated
+    crop(-k)                       assisted / prompt-lookup decoding, manual rewinds
+    reset()                        cache reuse            state dropped
+
+The cache object's class is swapped for a subclass adding these overrides (the cache stays an
+instance of its own class: DynamicCache, StaticCache, ...); its `__dict__` gains
+`_tngram_memory = {memory key: state dict}` and `_tngram_seen` (tokens the memories saw).
+The memories keep their whole history (`keep_history`, tngram.memory.ngrams), so crop is exact:
+the cost is the memory's conv input per position, about one layer's value cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tngram.common import TngramError
+
+_SWAPPED: dict[type, type] = {}
+
+
+class MemoryCacheMixin:
+    """Extends a transformers Cache so the memories' state follows its batch/time edits."""
+
+    _tngram_memory: dict[str, dict[str, Any]]
+    _tngram_seen: int
+
+    def _tngram_apply(self, fn: Callable[[Tensor], Tensor]) -> None:
+        for state in self._tngram_memory.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor):
+                    state[key] = fn(value)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._tngram_apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._tngram_apply(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._tngram_apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        seen = self._tngram_seen
+        # <= 0: remove that many tokens (crop(0) is a no-op); > 0 (legacy): keep that many
+        keep = seen + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, seen)
+        keep = max(keep, 0)
+        self._tngram_apply(lambda t: t[:, :keep])
+        self._tngram_seen = keep
+
+    def reset(self) -> None:
+        super().reset()
+        self._tngram_memory.clear()
+        self._tngram_seen = 0
+
+
+def _swapped_class(cls: type) -> type:
+    if issubclass(cls, MemoryCacheMixin):
+        return cls
+    if cls not in _SWAPPED:
+        _SWAPPED[cls] = type(cls.__name__, (MemoryCacheMixin, cls),
+                             {"__module__": cls.__module__})
+    return _SWAPPED[cls]
+
+
+def memory_states(cache: Any) -> dict[str, dict[str, Any]]:
+    """The {memory key: state dict} of a transformers Cache, installing the mixin on first use."""
+    if not isinstance(cache, MemoryCacheMixin):
+        for name in ("reorder_cache", "crop", "reset"):
+            if not callable(getattr(cache, name, None)):
+                raise TngramError(f"past_key_values of type {type(cache).__name__} is not a "
+                                  "transformers Cache; pass a Cache (e.g. DynamicCache) or None")
+        try:
+            cache.__class__ = _swapped_class(type(cache))
+        except TypeError as e:
+            raise TngramError(f"cannot keep the n-gram memory state in a {type(cache).__name__} "
+                              f"({e}); use DynamicCache or StaticCache") from None
+        cache._tngram_memory = {}
+        cache._tngram_seen = 0
+    return cache._tngram_memory
+
+
+def check_and_advance(cache: Any, n_new: int) -> None:
+    """Before a forward of n_new tokens: the memories must have seen exactly what the attention
+    cache holds (a cache filled without them would give wrong windows); then count the new ones."""
+    have = int(cache.get_seq_length())
+    if have != cache._tngram_seen:
+        raise TngramError(
+            f"the cache holds {have} tokens but the n-gram memory state holds "
+            f"{cache._tngram_seen}: the cache was filled or edited outside this model's forward "
+            "(use cache.crop / reorder_cache, or start from a new cache)")
+    cache._tngram_seen += n_new

@@ -1,0 +1,67 @@
+"""`tngram export RUN --hf DIR`: a run of ours (any recipe) as a Hugging Face model folder.
+
+DIR receives config.json (model_type "tngram_gpt", our GPTConfig under "gpt"), model.safetensors
+(every weight, keys "model." + ours, no pickle), generation_config.json (bos/eos/pad 1/2/0) and
+the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After `import tngram`,
+AutoConfig, AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") open DIR without
+trust_remote_code.
+
+The folder is written beside DIR under a temporary name and renamed into place when complete;
+an existing non-empty DIR is never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError
+
+
+def check_export_target(out_dir: str | os.PathLike) -> Path:
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TngramError(f"--hf {out} already exists and is not empty; choose a new folder")
+    return out
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
+               tokenizer: str | os.PathLike | None = None, dtype: str = "fp32") -> Path:
+    """Convert RUN to an HF folder at out_dir; returns out_dir."""
+    import torch
+
+    from tngram.hf.gpt_model import from_gpt, register
+    from tngram.hf.tokenizer import save_hf_tokenizer
+    from tngram.train.checkpoint import load_run_model
+    from tngram.train.portable import run_tokenizer_path
+
+    out = check_export_target(out_dir)
+    if dtype not in ("fp32", "bf16"):
+        raise TngramError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    run_dir = Path(run_dir)
+    model, cfg = load_run_model(run_dir)                  # clear error when RUN is not a run
+    sp_path = run_tokenizer_path(run_dir, cfg, tokenizer)
+    register()
+    hf = from_gpt(model)
+    if dtype == "bf16":
+        hf = hf.to(torch.bfloat16)
+    gen = hf.generation_config
+    gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = 1, 2, 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf.save_pretrained(str(tmp))
+        save_hf_tokenizer(sp_path, tmp)
+        if out.exists():
+            out.rmdir()                                   # empty (checked above)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def export_summary(out: Path) -> dict[str, Any]:
+    return {"dir": str(out), "files": sorted(p.name for p in out.iterdir())}

@@ -1,0 +1,275 @@
+"""Our GPT (every recipe: raw, Engram, TN-gram, Over-Encoding) as a `transformers` causal LM.
+
+    TngramGPTConfig          model_type "tngram_gpt"; `gpt` holds GPTConfig.to_dict() verbatim
+                             (memory config included), the usual HF fields mirror it
+    TngramGPTForCausalLM     PreTrainedModel + GenerationMixin around tngram.model.gpt.GPT
+                             (`.model`), so its state dict is "model." + our keys
+    TngramGPTCache           an HF `Cache` holding our incremental-decoding state: attention keys
+                             and values AND each memory's n-gram window and conv state, so
+                             generate() with the cache computes exactly what full recomputation does
+
+The forward is our GPT's forward, unchanged: logits equal ours bit for bit on the same device and
+dtype. Limits (clear errors, not silent differences): `inputs_embeds` (the memory needs ids), left
+or inner padding in `attention_mask` (our GPT has no padding mask; trailing right padding is fine,
+causality makes it irrelevant), and cropping the cache (assisted decoding).
+
+`register()` makes AutoConfig / AutoModelForCausalLM resolve "tngram_gpt" without
+trust_remote_code; tngram.hf calls it on import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from tngram.common import TngramError
+from tngram.model.gpt import GPT, GPTConfig
+
+MODEL_TYPE = "tngram_gpt"
+
+
+class TngramGPTConfig(PreTrainedConfig):
+    """HF config of our GPT. `gpt` is the full GPTConfig dict; the other fields are derived."""
+
+    model_type = MODEL_TYPE
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    gpt: dict | None = None
+    vocab_size: int = 1024
+    hidden_size: int = 512
+    num_hidden_layers: int = 9
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 1024
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    pad_token_id: int | None = 0
+    tie_word_embeddings: bool = False     # the head reuses tok_emb functionally: no lm_head tensor
+    use_cache: bool = True
+
+    @classmethod
+    def from_gpt_config(cls, cfg: GPTConfig, **kw: Any) -> "TngramGPTConfig":
+        return cls(gpt=cfg.to_dict(), vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+                   num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                   max_position_embeddings=cfg.sequence_len, **kw)
+
+    def gpt_config(self) -> GPTConfig:
+        if not self.gpt:
+            raise TngramError("TngramGPTConfig.gpt is empty: build the config with "
+                              "TngramGPTConfig.from_gpt_config(GPTConfig(...))")
+        return GPTConfig.from_dict(self.gpt)
+
+
+# ---- the cache
+
+def _map_tensors(state: Any, fn) -> Any:
+    """Apply fn to every tensor in a nested dict/list cache state (new containers)."""
+    if torch.is_tensor(state):
+        return fn(state)
+    if isinstance(state, dict):
+        return {k: _map_tensors(v, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_map_tensors(v, fn) for v in state]
+    return state
+
+
+class TngramGPTCache(Cache):
+    """Our GPT's decoding state (tngram.model.gpt.GPT.hidden's `cache` dict) inside an HF Cache.
+
+    Every tensor in it has the batch as dim 0, so beam search's reorder and batch expansion are
+    one index_select / repeat_interleave over all of them: attention K/V, the memories' last
+    N-1 token ids and their short-conv inputs move together.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+        self.state: dict[str, Any] = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.state.get("pos", 0))
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return "pos" in self.state
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        blocks = self.state.get("blocks") or [{}]
+        k = blocks[0].get("attn", {}).get("k")
+        return 0 if k is None else int(k.shape[0])
+
+    def reset(self) -> None:
+        self.state = {}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.state = _map_tensors(self.state, lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.state = _map_tensors(self.state, lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.state = _map_tensors(self.state, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0 or (tokens_to_remove > 0 and tokens_to_remove >= self.get_seq_length()):
+            return
+        raise TngramError("TngramGPTCache cannot be cropped: the n-gram memories' conv state of "
+                          "earlier positions is not kept (assisted / speculative decoding is unsupported)")
+
+    def __repr__(self) -> str:
+        return f"TngramGPTCache(seq_length={self.get_seq_length()})"
+
+
+# ---- the model
+
+def _check_attention_mask(mask: Tensor | None, total_len: int) -> None:
+    """Accept None, all-ones, or trailing (right) padding; refuse left / inner padding."""
+    if mask is None or mask.dim() != 2:
+        return
+    m = mask.to(torch.bool)
+    if bool(m.all()):
+        return
+    # a zero followed later by a one = left or inner padding
+    seen_zero = torch.cummax((~m).to(torch.int8), dim=1).values.bool()
+    if bool((seen_zero & m).any()):
+        raise TngramError("tngram_gpt does not support left or inner padding (attention_mask has 0 "
+                          "before a 1): our GPT has no padding mask. Generate one prompt at a time, "
+                          "or pad on the right for scoring")
+
+
+class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = TngramGPTConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _is_stateful = True               # assisted generation needs cropping: refused by generate
+    _supports_sdpa = True
+
+    def __init__(self, config: TngramGPTConfig) -> None:
+        super().__init__(config)
+        self.model = GPT(config.gpt_config())
+        self.post_init()
+
+    # our modules initialise themselves in __init__ (the recipes' inits): nothing to redo here
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        pass
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False                  # forward creates a TngramGPTCache when use_cache
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.tok_emb
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.tok_emb = value
+
+    def get_output_embeddings(self) -> None:
+        return None                   # the head is tok_emb (functional tie, 30·tanh softcap)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "TngramGPTForCausalLM":
+        model = super().from_pretrained(*args, **kwargs)
+        model.recompute_buffers()
+        return model
+
+    @torch.no_grad()
+    def recompute_buffers(self) -> None:
+        """Rebuild every buffer of the memory modules (hash primes/multipliers, OE moduli...).
+
+        They are deterministic functions of the config; from_pretrained creates the model on the
+        meta device and leaves non-persistent buffers uninitialised, so they are recomputed here
+        from a freshly built module of the same config.
+        """
+        cfg = self.model.config
+        mem = cfg.memory
+        if mem is None:
+            return
+        block_mem = mem.injection == "block"
+        layers = tuple(cfg.memory_layers) if block_mem else (0,)
+        for i in layers:
+            target = self.model.blocks[i].memory if block_mem else self.model.embed_memory
+            with torch.device("cpu"):
+                fresh = mem.build(cfg.n_embd, cfg.vocab_size, i, layers)
+            own = dict(target.named_buffers())
+            for name, buf in fresh.named_buffers():
+                if name in own:
+                    own[name].data = buf.to(device=own[name].device)
+
+    def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values: Any = None,
+                                      attention_mask: Tensor | None = None, inputs_embeds: Any = None,
+                                      use_cache: bool | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Feed only the tokens the cache has not seen (all of them without a cache)."""
+        if inputs_embeds is not None:
+            raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
+                              "inputs_embeds is unsupported")
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            input_ids = input_ids[:, past_key_values.get_seq_length():]
+        return {"input_ids": input_ids, "past_key_values": past_key_values,
+                "attention_mask": attention_mask, "use_cache": use_cache}
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                past_key_values: TngramGPTCache | None = None, labels: Tensor | None = None,
+                use_cache: bool | None = None, inputs_embeds: Tensor | None = None,
+                logits_to_keep: int | Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
+        """Logits (B, T, V) of our GPT; labels (B, T) give the mean next-token loss (HF shift)."""
+        if inputs_embeds is not None or input_ids is None:
+            raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
+                              "inputs_embeds is unsupported")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if past_key_values is not None and not isinstance(past_key_values, TngramGPTCache):
+            if past_key_values.get_seq_length() > 0:
+                raise TngramError(f"tngram_gpt needs its own TngramGPTCache, got "
+                                  f"{type(past_key_values).__name__}")
+            past_key_values = None    # an empty cache of another type: replace it with ours
+        if use_cache and past_key_values is None:
+            past_key_values = TngramGPTCache()
+        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        _check_attention_mask(attention_mask, past + input_ids.shape[1])
+        h = self.model.hidden(input_ids, None if past_key_values is None else past_key_values.state)
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
+        logits = self.model.logits(h)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      past_key_values=past_key_values if use_cache else None)
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register "tngram_gpt" with AutoConfig and AutoModelForCausalLM (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    AutoConfig.register(MODEL_TYPE, TngramGPTConfig, exist_ok=True)
+    AutoModelForCausalLM.register(TngramGPTConfig, TngramGPTForCausalLM, exist_ok=True)
+    _REGISTERED = True
+
+
+def from_gpt(model: GPT, **config_kw: Any) -> TngramGPTForCausalLM:
+    """Wrap a (trained) GPT of ours: same weights, same logits."""
+    hf = TngramGPTForCausalLM(TngramGPTConfig.from_gpt_config(model.config, **config_kw))
+    hf.model.load_state_dict(model.state_dict(), strict=True)
+    return hf.to(next(model.parameters()).device).eval()
+
+
+register()  # importing this module (tngram.hf.register() does) makes "tngram_gpt" resolvable
