@@ -211,7 +211,8 @@ def test_mismatched_shapes_name_the_file_and_tensor_and_change_nothing(reference
     from tngram.model.gpt import GPT
     run = copy_run(reference[0], tmp_path / "run")
     other = GPT(tiny_config(tiny_data, extra=EXTRA + ["model.n_embd=64"]).model)
-    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(run / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(run / "model.safetensors"),
+              metadata={"step": "6"})
     with pytest.raises(TngramError, match=r"model.safetensors do not fit the model: .* has shape"):
         ckpt.load_run_model(run)
     model = GPT(tiny_config(tiny_data, extra=EXTRA).model)
@@ -391,8 +392,8 @@ def test_read_only_out_is_refused_before_work(tiny_data, tmp_path, capsys):
     (["train", "mini-raw", "--set", "model.memory_layers=1"], "has no memory module"),
     (["train", "mini-tngram", "--set", "data.micro_batch_seqs=100000000", "--set",
       "data.global_batch_tokens=102400000000"], "one training step needs at least"),
-    (["sample", "RUN", "--temperature", "nan"], "--temperature: must be a finite float >= 0"),
-    (["sample", "RUN", "--max-new-tokens", "-5"], "--max-new-tokens: must be an int >= 1"),
+    (["sample", "RUN", "--prompt", "x", "--temperature", "nan"], "--temperature: must be a finite float >= 0"),
+    (["sample", "RUN", "--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens must be >= 1"),
     (["eval", "core", "RUN", "--max-per-task", "0"], "--max-per-task: must be an int >= 1"),
     (["eval", "core", "RUN", "--max-per-task", "-1"], "--max-per-task: must be an int >= 1"),
     (["eval", "bpb", "RUN", "--max-tokens", "0"], "--max-tokens: must be an int >= 1"),
@@ -453,7 +454,8 @@ def test_fuzz_set_values_never_traceback(recipe):
 
 
 FLAG_FUZZ = [
-    (["sample", "RUN"], ["--max-new-tokens", "--temperature", "--top-k", "--seed"]),
+    (["sample", "RUN", "--prompt", "x"], ["--max-new-tokens", "--temperature", "--top-k", "--seed",
+                                          "--num-samples"]),
     (["eval", "bpb", "RUN"], ["--batch-seqs", "--max-tokens"]),
     (["eval", "core", "RUN"], ["--max-per-task", "--batch-tokens", "--threads", "--seed"]),
     (["train", "mini-tngram", "--out", "OUT"], ["--steps"]),

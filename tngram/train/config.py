@@ -117,20 +117,29 @@ def _validate_model(m: GPTConfig) -> None:
            m.memory_layers)
 
 
+MEMORY_INT_MIN1 = {"max_ngram", "cp_rank", "kernel_size", "dilation", "hc_mult", "n_head_per_ngram",
+                   "n_embed_per_ngram", "n_slices", "table_rows", "slice_dim", "min_cp_rank"}
+MEMORY_FLOAT_POSITIVE = {"factor_init_std", "norm_eps"}
+
+
 def _validate_memory(mem: Any) -> None:
     """Generic ranges of a memory config's fields (the module's own validate() adds the rest):
-    seeds and pad ids >= 0, every other int (and tuple element) >= 1, every float finite > 0."""
+    every int >= 0 (sizes in MEMORY_INT_MIN1 >= 1), every float finite and >= 0 (> 0 for
+    MEMORY_FLOAT_POSITIVE), tuple elements >= 1."""
     if mem is None or not is_dataclass(mem):
         return
     for f in fields(mem):
         v, key = getattr(mem, f.name), f"model.memory.{f.name}"
         if isinstance(v, bool) or v is None or isinstance(v, str):
             continue
-        lo = 0 if f.name in ("seed", "pad_id") or f.name.endswith("_seed") else 1
         if isinstance(v, int):
+            lo = 1 if f.name in MEMORY_INT_MIN1 else 0
             _check(v >= lo, key, f"an int >= {lo}", v)
         elif isinstance(v, float):
-            _check(math.isfinite(v) and v > 0, key, "a finite float > 0", v)
+            if f.name in MEMORY_FLOAT_POSITIVE:
+                _check(math.isfinite(v) and v > 0, key, "a finite float > 0", v)
+            else:
+                _check(math.isfinite(v) and v >= 0, key, "a finite float >= 0", v)
         elif isinstance(v, tuple):
             _check(all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v), key,
                    "ints >= 1", v)
