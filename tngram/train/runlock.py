@@ -9,8 +9,8 @@ however it dies (`kill -9` included): a lock file left behind by a dead process 
 is simply taken over. The holder's pid/host/command are recorded in the file for the error
 message only; they are never what decides who holds the lock. Network filesystems without
 flock support get an OSError from fcntl, which we report as such.
-(Hand-written on fcntl instead of the `filelock` package because we need the holder's identity
-in the same file that is locked, which `filelock` truncates; see docs/LOG.md.)
+(Hand-written on fcntl rather than the `filelock` package so the holder's record is written
+through the locked descriptor itself; see docs/LOG.md.)
 """
 
 from __future__ import annotations
