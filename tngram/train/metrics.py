@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tngram.common import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 
