@@ -101,6 +101,13 @@ def _finite(x: Any) -> bool:
 MODEL_INT_MIN = {"vocab_size": 2, "n_layer": 1, "n_embd": 2, "n_head": 1, "n_kv_head": 1,
                  "mlp_mult": 1, "sequence_len": 1, "memory_seed": 0}
 MAX_VOCAB = 65536   # token shards store uint16 ids
+# upper bounds far above any real model, so a typo (an extra zero run) fails here instead of
+# looping for hours while the model is built
+MODEL_INT_MAX = {"n_layer": 1024, "n_head": 1024, "n_kv_head": 1024, "n_embd": 65536, "mlp_mult": 64,
+                 "sequence_len": 1 << 20}
+MEMORY_INT_MAX = {"max_ngram": 32, "hc_mult": 64, "kernel_size": 256, "dilation": 1024,
+                  "n_head_per_ngram": 1024, "n_slices": 1024}
+INT_MAX = 1 << 40
 
 
 def _validate_model(m: GPTConfig) -> None:
@@ -108,6 +115,8 @@ def _validate_model(m: GPTConfig) -> None:
         _check(isinstance(getattr(m, k), int) and getattr(m, k) >= lo, f"model.{k}", f"an int >= {lo}",
                getattr(m, k))
     _check(m.vocab_size <= MAX_VOCAB, "model.vocab_size", f"<= {MAX_VOCAB} (uint16 token shards)", m.vocab_size)
+    for k, hi in MODEL_INT_MAX.items():
+        _check(getattr(m, k) <= hi, f"model.{k}", f"<= {hi}", getattr(m, k))
     for k in ("rope_base", "logit_softcap"):
         _check(_finite(getattr(m, k)) and getattr(m, k) > 0, f"model.{k}", "a finite float > 0", getattr(m, k))
     for k in ("qk_gain_init", "tied_embed_init_std"):
@@ -134,15 +143,16 @@ def _validate_memory(mem: Any) -> None:
             continue
         if isinstance(v, int):
             lo = 1 if f.name in MEMORY_INT_MIN1 else 0
-            _check(v >= lo, key, f"an int >= {lo}", v)
+            hi = MEMORY_INT_MAX.get(f.name, INT_MAX)
+            _check(lo <= v <= hi, key, f"an int in [{lo}, {hi}]", v)
         elif isinstance(v, float):
             if f.name in MEMORY_FLOAT_POSITIVE:
                 _check(math.isfinite(v) and v > 0, key, "a finite float > 0", v)
             else:
                 _check(math.isfinite(v) and v >= 0, key, "a finite float >= 0", v)
         elif isinstance(v, tuple):
-            _check(all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v), key,
-                   "ints >= 1", v)
+            _check(all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= INT_MAX for x in v), key,
+                   f"ints in [1, {INT_MAX}]", v)
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -179,7 +189,7 @@ def validate_config(cfg: TrainConfig) -> None:
     for k in ("val_every", "checkpoint_every"):
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
-    _check(r.threads >= 0, "run.threads", ">= 0 (0: torch's default)", r.threads)
+    _check(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
     from tngram.train.warmstart import TRAINABLE, check_init_from
     _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
     if o.trainable == "memory" and cfg.model.memory is None:
@@ -190,6 +200,14 @@ def validate_config(cfg: TrainConfig) -> None:
     mem = cfg.model.memory
     if mem is not None and hasattr(mem, "validate"):
         mem.validate(cfg.model.vocab_size)
+
+
+def check_memory_layers_used(cfg: TrainConfig, recipe_cfg: TrainConfig) -> None:
+    """memory_layers changed from the recipe's on a config without memory has no effect: refused.
+    (The recipe's own value, as in a --print-config round trip of a raw recipe, is accepted.)"""
+    if cfg.model.memory is None and tuple(cfg.model.memory_layers) != tuple(recipe_cfg.model.memory_layers):
+        raise TngramError(f"model.memory_layers: recipe {cfg.name!r} has no memory module (model.memory is "
+                          f"none), so memory_layers={tuple(cfg.model.memory_layers)} would have no effect")
 
 
 def _sections(cfg: TrainConfig) -> dict[str, Any]:
@@ -321,9 +339,6 @@ def apply_settings(cfg: TrainConfig, settings: list[tuple[str, Any]], origin: st
             cfg = _apply_one(cfg, key, value)
         except TngramError as e:
             raise TngramError(f"{where}{e}") from None
-    if cfg.model.memory is None and any(k == "model.memory_layers" for k, _ in settings):
-        raise TngramError(f"{where}model.memory_layers: recipe {cfg.name!r} has no memory module (model.memory "
-                          f"is none), so memory_layers would have no effect")
     try:
         validate_config(cfg)
     except TngramError as e:
