@@ -203,3 +203,35 @@ def test_command_lines_in_docs_parse():
                     except SystemExit:
                         bad.append(f"{f.name}: tngram {m.group(1)}")
     assert n >= 10 and not bad, bad
+
+
+@pytest.mark.parametrize("kind", ["tngram", "engram"])
+def test_readme_claim_memory_is_a_no_op_at_step_0(kind):
+    """README "Training the memory in your own model": with the default init, a GPT with a memory
+    gives the raw GPT's logits at step 0, the value projection gets a gradient at the first step
+    and the tables/factors do not (their gradient passes through the zero value projection)."""
+    import torch
+    from dataclasses import replace
+
+    from test_gpt import TINY, tiny_memories
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import split_memory_params
+    mem = tiny_memories()[kind]
+    mem = replace(mem, zero_init_value=True, zero_init_conv=True)    # the defaults
+    torch.manual_seed(0)
+    raw = GPT(TINY)
+    torch.manual_seed(0)
+    m = GPT(replace(TINY, memory=mem))
+    for model in (raw, m):          # the backbone's zero-initialised projections: non-trivial outputs
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and p.abs().sum() == 0 and "memory" not in name and "value_proj" not in name:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids = torch.randint(1, 50, (2, 16))
+    torch.testing.assert_close(m(ids), raw(ids), rtol=0, atol=1e-6)   # the memory adds an exact 0
+    m(ids[:, :-1], ids[:, 1:]).backward()
+    tables, _ = split_memory_params(m)
+    assert tables and all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in tables)
+    vproj = [p for n, p in m.named_parameters() if n.endswith("value_proj.weight")]
+    assert vproj and all(torch.count_nonzero(p.grad) > 0 for p in vproj)
