@@ -7,6 +7,7 @@ TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 KSTAMP  := $(VENV)/.installed-triton
 HSTAMP  := $(VENV)/.installed-hf
+XSTAMP  := $(VENV)/.installed-loggers
 
 .PHONY: demo test install clean bench
 
@@ -33,7 +34,12 @@ $(HSTAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,hf]"
 	touch $(HSTAMP)
 
-test: $(KSTAMP) $(HSTAMP)
+# ... and the optional loggers, so --logger tensorboard|wandb (offline) are tested.
+$(XSTAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e ".[dev,tensorboard,wandb]"
+	touch $(XSTAMP)
+
+test: $(KSTAMP) $(HSTAMP) $(XSTAMP)
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)

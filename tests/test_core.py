@@ -223,7 +223,7 @@ def test_logits_fn_max_seq_len_attribute_is_used(tmp_path: Path) -> None:
     assert model.max_t <= 33
 
 
-# ---------------------------------------------------------------- core.yaml subset parser
+# ---------------------------------------------------------------- core.yaml (PyYAML)
 def test_parse_core_yaml_dclm_style() -> None:
     text = (
         "epoch: 1.25T\nmodel:\n  name: open_lm\n  init_device: cpu\n\n"
@@ -241,10 +241,15 @@ def test_parse_core_yaml_dclm_style() -> None:
         {"label": "jeopardy", "dataset_uri": "world_knowledge/jeopardy_all.jsonl", "num_fewshot": [10],
          "icl_task_type": "language_modeling", "continuation_delimiter": "\nAnswer: ", "has_categories": True},
         {"label": "copa", "dataset_uri": "commonsense_reasoning/copa.jsonl", "num_fewshot": [0],
-         "icl_task_type": "multiple_choice", "metric_names": None, "continuation_delimiter": " # not a comment"},
+         "icl_task_type": "multiple_choice", "metric_names": ["InContextLearningMCAccuracy"],
+         "continuation_delimiter": " # not a comment"},
     ]
     with pytest.raises(TngramError, match="icl_tasks"):
         parse_core_yaml("tasks: []\n", "x/core.yaml")
+    with pytest.raises(TngramError, match="x/core.yaml: not valid YAML"):
+        parse_core_yaml("icl_tasks:\n- label: [unclosed\n", "x/core.yaml")
+    with pytest.raises(TngramError, match="list of task entries"):
+        parse_core_yaml("icl_tasks: 3\n", "x/core.yaml")
 
 
 # ---------------------------------------------------------------- corrupt / partial bundles: one clear error

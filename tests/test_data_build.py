@@ -395,3 +395,27 @@ def test_code_corpus_reads_python_files(tmp_path):
         zf.writestr("sympy-1.13.3.dist-info/METADATA", "Name: sympy\nVersion: 1.13.3\nLicense: BSD\n")
     docs = read_source(CODE_SOURCES[0], whl)
     assert [(d.source, d.name, d.text) for d in docs] == [("sympy", "sympy/core/add.py", "def f(x):\n    return x + 1")]
+
+
+def test_build_lock_excludes_another_process(tmp_path):
+    """The dataset build lock (filelock) makes a second process wait until the first releases it."""
+    import subprocess
+    import sys
+    import time
+
+    from tngram.data.build import _locked
+    out = tmp_path / "ds"
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time, pathlib; from tngram.data.build import _locked\n"
+                              f"with _locked(pathlib.Path({str(out)!r})):\n"
+                              "    print('locked', flush=True); time.sleep(1.0)\n"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        t0 = time.perf_counter()
+        with _locked(out):
+            waited = time.perf_counter() - t0
+        assert child.wait(timeout=30) == 0
+    finally:
+        child.kill()
+    assert waited > 0.5          # the child held it for 1 s after saying so

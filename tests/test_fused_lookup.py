@@ -311,8 +311,10 @@ def test_c_kernel_rejects_out_of_range_ids_and_non_fp32():
 
 def test_without_a_c_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
     """No compiler: "auto" runs the torch path (bit-identical to it), "c" errors saying why."""
+    import tngram.kernels.choice as choice
     import tngram.kernels.tngram_c as tc
     monkeypatch.setattr(tc, "_STATE", {})
+    monkeypatch.setattr(choice, "_CHOICE", {})       # forget this process's earlier choice
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     monkeypatch.setenv("TNGRAM_CACHE", str(tmp_path))
     monkeypatch.delenv("TNGRAM_LOOKUP_IMPL", raising=False)

@@ -149,3 +149,44 @@ def test_cache_filled_elsewhere_is_refused():
         plain(prompt(), past_key_values=cache)
         with pytest.raises(TngramError, match="cache holds 6 tokens"):
             model(prompt(), past_key_values=cache)
+
+
+def test_cache_batch_edits_and_copies_follow_the_memory_state():
+    """batch_select_indices / batch_repeat_interleave / reset / deepcopy act on the memory
+    state too: continuing from an edited cache equals the full forward of the edited batch."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = with_memory("qwen2", "tngram")
+    x = prompt(3, 9, seed=5)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(x[:, :6], past_key_values=cache)
+        snapshot = copy.deepcopy(cache)                        # prefix caching
+        idx = torch.tensor([2, 0])
+        cache.batch_select_indices(idx)
+        tail = model(x[idx, 6:], past_key_values=cache).logits
+        torch.testing.assert_close(tail, model(x[idx]).logits[:, 6:], rtol=0, atol=1e-5)
+
+        snapshot.batch_repeat_interleave(2)
+        rep = x.repeat_interleave(2, dim=0)
+        tail = model(rep[:, 6:], past_key_values=snapshot).logits
+        torch.testing.assert_close(tail, model(rep).logits[:, 6:], rtol=0, atol=1e-5)
+
+        snapshot.reset()
+        assert snapshot._tngram_seen == 0 and not snapshot._tngram_memory
+
+
+def test_gradient_checkpointing_keeps_memory_gradients():
+    model = with_memory("llama", "tngram").train()
+    x = prompt(2, 8)
+    model(x, labels=x).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if "ngram_memory" in n}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    model(x, labels=x).loss.backward()
+    for n, g in ref.items():
+        got = dict(model.named_parameters())[n].grad
+        assert got is not None and g.abs().sum() > 0, n
+        torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-6)

@@ -1,11 +1,18 @@
 """Register tngram with transformers when (and only when) transformers is imported.
 
 `import tngram` must stay cheap, so it does not import transformers. Instead it installs a
-`sys.meta_path` finder that waits for the top-level `transformers` module: once that module has
-executed, `tngram.hf.register()` runs (PreTrainedModel.post_init learns to rebuild memories from
-`config.tngram_memory`; registering modules add their Auto classes). If transformers is already
-imported, register() runs at once. This is what makes `AutoModelForCausalLM.from_pretrained(dir)`
-rebuild a saved memory model after `import tngram`, without trust_remote_code.
+`sys.meta_path` finder that waits for two modules and runs a callback right after each executes:
+
+    transformers.modeling_utils  ->  tngram.hf.attach.install_transformers_patches()
+                                     (PreTrainedModel.post_init rebuilds memories from a config's
+                                     `tngram_memory`; save_pretrained writes it)
+    transformers                 ->  tngram.hf.register_auto_classes()
+                                     (modules listed in tngram.hf register their Auto classes)
+
+Modules already imported get their callback at once. Waiting for modeling_utils (not the top
+package) keeps `import transformers` itself as cheap as without tngram. This is what makes
+`AutoModelForCausalLM.from_pretrained(dir)` rebuild a saved memory model after `import tngram`,
+without trust_remote_code.
 """
 
 from __future__ import annotations
@@ -15,42 +22,65 @@ import importlib.util
 import sys
 from typing import Any
 
-TARGET = "transformers"
+
+def _on_transformers() -> None:
+    from tngram.hf import register_auto_classes
+
+    register_auto_classes()
 
 
-def _register() -> None:
-    from tngram.hf import register
+def _on_modeling_utils() -> None:
+    from tngram.hf.attach import install_transformers_patches
 
-    register()
+    install_transformers_patches()
+
+
+CALLBACKS = {"transformers": _on_transformers, "transformers.modeling_utils": _on_modeling_utils}
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
+    def __init__(self, inner: importlib.abc.Loader, callback: Any) -> None:
+        self.inner, self.callback = inner, callback
 
     def create_module(self, spec: Any) -> Any:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        _register()
+        self.callback()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.pending = {name: cb for name, cb in CALLBACKS.items() if name not in sys.modules}
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != TARGET:
+        callback = self.pending.pop(fullname, None)
+        if callback is None:
             return None
-        sys.meta_path.remove(self)      # one shot; also avoids finding ourselves below
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader)
+        if not self.pending:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:      # the spec the import system would have found
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            spec.loader = _Loader(spec.loader, callback)
         return spec
 
 
 def install() -> None:
-    """Register now if transformers is loaded, else when it gets imported (idempotent)."""
-    if TARGET in sys.modules:
-        _register()
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    """Run the callbacks of modules already imported; wait for the others (idempotent)."""
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    for name, callback in CALLBACKS.items():
+        if name in sys.modules:
+            callback()
+    finder = _Finder()
+    if finder.pending:
+        sys.meta_path.insert(0, finder)

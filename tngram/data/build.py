@@ -43,11 +43,6 @@ from tngram.data.corpus import (
 from tngram.data.shards import atomic_output, read_shard_header, shard_name, write_shard
 from tngram.data.tokenizer import SAMPLING_SPEC, TRAINER_SPEC, load_tokenizer, train_tokenizer, write_vocab_file
 
-try:
-    import fcntl
-except ImportError:  # Windows: builds are not locked against concurrent runs
-    fcntl = None  # type: ignore[assignment]
-
 FORMAT = "tngram-dataset"
 FORMAT_VERSION = 1
 PIPELINE_VERSION = 2  # bump when the output for the same inputs changes
@@ -141,17 +136,12 @@ def _check_outside_source_tree(out: Path) -> None:
 
 @contextlib.contextmanager
 def _locked(out: Path) -> Iterator[None]:
-    """Exclusive lock so two processes (e.g. torchrun ranks) do not build the same dataset."""
+    """Exclusive lock so two processes (e.g. torchrun ranks) do not build the same dataset
+    (filelock: an OS lock on every platform, released when the process dies)."""
+    from filelock import FileLock
     out.parent.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
+    with FileLock(str(out.parent / f".{out.name}.lock")):
         yield
-        return
-    with open(out.parent / f".{out.name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _swap_in(staging: Path, out: Path) -> None:

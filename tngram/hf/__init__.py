@@ -8,8 +8,8 @@ Mistral, GPT-2, GPT-NeoX families, or any model given an explicit layer list); g
 exact with the KV cache; save_pretrained / from_pretrained round-trip it (see docs/HF.md).
 
 Nothing below `tngram.hf` imports it, and `import tngram` does not import transformers: names
-here load on first use (`__getattr__`), and `register()` runs once transformers is imported
-(tngram._hf_hook).
+here load on first use (`__getattr__`), and the transformers patches / Auto-class registrations
+run when transformers is imported (tngram._hf_hook).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _LAZY = {
 # classes at import time (the export of our GPT adds its module here)
 _REGISTERING_MODULES: tuple[str, ...] = ("tngram.hf.gpt_model",)
 
-__all__ = sorted(_LAZY) + ["register"]
+__all__ = sorted(_LAZY) + ["register", "register_auto_classes"]
 
 
 def __getattr__(name: str) -> Any:
@@ -43,21 +43,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tngram.hf' has no attribute {name!r}")
 
 
-_registered = False
+def register_auto_classes() -> None:
+    """Import the modules that register Auto classes (idempotent: imports run once)."""
+    for mod in _REGISTERING_MODULES:
+        importlib.import_module(mod)
 
 
 def register() -> None:
     """Teach transformers about tngram (idempotent): models whose config carries a
     `tngram_memory` entry get their memory rebuilt on construction / from_pretrained,
-    save_pretrained writes that entry for models with a memory, and the
-    modules in _REGISTERING_MODULES register their Auto classes. Called by tngram._hf_hook when
-    transformers is imported after tngram, or directly."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
+    save_pretrained writes that entry for models with a memory, and the modules in
+    _REGISTERING_MODULES register their Auto classes. tngram._hf_hook runs both parts when
+    transformers is imported after tngram; add_memory calls this too."""
     from tngram.hf import attach
 
     attach.install_transformers_patches()
-    for mod in _REGISTERING_MODULES:
-        importlib.import_module(mod)
+    register_auto_classes()

@@ -351,8 +351,12 @@ def install_transformers_patches() -> None:
     """Wrap PreTrainedModel.post_init (models built from a config with a memory spec --
     LlamaForCausalLM(config), from_pretrained, AutoModel... -- get their memory) and
     save_pretrained (writes the spec into config.json). Once; idempotent."""
-    from transformers import PreTrainedModel
+    import sys
 
+    if "transformers.modeling_utils" in sys.modules:   # called from the import hook: no re-entry
+        PreTrainedModel = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    else:
+        from transformers import PreTrainedModel
     if getattr(PreTrainedModel.post_init, "_tngram_patched", False):
         return
     orig_post_init, orig_save = PreTrainedModel.post_init, PreTrainedModel.save_pretrained

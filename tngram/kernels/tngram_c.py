@@ -7,6 +7,14 @@ straight into the factor gradient (no (c, N, R) buffers). No torch headers are i
 build takes well under a second; the library is cached under `<cache>/kernels/` keyed by the
 source, the compiler, its flags and the CPU's feature flags (the build uses -march=native).
 
+Threads: built with -fopenmp, the library's libgomp.so.1 dependency resolves to the libgomp torch
+already loaded (same soname), so the kernel and torch share one OpenMP runtime; each call uses
+torch.get_num_threads() threads. Results do not depend on the thread count (see the C file).
+Without OpenMP support the build falls back to a single-threaded library.
+
+Id bounds: the C loops do not check ids; `tn_count_bad_ids` (one pass over the (M, N) ids, no
+device sync: the tensors are on the CPU) runs first and the forward raises if any is out of range.
+
 Used by `fused_lookup` for fp32 CPU tensors when the build works (`impl="auto"`); if there is no
 C compiler or the build fails, the torch path runs instead and `c_unavailable_reason()` says why.
 `TNGRAM_LOOKUP_IMPL=c` forces it (and errors if it cannot be built). `CC` picks the compiler.
@@ -28,7 +36,8 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("tngram_lookup.c")
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O3"])
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"],
+             ["-O3", "-march=native", "-fopenmp-simd"], ["-O3"])
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
@@ -83,9 +92,11 @@ def _load() -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.tn_lookup_forward.argtypes = [p, p, p, p, i64, i64, i64, i32, f32, p, p, p]
+    lib.tn_count_bad_ids.argtypes = [p, i64, i64, i64, i32]
+    lib.tn_count_bad_ids.restype = i64
+    lib.tn_lookup_forward.argtypes = [p, p, p, p, i64, i64, i64, i32, f32, p, p, i32]
     lib.tn_lookup_forward.restype = None
-    lib.tn_lookup_backward.argtypes = [p, p, p, p, p, p, i64, i64, i64, p, p, p, p]
+    lib.tn_lookup_backward.argtypes = [p, p, p, p, p, p, i64, i64, i64, p, p, p, i32]
     lib.tn_lookup_backward.restype = None
     return lib
 
@@ -135,16 +146,15 @@ def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tenso
     N, V, R = factors.shape
     M = idx.shape[0]
     table, idx = factors.contiguous(), idx.contiguous()
-    lo = torch.arange(N - 1, -1, -1, dtype=torch.int64) * V              # column k reads A_{N-k}
-    if M and (bool((idx < lo).any()) or bool((idx >= lo + V).any())):    # C: no bounds checks
+    lib, nt = _lib(), torch.get_num_threads()
+    if M and lib.tn_count_bad_ids(idx.data_ptr(), M, N, V, nt):         # C loops: no bounds checks
         raise ValueError(f"ngram token ids must be in [0, {V})")
     Wc = W.to(torch.float32).contiguous()
     sc = None if scales is None else scales.to(torch.float32).contiguous()
     out = torch.empty(M, N - 1, R, dtype=torch.float32)
     rstd = torch.empty(M, N - 1 if use_norm else 0, dtype=torch.float32)
-    scratch = torch.empty(R, dtype=torch.float32)
-    _lib().tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
-                             int(use_norm), float(eps), out.data_ptr(), _ptr(rstd), scratch.data_ptr())
+    lib.tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
+                          int(use_norm), float(eps), out.data_ptr(), _ptr(rstd), nt)
     return out, rstd
 
 
@@ -166,11 +176,10 @@ def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: 
     d_f = torch.zeros(N, V, R, dtype=torch.float32) if need_factors else factors.new_empty(0)
     dW = torch.zeros(N - 1, R, dtype=torch.float32) if need_W else factors.new_empty(0)
     ds = torch.zeros(N - 1, dtype=torch.float32) if (need_scales and scales is not None) else factors.new_empty(0)
-    scratch = torch.empty((2 * (N - 1) + 1) * R, dtype=torch.float32)
     sc = None if scales is None else scales.to(torch.float32).contiguous()
     _lib().tn_lookup_backward(g.data_ptr(), factors.contiguous().data_ptr(), idx.contiguous().data_ptr(),
                               W.to(torch.float32).contiguous().data_ptr(), _ptr(sc), _ptr(rstd),
-                              M, N, R, _ptr(d_f), _ptr(dW), _ptr(ds), scratch.data_ptr())
+                              M, N, R, _ptr(d_f), _ptr(dW), _ptr(ds), torch.get_num_threads())
     return d_f, dW, ds
 
 

@@ -55,6 +55,9 @@ def ngram_row_index(ngrams: Tensor, vocab_size: int) -> Tensor:
     Column k (token x_{t-k}) reads factor A_{N-k}, i.e. factors[N-1-k], row offset (N-1-k) * V.
     """
     N = ngrams.shape[-1]
+    if torch.compiler.is_compiling():      # the cache dict is Python state dynamo cannot keep
+        return (ngrams.long() + torch.arange(N - 1, -1, -1, device=ngrams.device,
+                                             dtype=torch.int64) * vocab_size).reshape(-1, N)
     key = (N, vocab_size, ngrams.device)
     offsets = _OFFSETS.get(key)
     if offsets is None:   # cached: a fresh arange cost ~0.4 ms per call here
@@ -313,3 +316,28 @@ class FusedTNGramLookup(torch.autograd.Function):
                                               out)
         d_f = None if d_table is None else d_table.view(N, V, R)
         return d_f, None, dW, ds, None, None, None
+
+
+def plain_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,
+                 use_norm: bool, eps: float, chunk: int = 0) -> Tensor:
+    """The same e (M, N-1, R) with plain differentiable torch ops (autograd does the backward).
+
+    What runs under torch.compile when the lookup resolves to the torch path: dynamo cannot
+    trace the workspace cache and thread switching of `FusedTNGramLookup`, and Inductor fuses
+    these few ops itself. Also the independent reference of the kernels' first-use self-check.
+    chunk is ignored.
+    """
+    N, V, R = factors.shape
+    cdt = _compute_dtype(factors.dtype)
+    rows = factors.reshape(N * V, R)[idx].to(cdt)                        # (M, N, R)
+    prods, p = [], rows[:, 0]
+    for k in range(1, N):      # not torch.cumprod: its backward divides by the inputs (less exact)
+        p = p * rows[:, k]
+        prods.append(p)
+    P = torch.stack(prods, dim=1)                                        # (M, N-1, R) P_2..P_N
+    b = P if W is None else P * W.to(cdt)                                # Eq. 10
+    if use_norm:
+        b = b * torch.rsqrt(b.square().mean(-1, keepdim=True) + eps)
+    if scales is not None:
+        b = b * scales.to(cdt).unsqueeze(-1)                             # Eq. 11
+    return b.to(factors.dtype)

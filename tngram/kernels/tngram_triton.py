@@ -22,6 +22,8 @@ Dimension letters: M tokens, N max order, V vocab, R CP rank.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -122,53 +124,93 @@ def _launch_cfg(R: int) -> tuple[int, int]:
     return block_r, (4 if block_r <= 1024 else 8)
 
 
-class TritonTNGramLookup(torch.autograd.Function):
-    """Same interface as `tngram_lookup.FusedTNGramLookup` (the chunk argument is ignored)."""
+# The launches are wrapped as torch.library custom ops (forward, backward) with fake
+# implementations, so torch.compile(fullgraph=True) sees two opaque ops with known output shapes
+# instead of tracing triton launches. Optional inputs: `Optional[Tensor]` (schema inference).
 
-    @staticmethod
-    def forward(ctx, factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,  # noqa: ANN001
-                use_norm: bool, eps: float, chunk: int) -> Tensor:
-        N, V, R = factors.shape
-        M = idx.shape[0]
-        table = factors.contiguous().view(N * V, R)
-        idx = idx.contiguous()
-        out = torch.empty(M, N - 1, R, dtype=factors.dtype, device=factors.device)
-        rstd = torch.empty(M, N - 1, dtype=torch.float32, device=factors.device)
-        Wc = W.contiguous() if W is not None else table
-        sc = scales.contiguous() if scales is not None else table
-        block_r, warps = _launch_cfg(R)
-        if M > 0:
-            _tngram_fwd_kernel[(M,)](table, idx, Wc, sc, out, rstd, R, eps, N=N,
-                                     HAS_W=W is not None, HAS_S=scales is not None,
-                                     USE_NORM=use_norm, BLOCK_R=block_r, num_warps=warps)
-        ctx.save_for_backward(factors, idx, W, scales, rstd)
-        ctx.use_norm = use_norm
-        return out
+@torch.library.custom_op("tngram::triton_lookup_fwd", mutates_args=())
+def triton_lookup_fwd(factors: Tensor, idx: Tensor, W: Optional[Tensor], scales: Optional[Tensor],
+                      use_norm: bool, eps: float) -> tuple[Tensor, Tensor]:
+    """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype, rstd (M, N-1) fp32."""
+    N, V, R = factors.shape
+    M = idx.shape[0]
+    table = factors.contiguous().view(N * V, R)
+    idx = idx.contiguous()
+    out = torch.empty(M, N - 1, R, dtype=factors.dtype, device=factors.device)
+    rstd = torch.empty(M, N - 1, dtype=torch.float32, device=factors.device)
+    Wc = W.contiguous() if W is not None else table
+    sc = scales.contiguous() if scales is not None else table
+    block_r, warps = _launch_cfg(R)
+    if M > 0:
+        _tngram_fwd_kernel[(M,)](table, idx, Wc, sc, out, rstd, R, eps, N=N,
+                                 HAS_W=W is not None, HAS_S=scales is not None,
+                                 USE_NORM=use_norm, BLOCK_R=block_r, num_warps=warps)
+    return out, rstd
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        factors, idx, W, scales, rstd = ctx.saved_tensors
-        N, V, R = factors.shape
-        M = idx.shape[0]
-        dev = factors.device
-        need_f = ctx.needs_input_grad[0]
-        table = factors.contiguous().view(N * V, R)
-        dtable = torch.zeros(N * V, R, dtype=torch.float32, device=dev)
-        dW = torch.zeros(N - 1, R, dtype=torch.float32, device=dev)
-        ds = torch.zeros(N - 1, dtype=torch.float32, device=dev)
-        Wc = W.contiguous() if W is not None else table
-        sc = scales.contiguous() if scales is not None else table
-        block_r, warps = _launch_cfg(R)
-        block_m = 16
-        if M > 0:
-            grid = (triton.cdiv(M, block_m),)
-            _tngram_bwd_kernel[grid](table, idx, Wc, sc, rstd, grad.contiguous(), dtable, dW, ds,
-                                     M, R, N=N, HAS_W=W is not None, HAS_S=scales is not None,
-                                     USE_NORM=ctx.use_norm, NEED_TABLE=need_f, BLOCK_M=block_m,
-                                     BLOCK_R=block_r, BLOCK_K=triton.next_power_of_2(N - 1),
-                                     num_warps=warps)
-        d_f = dtable.to(factors.dtype).view(N, V, R) if need_f else None
-        d_W = dW.to(W.dtype) if (W is not None and ctx.needs_input_grad[2]) else None
-        d_s = ds.to(scales.dtype) if (scales is not None and ctx.needs_input_grad[3]) else None
-        return d_f, None, d_W, d_s, None, None, None
+
+@triton_lookup_fwd.register_fake
+def _(factors, idx, W, scales, use_norm, eps):  # noqa: ANN001, ANN202
+    N, V, R = factors.shape
+    M = idx.shape[0]
+    return (factors.new_empty(M, N - 1, R),
+            factors.new_empty(M, N - 1, dtype=torch.float32))
+
+
+@torch.library.custom_op("tngram::triton_lookup_bwd", mutates_args=())
+def triton_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Optional[Tensor],
+                      scales: Optional[Tensor], rstd: Tensor, use_norm: bool, need_factors: bool
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """-> d factors (N, V, R) (empty unless need_factors), dW (N-1, R), ds (N-1,) fp32."""
+    N, V, R = factors.shape
+    M = idx.shape[0]
+    dev = factors.device
+    table = factors.contiguous().view(N * V, R)
+    dtable = torch.zeros(N * V if need_factors else 0, R, dtype=torch.float32, device=dev)
+    dW = torch.zeros(N - 1, R, dtype=torch.float32, device=dev)
+    ds = torch.zeros(N - 1, dtype=torch.float32, device=dev)
+    Wc = W.contiguous() if W is not None else table
+    sc = scales.contiguous() if scales is not None else table
+    block_r, warps = _launch_cfg(R)
+    block_m = 16
+    if M > 0:
+        grid = (triton.cdiv(M, block_m),)
+        _tngram_bwd_kernel[grid](table, idx.contiguous(), Wc, sc, rstd, grad.contiguous(),
+                                 dtable if need_factors else table, dW, ds,
+                                 M, R, N=N, HAS_W=W is not None, HAS_S=scales is not None,
+                                 USE_NORM=use_norm, NEED_TABLE=need_factors, BLOCK_M=block_m,
+                                 BLOCK_R=block_r, BLOCK_K=triton.next_power_of_2(N - 1),
+                                 num_warps=warps)
+    d_f = dtable.to(factors.dtype).view(N, V, R) if need_factors else factors.new_empty(0)
+    return d_f, dW, ds
+
+
+@triton_lookup_bwd.register_fake
+def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors):  # noqa: ANN001, ANN202
+    N, V, R = factors.shape
+    return (factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
+            factors.new_empty(N - 1, R, dtype=torch.float32),
+            factors.new_empty(N - 1, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    factors, idx, W, scales, use_norm, eps = inputs
+    ctx.save_for_backward(factors, idx, W, scales, output[1])
+    ctx.use_norm = use_norm
+
+
+def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
+    factors, idx, W, scales, rstd = ctx.saved_tensors
+    need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
+    d_f, dW, ds = triton_lookup_bwd(grad_out, factors, idx, W, scales, rstd, ctx.use_norm, need_f)
+    return (d_f if need_f else None, None,
+            dW.to(W.dtype) if (W is not None and need_W) else None,
+            ds.to(scales.dtype) if (scales is not None and need_s) else None, None, None)
+
+
+triton_lookup_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,
+                  use_norm: bool, eps: float, chunk: int = 0) -> Tensor:
+    """Same contract as `FusedTNGramLookup.apply` (chunk is ignored)."""
+    return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps)[0]

@@ -36,7 +36,7 @@ from tngram.memory.compression import (build_compression_from_file, compressed_v
                                        lookup_fingerprint)
 from tngram.memory.gating import GatedFusion
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
-from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
+from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -192,7 +192,7 @@ class Engram(nn.Module):
 
     def compress(self, input_ids: Tensor) -> Tensor:
         """Raw ids (B, T) -> compressed ids (B, T) int64 (identity when compress=False)."""
-        check_token_ids(input_ids, self.vocab_size)
+        check_ids_in_forward(input_ids, self.vocab_size)
         ids = input_ids.long()
         return ids if self.compress_lookup is None else self.compress_lookup[ids]
 

@@ -8,6 +8,8 @@ Dimension letters: B batch, T time, N maximum n-gram order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -25,6 +27,36 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids") -> No
         raise TngramError(
             f"{what} must lie in [0, {vocab_size}) (the vocabulary size); got min {lo}, max {hi}"
         )
+
+
+def ids_checked_in_forward(ids: Tensor) -> bool:
+    """Whether model/memory forwards validate token ids (reading them: min/max).
+
+    Never while torch.compile traces (a data-dependent value breaks the graph). Otherwise
+    TNGRAM_CHECK_IDS decides: "1" always, "0" never, "auto" (default) only for CPU tensors,
+    where reading the ids costs microseconds and no device sync; on a GPU the read would stall
+    the host every step, so there the entry points check instead: the data loader (every
+    shard against the vocabulary), `generate` (the prompt), and `check_token_ids` for callers
+    feeding their own ids. Out-of-range ids on a GPU without the check fail inside the gather
+    (a device-side assert), never silently.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    mode = os.environ.get("TNGRAM_CHECK_IDS", "auto")
+    if mode == "1":
+        return True
+    if mode == "0":
+        return False
+    return ids.device.type == "cpu"
+
+
+def check_ids_in_forward(ids: Tensor, vocab_size: int, what: str = "input_ids") -> None:
+    """The forwards' check: the dtype always (no data read), the range when
+    `ids_checked_in_forward` (same error as `check_token_ids`)."""
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TngramError(f"{what} must be an integer tensor, got dtype {ids.dtype}")
+    if ids_checked_in_forward(ids):
+        check_token_ids(ids, vocab_size, what)
 
 
 def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
+from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 INT64_MAX = 2**63 - 1
 
@@ -151,7 +151,7 @@ class OverEncoding(nn.Module):
 
     def ngram_ids(self, input_ids: Tensor) -> Tensor:
         """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T, S) int64."""
-        check_token_ids(input_ids, self.vocab_size)
+        check_ids_in_forward(input_ids, self.vocab_size)
         grams = suffix_ngrams(input_ids, self.max_ngram, self.config.pad_id)  # (B, T, N), col l = x_{t-l}
         B, T, N = grams.shape
         r = torch.zeros(B, T, self.n_tables, dtype=torch.int64, device=grams.device)

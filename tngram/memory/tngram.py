@@ -34,7 +34,7 @@ from tngram.common import TngramError
 from tngram.kernels import fused_lookup
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
-from tngram.memory.ngrams import check_token_ids, extend_with_history, suffix_ngrams
+from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -123,7 +123,7 @@ class TNGram(nn.Module):
             self.factors.copy_(sign * torch.exp(c.factor_init_std * torch.randn(self.factors.shape)))
 
     def ngrams(self, input_ids: Tensor) -> Tensor:
-        check_token_ids(input_ids, self.vocab_size)
+        check_ids_in_forward(input_ids, self.vocab_size)
         return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
 
     def memory_vector(self, input_ids: Tensor) -> Tensor:

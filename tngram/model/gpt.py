@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.memory import memory_config_from_dict, memory_config_to_dict
-from tngram.memory.ngrams import check_token_ids
+from tngram.memory.ngrams import check_ids_in_forward
 
 CONTROL_NAMES = ("attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weights")
 
@@ -234,7 +234,7 @@ class GPT(nn.Module):
         pos = 0 if cache is None else cache.get("pos", 0)
         if pos + T > cfg.sequence_len:
             raise TngramError(f"sequence length {pos + T} exceeds the model's sequence_len {cfg.sequence_len}")
-        check_token_ids(ids, cfg.vocab_size)
+        check_ids_in_forward(ids, cfg.vocab_size)
         caches = [None] * cfg.n_layer if cache is None else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
         x = self.tok_emb(ids)                                               # (B, T, D)
         if self.embed_memory is not None:

@@ -46,7 +46,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
     """Provenance of a run: code version, library versions, hardware, process layout."""
     import numpy
     import tngram
-    from tngram.kernels import resolved_impl
+    from tngram.kernels import resolved_impl, self_check_results
     info: dict[str, Any] = {
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -62,6 +62,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
         "world_size": world_size,
         "grad_accum_steps": grad_accum,
         "tngram_lookup_impl": resolved_impl(device),   # what a TN-gram memory's fused lookup runs
+        "lookup_self_checks": self_check_results(),    # compiled kernels vs torch (first use)
     }
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda

@@ -1,0 +1,89 @@
+"""Numbers in the README come from a results file in the repository, never by hand.
+
+`tngram report readme DIR` takes a `tngram compare` folder (e.g. the `runs/compare-cpu` of `make
+demo`), writes a snapshot of it to docs/results/demo-compare-cpu.json (rows + the commit, machine
+and command the runs recorded) and regenerates the README block between
+
+    <!-- BEGIN generated: demo-compare-cpu -->
+    <!-- END generated: demo-compare-cpu -->
+
+from that snapshot. `--check` only compares (tests/test_docs_numbers.py runs the same check), so
+a README table that disagrees with the file it cites fails the test suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tngram.common import MissingFileError, TngramError
+from tngram.report.compare import compare_table
+
+BLOCK = "demo-compare-cpu"
+SNAPSHOT = Path("docs/results/demo-compare-cpu.json")
+KEEP = ("method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb", "core", "tokens_per_s",
+        "wall_s")
+
+
+def begin_marker(name: str) -> str:
+    return f"<!-- BEGIN generated: {name} -->"
+
+
+def end_marker(name: str) -> str:
+    return f"<!-- END generated: {name} -->"
+
+
+def snapshot(compare_dir: Path) -> dict[str, Any]:
+    """The parts of a `tngram compare` folder the README shows, with provenance from the runs'
+    env.json (commit, dirty flag, CPU count, torch version, command line)."""
+    path = compare_dir / "results.json"
+    if not path.is_file():
+        raise MissingFileError(f"{path} not found: is {compare_dir} a `tngram compare` folder?")
+    results = json.loads(path.read_text())
+    envs = []
+    for r in results["rows"]:
+        env = compare_dir / "runs" / Path(r["run_dir"]).name / "env.json"
+        if env.is_file():
+            envs.append(json.loads(env.read_text()))
+    commits = sorted({(e.get("git") or {}).get("commit") or "unknown" for e in envs})
+    dirty = any((e.get("git") or {}).get("dirty") for e in envs)
+    first = envs[0] if envs else {}
+    return {
+        "command": f"tngram compare --preset {results.get('preset')} --seeds {results.get('seeds')}",
+        "commit": commits[0][:12] if len(commits) == 1 else commits,
+        "dirty": dirty,
+        "platform": first.get("platform"), "cpu_count": first.get("cpu_count"),
+        "torch": first.get("torch"), "torch_threads": first.get("torch_threads"),
+        "preset": results.get("preset"), "seeds": results.get("seeds"),
+        "rows": [{k: r.get(k) for k in KEEP} for r in results["rows"]],
+    }
+
+
+def render_block(snap: dict[str, Any], source: str = str(SNAPSHOT)) -> str:
+    """The README table (Table 1 layout, one row per method) and one provenance line."""
+    table = compare_table({"preset": snap["preset"], "rows": snap["rows"]}).split("\n\n")[0]
+    wall = sum(r.get("wall_s") or 0 for r in snap["rows"])
+    dirty = " (with uncommitted changes)" if snap.get("dirty") else ""
+    note = f" Note: {snap['note']}" if snap.get("note") else ""
+    where = [f"{snap['cpu_count']} CPUs" if snap.get("cpu_count") else "",
+             f"{snap['torch_threads']} torch threads" if snap.get("torch_threads") else "",
+             f"{wall:.0f} s of training in total"]
+    return (f"{table}\n\nGenerated from `{source}` (`{snap['command']}` at commit "
+            f"`{snap['commit']}`{dirty}; {', '.join(w for w in where if w)}).{note}")
+
+
+def replace_block(text: str, name: str, block: str) -> str:
+    a, b = begin_marker(name), end_marker(name)
+    if a not in text or b not in text:
+        raise TngramError(f"README has no generated block {name!r} (markers {a} ... {b})")
+    head, rest = text.split(a, 1)
+    _, tail = rest.split(b, 1)
+    return f"{head}{a}\n{block}\n{b}{tail}"
+
+
+def current_block(text: str, name: str) -> str:
+    a, b = begin_marker(name), end_marker(name)
+    if a not in text or b not in text:
+        raise TngramError(f"README has no generated block {name!r} (markers {a} ... {b})")
+    return text.split(a, 1)[1].split(b, 1)[0].strip("\n")
