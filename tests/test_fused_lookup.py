@@ -347,3 +347,27 @@ def test_module_under_torch_compile_matches_eager(impl, monkeypatch):
     assert_close_scaled(y, y_ref, what="y")
     for (name, _), x, r in zip(m.named_parameters(), g, g_ref):
         assert_close_scaled(x, r, what=name)
+
+
+@pytest.mark.skipif(c_unavailable_reason() is not None, reason="C kernel unavailable")
+def test_c_kernel_is_bit_identical_for_any_thread_count():
+    """Tokens split between threads for the per-token work, columns for the gradient adds, in
+    token order: the same bits at 1, 2, 3 and 5 threads (R = 24 is two column blocks of 16, so at
+    3 and 5 threads some threads add nothing), across the 128-token chunk boundary (M = 300),
+    with repeated rows (V = 13)."""
+    before = torch.get_num_threads()
+    f, a, l = params(5)
+    ng = suffix_ngrams(torch.randint(0, V, (3, 100), generator=torch.Generator().manual_seed(5)), 5, 0)
+    up = torch.randn(3, 100, 4 * R, generator=torch.Generator().manual_seed(6))
+    got = {}
+    try:
+        for nt in (1, 2, 3, 5):
+            torch.set_num_threads(nt)
+            got[nt] = value_and_grads(lambda: fused_lookup(f, a, l, ng, impl="c"), f, a, l, up)
+    finally:
+        torch.set_num_threads(before)
+    e1, g1 = got[1]
+    for nt in (2, 3, 5):
+        e, g = got[nt]
+        assert torch.equal(e, e1) and all(torch.equal(x, y) for x, y in zip(g, g1)), nt
+    assert_close_scaled(e1, reference(f, a, l, ng), what="e")

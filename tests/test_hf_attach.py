@@ -192,3 +192,21 @@ def test_train_only_the_memory():
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
+
+
+def test_nothing_below_the_integration_imports_it():
+    """Layers point one way: the library core never imports tngram.hf or transformers
+    (only the integration itself, the CLI and the bench/experiment tools on top may)."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "tngram"
+    below = ("memory", "model", "optim", "data", "train", "eval", "report", "kernels")
+    bad = []
+    for area in below:
+        for f in sorted((pkg / area).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                bad += [f"{f.relative_to(pkg.parent)}: {n}" for n in names
+                        if n.startswith(("tngram.hf", "transformers"))]
+    assert not bad, bad

@@ -191,3 +191,17 @@ def test_errors(exported, tmp_path, capsys):
     torch.testing.assert_close(right, model(ids), rtol=0, atol=1e-6)
     with pytest.raises(TngramError, match="must lie in"):
         hf(torch.tensor([[TINY_VOCAB]]))
+
+
+def test_warm_start_from_an_export_folder(exported):
+    """run.init_from accepts an export folder: the backbone loads, the new memory keeps its init."""
+    from tngram.train.warmstart import apply_warmstart, is_memory_param
+    raw, d = exported["mini-raw"]
+    tn_cfg = exported["mini-tngram"][0].config
+    model = GPT(replace(tn_cfg, memory_seed=5))
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_warmstart(model, str(d), "memory")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, raw.state_dict()[k] if not is_memory_param(k) else init[k]), k
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_memory_param(n) for n in trainable)

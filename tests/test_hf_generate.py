@@ -81,6 +81,28 @@ def test_left_padded_row_generates_what_it_generates_alone(family, kind):
         assert torch.equal(batch[1, 7:], alone_short[0, 4:])
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_padded_over_encoding(family):
+    model = with_memory(family, "oe")
+    short = prompt(1, 4, seed=3)[0]
+    ids = torch.stack([prompt(1, 7, seed=2)[0], torch.cat([torch.zeros(3, dtype=torch.long), short])])
+    mask = (torch.arange(7) >= torch.tensor([[0], [3]])).long()
+    batch = gen(model, ids, attention_mask=mask, do_sample=False)
+    assert torch.equal(batch[1, 7:], gen(model, short[None], do_sample=False)[0, 4:])
+
+
+def test_continue_from_the_returned_cache():
+    """A plain forward creates the cache itself (with the memory state in it); feeding the rest
+    with the returned past_key_values equals one full forward."""
+    model = with_memory("gpt_neox", "engram")
+    x = prompt(2, 11, seed=6)
+    with torch.no_grad():
+        first = model(x[:, :7])
+        rest = model(x[:, 7:], past_key_values=first.past_key_values).logits
+        full = model(x, use_cache=False).logits
+    torch.testing.assert_close(rest, full[:, 7:], rtol=0, atol=1e-5)
+
+
 def test_left_padding_matters_for_the_memory(monkeypatch):
     """Negative control: the padded row only matches because of the valid mask. With the mask
     ignored by the memory (pads enter its windows and conv state) the logits move."""

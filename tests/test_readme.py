@@ -117,10 +117,15 @@ def test_parameter_table_equals_param_summary():
         assert row[4] == ("–" if s["delta_params"] == 0 else f"{s['delta_params']:,}"), row
 
 
-def test_generated_results_block_equals_its_results_file():
-    """The README's demo table is `tngram report readme`'s rendering of the file it cites."""
+@pytest.mark.parametrize("path", [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_generated_results_blocks_equal_their_results_files(path):
+    """Every generated table (README's demo table, any in docs/) is `tngram report readme`'s
+    rendering of the results file it cites."""
     from tngram.cli import main
-    assert main(["report", "readme", "--check", "--readme", str(ROOT / "README.md")]) == 0
+    from tngram.report.readme import block_names
+    if path.name == "README.md":
+        assert "demo-compare-cpu" in block_names(path.read_text())
+    assert main(["report", "readme", "--check", "--doc", str(path)]) == 0
 
 
 def test_report_readme_regenerates_the_block(tmp_path):
@@ -137,6 +142,7 @@ def test_report_readme_regenerates_the_block(tmp_path):
     (d / "results.json").write_text(json.dumps({"preset": snap["preset"], "seeds": snap["seeds"], "rows": rows}))
     readme = tmp_path / "README.md"
     shutil.copy(ROOT / "README.md", readme)
+    (tmp_path / "docs" / "results").mkdir(parents=True)
     assert main(["report", "readme", str(d), "--readme", str(readme)]) == 0
     block = current_block(readme.read_text(), BLOCK)
     assert "9.8765" in block and "docs/results/demo-compare-cpu.json" in block
@@ -167,3 +173,65 @@ def test_license_and_citation_match():
     assert paper["title"] in README and str(paper["year"]) in README and "ICML" in README
     bib = re.search(r"author\s*=\s*\{(.*)\},", README).group(1)
     assert bib == " and ".join(f"{a['family-names']}, {a['given-names']}" for a in paper["authors"])
+
+
+def test_command_lines_in_docs_parse():
+    """Every `tngram COMMAND ...` line in a code block of docs/*.md still parses (stale flags such
+    as a renamed option fail here). Usage synopses (with [optional] parts) and output lines whose
+    first word is not a command are skipped."""
+    from tngram.cli import build_parser
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
+    bad, n = [], 0
+    for f in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.findall(r"```[a-z]*\n(.*?)```", f.read_text(encoding="utf-8"), flags=re.S):
+            for line in block.splitlines():
+                for part in line.split(" #")[0].split(" ; "):
+                    m = re.search(r"(?:^|\s)tngram\s+(.*)$", part.strip())
+                    if not m or " [" in part:
+                        continue
+                    try:
+                        argv = shlex.split(m.group(1))
+                    except ValueError:
+                        continue
+                    if not argv or argv[0] not in commands:
+                        continue
+                    n += 1
+                    try:
+                        with contextlib.redirect_stderr(io.StringIO()):
+                            parser.parse_args(argv)
+                    except SystemExit:
+                        bad.append(f"{f.name}: tngram {m.group(1)}")
+    assert n >= 10 and not bad, bad
+
+
+@pytest.mark.parametrize("kind", ["tngram", "engram"])
+def test_readme_claim_memory_is_a_no_op_at_step_0(kind):
+    """README "Training the memory in your own model": with the default init, a GPT with a memory
+    gives the raw GPT's logits at step 0, the value projection gets a gradient at the first step
+    and the tables/factors do not (their gradient passes through the zero value projection)."""
+    import torch
+    from dataclasses import replace
+
+    from test_gpt import TINY, tiny_memories
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import split_memory_params
+    mem = tiny_memories()[kind]
+    mem = replace(mem, zero_init_value=True, zero_init_conv=True)    # the defaults
+    torch.manual_seed(0)
+    raw = GPT(TINY)
+    torch.manual_seed(0)
+    m = GPT(replace(TINY, memory=mem))
+    for model in (raw, m):          # the backbone's zero-initialised projections: non-trivial outputs
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and p.abs().sum() == 0 and "memory" not in name and "value_proj" not in name:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids = torch.randint(1, 50, (2, 16))
+    torch.testing.assert_close(m(ids), raw(ids), rtol=0, atol=1e-6)   # the memory adds an exact 0
+    m(ids[:, :-1], ids[:, 1:]).backward()
+    tables, _ = split_memory_params(m)
+    assert tables and all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in tables)
+    vproj = [p for n, p in m.named_parameters() if n.endswith("value_proj.weight")]
+    assert vproj and all(torch.count_nonzero(p.grad) > 0 for p in vproj)

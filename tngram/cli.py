@@ -27,6 +27,9 @@ _AREAS = (
     "tngram.experiments.cli",
     "tngram.report.cli",
     "tngram.bench.cli",
+    "tngram.export_cli",
+    "tngram.doctor",
+    "tngram.plan",
 )
 
 

@@ -123,9 +123,11 @@ def param_summary(cfg: TrainConfig) -> dict[str, Any]:
 # ---- CLI: `tngram recipes`, `tngram params RECIPE [--json]`
 
 def add_commands(sub: Any) -> None:
+    from tngram.cli_common import add_json_argument
     p = sub.add_parser("recipes", help="list the named recipes")
+    add_json_argument(p)
     p.set_defaults(func=_cmd_recipes)
-    from tngram.cli_common import add_config_arguments, add_json_argument
+    from tngram.cli_common import add_config_arguments
     p = sub.add_parser("params", help="parameter counts of a recipe (delta against its raw GPT)",
                        description="Total, memory and delta parameters (delta = total minus the same "
                        "backbone without memory) of a recipe, a --config file or both, with --set applied.")
@@ -137,6 +139,10 @@ def add_commands(sub: Any) -> None:
 
 
 def _cmd_recipes(args: Any) -> int:
+    if getattr(args, "json", False):
+        import json
+        print(json.dumps({name: get_recipe(name).to_dict() for name in RECIPES}, indent=1))
+        return 0
     for name in RECIPES:
         cfg = get_recipe(name)
         m = cfg.model

@@ -1,4 +1,4 @@
-"""`tngram bench modules|step|data|decode`: performance measurements (never part of the test suite).
+"""`tngram bench modules|step|data|decode`: performance measurements.
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
@@ -28,6 +28,14 @@ def _modules(args: argparse.Namespace) -> int:
     res = modules.run(names, batch=args.batch, seq=args.seq, reps=args.reps, warmup=args.warmup,
                       memory=not args.no_memory, profile=args.profile)
     _emit(res, modules.report(res), args)
+    return 0
+
+
+def _threads_bench(args: argparse.Namespace) -> int:
+    from tngram.bench import threads
+    res = threads.run(tuple(args.threads_list), batch=args.batch, seq=args.seq, reps=args.reps,
+                      warmup=args.warmup, steps=not args.no_steps)
+    _emit(res, threads.report(res), args)
     return 0
 
 
@@ -80,6 +88,19 @@ def add_commands(sub: Any) -> None:
     m.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
     m.add_argument("--profile", action="store_true", help="add a per-op profile of the lookups")
     m.set_defaults(func=_modules)
+
+    t = bs.add_parser("threads", help="TN-gram vs Engram lookup/module/mini step at several thread "
+                                      "counts, interleaved in one process, with speed-ups")
+    from tngram.cli_common import add_json_argument
+    add_json_argument(t)
+    t.add_argument("--reps", type=int, default=15, help="timed repetitions")
+    t.add_argument("--warmup", type=int, default=3, help="untimed warm-up repetitions")
+    t.add_argument("--threads-list", type=int, nargs="+", default=[1, 2], metavar="T",
+                   help="thread counts to interleave (default 1 2)")
+    t.add_argument("--batch", type=int, default=4, help="sequences per lookup/module forward")
+    t.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    t.add_argument("--no-steps", action="store_true", help="skip the mini training steps")
+    t.set_defaults(func=_threads_bench)
 
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
     common(s, 8, 2)

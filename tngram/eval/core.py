@@ -1,6 +1,6 @@
 """The CORE metric (DCLM's centred in-context-learning average) as nanochat evaluates it.
 
-Protocol (shared/research/core-eval-and-peers.md §A), re-implemented from its description:
+Protocol of nanochat's CORE evaluation, re-implemented from its description (docs/EVAL.md):
 
 * Bundle: `core.yaml` (task list), `eval_data/**.jsonl` (llm-foundry ICL records),
   `eval_meta_data.csv` ("Eval Task" -> "Random baseline", percent). nanochat's `eval_bundle` and

@@ -2,7 +2,7 @@
 
 `CORE_TASKS` is nanochat's task table (label, jsonl path under `eval_data/`, type, shots,
 continuation delimiter, DCLM "v1" random baseline in percent, item count in nanochat's bundle);
-see shared/research/core-eval-and-peers.md §A.5.
+see docs/EVAL.md.
 
 `load_bundle` / `load_task_data` read any bundle in the standard layout (core.yaml read with
 PyYAML; eval_meta_data.csv; eval_data/**.jsonl) and

@@ -158,3 +158,27 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
     atomic_write_text(out / "report.md", f"# tngram experiment collisions\n\nData: `{data_dir}`\n\n{body}\n")
     print0(body)
     return out / "report.md"
+
+
+def consumed_train_tokens(cfg: Any) -> np.ndarray:
+    """The training tokens a run of `cfg` (a TrainConfig, one process) reads, in order: the
+    loader's stream replayed for steps × accumulation micro-batches (x and the final target)."""
+    from tngram.data.build import open_dataset
+    from tngram.data.loader import TokenLoader
+    from tngram.train.dist import grad_accum_steps
+
+    info = open_dataset(cfg.data.dir)
+    seq_len = cfg.model.sequence_len
+    accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs, seq_len, 1)
+    loader = TokenLoader(info.train_files, cfg.data.micro_batch_seqs, seq_len, seed=cfg.data.seed)
+    parts = []
+    for _ in range(cfg.schedule.steps * accum):
+        x, y = loader.next_batch()
+        parts.append(np.concatenate([x.numpy().reshape(-1), y.numpy().reshape(-1)[-1:]]))
+    return np.concatenate(parts)
+
+
+def seen_fractions(val: np.ndarray, train: np.ndarray, orders: tuple[int, ...] = (2, 3, 4, 5)) -> dict[int, float]:
+    """Per order n: the share of val positions t whose n-gram (x_{t-n+1..t}) occurs in `train`.
+    val: (L,) input tokens at the scored positions; train: (M,) tokens."""
+    return {n: float(np.isin(ngram_keys(val, n), np.unique(ngram_keys(train, n))).mean()) for n in orders}

@@ -44,6 +44,9 @@ def add_commands(sub: Any) -> None:
     _common(p)
     p.add_argument("--ranks", default=None, metavar="R1,R2,...",
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
+    p.add_argument("--corpora", default=None, metavar="NAME,...",
+                   help="corpora / data-scaling only: built-in corpora (`tngram data build --corpus`), "
+                        "comma-separated (default: all for corpora, code for data-scaling)")
     p.set_defaults(func=_cmd_experiment)
 
 
@@ -84,7 +87,14 @@ def _cmd_experiment(args: Any) -> int:
             ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
         except ValueError:
             raise TngramError(f"--ranks expects comma-separated integers, got {args.ranks!r}") from None
+    corpora = None
+    if args.corpora is not None:
+        from tngram.data.corpus import CORPORA
+        corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
+        bad = [c for c in corpora if c not in CORPORA]
+        if bad or not corpora:
+            raise TngramError(f"--corpora: unknown corpus {bad[0] if bad else ''!r}; valid: {', '.join(CORPORA)}")
     with config_overrides(args.overrides):
         run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
-                       steps=args.steps, nproc=args.nproc, ranks=ranks)
+                       steps=args.steps, nproc=args.nproc, ranks=ranks, corpora=corpora)
     return 0

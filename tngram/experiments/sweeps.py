@@ -7,6 +7,10 @@
     tiny-table   Engram with per-head table capacity ~1 (primes 2, 3, 5, ...): is it memorisation?
     unseen       val loss split by whether the position's N-gram occurs in the training data
     collisions   hash-collision statistics of Engram's tables on the training data (no training)
+    corpora      Table 1 on every built-in corpus + seen/unseen balance + significance (evidence.py)
+    data-scaling the three methods at 1, 4, 16 M training tokens, gap trend (evidence.py)
+    tuning       table lr (both memories) and TN-gram factor init on a tuning corpus (evidence.py)
+    dense        raw GPTs grown to the memory models' params (wider/deeper/MLP) and FLOPs (evidence.py)
     memory-on-trained  add TN-gram / Engram to a trained raw GPT, train only the memory
                        (tngram.experiments.memory_on_trained)
     adaptive-rank  fixed CP ranks vs one run that prunes its own rank (adaptive_rank.py)
@@ -129,9 +133,15 @@ def _vocab(scale: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
 
 def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None,
                    steps: int | None = None, nproc: int | None = None,
-                   ranks: tuple[int, ...] | None = None) -> Path:
+                   ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None) -> Path:
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+    if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning"):
+        raise TngramError(f"--corpora applies to the corpora, data-scaling, dense and tuning experiments only, not {name!r}")
+    if name in ("corpora", "data-scaling", "dense", "tuning"):
+        from tngram.experiments import evidence
+        fn = getattr(evidence, name.replace("-", "_"))
+        return fn(out, scale, seeds, data, steps, nproc, corpora=corpora)
     if name == "adaptive-rank":
         from tngram.experiments.adaptive_rank import run_adaptive_rank
         return run_adaptive_rank(out, scale, seeds, data, steps, nproc, ranks)
@@ -251,4 +261,8 @@ EXPERIMENTS: dict[str, Callable[..., Path]] = {
     "ablation": _exp_ablation, "tiny-table": _exp_tiny_table, "unseen": _exp_unseen,
     "collisions": _exp_collisions, "memory-on-trained": _exp_memory_on_trained,
     "adaptive-rank": lambda *a: run_experiment("adaptive-rank", *a),
+    "corpora": lambda *a: run_experiment("corpora", *a),
+    "data-scaling": lambda *a: run_experiment("data-scaling", *a),
+    "dense": lambda *a: run_experiment("dense", *a),
+    "tuning": lambda *a: run_experiment("tuning", *a),
 }

@@ -84,7 +84,9 @@ def _load() -> ctypes.CDLL:
         try:
             if not lib.exists():
                 _build(cc, flags, lib)
-            return _declare(ctypes.CDLL(str(lib)))
+            loaded = _declare(ctypes.CDLL(str(lib)))
+            _STATE["flags"], _STATE["path"] = " ".join(flags), str(lib)
+            return loaded
         except OSError as e:
             errors.append(str(e))
     raise OSError("; ".join(errors))
@@ -116,6 +118,14 @@ def c_unavailable_reason() -> str | None:
     """None when the C kernels load, else why not (building them if not tried yet)."""
     library()
     return _STATE.get("reason")  # type: ignore[return-value]
+
+
+def c_build_info() -> dict[str, object]:
+    """How the C kernel was built: compiler, flags (OpenMP or not), library path; reason if not."""
+    library()
+    return {"cc": os.environ.get("CC") or "cc", "flags": _STATE.get("flags"),
+            "openmp": "-fopenmp" in str(_STATE.get("flags", "")).split(),
+            "library": _STATE.get("path"), "unavailable": _STATE.get("reason")}
 
 
 def c_supported(factors: Tensor) -> bool:

@@ -25,16 +25,19 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--metric", choices=["val_loss", "val_bpb", "train_loss"], default="val_loss",
                    help="metric of the significance table (several folders)")
     c.set_defaults(func=_cmd_compare)
-    r = rs.add_parser("readme", help="regenerate the README's results table from a `tngram compare` folder",
+    r = rs.add_parser("readme", help="regenerate a results table of the README (or a doc) from a `tngram "
+                                     "compare` folder",
                       description="Snapshot a `tngram compare` folder (the runs/compare-cpu of `make demo`) "
-                      "into docs/results/demo-compare-cpu.json and regenerate the README table that cites "
-                      "it. With --check, only verify that the README table equals the snapshot's.")
+                      "into docs/results/NAME.json and regenerate the Markdown block that cites it "
+                      "(between <!-- BEGIN generated: NAME --> and <!-- END generated: NAME -->). With "
+                      "--check, only verify that every generated block of the file equals its snapshot.")
     r.add_argument("dir", type=Path, nargs="?", default=None, metavar="DIR",
-                   help="the --out folder of `tngram compare --preset cpu` (not needed with --check)")
-    r.add_argument("--readme", type=Path, default=Path("README.md"), help="the README to update")
-    r.add_argument("--snapshot", type=Path, default=None, metavar="FILE",
-                   help="results snapshot (default: docs/results/demo-compare-cpu.json beside the README)")
-    r.add_argument("--check", action="store_true", help="compare only; exit 1 when the README disagrees")
+                   help="the --out folder of `tngram compare` (not needed with --check)")
+    r.add_argument("--readme", "--doc", dest="readme", type=Path, default=Path("README.md"), metavar="FILE",
+                   help="the Markdown file to update or check")
+    r.add_argument("--name", default="demo-compare-cpu",
+                   help="the block to regenerate; its snapshot is docs/results/NAME.json")
+    r.add_argument("--check", action="store_true", help="compare only; exit 1 when a block disagrees")
     r.set_defaults(func=_cmd_readme)
 
 
@@ -42,28 +45,34 @@ def _cmd_readme(args: Any) -> int:
     import sys
 
     from tngram.common import MissingFileError, TngramError, atomic_write_json, atomic_write_text
-    from tngram.report.readme import BLOCK, SNAPSHOT, current_block, render_block, replace_block, snapshot
+    from tngram.report.readme import (block_names, current_block, render_block, replace_block, snapshot,
+                                      snapshot_path)
 
     if not args.readme.is_file():
-        raise MissingFileError(f"{args.readme}: README not found (pass --readme PATH)")
-    snap_path = args.snapshot or args.readme.parent / SNAPSHOT
+        raise MissingFileError(f"{args.readme}: file not found (pass --doc PATH)")
     text = args.readme.read_text(encoding="utf-8")
     if args.check:
-        if not snap_path.is_file():
-            raise MissingFileError(f"{snap_path} not found")
-        want = render_block(json.loads(snap_path.read_text()))
-        if current_block(text, BLOCK) != want:
-            print(f"{args.readme}: the generated block {BLOCK!r} differs from {snap_path}; run "
-                  f"`tngram report readme DIR` to regenerate it", file=sys.stderr)
-            return 1
-        print(f"{args.readme}: block {BLOCK!r} matches {snap_path}")
-        return 0
+        bad = 0
+        for name in block_names(text):
+            snap_path = snapshot_path(args.readme, name)
+            if not snap_path.is_file():
+                raise MissingFileError(f"{args.readme}: block {name!r} cites {snap_path}, which is missing")
+            rel = f"docs/results/{name}.json"
+            if current_block(text, name) != render_block(json.loads(snap_path.read_text()), rel):
+                print(f"{args.readme}: the generated block {name!r} differs from {snap_path}; run "
+                      f"`tngram report readme DIR --name {name}` to regenerate it", file=sys.stderr)
+                bad += 1
+            else:
+                print(f"{args.readme}: block {name!r} matches {snap_path}")
+        return 1 if bad else 0
     if args.dir is None:
         raise TngramError("give the `tngram compare` folder DIR (or --check)")
     snap = snapshot(args.dir)
+    snap_path = snapshot_path(args.readme, args.name)
+    new_text = replace_block(text, args.name, render_block(snap, f"docs/results/{args.name}.json"))
     atomic_write_json(snap_path, snap)
-    atomic_write_text(args.readme, replace_block(text, BLOCK, render_block(snap)))
-    print(f"wrote {snap_path} and the {BLOCK!r} block of {args.readme}")
+    atomic_write_text(args.readme, new_text)
+    print(f"wrote {snap_path} and the {args.name!r} block of {args.readme}")
     return 0
 
 

@@ -7,8 +7,10 @@ and command the runs recorded) and regenerates the README block between
     <!-- BEGIN generated: demo-compare-cpu -->
     <!-- END generated: demo-compare-cpu -->
 
-from that snapshot. `--check` only compares (tests/test_docs_numbers.py runs the same check), so
-a README table that disagrees with the file it cites fails the test suite.
+from that snapshot. `--name NAME --doc FILE` does the same for any block of any Markdown file
+(snapshot docs/results/NAME.json), e.g. a three-seed table in docs/RESULTS.md. `--check` only
+compares every generated block of the file with its snapshot (tests/test_readme.py runs it on
+README.md and docs/*.md), so a table that disagrees with the file it cites fails the tests.
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ def replace_block(text: str, name: str, block: str) -> str:
     head, rest = text.split(a, 1)
     _, tail = rest.split(b, 1)
     return f"{head}{a}\n{block}\n{b}{tail}"
+
+
+def block_names(text: str) -> list[str]:
+    """Names of the generated blocks in a Markdown text, in order."""
+    import re
+    return re.findall(r"<!-- BEGIN generated: ([\w.-]+) -->", text)
+
+
+def snapshot_path(doc: Path, name: str) -> Path:
+    """docs/results/NAME.json of the repository holding `doc` (README.md or docs/*.md)."""
+    root = doc.parent.parent if doc.parent.name == "docs" else doc.parent
+    return root / "docs" / "results" / f"{name}.json"
 
 
 def current_block(text: str, name: str) -> str:

@@ -1,0 +1,119 @@
+"""Evidence experiments: seen fractions, the consumed-token replay, the log-trend fit, and the
+`corpora` experiment's plumbing on a tiny dataset."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from test_train_support import tiny_config, tiny_data  # noqa: F401  (session fixture)
+from tngram.experiments.analysis import consumed_train_tokens, seen_fractions
+from tngram.experiments.evidence import log_trend
+
+
+def test_seen_fractions_against_brute_force():
+    rng = np.random.default_rng(0)
+    train = rng.integers(0, 6, size=400)
+    val = rng.integers(0, 6, size=120)
+    got = seen_fractions(val, train, orders=(2, 3, 4))
+    for n in (2, 3, 4):
+        # left-padded windows with pad 0, as ngram_keys defines them
+        pad = lambda a: np.concatenate([np.zeros(n - 1, a.dtype), a])  # noqa: E731
+        tr = {tuple(pad(train)[i:i + n]) for i in range(len(train))}
+        want = np.mean([tuple(pad(val)[i:i + n]) in tr for i in range(len(val))])
+        assert got[n] == pytest.approx(want)
+
+
+def test_consumed_tokens_are_the_stream_the_trainer_reads(tiny_data):  # noqa: F811
+    from tngram.data.build import open_dataset
+    from tngram.data.shards import read_shard
+
+    cfg = tiny_config(tiny_data, "mini-raw")                 # 8 steps x 2 micro-steps x (4*64+1)
+    got = consumed_train_tokens(cfg)
+    assert got.size == 8 * 2 * (4 * 64 + 1)
+    stream = np.concatenate([np.asarray(read_shard(f)) for f in open_dataset(tiny_data).train_files])
+    assert cfg.data.seed == 0                                # seed 0: natural order from token 0
+    assert np.array_equal(got, stream[: got.size])
+
+
+def test_log_trend_exact_line_and_noise():
+    # points on gap = 0.01 - 0.005 log10(tokens): slope -0.005, zero residual -> CI collapses
+    toks = [1e6, 1e6, 4e6, 4e6, 1.6e7, 1.6e7]
+    gaps = [0.01 - 0.005 * math.log10(t) for t in toks]
+    tr = log_trend(toks, gaps, at=3e9)
+    assert tr["slope"] == pytest.approx(-0.005) and tr["slope_hi"] - tr["slope_lo"] == pytest.approx(0, abs=1e-9)
+    assert tr["pred"] == pytest.approx(0.01 - 0.005 * math.log10(3e9))
+    # two points per x with spread ±e: residual variance = sum 6 e^2 / (6 - 2); its half-width follows
+    e = 0.001
+    noisy = [g + (e if i % 2 else -e) for i, g in enumerate(gaps)]
+    tr2 = log_trend(toks, noisy, at=3e9)
+    x = np.log10(toks)
+    sxx = ((x - x.mean()) ** 2).sum()
+    q = 2.7764451051977987                                  # t_{0.975, 4} from tables
+    assert tr2["slope"] == pytest.approx(-0.005)
+    assert tr2["slope_hi"] - tr2["slope"] == pytest.approx(q * math.sqrt(6 * e * e / 4 / sxx), rel=1e-6)
+    assert math.isnan(log_trend([1e6, 1e6], [0.0, 0.1])["slope"])
+
+
+@pytest.mark.slow
+def test_corpora_experiment_plumbing(tiny_data, tmp_path, monkeypatch):  # noqa: F811
+    """Two 'corpora' (the same tiny dataset under two names), 1 seed, 2 steps: every table,
+    the significance rows and the figure are written; a second call trains nothing."""
+    import tngram.experiments.evidence as ev
+
+    monkeypatch.setattr(ev, "_build", lambda corpus: (str(tiny_data), 512))
+    monkeypatch.setattr(ev, "base_recipe", lambda prefix, m: replace(
+        tiny_config(tiny_data, f"mini-{m}", extra=["run.val_every=0", "run.checkpoint_every=0"]),
+        name=f"mini-{m}"))
+    out = tmp_path / "ev"
+    ev.corpora(out, seeds=1, steps=2, corpora=["a", "b"])
+    res = json.loads((out / "corpora.json").read_text())
+    assert set(res["rows"]) == {"a", "b"} and len(res["rows"]["a"]) == 3
+    assert set(res["seen"]["a"]["consumed"]) == {"2", "3", "4", "5"}
+    report = (out / "report.md").read_text()
+    assert "| TN-gram − Engram | **pooled** | 2 |" in report and (out / "gap-vs-unseen.png").exists()
+    stamp = (out / "a" / "runs" / "tngram-s0" / "summary.json").stat().st_mtime_ns
+    ev.corpora(out, seeds=1, steps=2, corpora=["a", "b"])
+    assert (out / "a" / "runs" / "tngram-s0" / "summary.json").stat().st_mtime_ns == stamp
+
+
+def test_dense_variants_match_params_and_flops():
+    from dataclasses import replace as rep
+
+    from tngram.experiments.evidence import dense_variants, train_flops_per_token
+    from tngram.recipes import get_recipe, param_summary
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    total = lambda c: param_summary(c)["total_params"]  # noqa: E731
+    dv = dense_variants(cfgs["raw"], {m: cfgs[m] for m in ("engram", "tngram")})
+    assert set(dv) == {f"dense-{w}-{m}" for w in ("wide", "deep", "mlp", "flops") for m in ("engram", "tngram")}
+    for key, c in dv.items():
+        _, way, method = key.split("-")
+        assert c.model.memory is None
+        field, step = {"wide": ("n_embd", 8), "flops": ("n_embd", 8), "deep": ("n_layer", 1), "mlp": ("mlp_mult", 1)}[way]
+        measure = train_flops_per_token if way == "flops" else total
+        target = measure(cfgs[method])
+        err = abs(measure(c) - target)
+        v = getattr(c.model, field)
+        for nb in (v - step, v + step):                     # no neighbouring size is closer
+            assert abs(measure(rep(c, model=rep(c.model, **{field: nb}))) - target) >= err
+        assert measure(c) > measure(cfgs["raw"])            # grown, not shrunk
+
+
+def test_tuning_variants_change_only_their_setting():
+    from tngram.experiments.evidence import FACTOR_INIT_STDS, TABLE_LR_FACTORS, tuning_variants
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    tv = tuning_variants(cfgs)
+    assert len(tv) == 2 * len(TABLE_LR_FACTORS) + len(FACTOR_INIT_STDS)
+    base = cfgs["tngram"].optim.tied_embed_lr                     # memory_table_lr unset -> tied_embed_lr
+    assert tv["tngram-lr2"].optim.memory_table_lr == 2 * base
+    assert tv["engram-lr0.25"].optim.memory_table_lr == 0.25 * base
+    assert tv["tngram-lr2"].model == cfgs["tngram"].model
+    assert tv["tngram-init0.3"].model.memory.factor_init_std == 0.3
+    assert tv["tngram-init0.3"].optim == cfgs["tngram"].optim

@@ -1,0 +1,59 @@
+"""lm-evaluation-harness (`--model hf`) on an exported run and a small local task.
+
+lm-eval is not installed by `make test` (it pulls about 50 packages); this test runs where it is
+installed (`pip install lm-eval`) and skips otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install \"lm-eval[hf]\"); not part of make test")
+pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate (pip install \"lm-eval[hf]\")")
+
+from test_hf_export import tiny_run  # noqa: E402
+from test_train_support import one_thread, tiny_data  # noqa: F401,E402
+from tngram.cli import main  # noqa: E402
+from tngram.hf.lmeval import evaluate, write_task  # noqa: E402
+
+DOCS = [
+    {"context": "Kalo mine", "choices": ["ru ta", "zen qua", "ka lo"], "label": 0},
+    {"context": "Galmon ber", "choices": ["si de", "an el"], "label": 1},
+    {"context": "Ta po si", "choices": ["mon", "qua", "ith"], "label": 2},
+    {"context": "Vo an el or", "choices": ["us ith", "ber gal"], "label": 0},
+    {"context": "Mi ne ru", "choices": ["ta po", "de vo", "an"], "label": 1},
+    {"context": "Zen qua", "choices": ["ka", "lo mi"], "label": 1},
+]
+
+
+def independent_accuracy(model, sp) -> float:
+    """argmax over choices of sum log p(continuation | <s> context), continuation = the tokens of
+    '<s>' + context + ' ' + choice after those of '<s>' + context (lm-eval's pairing)."""
+    hits = 0
+    with torch.no_grad():
+        for d in DOCS:
+            ctx = [1] + sp.encode(d["context"])
+            scores = []
+            for c in d["choices"]:
+                whole = [1] + sp.encode(d["context"] + " " + c)
+                cont = whole[len(ctx):]
+                logp = torch.log_softmax(model(torch.tensor([whole]))[0, :-1].double(), -1)
+                idx = torch.arange(len(whole) - len(cont) - 1, len(whole) - 1)
+                scores.append(float(logp[idx, torch.tensor(cont)].sum()))
+            hits += int(max(range(len(scores)), key=scores.__getitem__) == d["label"])
+    return hits / len(DOCS)
+
+
+def test_lm_eval_hf_model_on_a_local_task(tiny_data, tmp_path, monkeypatch):
+    import sentencepiece as spm
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, model = tiny_run(tmp_path / "runs", "mini-tngram", tiny_data)
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    write_task(tmp_path / "tasks", "tngram_tiny_mc", DOCS)
+    res = evaluate(tmp_path / "hf", tmp_path / "tasks", "tngram_tiny_mc", batch_size=4)
+    acc = res["results"]["tngram_tiny_mc"]["acc,none"]
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_data / "tokenizer.model"))
+    assert acc == pytest.approx(independent_accuracy(model, sp))

@@ -1,0 +1,194 @@
+"""`tngram plan RECIPE --gpus G --gpu-mem GB`: memory and time of a recipe on G GPUs, from its shapes.
+
+Parameter counts come from the model built on the meta device. Activations: one sequence's
+forward runs on the CPU (a few seconds at L18) with a saved-tensors hook summing the bytes
+autograd keeps for the backward (each storage counted once): the activation memory of the code
+as it is, not of a formula. Not on the meta device: there SDPA takes its math path, which saves
+the T x T attention probabilities; CPU and GPU use fused attention kernels that save only the
+output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
+
+  weights fp32 4P, gradients fp32 4P, DDP gradient buckets 4P (G > 1 only),
+  Adam state 8 x (Adam params: embeddings, memory tables/factors, scalars), Muon momentum
+  4 x (matrix params)                                        -> static bytes
+  activations per sequence: traced in fp32 or (bf16) with the model cast to bf16, which is
+  what autocast saves for the matmul inputs (its fp32 norms make the real figure a little
+  higher: see the margin)
+  with activation checkpointing per block (the trainer does not implement it; listed for
+  planning): the blocks' inputs (L x T x D) + the largest single block's activations (the
+  one being recomputed) + everything outside the blocks (embedding, head, loss)
+
+usable memory = gpu_mem x (1 - margin) - 1 GiB (CUDA context, cuBLAS/NCCL workspaces);
+micro-batch = the largest divisor of the sequences one GPU needs per step whose activations
+fit; gradient accumulation = global batch / (G x micro x T).
+FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (`tngram bench step`'s count;
+lookups and elementwise work excluded); step time = FLOPs / (G x peak x MFU), peak default
+312 TFLOP/s (A100 bf16 dense) and MFU default 0.35 - stated assumptions, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+GIB = 2**30
+
+
+@contextmanager
+def _count_saved(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Sum the bytes of tensors saved for backward, per top-level part ("block i" or "other")."""
+    seen: set[tuple[int, int]] = set()
+    where = {"part": "other"}
+    totals: dict[str, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) or t.requires_grad and t.is_leaf:
+            return t                                       # weights are counted as weights
+        key = t.untyped_storage()._cdata                   # the StorageImpl: views share it
+        if key not in seen:
+            seen.add(key)
+            totals[where["part"]] = totals.get(where["part"], 0) + t.untyped_storage().nbytes()
+        return t
+
+    hooks = []
+    for i, b in enumerate(getattr(model, "blocks", [])):
+        hooks.append(b.register_forward_pre_hook(lambda m, a, i=i: where.update(part=f"block {i}")))
+        hooks.append(b.register_forward_hook(lambda m, a, o: where.update(part="other")))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield totals
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def activation_bytes(model_cfg: Any, seqs: int = 1, dtype: str = "bf16",
+                     device: str = "cpu") -> dict[str, Any]:
+    """Saved-for-backward bytes of one forward of `seqs` sequences ({"total", "per_part"})."""
+    from tngram.model.gpt import GPT
+    with torch.device(device):
+        model = GPT(model_cfg)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    T, V = model_cfg.sequence_len, model_cfg.vocab_size
+    ids = torch.randint(0, V, (seqs, T), generator=torch.Generator().manual_seed(0)).to(device)
+    with _count_saved(model) as parts:
+        loss = model(ids, ids)
+    del loss
+    return {"total": sum(parts.values()), "per_part": parts}
+
+
+def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: float = 0.35,
+         peak_tflops: float = 312.0, margin: float = 0.1) -> dict[str, Any]:
+    from tngram.bench.step import matmul_params
+    from tngram.common import TngramError
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import build_param_groups
+    from tngram.recipes import get_recipe
+
+    if gpus < 1:
+        raise TngramError(f"--gpus must be >= 1, got {gpus}")
+    if gpu_mem_gb <= 1:
+        raise TngramError(f"--gpu-mem must be > 1 (GB per GPU), got {gpu_mem_gb}")
+    if not 0 < mfu <= 1:
+        raise TngramError(f"--mfu must lie in (0, 1], got {mfu}")
+    cfg = get_recipe(recipe)
+    m = cfg.model
+    with torch.device("meta"):
+        model = GPT(m)
+    P = model.num_params()
+    groups = build_param_groups(model, cfg.optim)
+    adam_p = sum(p.numel() for g in groups if g["optimizer"] == "adam" for p in g["params"])
+    muon_p = sum(p.numel() for g in groups if g["optimizer"] == "muon" for p in g["params"])
+    static = {"weights": 4 * P, "gradients": 4 * P, "ddp_buckets": 4 * P if gpus > 1 else 0,
+              "adam_state": 8 * adam_p, "muon_state": 4 * muon_p}
+    static_total = sum(static.values())
+    act = activation_bytes(m, 1, dtype)
+    per_seq = act["total"]
+    blocks = {k: v for k, v in act["per_part"].items() if k.startswith("block")}
+    elt = 2 if dtype == "bf16" else 4
+    ckpt = (m.n_layer * m.sequence_len * m.n_embd * elt + max(blocks.values(), default=0)
+            + act["per_part"].get("other", 0))
+    T = m.sequence_len
+    seqs_per_step = cfg.data.global_batch_tokens // T
+    need = math.ceil(seqs_per_step / gpus)                # sequences per GPU per optimiser step
+    usable = gpu_mem_gb * 1e9 * (1 - margin) - GIB - static_total
+
+    def fit(per: float) -> dict[str, Any]:
+        most = max(0, min(need, int(usable // per))) if usable > 0 else 0
+        # the trainer needs global batch = G x micro x accum x T: a divisor of the per-GPU share
+        micro = max((d for d in range(1, most + 1) if need % d == 0), default=0)
+        accum = need // micro if micro else None
+        return {"activation_bytes_per_seq": per, "micro_batch_seqs": micro, "grad_accum": accum,
+                "fits": micro > 0,
+                "peak_bytes": static_total + GIB + micro * per if micro else None}
+
+    tokens = seqs_per_step * T
+    flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
+    step_s = flops / (gpus * peak_tflops * 1e12 * mfu)
+    return {"recipe": recipe, "gpus": gpus, "gpu_mem_gb": gpu_mem_gb, "dtype": dtype,
+            "params": P, "memory_params": model.memory_params(), "adam_params": adam_p,
+            "muon_params": muon_p, "static_bytes": static, "static_total_bytes": static_total,
+            "usable_bytes": usable, "margin": margin,
+            "global_batch_tokens": cfg.data.global_batch_tokens, "seqs_per_step": seqs_per_step,
+            "seqs_per_gpu_per_step": need, "recipe_micro_batch_seqs": cfg.data.micro_batch_seqs,
+            "no_checkpointing": fit(per_seq), "block_checkpointing": fit(ckpt),
+            "activation_parts": act["per_part"],
+            "flops_per_step": float(flops), "peak_tflops": peak_tflops, "mfu": mfu,
+            "step_seconds": step_s, "steps": cfg.schedule.steps,
+            "train_hours": step_s * cfg.schedule.steps / 3600,
+            "tokens_per_s": tokens / step_s}
+
+
+def report(r: dict[str, Any]) -> str:
+    g = lambda b: f"{b / 1e9:.2f} GB"   # noqa: E731
+    st = r["static_bytes"]
+    lines = [f"tngram plan {r['recipe']}: {r['gpus']} GPU(s) x {r['gpu_mem_gb']:g} GB, {r['dtype']}",
+             f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam {r['adam_params']:,}, "
+             f"Muon {r['muon_params']:,})",
+             f"per GPU static   {g(r['static_total_bytes'])} = weights {g(st['weights'])} + grads "
+             f"{g(st['gradients'])} + DDP buckets {g(st['ddp_buckets'])} + Adam {g(st['adam_state'])} "
+             f"+ Muon {g(st['muon_state'])}",
+             f"usable for activations {g(max(0.0, r['usable_bytes']))} ({r['margin']:.0%} margin, 1 GiB "
+             f"CUDA context/workspaces)",
+             f"global batch     {r['global_batch_tokens']:,} tokens = {r['seqs_per_step']} sequences; "
+             f"{r['seqs_per_gpu_per_step']} per GPU per step (recipe micro-batch "
+             f"{r['recipe_micro_batch_seqs']})"]
+    for key, label in (("no_checkpointing", "no checkpointing"),
+                       ("block_checkpointing", "block checkpointing (not in the trainer)")):
+        f = r[key]
+        if f["fits"]:
+            lines.append(f"{label:42s} {g(f['activation_bytes_per_seq'])}/sequence -> micro-batch "
+                         f"{f['micro_batch_seqs']}, grad accum {f['grad_accum']}, peak ~{g(f['peak_bytes'])}")
+        else:
+            lines.append(f"{label:42s} {g(f['activation_bytes_per_seq'])}/sequence -> does NOT fit")
+    lines.append(f"FLOPs per step   {r['flops_per_step']:.3e} -> {r['step_seconds']:.2f} s/step at "
+                 f"MFU {r['mfu']:.0%} of {r['peak_tflops']:g} TFLOP/s per GPU (assumed); "
+                 f"{r['steps']} steps ~ {r['train_hours']:.2f} h, {r['tokens_per_s']:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("plan", help="memory, micro-batch, accumulation and step time of a recipe on GPUs",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (DDP, one process each)")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation precision")
+    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOP utilisation")
+    p.add_argument("--peak-tflops", type=float, default=312.0,
+                   help="peak per GPU in TFLOP/s (default 312: A100 bf16 dense)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    r = plan(args.recipe, args.gpus, args.gpu_mem, args.dtype, args.mfu, args.peak_tflops)
+    print(json.dumps(r, indent=1) if args.json else report(r))
+    return 0
