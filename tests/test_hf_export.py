@@ -168,7 +168,7 @@ def test_fresh_process_after_import_tngram(exported):
             "ids = t('kalo mine', return_tensors='pt')['input_ids']\n"
             "print(type(m).__name__, m.generate(ids, max_new_tokens=3, do_sample=False).shape[1] - ids.shape[1])\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-2:] == ["TngramGPTForCausalLM", "3"]
 

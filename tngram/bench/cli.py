@@ -33,6 +33,10 @@ def _modules(args: argparse.Namespace) -> int:
 
 def _threads_bench(args: argparse.Namespace) -> int:
     from tngram.bench import threads
+    if args.kernel_share:
+        res = threads.kernel_share(args.batch, args.seq, args.reps)
+        print(json.dumps(res, indent=1))
+        return 0
     res = threads.run(tuple(args.threads_list), batch=args.batch, seq=args.seq, reps=args.reps,
                       warmup=args.warmup, steps=not args.no_steps)
     _emit(res, threads.report(res), args)
@@ -100,6 +104,9 @@ def add_commands(sub: Any) -> None:
     t.add_argument("--batch", type=int, default=4, help="sequences per lookup/module forward")
     t.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     t.add_argument("--no-steps", action="store_true", help="skip the mini training steps")
+    t.add_argument("--kernel-share", action="store_true",
+                   help="instead: the share of TN-gram's lookup inside the parallel C ops at 1 thread "
+                        "(min of --reps) and the Amdahl speed-ups it implies")
     t.set_defaults(func=_threads_bench)
 
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")

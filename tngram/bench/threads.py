@@ -13,6 +13,11 @@ see the same machine load. Candidates per thread count t:
   zero:V1024@t, zero:V8192@t         torch.zeros(5, V, 1024): the dense TN-gram factor-gradient
                                       fill of one paper-l9 layer at vocab 1024 and 8192
 
+CPU time (time.process_time, all threads of the process) is recorded beside the wall time: on a
+loaded machine a 1-thread candidate's CPU time is close to its undisturbed wall time (time spent
+waiting for a core is not counted), so the 1-thread ratios are also given from CPU time. At 2
+threads CPU time counts both threads, including OpenMP's spin-waiting.
+
 From the 1- and 2-thread medians: speed-up S2 = T1 / T2 per candidate, and the Amdahl
 projection to 16 cores, S16 = 1 / ((1 - p) + p / 16) with the parallel fraction p = 2 (1 - 1/S2)
 implied by S2 (clipped to [0, 1]). The projection assumes every core gets the bandwidth one
@@ -21,6 +26,7 @@ core gets here; a real 16-core socket shares its memory channels, so it is an up
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -32,6 +38,16 @@ def amdahl_16(s2: float) -> tuple[float, float]:
     """(parallel fraction p, projected 16-core speed-up) from a measured 2-thread speed-up."""
     p = min(1.0, max(0.0, 2.0 * (1.0 - 1.0 / s2)))
     return p, 1.0 / ((1.0 - p) + p / 16.0)
+
+
+def _with_cpu_time(fn: Callable[[], Any], sink: list[float]) -> Callable[[], Any]:
+    """fn, also appending the process CPU time it took (time.process_time: all threads)."""
+    def wrapped() -> Any:
+        c0 = time.process_time()
+        out = fn()
+        sink.append(time.process_time() - c0)
+        return out
+    return wrapped
 
 
 def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps: int = 15,
@@ -67,13 +83,18 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
 
     before = torch.get_num_threads()
     load_before = machine_info()["loadavg"]
+    cpu: dict[str, list[float]] = {k: [] for k in cands}
+    timed = {k: _with_cpu_time(fn, cpu[k]) for k, fn in cands.items()}
     try:
-        times = interleaved(cands, reps, warmup, setup=setup)
+        times = interleaved(timed, reps, warmup, setup=setup)
     finally:
         torch.set_num_threads(before)
     info = machine_info()
     info["loadavg_before"] = load_before
     rows = {k: t.to_dict() for k, t in times.items()}
+    for k, r in rows.items():   # CPU seconds of the process (all threads), warm-up reps dropped
+        xs = sorted(cpu[k][warmup:])
+        r["cpu_median_s"] = xs[len(xs) // 2] if xs else float("nan")
     out: dict[str, Any] = {"benchmark": "threads", "threads": list(threads), "machine": info,
                            "shapes": {"batch": batch, "seq": seq, "tokens": batch * seq,
                                       "d_model": modules.D_MODEL, "vocab": modules.VOCAB},
@@ -93,6 +114,15 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
     out["bytes_ratio"] = by["tngram"] / by["engram"]
     out["flop_ratio"] = fl["tngram"] / fl["engram"]
     out["ratios"] = ratios
+    cpu_ratios: dict[str, Any] = {}
+    for t in threads:
+        c = cpu_ratios[str(t)] = {}
+        for part in ("lookup", "module"):
+            c[part] = rows[f"{part}:tngram@{t}"]["cpu_median_s"] / rows[f"{part}:engram@{t}"]["cpu_median_s"]
+        if steps:
+            c["step"] = (rows[f"step:mini-tngram@{t}"]["cpu_median_s"]
+                         / rows[f"step:mini-engram@{t}"]["cpu_median_s"])
+    out["cpu_ratios"] = cpu_ratios
     if 1 in threads and 2 in threads:
         sp = {}
         for k in work:
@@ -111,7 +141,7 @@ def report(res: dict[str, Any]) -> str:
              f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> {mc['loadavg']}",
              ""]
     keys = sorted({k.rsplit("@", 1)[0] for k in res["times"]})
-    head = f"{'candidate':20s}" + "".join(f" {'@' + str(t) + ' ms':>19s}" for t in res["threads"])
+    head = f"{'candidate':20s}" + "".join(f" {'@' + str(t) + ' ms (min) [cpu ms]':>30s}" for t in res["threads"])
     if "speedups" in res:
         head += f" {'S2':>6s} {'p':>5s} {'16-core':>8s}"
     lines.append(head)
@@ -119,7 +149,8 @@ def report(res: dict[str, Any]) -> str:
         line = f"{k:20s}"
         for t in res["threads"]:
             r = res["times"][f"{k}@{t}"]
-            line += f" {fmt_ms(r['median_s'])} ({fmt_ms(r['min_s']).strip():>7s})"
+            line += (f" {fmt_ms(r['median_s'])} ({fmt_ms(r['min_s']).strip():>7s})"
+                     f" [{fmt_ms(r['cpu_median_s']).strip():>7s}]")
         if "speedups" in res:
             s = res["speedups"][k]
             line += f" {s['speedup_2']:6.2f} {s['parallel_fraction']:5.2f} {s['amdahl_16']:8.2f}"
@@ -135,7 +166,54 @@ def report(res: dict[str, Any]) -> str:
         if "step" in r:
             s += f"; mini step ratio {r['step']:.2f} -> {'met' if r['step'] <= 1.10 else 'NOT met'} (<= 1.10)"
         lines.append(s)
+        c = res["cpu_ratios"][t]
+        lines.append(f"   from CPU time: lookup {c['lookup']:.2f}, module {c['module']:.2f}"
+                     + (f", mini step {c['step']:.2f}" if "step" in c else ""))
     if "speedups" in res:
         lines.append("16-core: Amdahl from the measured 2-thread speed-up (an upper bound: memory "
                      "bandwidth per core is assumed constant)")
     return "\n".join(lines)
+
+
+def kernel_share(batch: int = 4, seq: int = 256, reps: int = 25) -> dict[str, Any]:
+    """At 1 thread: the share p of TN-gram's lookup fwd+bwd spent inside the two C custom ops
+    (whose loops and gradient fill run on every thread), from the minimum of `reps` interleaved
+    runs (the least disturbed). The rest (n-gram windows, row ids, W and s, autograd glue) runs on
+    one thread. Amdahl: S(n) = 1 / ((1 - p) + p / n); memory bandwidth not modelled."""
+    from tngram.bench import modules
+    from tngram.kernels import absorption_weights, c_unavailable_reason, ngram_row_index
+    from tngram.kernels.tngram_c import c_lookup_bwd, c_lookup_fwd
+    from tngram.memory.ngrams import suffix_ngrams
+
+    if c_unavailable_reason() is not None:
+        return {"error": f"C kernel unavailable: {c_unavailable_reason()}"}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = modules.build("tngram")
+        c = m.config
+        ids = torch.randint(1, modules.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+        g_vec = torch.randn(batch, seq, modules.d_mem("tngram", m))
+        N, V, R = m.factors.shape
+        idx = ngram_row_index(suffix_ngrams(ids, N, c.pad_id), V)
+        with torch.no_grad():
+            W = absorption_weights(m.absorb, N, R, m.absorb)
+            s = torch.exp(m.log_scales)
+            e, rstd = c_lookup_fwd(m.factors, idx, W, s, c.use_norm, c.norm_eps)
+        g = g_vec.view(-1, N - 1, R)
+
+        def whole() -> None:
+            m.zero_grad(set_to_none=True)
+            modules.lookup("tngram", m, ids).backward(g_vec)
+
+        cands = {"whole": whole,
+                 "c_fwd": lambda: c_lookup_fwd(m.factors.detach(), idx, W, s, c.use_norm, c.norm_eps),
+                 "c_bwd": lambda: c_lookup_bwd(g, m.factors.detach(), idx, W, s, rstd, True, True, True)}
+        times = interleaved(cands, reps, 3)
+    finally:
+        torch.set_num_threads(before)
+    t = {k: v.best for k, v in times.items()}
+    p = min(1.0, (t["c_fwd"] + t["c_bwd"]) / t["whole"])
+    return {"min_s": t, "parallel_share": p,
+            "amdahl": {n: 1.0 / ((1.0 - p) + p / n) for n in (2, 4, 8, 16, 64)},
+            "loadavg": machine_info()["loadavg"]}

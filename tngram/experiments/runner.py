@@ -55,7 +55,16 @@ def is_complete(run_dir: Path, cfg: TrainConfig) -> bool:
     summary, config = run_dir / "summary.json", run_dir / "config.json"
     if not (summary.exists() and config.exists()):
         return False
-    return json.loads(config.read_text()) == json.loads(json.dumps(cfg.to_dict()))
+    return _same_config(run_dir, cfg)
+
+
+def _normalized(saved: dict) -> dict:
+    """A saved config.json as the current code resolves it: fields added since the run was made
+    take their defaults (which keep the old behaviour), so finished runs stay reusable."""
+    try:
+        return json.loads(json.dumps(TrainConfig.from_dict(saved).to_dict()))
+    except (TngramError, TypeError, KeyError, ValueError):
+        return saved
 
 
 def launch_command(nproc: int) -> list[str]:
@@ -96,4 +105,4 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
 
 
 def _same_config(rdir: Path, cfg: TrainConfig) -> bool:
-    return json.loads((rdir / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
+    return _normalized(json.loads((rdir / "config.json").read_text())) == json.loads(json.dumps(cfg.to_dict()))
