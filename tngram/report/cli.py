@@ -37,6 +37,7 @@ def add_commands(sub: Any) -> None:
                    help="the Markdown file to update or check")
     r.add_argument("--name", default="demo-compare-cpu",
                    help="the block to regenerate; its snapshot is docs/results/NAME.json")
+    r.add_argument("--note", default=None, help="a sentence shown under the table (e.g. the machine's load)")
     r.add_argument("--check", action="store_true", help="compare only; exit 1 when a block disagrees")
     r.set_defaults(func=_cmd_readme)
 
@@ -68,6 +69,8 @@ def _cmd_readme(args: Any) -> int:
     if args.dir is None:
         raise TngramError("give the `tngram compare` folder DIR (or --check)")
     snap = snapshot(args.dir)
+    if args.note:
+        snap["note"] = args.note
     snap_path = snapshot_path(args.readme, args.name)
     new_text = replace_block(text, args.name, render_block(snap, f"docs/results/{args.name}.json"))
     atomic_write_json(snap_path, snap)

@@ -118,13 +118,13 @@ def _stats_row(pair: str, corpus: str, s: Any) -> str:
 
 
 def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
-    """Rows (method, seed, losses, run_dir) of a compare-style folder: results.json when written,
-    else every finished run in folder/runs/<method>-s<i>/ (summary.json + config.json), so a
-    half-finished `tngram compare` can be reported."""
+    """Rows (method, seed, losses, run_dir) of a compare-style folder: every finished run in
+    folder/runs/<method>-s<i>/ (summary.json + config.json), so a half-finished `tngram compare`
+    or one with seeds added later is reported in full; results.json only when runs/ is gone."""
     import json
 
     path = folder / "results.json"
-    if path.exists():
+    if not (folder / "runs").is_dir() and path.exists():
         return json.loads(path.read_text())["rows"]
     rows = []
     for run in sorted((folder / "runs").glob("*-s*")):

@@ -43,17 +43,20 @@ def snapshot(compare_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise MissingFileError(f"{path} not found: is {compare_dir} a `tngram compare` folder?")
     results = json.loads(path.read_text())
-    envs = []
+    envs, row_commits = [], []
     for r in results["rows"]:
         env = compare_dir / "runs" / Path(r["run_dir"]).name / "env.json"
-        if env.is_file():
-            envs.append(json.loads(env.read_text()))
-    commits = sorted({(e.get("git") or {}).get("commit") or "unknown" for e in envs})
+        e = json.loads(env.read_text()) if env.is_file() else {}
+        envs.append(e)
+        row_commits.append(((e.get("git") or {}).get("commit") or "unknown")[:12])
+    commits = list(dict.fromkeys(row_commits))
     dirty = any((e.get("git") or {}).get("dirty") for e in envs)
-    first = envs[0] if envs else {}
+    first = next((e for e in envs if e), {})
     return {
         "command": f"tngram compare --preset {results.get('preset')} --seeds {results.get('seeds')}",
-        "commit": commits[0][:12] if len(commits) == 1 else commits,
+        "commit": commits[0] if len(commits) == 1 else ", ".join(
+            f"{c} ({', '.join(r['method'] for r, rc in zip(results['rows'], row_commits) if rc == c)})"
+            for c in commits),
         "dirty": dirty,
         "platform": first.get("platform"), "cpu_count": first.get("cpu_count"),
         "torch": first.get("torch"), "torch_threads": first.get("torch_threads"),
@@ -69,10 +72,10 @@ def render_block(snap: dict[str, Any], source: str = str(SNAPSHOT)) -> str:
     dirty = " (with uncommitted changes)" if snap.get("dirty") else ""
     note = f" Note: {snap['note']}" if snap.get("note") else ""
     where = [f"{snap['cpu_count']} CPUs" if snap.get("cpu_count") else "",
-             f"{snap['torch_threads']} torch threads" if snap.get("torch_threads") else "",
+             f"{snap['torch_threads']} torch thread(s)" if snap.get("torch_threads") else "",
              f"{wall:.0f} s of training in total"]
     return (f"{table}\n\nGenerated from `{source}` (`{snap['command']}` at commit "
-            f"`{snap['commit']}`{dirty}; {', '.join(w for w in where if w)}).{note}")
+            f"{snap['commit']}{dirty}; {', '.join(w for w in where if w)}).{note}")
 
 
 def replace_block(text: str, name: str, block: str) -> str:
