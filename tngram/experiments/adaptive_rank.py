@@ -158,6 +158,49 @@ def timing_section(cfg: TrainConfig, rows: list[dict[str, Any]], reps: int = 5) 
     return "\n".join(lines)
 
 
+def pruning_effect(checkpoint: Path, cfg: TrainConfig, data_dir: str, tols: tuple[float, ...] = (PRUNE_TOL,),
+                   val_tokens: int = 65_536) -> list[dict[str, Any]]:
+    """Immediate effect of pruning a checkpoint (no further training): val loss before, and after
+    pruning at each tolerance with and without the log-scale correction, with the ranks kept."""
+    import torch
+
+    from tngram.data.bpb import token_byte_luts
+    from tngram.data.build import open_dataset
+    from tngram.data.loader import load_val_tokens
+    from tngram.data.tokenizer import load_tokenizer
+    from tngram.eval.bpb import evaluate_bpb
+    from tngram.memory.cp_rank import choose_keep, component_scores, prune_tngram, tngram_modules
+    from tngram.model.gpt import GPT
+    from tngram.train.checkpoint import load_weights
+
+    info = open_dataset(data_dir)
+    T, B = cfg.model.sequence_len, cfg.data.micro_batch_seqs
+    val = load_val_tokens(info.val_files, T, vocab_size=cfg.model.vocab_size)
+    luts = token_byte_luts(load_tokenizer(info.tokenizer_path), cfg.model.vocab_size)
+    amp = torch.bfloat16 if cfg.run.dtype == "bf16" else None
+
+    def fresh() -> torch.nn.Module:
+        m = GPT(replace(cfg.model, memory=replace(cfg.model.memory, prune_at_step=0)))
+        load_weights(m, checkpoint / "model.safetensors")
+        return m.eval()
+
+    def loss(m: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return float(evaluate_bpb(m, val, T, luts, B, autocast_dtype=amp, max_tokens=val_tokens)["val_loss"])
+
+    out = [{"tol": 0.0, "correct_scales": None, "ranks": [m.factors.shape[2] for _, m in tngram_modules(fresh())],
+            "val_loss": loss(fresh())}]
+    for tol in tols:
+        for correct in (True, False):
+            m = fresh()
+            ranks = []
+            for _, mod in tngram_modules(m):
+                keep = choose_keep(component_scores(mod), tol, MIN_CP_RANK)
+                ranks.append(prune_tngram(mod, keep, correct_scales=correct))
+            out.append({"tol": tol, "correct_scales": correct, "ranks": ranks, "val_loss": loss(m)})
+    return out
+
+
 def _final_ranks(row: dict[str, Any]) -> list[int]:
     return list(row.get("cp_ranks") or [row["start_rank"]])
 
