@@ -114,7 +114,9 @@ def test_checkpoint_files_and_retention(reference):
     # checkpoints at 3, 6, 9, 12 (every 3 + the end); keep_checkpoints=2 leaves the newest two
     assert [ckpt.checkpoint_step(p) for p in kept] == [9, 12]
     for p in kept:
-        assert sorted(f.name for f in p.iterdir()) == ["meta.json", "model.safetensors", "state.safetensors"]
+        assert sorted(f.name for f in p.iterdir()) == ["manifest.json", "meta.json", "model.safetensors",
+                                                   "state.safetensors"]
+        assert ckpt.verify_checkpoint(p) is None
     assert not list((ref / "checkpoints").glob(".tmp-*"))
     meta = json.loads((kept[-1] / "meta.json").read_text())
     assert meta["step"] == 12 and meta["tokens"] == 12 * 512

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_train_support import TINY_SETS, one_thread, tiny_data  # noqa: F401
+from test_train_support import MEMORY_SETS, TINY_SETS, one_thread, tiny_data  # noqa: F401
 from tngram.cli import main
 from tngram.common import TngramError
 from tngram.recipes import get_recipe, recipe_names
@@ -31,7 +31,7 @@ def _toml_of(sets: list[str], recipe: str | None = None) -> str:
 
 
 def test_toml_file_equals_the_same_set_items(tmp_path):
-    sets = TINY_SETS + ["model.memory.cp_rank=16", "optim.matrix_lr=0.02", "run.compile=false"]
+    sets = TINY_SETS + MEMORY_SETS + ["model.memory.cp_rank=16", "optim.matrix_lr=0.02", "run.compile=false"]
     f = tmp_path / "c.toml"
     f.write_text(_toml_of(sets, "mini-tngram"))
     assert resolve_config(None, [], config_file=str(f)) == resolve_config("mini-tngram", sets)
@@ -115,7 +115,7 @@ def test_steps_sets_the_schedule_and_stop_after_keeps_it():
 
 def test_train_with_config_runs(tiny_data, tmp_path):  # noqa: F811
     f = tmp_path / "tiny.toml"
-    sets = TINY_SETS + ["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0"]
+    sets = TINY_SETS + MEMORY_SETS + ["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0"]
     f.write_text(_toml_of(sets, "mini-raw"))
     assert main(["train", "--config", str(f), "--data", str(tiny_data), "--out", str(tmp_path / "run"),
                  "--no-progress", "--set", "model.memory.kind=tngram", "--set", "model.memory.cp_rank=8"]) == 0

@@ -92,23 +92,26 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # (= 2 micro-steps of 4 x 64 on one process, or 1 micro-step on each of 2 processes).
 TINY_SETS = [
     f"model.vocab_size={TINY_VOCAB}", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
-    "model.n_kv_head=1", "model.sequence_len=64", "model.memory_layers=1",
+    "model.n_kv_head=1", "model.sequence_len=64",
     "data.global_batch_tokens=512", "data.micro_batch_seqs=4", "data.val_tokens=2048",
     "schedule.steps=8", "schedule.warmdown_steps=4", "optim.muon_momentum_warmup_steps=4",
     "run.log_every=1", "run.val_every=4", "run.checkpoint_every=2", "run.keep_checkpoints=10",
     "run.dtype=fp32",
 ]
 TNGRAM_SETS = ["model.memory.cp_rank=16", "model.memory.max_ngram=3"]
+MEMORY_SETS = ["model.memory_layers=1"]   # only where there is a memory (refused on mini-raw)
 
 
 def tiny_config(data_dir: Path, recipe: str = "mini-tngram", extra: list[str] | None = None):
     from tngram.train.cli import resolve_config
-    sets = TINY_SETS + (TNGRAM_SETS if recipe == "mini-tngram" else []) + list(extra or [])
+    sets = TINY_SETS + (MEMORY_SETS if recipe != "mini-raw" else []) + (
+        TNGRAM_SETS if recipe == "mini-tngram" else []) + list(extra or [])
     return resolve_config(recipe, sets, str(data_dir))
 
 
 def cli_args(data_dir: Path, recipe: str, out: Path, extra: list[str] | None = None) -> list[str]:
-    sets = TINY_SETS + (TNGRAM_SETS if recipe == "mini-tngram" else []) + list(extra or [])
+    sets = TINY_SETS + (MEMORY_SETS if recipe != "mini-raw" else []) + (
+        TNGRAM_SETS if recipe == "mini-tngram" else []) + list(extra or [])
     args = [recipe, "--out", str(out), "--data", str(data_dir)]
     for s in sets:
         args += ["--set", s]

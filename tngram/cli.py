@@ -15,6 +15,7 @@ import argparse
 import importlib
 import sys
 
+from tngram.argtypes import OneLineParser, report_error
 from tngram.common import TngramError
 
 # Modules that define `add_commands(subparsers)`; each owns its subcommands.
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tngram import __version__
     from tngram.cli_common import use_formatter
 
-    parser = argparse.ArgumentParser(prog="tngram", description=__doc__)
+    parser = OneLineParser(prog="tngram", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tngram {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
-    except TngramError as e:
-        print(f"tngram: error: {e}", file=sys.stderr)
+    except (TngramError, OSError) as e:  # user/environment errors: one line, exit 2
+        print(f"tngram: error: {report_error(e)}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

@@ -19,6 +19,7 @@ import argparse
 import sys
 from typing import Any
 
+from tngram.argtypes import int_range
 from tngram.common import TngramError
 
 LOGGERS = ("none", "tensorboard", "wandb")
@@ -75,7 +76,7 @@ def resolve_device(name: str, local_rank: int = 0) -> str:
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=0, metavar="N",
+    p.add_argument("--threads", type=int_range(0, 4096), default=0, metavar="N",
                    help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
                         "(default: 0). On a shared CPU, fewer threads than cores is often faster.")
 

@@ -90,8 +90,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for each non-blank line of a JSONL file; a bad line raises one
     TngramError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TngramError(f"{path}: line {lineno}: not UTF-8 text (byte {e.start}: "
+                                  f"{raw[e.start:e.start + 1]!r}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -100,12 +105,41 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 raise TngramError(f"{path}: line {lineno}: malformed JSON ({e.msg})") from None
 
 
+def read_text_utf8(path: str | os.PathLike) -> str:
+    """A text file's content; a file that is not UTF-8 is one TngramError naming it and the byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TngramError(f"{path}: line {line}: not UTF-8 text (byte offset {e.start}); re-encode the "
+                          f"file as UTF-8") from None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def check_writable_dir(folder: Path, flag: str) -> None:
+    """TngramError unless `folder` is (or can be created as) a writable folder."""
+    if folder.exists() and not folder.is_dir():
+        raise TngramError(f"{flag} {folder} is a file, expected a folder")
+    probe_root = folder
+    while not probe_root.exists():          # the nearest existing parent must accept the mkdir
+        probe_root = probe_root.parent
+    if not probe_root.is_dir():
+        raise TngramError(f"{flag} {folder}: {probe_root} is a file, not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tngram-probe.", suffix=".tmp", dir=probe_root)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise TngramError(f"{flag} {folder} is not writable ({e.strerror or e}); choose another "
+                          f"folder") from None
 
 
 def cache_dir() -> Path:

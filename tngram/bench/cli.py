@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from tngram.argtypes import int_range
+
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -79,14 +81,14 @@ def add_commands(sub: Any) -> None:
     def common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
         from tngram.cli_common import add_json_argument, add_threads_argument
         add_json_argument(q)
-        q.add_argument("--reps", type=int, default=reps, help="timed repetitions")
-        q.add_argument("--warmup", type=int, default=warmup, help="untimed warm-up repetitions")
+        q.add_argument("--reps", type=int_range(1), default=reps, help="timed repetitions")
+        q.add_argument("--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions")
         add_threads_argument(q)
 
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
     common(m, 15, 3)
-    m.add_argument("--batch", type=int, default=4, help="sequences per forward")
-    m.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    m.add_argument("--batch", type=int_range(1), default=4, help="sequences per forward")
+    m.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
     m.add_argument("--only", nargs="+", metavar="NAME",
                    help="candidates among none engram tngram tngram-torch tngram-ref oe")
     m.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
@@ -114,7 +116,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--recipes", nargs="+", metavar="RECIPE", help="recipes (default: mini-* and paper-l9-*)")
     s.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
                    help="precisions to measure")
-    s.add_argument("--paper-batch", type=int, default=2, help="sequences of 1024 tokens for paper-l9")
+    s.add_argument("--paper-batch", type=int_range(1), default=2, help="sequences of 1024 tokens for paper-l9")
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
     s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
     s.set_defaults(func=_step)
@@ -126,9 +128,9 @@ def add_commands(sub: Any) -> None:
     d.add_argument("dir", nargs="?", default=None, metavar="DIR",
                    help="a dataset folder to read (default: synthetic shards)")
     common(d, 5, 1)
-    d.add_argument("--tokens", type=int, default=8_000_000, help="tokens in the synthetic shards")
-    d.add_argument("--batch", type=int, default=16, help="sequences per batch")
-    d.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    d.add_argument("--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards")
+    d.add_argument("--batch", type=int_range(1), default=16, help="sequences per batch")
+    d.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
     d.set_defaults(func=_data)
 
     c = bs.add_parser("decode", help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
@@ -138,7 +140,7 @@ def add_commands(sub: Any) -> None:
                    help="model sizes to measure")
     c.add_argument("--methods", nargs="+", choices=("raw", "engram", "tngram"),
                    default=["raw", "engram", "tngram"], help="memories to measure")
-    c.add_argument("--tokens", type=int, default=64, help="new tokens per rep")
-    c.add_argument("--prompt", type=int, default=16, help="prompt length")
+    c.add_argument("--tokens", type=int_range(1), default=64, help="new tokens per rep")
+    c.add_argument("--prompt", type=int_range(1), default=16, help="prompt length")
     c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")
     c.set_defaults(func=_decode)

@@ -490,6 +490,26 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     )
 
 
+def validate_dataset(info: DatasetInfo, vocab_size: int) -> None:
+    """Every train and val shard's header and id range, before training (see
+    shards.validate_shards). Verdicts are cached in manifest.json under "validated", keyed by
+    each file's size and mtime, so a large dataset is read once; a read-only dataset is simply
+    checked every time."""
+    from tngram.data.shards import VALIDATED_KEY, validate_shards
+    cache = info.manifest.get(VALIDATED_KEY) or {}
+    records = validate_shards(info.train_files + info.val_files, vocab_size, cache)
+    if records != cache:
+        mpath = info.dir / "manifest.json"
+        try:
+            m = json.loads(mpath.read_text(encoding="utf-8"))
+            if m.get("files") == info.manifest.get("files"):   # not rebuilt meanwhile
+                m[VALIDATED_KEY] = records
+                write_manifest(info.dir, m)
+                info.manifest[VALIDATED_KEY] = records
+        except (OSError, ValueError):
+            pass      # read-only or changed underneath: the check itself has passed
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 

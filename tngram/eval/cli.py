@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tngram.argtypes import int_range
 from tngram.common import MissingFileError, TngramError, atomic_write_json, get_dist_info, print0
 
 
@@ -44,15 +45,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `tngram train`")
     c.add_argument("--bundle", default=None, metavar="DIR",
                    help="bundle folder (default: the CORE-offline bundle; nanochat's eval_bundle works too)")
-    c.add_argument("--max-per-task", type=int, default=None, metavar="N",
+    c.add_argument("--max-per-task", type=int_range(1), default=None, metavar="N",
                    help="evaluate a deterministic sample of N items per task (default: all)")
     c.add_argument("--out", default=None, metavar="PATH", help="result file (default: RUN_DIR/eval/core*.json)")
     add_json_argument(c)
-    c.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
+    c.add_argument("--batch-tokens", type=int_range(1), default=8192, metavar="N",
                    help="padded tokens per forward (rows x longest row); lower it to save memory")
     c.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="SentencePiece .model instead of the run's own (older runs without one)")
-    c.add_argument("--seed", type=int, default=1337, help="task shuffle seed (nanochat's)")
+    c.add_argument("--seed", type=int_range(0), default=1337, help="task shuffle seed (nanochat's)")
     add_device_argument(c)
     add_threads_argument(c)
     add_progress_argument(c)
@@ -64,8 +65,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="dataset folder (default: the run's dataset, found by its recorded paths)")
     q.add_argument("--out", default=None, metavar="PATH", help="result file (default: RUN_DIR/eval/bpb.json)")
     add_json_argument(q)
-    q.add_argument("--batch-seqs", type=int, default=8, metavar="N", help="sequences per forward")
-    q.add_argument("--max-tokens", type=int, default=None, metavar="N",
+    q.add_argument("--batch-seqs", type=int_range(1), default=8, metavar="N", help="sequences per forward")
+    q.add_argument("--max-tokens", type=int_range(1), default=None, metavar="N",
                    help="cap on validation targets (default: the run's data.val_tokens)")
     add_device_argument(q)
     add_threads_argument(q)
@@ -100,7 +101,20 @@ def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
         raise TngramError(f"cannot load runs: tngram.train.checkpoint is unavailable ({e})") from e
     if not Path(run_dir).is_dir():
         raise MissingFileError(f"run folder {run_dir} does not exist")
-    return load_run_model(run_dir, device=device)
+    return load_run_model(run_dir, device=device, say=print0)
+
+
+def _claim_output(path: Path, run_dir: str, what: str) -> Any:
+    """Before any work (tngram.train.rundir.claim_output_file): the result's folder is writable
+    and, when the result goes into the run folder, that run is locked until the end."""
+    from contextlib import nullcontext
+
+    from tngram.train.rundir import claim_output_file
+    if not Path(run_dir).is_dir():
+        raise MissingFileError(f"run folder {run_dir} does not exist")
+    if not get_dist_info().is_main:
+        return nullcontext()
+    return claim_output_file(path, Path(run_dir), what) or nullcontext()
 
 
 def _dataset(run_dir: str, cfg: dict[str, Any], override: str | None = None) -> Any:
@@ -145,7 +159,10 @@ def cmd_core(args: argparse.Namespace) -> int:
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
         raise MissingFileError(f"{bundle / 'core.yaml'}: missing{hint}")
-    with _dist_group(device) as info:
+    n = args.max_per_task
+    path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / (f"core-max{n}.json" if n else "core.json")
+    lock = _claim_output(path, args.run_dir, "eval core")     # writable + run locked, before any work
+    with lock, _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
         from tngram.train.portable import run_tokenizer_path
         tok = SentencePieceTokenizer(run_tokenizer_path(args.run_dir, cfg, args.tokenizer))
@@ -167,9 +184,6 @@ def cmd_core(args: argparse.Namespace) -> int:
         res["run_dir"] = str(args.run_dir)
         res["wall_seconds"] = round(time.perf_counter() - t0, 2)
         if info.is_main:
-            n = res["max_per_task"]
-            path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / (
-                f"core-max{n}.json" if n else "core.json")
             atomic_write_json(path, res)
             _show(args, res, format_core_table(res), path)
     return 0
@@ -183,7 +197,9 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.cli_common import apply_threads
     device = _device(args.device)
     apply_threads(args.threads)
-    with _dist_group(device) as info:
+    path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / "bpb.json"
+    lock = _claim_output(path, args.run_dir, "eval bpb")      # writable + run locked, before any work
+    with lock, _dist_group(device) as info:
         model, cfg = _load_run(args.run_dir, device)
         ds = _dataset(args.run_dir, cfg, args.data)
         data = ds.dir
@@ -196,7 +212,6 @@ def cmd_bpb(args: argparse.Namespace) -> int:
                                 world_size=info.world_size, max_tokens=max_tokens))
         res.update(run_dir=str(args.run_dir), data_dir=str(data), seconds=round(time.perf_counter() - t0, 2))
         if info.is_main:
-            path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / "bpb.json"
             atomic_write_json(path, res)
             _show(args, res, f"{'run':<40}{'val_loss':>10}{'val_bpb':>10}{'tokens':>12}\n"
                   f"{str(args.run_dir):<40}{res['val_loss']:>10.4f}{res['val_bpb']:>10.4f}{res['tokens']:>12}", path)

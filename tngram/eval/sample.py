@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tngram.argtypes import float_range, int_range
 from tngram.common import TngramError
 
 
@@ -66,10 +67,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `tngram train`")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--temperature", type=float_range(0.0), default=0.8, help="softmax temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int_range(0), default=50, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeds SEED, SEED+1, ...)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int_range(0), default=0, help="sampling seed")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="SentencePiece .model to use instead of the run's (older runs without one)")
     add_device_argument(p)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tngram.common import MissingFileError, TngramError, iter_jsonl
+from tngram.common import MissingFileError, TngramError, iter_jsonl, read_text_utf8
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
 TASK_TYPES = (MC, SCHEMA, LM)
@@ -406,6 +406,7 @@ def read_baselines(path: Path) -> dict[str, float]:
     """'Eval Task' -> 'Random baseline' (percent) from eval_meta_data.csv."""
     if not path.is_file():
         raise MissingFileError(f"{path}: missing (the bundle's random baselines)")
+    read_text_utf8(path)  # one clear line if it is not UTF-8
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
@@ -431,7 +432,7 @@ def load_bundle(bundle_dir: str | Path) -> Bundle:
     core = root / "core.yaml"
     if not core.is_file():
         raise MissingFileError(f"{core}: missing (not a CORE bundle folder?)")
-    entries = parse_core_yaml(core.read_text(encoding="utf-8"), core)
+    entries = parse_core_yaml(read_text_utf8(core), core)
     baselines = read_baselines(root / "eval_meta_data.csv")
     tasks: list[BundleTask] = []
     seen: set[str] = set()

@@ -5,18 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tngram.argtypes import int_range
 from tngram.cli_common import HelpFormatter, add_progress_argument, add_steps_argument
 
 
 def _common(p: Any) -> None:
-    p.add_argument("--seeds", type=int, default=1, help="seeds per configuration (mean ± std in the report)")
+    p.add_argument("--seeds", type=int_range(1), default=1, help="seeds per configuration (mean ± std in the report)")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="dataset folder (default: the offline default corpus, built on first use)")
     add_steps_argument(p)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config key in every run, after the experiment's own settings, e.g. "
                         "--set optim.matrix_lr=0.02 (repeatable; model.memory.* skips runs without a memory)")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=int_range(1), default=None, metavar="N",
                    help="processes per run, torchrun when > 1 (default: 1 on CPU, all GPUs for paper presets)")
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="output folder: runs/, results.json, report.md (finished runs are reused)")

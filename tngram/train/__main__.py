@@ -5,23 +5,22 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from tngram.argtypes import OneLineParser, report_error
 from tngram.common import TngramError
 from tngram.train.cli import add_train_arguments, cmd_train
 
 
 def main(argv: list[str] | None = None) -> int:
     from tngram.cli_common import HelpFormatter
-    parser = argparse.ArgumentParser(prog="python -m tngram.train", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = OneLineParser(prog="python -m tngram.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return cmd_train(args)
-    except TngramError as e:
-        print(f"tngram: error: {e}", file=sys.stderr)
+    except (TngramError, OSError) as e:
+        print(f"tngram: error: {report_error(e)}", file=sys.stderr)
         return 2
 
 

@@ -8,24 +8,31 @@ Layout of a run folder:
         state.safetensors              optimiser state tensors + RNG states (torch uint8)
         meta.json                      step, token/time counters, loader state, optimiser
                                        param groups and non-tensor state, world size
+        manifest.json                  size and sha256 of the three files above, written last
     DIR/model.safetensors              final weights (metadata: step), written at the end
 
-A checkpoint is written into a hidden temporary folder (every file fsync'ed) and renamed to
-step_NNNNNN only when complete, so a process killed at any moment leaves either the previous
-set of checkpoints or the new one; leftover temporary folders are ignored and cleaned up.
-Only the last `keep` checkpoints are kept. Loading never unpickles: safetensors holds only
-raw tensors, JSON only plain data.
+A checkpoint is written into a hidden temporary folder (every file fsync'ed, manifest.json
+last) and renamed to step_NNNNNN only when complete, so a process killed at any moment leaves
+either the previous set of checkpoints or the new one; leftover temporary folders are removed
+at the next start and when a save fails. A checkpoint is verified as a unit against its
+manifest before it is used: `--resume` takes the newest checkpoint that verifies and says
+which newer ones it skipped and why. Only the last `keep` checkpoints are kept. Before writing,
+the free space is checked against the checkpoint's size; a full disk gives one line with the
+size needed. Loading never unpickles: safetensors holds only raw tensors, JSON only plain data;
+a corrupt, truncated or mismatched file is one TngramError naming the file.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save
@@ -35,18 +42,20 @@ from tngram.common import MissingFileError, TngramError, atomic_write_bytes, ato
 
 CKPT_DIR = "checkpoints"
 FINAL_WEIGHTS = "model.safetensors"
+MANIFEST = "manifest.json"
+CKPT_FILES = ("model.safetensors", "state.safetensors", "meta.json")
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
 # ---- listing
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoint folders of a run (renamed into place, so complete when written), oldest first.
+    They are not verified here: see `verify_checkpoint` / `newest_good_checkpoint`."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name))
-             and (p / "meta.json").exists()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
@@ -128,39 +137,97 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+class DiskFull(TngramError):
+    """Not enough free space for an output (raised before writing when we can tell)."""
+
+
+def check_free_space(folder: Path, needed: int, what: str) -> None:
+    """TngramError if `folder`'s filesystem has fewer than `needed` bytes free."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < needed:
+        raise DiskFull(f"not enough disk space for {what} in {folder}: it needs {_mib(needed)}, "
+                       f"{_mib(free)} free; free some space or choose another --out")
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 # ---- save / load
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
                     optimizers: dict[str, torch.optim.Optimizer], meta: dict[str, Any],
                     keep: int) -> Path:
-    """Write DIR/checkpoints/step_NNNNNN atomically, then delete all but the newest `keep`."""
+    """Write DIR/checkpoints/step_NNNNNN atomically, then delete all but the newest `keep`.
+
+    The files are serialised in memory first, so their exact size is known: the free space is
+    checked before anything is written, and a write that still fails (disk full, I/O error)
+    removes the temporary folder and raises one TngramError saying how much space is needed.
+    """
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     state: dict[str, torch.Tensor] = rng_tensors()
     opt_info = {}
     for name, opt in optimizers.items():
         t, info = optimizer_to_flat(name, opt)
         state.update(t)
         opt_info[name] = info
-    _write_file(tmp / "model.safetensors", save(model_tensors(model), metadata={"step": str(step)}))
-    _write_file(tmp / "state.safetensors", save(state, metadata={"step": str(step)}))
-    _write_file(tmp / "meta.json", (json.dumps({**meta, "step": step, "optimizers": opt_info},
-                                               indent=1) + "\n").encode())
-    if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    blobs = {
+        "model.safetensors": save(model_tensors(model), metadata={"step": str(step)}),
+        "state.safetensors": save(state, metadata={"step": str(step)}),
+        "meta.json": (json.dumps({**meta, "step": step, "optimizers": opt_info}, indent=1) + "\n").encode(),
+    }
+    manifest = {"step": step, "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in blobs.items()}}
+    needed = sum(len(b) for b in blobs.values()) + 4096
+    check_free_space(root, needed, f"checkpoint step_{step:06d}")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for name, data in blobs.items():
+            _write_file(tmp / name, data)
+        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"disk full while writing checkpoint step_{step:06d} to {root}: a checkpoint "
+                           f"needs {_mib(needed)}; the torn copy was removed and the previous "
+                           f"checkpoints are intact; free some space and --resume") from None
+        raise TngramError(f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}") from None
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-step_*"):
-        if stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_torn_temps(run_dir)
     return final
+
+
+def remove_torn_temps(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete temporary files/folders that a killed or failed writer left in a run folder:
+    checkpoints/.tmp-step_* and the `.NAME.*.tmp` files of atomic writes (in DIR and DIR/eval).
+    Only call this while holding the run's lock (another writer's temporaries would go too)."""
+    run_dir = Path(run_dir)
+    gone = []
+    for pattern in (f"{CKPT_DIR}/.tmp-step_*", ".*.tmp", "eval/.*.tmp"):
+        for p in run_dir.glob(pattern):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def _fsync_dir(path: Path) -> None:
@@ -176,79 +243,218 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# ---- verification
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if the checkpoint folder verifies, else the reason (one short phrase naming the file).
+
+    With manifest.json: every listed file exists with the recorded size and sha256. Older
+    checkpoints without a manifest are accepted if meta.json parses and both safetensors
+    headers read (their payloads cannot be checked)."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if mpath.exists():
+        try:
+            files = json.loads(mpath.read_text())["files"]
+            assert isinstance(files, dict) and set(files) >= set(CKPT_FILES)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+            return f"{MANIFEST} is corrupt"
+        for name, rec in files.items():
+            f = path / name
+            try:
+                size = f.stat().st_size
+            except OSError:
+                return f"{name} is missing"
+            if size != rec.get("size"):
+                return f"{name} has {size} bytes, the manifest says {rec.get('size')} (truncated or replaced)"
+            if _file_sha256(f) != rec.get("sha256"):
+                return f"{name} does not match its sha256 in the manifest (corrupt)"
+        return None
+    for name in CKPT_FILES:
+        if not (path / name).exists():
+            return f"{name} is missing (no {MANIFEST}: an incomplete or older checkpoint)"
+    try:
+        json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return "meta.json is corrupt"
+    for name in ("model.safetensors", "state.safetensors"):
+        try:
+            _read_safetensors_header(path / name)
+        except TngramError as e:
+            return str(e).split(": ", 1)[-1]
+    return None
+
+
+def newest_good_checkpoint(run_dir: str | os.PathLike,
+                           say: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies; each newer one that does not is reported via `say`."""
+    for p in reversed(list_checkpoints(run_dir)):
+        reason = verify_checkpoint(p)
+        if reason is None:
+            return p
+        if say is not None:
+            say(f"tngram: skipping checkpoint {p.name}: {reason}")
+    return None
+
+
+def _read_safetensors_header(file: Path) -> dict[str, Any]:
+    """{tensor name: {"dtype", "shape", ...}} of a safetensors file; TngramError naming it if the
+    file is missing, truncated or not safetensors."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}
+    except FileNotFoundError:
+        raise MissingFileError(f"{file}: missing") from None
+    except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError
+        raise TngramError(f"{file}: corrupt or truncated safetensors file ({_short(e)})") from None
+
+
+def _short(e: BaseException) -> str:
+    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+
+
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except FileNotFoundError:
+        raise MissingFileError(f"{file}: missing") from None
+    except Exception as e:
+        raise TngramError(f"{file}: corrupt or truncated safetensors file ({_short(e)})") from None
+
+
+def _load_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MissingFileError(f"{file}: missing") from None
+    except (OSError, ValueError) as e:
+        raise TngramError(f"{file}: corrupt or truncated JSON ({_short(e)})") from None
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     restore_rng_state: bool = True) -> dict[str, Any]:
-    """Restore weights (and optimisers, RNG) from a checkpoint folder; returns its meta.json."""
+    """Restore weights (and optimisers, RNG) from a checkpoint folder; returns its meta.json.
+    Every problem is a TngramError naming the file."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _load_json(path / "meta.json")
     load_weights(model, path / "model.safetensors", (optimizers or {}).values())
     if optimizers:
-        state = load_file(str(path / "state.safetensors"))
+        state = _load_tensors(path / "state.safetensors")
         for name, opt in optimizers.items():
-            if name not in meta["optimizers"]:
+            if name not in meta.get("optimizers", {}):
                 raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
-            optimizer_from_flat(name, opt, state, meta["optimizers"][name])
+            try:
+                optimizer_from_flat(name, opt, state, meta["optimizers"][name])
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                raise TngramError(f"{path / 'state.safetensors'}: optimiser {name!r} state does not fit "
+                                  f"this model ({_short(e)})") from None
         if restore_rng_state:
+            if "rng/torch_cpu" not in state:
+                raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
             restore_rng(state)
     return meta
 
 
 def load_weights(model: nn.Module, file: str | os.PathLike,
                  optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
-    tensors = load_file(str(file))
+    """Load a safetensors state dict into `model`; names and shapes are checked first, so a file
+    that does not fit raises one TngramError naming it (and loads nothing)."""
+    file = Path(file)
+    tensors = _load_tensors(file)
     # weights saved after adaptive CP-rank pruning have smaller TN-gram shapes than the config's
     # starting rank: shrink those modules first (the loaded values then overwrite them; the
     # optimisers are pointed at the new, smaller parameters)
     from tngram.memory.cp_rank import shrink_to_state
     shrink_to_state(model, tensors, optimizers)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    own = model.state_dict()
+    missing = [k for k in own if k not in tensors]
+    unexpected = [k for k in tensors if k not in own]
     if missing or unexpected:
         raise TngramError(f"weights in {file} do not fit the model: missing {missing[:5]}, "
                           f"unexpected {unexpected[:5]}")
+    bad = [(k, tuple(tensors[k].shape), tuple(v.shape)) for k, v in own.items() if tensors[k].shape != v.shape]
+    if bad:
+        k, got, want = bad[0]
+        raise TngramError(f"weights in {file} do not fit the model: {k} has shape {got}, the model "
+                          f"needs {want} ({len(bad)} mismatched tensor(s)); was it written by another config?")
+    model.load_state_dict(tensors, strict=True)
 
 
 def save_final_weights(run_dir: str | os.PathLike, model: nn.Module, step: int) -> Path:
     path = Path(run_dir) / FINAL_WEIGHTS
-    atomic_write_bytes(path, save(model_tensors(model), metadata={"step": str(step)}))
+    data = save(model_tensors(model), metadata={"step": str(step)})
+    check_free_space(path.parent, len(data) + 4096, "the final weights")
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"disk full while writing {path}: the final weights need {_mib(len(data))}; "
+                           f"the checkpoints are intact, free some space and --resume") from None
+        raise TngramError(f"cannot write {path}: {e.strerror or e}") from None
     return path
 
 
 def _weights_step(file: Path) -> int:
     from safetensors import safe_open
-    with safe_open(str(file), framework="pt") as f:
-        return int((f.metadata() or {}).get("step", -1))
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return int((f.metadata() or {}).get("step", -1))
+    except Exception as e:
+        raise TngramError(f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
+                          f"use the newest checkpoint, or re-run the last step with --resume") from None
 
 
 def save_run_config(run_dir: str | os.PathLike, cfg_dict: dict[str, Any]) -> None:
     atomic_write_json(Path(run_dir) / "config.json", cfg_dict)
 
 
-def load_run_model(run_dir: str | Path, device: str = "cpu") -> tuple[nn.Module, dict]:
+def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """DIR/config.json as a dict; TngramError naming the file if missing or corrupt."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
+    d = _load_json(path)
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("model"), dict):
+        raise TngramError(f"{path}: not a tngram run config (no name/model)")
+    return d
+
+
+def load_run_model(run_dir: str | Path, device: str = "cpu",
+                   say: Callable[[str], None] | None = None) -> tuple[nn.Module, dict]:
     """The trained model of a run folder (eval mode, on `device`) and its resolved config dict.
 
-    Weights come from whichever is newer: the final weights DIR/model.safetensors or the latest
-    checkpoint (a run still going, or interrupted, has only checkpoints).
+    Weights come from whichever is newer: the final weights DIR/model.safetensors or the newest
+    checkpoint that verifies (a run still going, or interrupted, has only checkpoints).
     """
     from tngram.model.gpt import GPT
     from tngram.train.config import TrainConfig
 
     run_dir = Path(run_dir)
-    cfg_file = run_dir / "config.json"
-    if not cfg_file.exists():
-        raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
-    cfg_dict = json.loads(cfg_file.read_text())
+    cfg_dict = read_run_config(run_dir)
     candidates = []
     final = run_dir / FINAL_WEIGHTS
     if final.exists():
         candidates.append((_weights_step(final), 1, final))
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = newest_good_checkpoint(run_dir, say)
     if ckpt is not None:
         candidates.append((checkpoint_step(ckpt), 0, ckpt / "model.safetensors"))
     if not candidates:
-        raise TngramError(f"{run_dir} has no weights yet (no {FINAL_WEIGHTS}, no checkpoint)")
+        raise TngramError(f"{run_dir} has no usable weights (no {FINAL_WEIGHTS}, no intact checkpoint)")
     weights = max(candidates)[2]
-    cfg = TrainConfig.from_dict(cfg_dict)
+    try:
+        cfg = TrainConfig.from_dict(cfg_dict)
+    except (TypeError, KeyError, ValueError, TngramError) as e:
+        raise TngramError(f"{run_dir / 'config.json'}: not a valid run config ({_short(e)})") from None
     model = GPT(cfg.model)          # random init (cheap), overwritten by the weights below
     load_weights(model, weights)
     model.to(device).eval()

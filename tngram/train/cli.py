@@ -58,7 +58,8 @@ def resolve_config(recipe: str | None, overrides: list[str], data: str | None = 
     from dataclasses import replace
 
     from tngram.recipes import get_recipe
-    from tngram.train.config import apply_overrides, apply_settings, with_schedule_steps
+    from tngram.train.config import (apply_overrides, apply_settings, check_memory_layers_used,
+                                     with_schedule_steps)
 
     settings: list[tuple[str, Any]] = []
     if config_file is not None:
@@ -73,7 +74,9 @@ def resolve_config(recipe: str | None, overrides: list[str], data: str | None = 
     if data is not None:
         cfg = replace(cfg, data=replace(cfg.data, dir=str(data)))
     cfg = with_schedule_steps(cfg, steps)
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    check_memory_layers_used(cfg, get_recipe(recipe))
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> int:

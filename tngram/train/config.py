@@ -6,7 +6,8 @@ A run = a recipe function (tngram.recipes) + dotted overrides (`--set optim.matr
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -84,6 +85,8 @@ class TrainConfig:
 # ---- validation and dotted overrides (`--set section.field=value`)
 
 DTYPES = ("auto", "fp32", "bf16")
+_SECTION_NAME = {"OptimConfig": "optim", "ScheduleConfig": "schedule", "DataConfig": "data",
+                 "RunConfig": "run"}
 
 
 def _check(ok: bool, key: str, expected: str, got: Any) -> None:
@@ -91,9 +94,78 @@ def _check(ok: bool, key: str, expected: str, got: Any) -> None:
         raise TngramError(f"{key} must be {expected}, got {got!r}")
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+MODEL_INT_MIN = {"vocab_size": 2, "n_layer": 1, "n_embd": 2, "n_head": 1, "n_kv_head": 1,
+                 "mlp_mult": 1, "sequence_len": 1, "memory_seed": 0}
+MAX_VOCAB = 65536   # token shards store uint16 ids
+# upper bounds far above any real model, so a typo (an extra zero run) fails here instead of
+# looping for hours while the model is built
+MODEL_INT_MAX = {"n_layer": 1024, "n_head": 1024, "n_kv_head": 1024, "n_embd": 65536, "mlp_mult": 64,
+                 "sequence_len": 1 << 20}
+MEMORY_INT_MAX = {"max_ngram": 32, "hc_mult": 64, "kernel_size": 256, "dilation": 1024,
+                  "n_head_per_ngram": 1024, "n_slices": 1024}
+INT_MAX = 1 << 40
+
+
+def _validate_model(m: GPTConfig) -> None:
+    for k, lo in MODEL_INT_MIN.items():
+        _check(isinstance(getattr(m, k), int) and getattr(m, k) >= lo, f"model.{k}", f"an int >= {lo}",
+               getattr(m, k))
+    _check(m.vocab_size <= MAX_VOCAB, "model.vocab_size", f"<= {MAX_VOCAB} (uint16 token shards)", m.vocab_size)
+    for k, hi in MODEL_INT_MAX.items():
+        _check(getattr(m, k) <= hi, f"model.{k}", f"<= {hi}", getattr(m, k))
+    for k in ("rope_base", "logit_softcap"):
+        _check(_finite(getattr(m, k)) and getattr(m, k) > 0, f"model.{k}", "a finite float > 0", getattr(m, k))
+    for k in ("qk_gain_init", "tied_embed_init_std"):
+        _check(_finite(getattr(m, k)) and getattr(m, k) >= 0, f"model.{k}", "a finite float >= 0",
+               getattr(m, k))
+    _check(all(isinstance(i, int) for i in m.memory_layers), "model.memory_layers", "block indices",
+           m.memory_layers)
+
+
+MEMORY_INT_MIN1 = {"max_ngram", "cp_rank", "kernel_size", "dilation", "hc_mult", "n_head_per_ngram",
+                   "n_embed_per_ngram", "n_slices", "table_rows", "slice_dim", "min_cp_rank"}
+MEMORY_FLOAT_POSITIVE = {"factor_init_std", "norm_eps"}
+
+
+def _validate_memory(mem: Any) -> None:
+    """Generic ranges of a memory config's fields (the module's own validate() adds the rest):
+    every int >= 0 (sizes in MEMORY_INT_MIN1 >= 1), every float finite and >= 0 (> 0 for
+    MEMORY_FLOAT_POSITIVE), tuple elements >= 1."""
+    if mem is None or not is_dataclass(mem):
+        return
+    for f in fields(mem):
+        v, key = getattr(mem, f.name), f"model.memory.{f.name}"
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        if isinstance(v, int):
+            lo = 1 if f.name in MEMORY_INT_MIN1 else 0
+            hi = MEMORY_INT_MAX.get(f.name, INT_MAX)
+            _check(lo <= v <= hi, key, f"an int in [{lo}, {hi}]", v)
+        elif isinstance(v, float):
+            if f.name in MEMORY_FLOAT_POSITIVE:
+                _check(math.isfinite(v) and v > 0, key, "a finite float > 0", v)
+            else:
+                _check(math.isfinite(v) and v >= 0, key, "a finite float >= 0", v)
+        elif isinstance(v, tuple):
+            _check(all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= INT_MAX for x in v), key,
+                   f"ints in [1, {INT_MAX}]", v)
+
+
 def validate_config(cfg: TrainConfig) -> None:
-    """Cheap checks of every section (no data, no model weights); TngramError naming the field."""
+    """Cheap checks of every field (no data, no model weights); TngramError naming the field and
+    its range. Every float must be finite (nan/inf are refused everywhere)."""
     o, s, d, r = cfg.optim, cfg.schedule, cfg.data, cfg.run
+    for sec in (o, s, d, r):
+        for f in fields(sec):
+            v = getattr(sec, f.name)
+            if isinstance(v, float):
+                _check(math.isfinite(v), f"{_SECTION_NAME[type(sec).__name__]}.{f.name}", "finite", v)
+    _validate_model(cfg.model)
+    _validate_memory(cfg.model.memory)
     for k in ("matrix_lr", "tied_embed_lr", "scalar_lr", "adam_eps", "grad_clip_norm"):
         _check(getattr(o, k) >= 0, f"optim.{k}", ">= 0", getattr(o, k))
     _check(o.memory_table_lr is None or o.memory_table_lr >= 0, "optim.memory_table_lr",
@@ -105,6 +177,10 @@ def validate_config(cfg: TrainConfig) -> None:
            o.muon_momentum_warmup_steps)
     _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)
     _check(s.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", s.warmdown_steps)
+    _check(d.seed >= 0, "data.seed", ">= 0", d.seed)
+    _check(r.seed >= 0, "run.seed", ">= 0", r.seed)
+    _check(r.device == "auto" or r.device == "cpu" or r.device == "mps" or r.device.startswith("cuda"),
+           "run.device", "auto, cpu, cuda, cuda:N or mps", r.device)
     _check(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
     _check(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
     _check(d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens)
@@ -113,7 +189,7 @@ def validate_config(cfg: TrainConfig) -> None:
     for k in ("val_every", "checkpoint_every"):
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
-    _check(r.threads >= 0, "run.threads", ">= 0 (0: torch's default)", r.threads)
+    _check(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
     from tngram.train.warmstart import TRAINABLE, check_init_from
     _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
     if o.trainable == "memory" and cfg.model.memory is None:
@@ -124,6 +200,14 @@ def validate_config(cfg: TrainConfig) -> None:
     mem = cfg.model.memory
     if mem is not None and hasattr(mem, "validate"):
         mem.validate(cfg.model.vocab_size)
+
+
+def check_memory_layers_used(cfg: TrainConfig, recipe_cfg: TrainConfig) -> None:
+    """memory_layers changed from the recipe's on a config without memory has no effect: refused.
+    (The recipe's own value, as in a --print-config round trip of a raw recipe, is accepted.)"""
+    if cfg.model.memory is None and tuple(cfg.model.memory_layers) != tuple(recipe_cfg.model.memory_layers):
+        raise TngramError(f"model.memory_layers: recipe {cfg.name!r} has no memory module (model.memory is "
+                          f"none), so memory_layers={tuple(cfg.model.memory_layers)} would have no effect")
 
 
 def _sections(cfg: TrainConfig) -> dict[str, Any]:

@@ -43,8 +43,10 @@ from tngram.train import checkpoint as ckpt
 from tngram.train.config import TrainConfig, validate_config
 from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
                                grad_accum_steps, init_distributed, no_sync, shutdown, wrap_ddp)
+from tngram.train.health import LossHealth, check_batch_vs_data, check_step_memory
 from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info
 from tngram.train.portable import record_dataset
+from tngram.train.rundir import claim_run_dir, release_run_dir
 
 # run.* fields that may change between an interrupted run and its resumption
 RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints", "threads")
@@ -103,22 +105,47 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
         progress = sys.stderr.isatty()
     if max_steps is not None and max_steps < 1:
         raise TngramError(f"--steps must be >= 1, got {max_steps}")
+    run_dir = Path(out_dir)
+    check_step_memory(cfg)                     # before the folder exists or anything is allocated
     ctx = init_distributed(cfg.run.device)
     threads = torch.get_num_threads()
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
+    lock = None
     try:
-        return _train(cfg, Path(out_dir), ctx, resume, max_steps, logger, progress)
+        lock = _claim(run_dir, cfg, resume, ctx)
+        return _train(cfg, run_dir, ctx, resume, max_steps, logger, progress)
     finally:
+        if lock is not None:
+            release_run_dir(lock)
         torch.set_num_threads(threads)
         shutdown(ctx)
 
 
+def _claim(run_dir: Path, cfg: TrainConfig, resume: bool, ctx: DistContext):
+    """The main process checks and locks the run folder; every process fails together if it can't."""
+    lock, err = None, None
+    if ctx.is_main:
+        try:
+            lock = claim_run_dir(run_dir, cfg.name, resume)
+            if lock.stale:
+                print(f"tngram: note: took over the lock of {run_dir} from pid {lock.stale.get('pid')} "
+                      f"on {lock.stale.get('host')}, which is no longer running")
+        except TngramError as e:
+            err = str(e)
+    err = broadcast_str(err, ctx)
+    if err is not None:
+        if lock is not None:
+            release_run_dir(lock)
+        raise TngramError(err)
+    return lock
+
+
 def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> None:
     """The checkpoint's config must equal `cfg` except for RESUMABLE_RUN_FIELDS."""
-    saved = json.loads((checkpoint / "meta.json").read_text()).get("config")
+    saved = ckpt._load_json(checkpoint / "meta.json").get("config")
     if saved is None:
-        saved = json.loads((run_dir / "config.json").read_text())
+        saved = ckpt.read_run_config(run_dir)
     new = json.loads(json.dumps(cfg.to_dict()))
     for d in (saved, new):
         for k in RESUMABLE_RUN_FIELDS:
@@ -134,7 +161,7 @@ def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> N
 
 
 def _open_data(cfg: TrainConfig, ctx: DistContext):
-    from tngram.data.build import ensure_default_data, open_dataset
+    from tngram.data.build import ensure_default_data, open_dataset, validate_dataset
     data_dir = cfg.data.dir
     if data_dir is None:  # the default corpus: built once by the main process
         data_dir = str(ensure_default_data(vocab_size=cfg.model.vocab_size)) if ctx.is_main else None
@@ -143,6 +170,15 @@ def _open_data(cfg: TrainConfig, ctx: DistContext):
     if info.vocab_size != cfg.model.vocab_size:
         raise TngramError(f"model.vocab_size is {cfg.model.vocab_size} but the dataset {info.dir} has "
                           f"vocab {info.vocab_size}; pass --set model.vocab_size={info.vocab_size}")
+    err = None
+    if ctx.is_main:        # every shard, before step 1 (cached in the dataset's manifest)
+        try:
+            validate_dataset(info, cfg.model.vocab_size)
+        except TngramError as e:
+            err = str(e)
+    err = broadcast_str(err, ctx)
+    if err is not None:
+        raise TngramError(err)
     return info
 
 
@@ -156,11 +192,16 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     prune_at = _prune_at_step(cfg, ctx.world_size)
     stop = min(steps, max_steps) if max_steps is not None else steps
 
-    # ---- run folder: refuse to overwrite checkpoints; on resume the config must match
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is not None and not resume:
+    # ---- run folder: refuse to overwrite checkpoints; on resume take the newest checkpoint
+    # that verifies (saying which newer ones are skipped), and its config must match
+    existing = ckpt.list_checkpoints(run_dir)
+    if existing and not resume:
         raise TngramError(f"{run_dir} already holds a run with checkpoints; pass --resume to "
                           f"continue it or choose another --out")
+    latest = ckpt.newest_good_checkpoint(run_dir, say) if resume else None
+    if resume and existing and latest is None:
+        raise TngramError(f"cannot resume {run_dir}: none of its {len(existing)} checkpoint(s) verifies "
+                          f"(see the lines above); move {run_dir / ckpt.CKPT_DIR} away to start over")
     if resume and latest is not None:
         _check_resume_config(run_dir, latest, cfg)
     elif resume:
@@ -174,6 +215,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     V = cfg.model.vocab_size
     loader = TokenLoader(info.train_files, cfg.data.micro_batch_seqs, seq_len, ddp_rank=ctx.ddp_rank,
                          world_size=ctx.world_size, seed=cfg.data.seed, vocab_size=V)
+    check_batch_vs_data(cfg, sum(loader.counts))
     val_tokens = load_val_tokens(info.val_files, seq_len, vocab_size=V)
     luts = token_byte_luts(load_tokenizer(info.tokenizer_path), V)
 
@@ -197,6 +239,9 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
                                   nesterov=True, ns_steps=o.muon_ns_steps, ddp_rank=ctx.ddp_rank,
                                   world_size=ctx.world_size)
     sizes = delta_params(cfg)
+    if ctx.is_main:   # a checkpoint holds the weights and up to two moments per parameter
+        ckpt_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+        ckpt.check_free_space(run_dir, ckpt_bytes + ckpt_bytes // 3, "a checkpoint and the final weights")
 
     step, tokens, wall_prev, train_time_prev = 0, 0, 0.0, 0.0
     if resume and latest is not None:
@@ -253,6 +298,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     win_time, win_tokens = 0.0, 0
     last_loss, last_eval = float("nan"), None
     progress = Progress(stop, step, cfg.name, ctx.is_main, bar=bar, log_every=cfg.run.log_every)
+    health = LossHealth(V)
     model.train()
     try:
         while step < stop:
@@ -296,6 +342,9 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
             train_time, win_time = train_time + dt, win_time + dt
             win_tokens += cfg.data.global_batch_tokens
             last_loss = train_loss
+            warning = health.update(step, train_loss)
+            if warning:
+                progress.write(warning) if progress.bar is not None else say(warning)
             if prune_at and step == prune_at:    # adaptive CP rank (tngram.memory.cp_rank)
                 from tngram.memory.cp_rank import prune_model
                 tp = time.perf_counter()
@@ -341,6 +390,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         "world_size": ctx.world_size, "grad_accum_steps": accum,
         "device": str(device), "dtype": str(amp or torch.float32).replace("torch.", ""),
     }
+    healthy, why = health.verdict()
+    summary.update(healthy=healthy, health_reason=why, health_steps_seen=health.steps)
     if prune_at:
         from tngram.memory.cp_rank import cp_ranks
         summary["cp_ranks"] = cp_ranks(model)
@@ -351,6 +402,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         say(f"tngram: {cfg.name} done: step {step}, train {summary['train_loss']:.4f}, val "
             f"{summary['val_loss']:.4f} (bpb {summary['val_bpb']:.4f}), "
             f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.0f} s -> {run_dir}")
+        if not healthy:
+            say(f"tngram: warning: the run is NOT healthy (summary.json healthy: false): {why}")
     barrier(ctx)
     return summary
 

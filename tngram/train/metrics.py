@@ -4,8 +4,9 @@ metrics.jsonl holds one JSON object per logged step (`step`, `train_loss`, `lr`,
 `tokens_per_s`; evaluation rows add `val_loss`, `val_bpb`). `step` counts finished optimiser
 steps, so the row of step s reports the loss of the batch that update s was computed from and
 the validation after s updates. On resume, rows after the checkpoint's step are dropped (they
-came from the interrupted process and will be written again), as is a torn last line.
-Only the main process writes.
+came from the interrupted process and will be written again), as is a torn last line: the file
+is cut in place (truncated after the last kept row and appended to), never replaced, so there is
+only ever one file that one handle writes. Only the main process writes, under the run's lock.
 """
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def kept_prefix_bytes(data: bytes, keep_until_step: int | None) -> int:
+    """Length of the leading complete rows of a metrics file with step <= keep_until_step
+    (everything is dropped when keep_until_step is None: a fresh run)."""
+    if keep_until_step is None:
+        return 0
+    end = 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break                                   # torn last line
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(row, dict) or row.get("step", 0) > keep_until_step:
+            break
+        end += len(line)
+    return end
+
+
 class MetricsLog:
     """Appends rows to DIR/metrics.jsonl on the main process (always: the source of truth), and
     to TensorBoard (DIR/tb) or Weights & Biases (DIR/wandb; WANDB_MODE=offline needs no account)
@@ -97,10 +117,11 @@ class MetricsLog:
         self.wandb = None
         if not enabled:
             return
-        kept = [r for r in read_metrics(run_dir)
-                if keep_until_step is not None and r.get("step", 0) <= keep_until_step]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a+b")
+        self._file.seek(0)
+        cut = kept_prefix_bytes(self._file.read(), keep_until_step)
+        self._file.truncate(cut)      # in place: same file, same inode; O_APPEND writes after it
+        self._file.flush()
         if logger == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # checked by check_logger before work
             self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
@@ -113,7 +134,7 @@ class MetricsLog:
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write((json.dumps(row) + "\n").encode("utf-8"))
         self._file.flush()
         scalars = {k: v for k, v in row.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}

@@ -1,0 +1,111 @@
+"""One writer per run folder: an exclusive, advisory lock on DIR/.tngram.lock.
+
+Every command that writes into a run folder (`train`, `train --resume`, `eval bpb/core` writing
+their JSON into the run) holds this lock for as long as it writes. A second writer fails at once
+with one line naming the holder (pid, host, command, start time).
+
+The lock is `fcntl.flock` on the lock file, so the kernel releases it when the holder dies,
+however it dies (`kill -9` included): a lock file left behind by a dead process is *stale* and
+is simply taken over. The holder's pid/host/command are recorded in the file for the error
+message only; they are never what decides who holds the lock. Network filesystems without
+flock support get an OSError from fcntl, which we report as such.
+(Hand-written on fcntl rather than the `filelock` package so the holder's record is written
+through the locked descriptor itself; see docs/LOG.md.)
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from tngram.common import TngramError
+
+LOCK_FILE = ".tngram.lock"
+
+
+def _holder_text(info: dict | None) -> str:
+    if not info:
+        return "another process (no holder info recorded yet)"
+    cmd = " ".join(str(a) for a in info.get("argv", []))[:120]
+    return (f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')} "
+            f"({info.get('what', '?')}: {cmd})")
+
+
+def read_holder(run_dir: str | os.PathLike) -> dict | None:
+    """The recorded holder of DIR's lock file (whether or not it still holds it), or None."""
+    try:
+        return json.loads((Path(run_dir) / LOCK_FILE).read_text() or "null")
+    except (OSError, ValueError):
+        return None
+
+
+class RunLock:
+    """Context manager: `with RunLock(dir, "train"):` holds DIR's exclusive lock.
+
+    Raises TngramError if another live process holds it. Re-entrant within one process is NOT
+    supported (flock locks are per open file description: a second RunLock in the same process
+    on the same folder also fails, which is what we want for two writers in one process).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, what: str) -> None:
+        self.run_dir = Path(run_dir)
+        self.what = what
+        self._fd: int | None = None
+        self.created_file = False        # the lock file did not exist before acquire()
+        self.stale: dict | None = None   # holder info of a dead process whose lock we took over
+
+    def acquire(self) -> "RunLock":
+        path = self.run_dir / LOCK_FILE
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.created_file = not path.exists()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise TngramError(f"cannot create the run lock {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise TngramError(f"run folder {self.run_dir} is in use by {_holder_text(read_holder(self.run_dir))}; "
+                                  f"wait for it to finish or choose another folder") from None
+            raise TngramError(f"cannot lock {path}: {e.strerror or e} (does this filesystem support "
+                              f"flock?)") from None
+        prev = read_holder(self.run_dir)
+        if prev and (prev.get("pid"), prev.get("host")) != (os.getpid(), socket.gethostname()):
+            self.stale = prev    # it was recorded but not locked: its process is gone
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "what": self.what,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)          # an empty file = not held (kept: removing races a new holder)
+        except OSError:
+            pass
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "RunLock":
+        return self if self.held else self.acquire()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
