@@ -39,7 +39,7 @@ def dataset_parts(tiny_data):
 
 
 def bytes_by_hand(sp, prev: list[int], tgt: list[int]) -> int:
-    """parameter-golf.md §4 rule, written as a plain loop over SentencePiece pieces."""
+    """parameter-golf's bits-per-byte rule, written as a plain loop over SentencePiece pieces."""
     def special(i):
         return sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
     total = 0

@@ -26,7 +26,7 @@ from tngram.eval.tasks import (LM, MC, SCHEMA, TASKS_BY_LABEL, BundleTask, load_
 
 
 # ---------------------------------------------------------------- centring vs the public nanochat log
-# shared/research/core-eval-and-peers.md "Numbers to match": a nanochat base model, per task
+# nanochat's published CORE log for a base model, per task
 # (raw accuracy, centred) as printed by nanochat; LM tasks have baseline 0 so centred == raw.
 NANOCHAT_LOG = {
     "hellaswag_zeroshot": (0.304023, 0.072031), "jeopardy": (0.009920, 0.009920),
@@ -73,7 +73,7 @@ def test_core_is_the_mean_of_centred_values() -> None:
 
 # ---------------------------------------------------------------- rendering, few-shot, spans
 def test_render_mc_matches_nanochat_template() -> None:
-    # research note A.3: D = "\nAnswer: ", 2 shots -> 'FQ1\nAnswer: x\n\nFQ2\nAnswer: y\n\nQ1?\nAnswer: a'
+    # DCLM/nanochat CORE few-shot format: D = "\nAnswer: ", 2 shots -> 'FQ1\nAnswer: x\n\nFQ2\nAnswer: y\n\nQ1?\nAnswer: a'
     shots = [{"query": "FQ1", "choices": ["x", "z"], "gold": 0}, {"query": "FQ2", "choices": ["w", "y"], "gold": 1}]
     item = {"query": "Q1?", "choices": ["a", "b"], "gold": 0}
     assert render_mc(item, "\nAnswer: ", shots) == ["FQ1\nAnswer: x\n\nFQ2\nAnswer: y\n\nQ1?\nAnswer: a",

@@ -175,7 +175,7 @@ def test_bpb_from_sums():
     assert bpb_from_sums(1000 * math.log(2), 1000) == pytest.approx(1.0)
     # parameter-golf's val set: 62,021,632 scored tokens covering 151,080,363 bytes, so a mean
     # loss of 1 nat/token is 62,021,632 / (ln 2 * 151,080,363) = 62,021,632 / 104,720,919.6
-    # = 0.5922563 bpb (the research notes quote it truncated as 0.592255)
+    # = 0.5922563 bpb (quoted elsewhere truncated as 0.592255)
     assert bpb_from_sums(1.0 * 62_021_632, 151_080_363) == pytest.approx(0.5922563, abs=1e-7)
     with pytest.raises(TngramError):
         bpb_from_sums(1.0, 0)

@@ -1,6 +1,6 @@
-"""Engram module and tokenizer compression (engram-reference.md §1-§4, §9; paper App. D).
+"""Engram module and tokenizer compression (DeepSeek's engram_demo_v1.py; paper App. D).
 
-"§9" marks numbers taken from the test vectors of engram-reference.md §9. Everything else is
+"§9" marks numbers computed with DeepSeek's reference code (engram_demo_v1.py). Everything else is
 checked against slow, independently written Python computations.
 """
 

@@ -29,7 +29,7 @@ def tiny_memories():
 
 
 def test_paper_l9_raw_has_exactly_parameter_golf_count():
-    # parameter-golf.md §1.9: 524,288 (tied emb) + 9 x (1,835,008 + 2,056) + 2,048 (skips)
+    # parameter-golf's printed model_params: 524,288 (tied emb) + 9 x (1,835,008 + 2,056) + 2,048 (skips)
     assert 524_288 + 9 * (1_835_008 + 2_056) + 2_048 == 17_059_912
     assert GPT(GPTConfig()).num_params() == 17_059_912
 

@@ -1,6 +1,6 @@
-"""Engram hashing: primality, prime allocation, multipliers, XOR hash (engram-reference.md §2, §9).
+"""Engram hashing: primality, prime allocation, multipliers, XOR hash (DeepSeek's engram_demo_v1.py).
 
-Numbers cited as "§9" are the test vectors of engram-reference.md §9, computed there with
+Numbers cited as "§9" are test vectors computed with
 sympy/numpy from the reference algorithm. Other checks compare against slow pure-Python
 re-derivations written independently of the torch code.
 """

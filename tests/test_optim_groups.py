@@ -87,7 +87,7 @@ def test_named_assignments():
 
 
 def test_paper_l9_raw_split_matches_parameter_golf():
-    """parameter-golf.md §1.9: Muon 16,515,072 / Adam embedding 524,288 / Adam scalars 20,552."""
+    """parameter-golf's optimiser split: Muon 16,515,072 / Adam embedding 524,288 / Adam scalars 20,552."""
     with torch.device("meta"):
         model = GPT(get_recipe("paper-l9-raw").model)
     counts = {g["group"]: sum(p.numel() for p in g["params"])

@@ -1,4 +1,4 @@
-"""Over-Encoding input n-gram embeddings (core-eval-and-peers.md §D.1, §D.2).
+"""Over-Encoding input n-gram embeddings (Huang et al., arXiv 2501.16975).
 
 n-gram ids are checked against Python big-int arithmetic: the full base-V number of the suffix,
 reduced once at the end (the module reduces per digit with V^l mod m).

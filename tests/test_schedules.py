@@ -1,4 +1,4 @@
-"""LR multiplier and Muon momentum at the boundary steps (parameter-golf.md §2.2, §2.4 step mode)."""
+"""LR multiplier and Muon momentum at the boundary steps (parameter-golf's train_gpt.py, step mode)."""
 
 from __future__ import annotations
 

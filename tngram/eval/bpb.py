@@ -1,4 +1,4 @@
-"""Validation loss and bits-per-byte, exactly as parameter-golf scores a model (parameter-golf.md §4).
+"""Validation loss and bits-per-byte, exactly as parameter-golf scores a model (train_gpt.py's eval_val).
 
 The validation stream is cut into non-overlapping windows of `seq_len` tokens (every window starts
 with zero context); window w predicts tokens[w*T + 1 : (w+1)*T + 1] from tokens[w*T : (w+1)*T].

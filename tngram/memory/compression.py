@@ -1,4 +1,4 @@
-"""Engram tokenizer compression P: V -> V' (engram-reference.md §1), built from a SentencePiece model.
+"""Engram tokenizer compression P: V -> V' (as in DeepSeek's engram_demo_v1.py), built from a SentencePiece model.
 
 Every raw id gets a canonical key; ids with equal keys share one compressed id. New compressed ids
 are handed out in first-seen order while scanning tid = 0, 1, 2, ...

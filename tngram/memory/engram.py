@@ -1,4 +1,4 @@
-"""DeepSeek Engram memory, faithful to the reference (engram-reference.md §1-§4; paper §2 "The n-gram
+"""DeepSeek Engram memory, faithful to the reference (DeepSeek's engram_demo_v1.py; paper §2 "The n-gram
 concept in Engram" and App. D).
 
 Pipeline of one Engram layer l:

@@ -1,5 +1,5 @@
 """Over-Encoding (OE) input n-gram embeddings - Over-Tokenized Transformer (Huang et al., ICML 2025,
-arXiv 2501.16975); LongCat's N-gram Embedding is a configuration of it (core-eval-and-peers.md §D).
+arXiv 2501.16975); LongCat's N-gram Embedding is a configuration of it.
 
 For each order i = 2..N and slice j = 0..k-1 (table index s = (i-2)*k + j, S = k*(N-1) tables):
 

@@ -1,9 +1,9 @@
 """Which parameter goes to which optimiser with which learning rate: one declared rule table.
 
-parameter-golf (parameter-golf.md §2.1) puts block matrices in Muon and the tied embedding and
+parameter-golf (train_gpt.py) puts block matrices in Muon and the tied embedding and
 scalars in Adam; its rule only looks inside `blocks`, so a new 2-D module elsewhere silently gets
 no optimiser. Here every parameter must match a rule (else a TngramError names it), and the
-memory modules are covered explicitly (issue 4, docs/TRAINING.md "Parameter groups"):
+memory modules are covered explicitly (docs/TRAINING.md "Parameter groups"):
 
     group         optimiser  lr                              what
     embed         Adam       tied_embed_lr (0.05)            tok_emb.weight (the tied head too)

@@ -1,6 +1,6 @@
 """Muon: momentum + Newton-Schulz orthogonalisation for matrix-shaped parameters.
 
-Follows parameter-golf's baseline optimiser (parameter-golf.md §2.2-2.3; Jordan et al. 2024,
+Follows parameter-golf's baseline optimiser (train_gpt.py; Jordan et al. 2024,
 "Muon"), which the TN-gram paper uses unchanged (App. E, Table 5). Per matrix W with gradient G:
 
     b <- mu * b + G                                  momentum buffer (fp32, no dampening)

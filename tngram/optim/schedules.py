@@ -1,7 +1,7 @@
 """Learning-rate and Muon-momentum schedules as pure functions of the step.
 
 `step` is the 0-based index of the optimiser step being taken (step 0 is the first update), as in
-parameter-golf's loop (parameter-golf.md §2.2, §2.4, "step mode"):
+parameter-golf's loop (train_gpt.py, "step mode"):
 
     lr_multiplier  = 1                                  for step <  steps - warmdown_steps
                    = (steps - step) / warmdown_steps    for steps - warmdown_steps <= step < steps

@@ -4,7 +4,7 @@ torchrun sets RANK / LOCAL_RANK / WORLD_SIZE (tngram.common.get_dist_info); with
 we join the default process group with NCCL on CUDA and gloo on CPU. A plain `python` run is
 rank 0 of 1 and runs the same code with every collective skipped.
 
-Batch arithmetic (parameter-golf.md §2.5): a recipe fixes the global batch in tokens and the
+Batch arithmetic (as in train_gpt.py): a recipe fixes the global batch in tokens and the
 micro-batch in sequences per process; gradient accumulation is derived so that
 
     global_batch_tokens = world_size * grad_accum_steps * micro_batch_seqs * seq_len

@@ -1,6 +1,6 @@
 """The training loop: the one place that wires model, optimisers, data, evaluation and records.
 
-Follows parameter-golf's baseline trainer (parameter-golf.md §2) with the paper's App. E recipe:
+Follows parameter-golf's baseline trainer (train_gpt.py) with the paper's App. E recipe:
 
     for step in 0 .. stop-1:
         for each of grad_accum micro-steps:      (DDP all-reduces gradients on the last only)
