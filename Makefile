@@ -29,9 +29,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tngram compare --preset cpu --out runs/compare-cpu
 
-# ... and the `hf` extra (transformers, pinned) so the tngram.hf tests run in CI.
+# ... and the `hf` and `lmeval` extras (transformers, lm-eval; pinned) so the tngram.hf tests,
+# lm-evaluation-harness on an exported run included, run in CI.
 $(HSTAMP): $(STAMP) pyproject.toml
-	$(BIN)/pip install -q -e ".[dev,hf]"
+	$(BIN)/pip install -q -e ".[dev,hf,lmeval]"
 	touch $(HSTAMP)
 
 # ... and the optional loggers, so --logger tensorboard|wandb (offline) are tested.

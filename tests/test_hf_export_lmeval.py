@@ -1,7 +1,7 @@
 """lm-evaluation-harness (`--model hf`) on an exported run and a small local task.
 
-lm-eval is not installed by `make test` (it pulls about 50 packages); this test runs where it is
-installed (`pip install lm-eval`) and skips otherwise.
+`make test` installs lm-eval (the `lmeval` extra); elsewhere this test skips when it is not
+installed.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install \"lm-eval[hf]\"); not part of make test")
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install \"lm-eval[hf]\"); `make test` installs it")
 pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate (pip install \"lm-eval[hf]\")")
 
 from test_hf_export import tiny_run  # noqa: E402
