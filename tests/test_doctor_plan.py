@@ -19,16 +19,9 @@ from tngram.kernels import c_unavailable_reason
 from tngram.kernels.tngram_c import c_lookup
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.setattr(choice, "_CHOICE", {})
-    monkeypatch.setattr(choice, "SELF_CHECKS", {})
-    monkeypatch.delenv("TNGRAM_LOOKUP_IMPL", raising=False)
-    return monkeypatch
-
 
 @pytest.mark.skipif(c_unavailable_reason() is not None, reason="C kernel unavailable")
-def test_doctor_reports_lookups_self_checks_and_what_to_install(fresh, capsys):
+def test_doctor_reports_lookups_self_checks_and_what_to_install(fresh_lookup_choice, capsys):
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["tngram_lookup"]["cpu/float32"] == "c"
@@ -36,9 +29,9 @@ def test_doctor_reports_lookups_self_checks_and_what_to_install(fresh, capsys):
     assert info["self_checks"]["c/float32"]["passed"] and info["c_kernel"]["openmp"]
     assert any("no CUDA device" in a for a in info["advice"])      # this machine has no GPU
     # a kernel that fails its self-check: exit 1, FAILED in the table, advice to report it
-    fresh.setattr(choice, "_CHOICE", {})
-    fresh.setattr(choice, "SELF_CHECKS", {})
-    fresh.setitem(choice.IMPL_FNS, "c", lambda *a: c_lookup(*a) * 1.01)
+    fresh_lookup_choice.setattr(choice, "_CHOICE", {})
+    fresh_lookup_choice.setattr(choice, "SELF_CHECKS", {})
+    fresh_lookup_choice.setitem(choice.IMPL_FNS, "c", lambda *a: c_lookup(*a) * 1.01)
     with pytest.warns(RuntimeWarning):
         assert main(["doctor"]) == 1
     out = capsys.readouterr().out

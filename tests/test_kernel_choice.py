@@ -18,14 +18,6 @@ pytestmark = pytest.mark.skipif(c_unavailable_reason() is not None,
                                 reason=f"C kernel unavailable: {c_unavailable_reason()}")
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """A process state with no choice made yet, "auto" not forced."""
-    monkeypatch.setattr(choice, "_CHOICE", {})
-    monkeypatch.setattr(choice, "SELF_CHECKS", {})
-    monkeypatch.delenv("TNGRAM_LOOKUP_IMPL", raising=False)
-    return monkeypatch
-
 
 def small():
     g = torch.Generator().manual_seed(3)
@@ -54,7 +46,7 @@ WRONG = {
 }
 
 
-def test_the_c_kernel_passes_its_self_check_and_is_chosen(fresh):
+def test_the_c_kernel_passes_its_self_check_and_is_chosen(fresh_lookup_choice):
     f, a, ls, ng = small()
     fused_lookup(f, a, ls, ng)
     rec = self_check_results()["c/float32"]
@@ -64,8 +56,8 @@ def test_the_c_kernel_passes_its_self_check_and_is_chosen(fresh):
 
 
 @pytest.mark.parametrize("how", list(WRONG))
-def test_a_wrong_kernel_falls_back_to_torch_with_one_warning(fresh, how):
-    fresh.setitem(choice.IMPL_FNS, "c", WRONG[how])
+def test_a_wrong_kernel_falls_back_to_torch_with_one_warning(fresh_lookup_choice, how):
+    fresh_lookup_choice.setitem(choice.IMPL_FNS, "c", WRONG[how])
     f, a, ls, ng = small()
     with pytest.warns(RuntimeWarning, match="c kernel failed its self-check on cpu float32"):
         e = fused_lookup(f, a, ls, ng)
@@ -83,15 +75,15 @@ def test_a_wrong_kernel_falls_back_to_torch_with_one_warning(fresh, how):
     assert resolved_impl("cpu").startswith("torch (c kernel failed its self-check")
 
 
-def test_forced_impl_skips_the_check_and_env_json_records_it(fresh):
+def test_forced_impl_skips_the_check_and_env_json_records_it(fresh_lookup_choice):
     from tngram.train.metrics import env_info
-    fresh.setitem(choice.IMPL_FNS, "c", WRONG["forward"])
-    fresh.setenv("TNGRAM_LOOKUP_IMPL", "c")
+    fresh_lookup_choice.setitem(choice.IMPL_FNS, "c", WRONG["forward"])
+    fresh_lookup_choice.setenv("TNGRAM_LOOKUP_IMPL", "c")
     f, a, ls, ng = small()
     ref = fused_lookup(f, a, ls, ng, impl="torch")
     assert not torch.allclose(fused_lookup(f, a, ls, ng), ref)     # forced: no check, no fallback
     assert self_check_results() == {}
-    fresh.delenv("TNGRAM_LOOKUP_IMPL")
+    fresh_lookup_choice.delenv("TNGRAM_LOOKUP_IMPL")
     with pytest.warns(RuntimeWarning):
         info = env_info(torch.device("cpu"), 1, 1)
     assert info["tngram_lookup_impl"].startswith("torch (c kernel failed")
