@@ -98,3 +98,12 @@ def test_speed_tables_of_readme_and_performance_come_from_one_bench_file(tmp_pat
     shutil.copy(ROOT / "docs/results/demo-compare-cpu.json", tmp_path / "docs/results/")
     assert check_doc(tmp_path / "README.md") == ["bench-threads-1ef1ab0:speed"]
     assert check_doc(tmp_path / "docs" / "PERFORMANCE.md") == ["bench-threads-1ef1ab0:candidates"]
+
+
+def test_a_block_inside_a_list_item_keeps_its_indentation(tmp_path):
+    doc = _doc(tmp_path, TABLE)
+    doc.write_text("- item\n\n  <!-- BEGIN generated: t -->\n  old\n  <!-- END generated: t -->\n- next\n")
+    assert main(["report", "doc", str(doc)]) == 0
+    lines = doc.read_text().splitlines()
+    assert "  | Engram | 3.1000 ± 0.1414 |" in lines and lines[-2] == "  <!-- END generated: t -->"
+    assert check_doc(doc) == []

@@ -49,20 +49,30 @@ def block_names(text: str) -> list[str]:
     return re.findall(r"<!-- BEGIN generated: ([\w.:-]+) -->", text)
 
 
+def _indent(text: str, name: str) -> str:
+    """The spaces before the BEGIN marker (a block inside a list item is indented with it)."""
+    a = begin_marker(name)
+    if a not in text or end_marker(name) not in text:
+        raise TngramError(f"no generated block {name!r} (markers {a} ... {end_marker(name)})")
+    line_start = text[:text.index(a)].rsplit("\n", 1)[-1]
+    return line_start if not line_start.strip() else ""
+
+
 def current_block(text: str, name: str) -> str:
-    a, b = begin_marker(name), end_marker(name)
-    if a not in text or b not in text:
-        raise TngramError(f"no generated block {name!r} (markers {a} ... {b})")
-    return text.split(a, 1)[1].split(b, 1)[0].strip("\n")
+    """The text of block `name`, without the indentation of its markers."""
+    ind = _indent(text, name)
+    body = text.split(begin_marker(name), 1)[1].split(end_marker(name), 1)[0].rstrip(" ").strip("\n")
+    lines = body.split("\n")
+    return "\n".join(ln[len(ind):] if ln.startswith(ind) else ln for ln in lines)
 
 
 def replace_block(text: str, name: str, block: str) -> str:
+    ind = _indent(text, name)
     a, b = begin_marker(name), end_marker(name)
-    if a not in text or b not in text:
-        raise TngramError(f"no generated block {name!r} (markers {a} ... {b})")
     head, rest = text.split(a, 1)
     _, tail = rest.split(b, 1)
-    return f"{head}{a}\n{block}\n{b}{tail}"
+    body = "\n".join(ind + ln if ln else ln for ln in block.split("\n"))
+    return f"{head}{a}\n{body}\n{ind}{b}{tail}"
 
 
 def results_name(name: str) -> str:
