@@ -107,3 +107,38 @@ def test_a_block_inside_a_list_item_keeps_its_indentation(tmp_path):
     lines = doc.read_text().splitlines()
     assert "  | Engram | 3.1000 ± 0.1414 |" in lines and lines[-2] == "  <!-- END generated: t -->"
     assert check_doc(doc) == []
+
+
+def test_bench_threads_json_is_a_results_file(monkeypatch, capsys):
+    """`tngram bench threads --json` adds kind, command and commit, so its output can be committed
+    as docs/results/NAME.json and rendered. The measurement is replaced by the committed run's
+    numbers (what is tested is the CLI's results-file fields and the rendering, not the timing)."""
+    import subprocess
+
+    import tngram.bench.threads as threads
+    snap = json.loads((ROOT / "docs/results/bench-threads-1ef1ab0.json").read_text())
+    measured = {k: v for k, v in snap.items() if k not in ("kind", "command", "commit", "source")}
+    measured["machine"] = {"cpu": "AMD EPYC", "logical_cpus": 2, "torch": "2.13.0+cpu",
+                           "loadavg_before": [1.11, 1.4, 4.3], "loadavg": [1.23, 1.41, 4.24]}
+    monkeypatch.setattr(threads, "run", lambda *a, **k: measured)
+    assert main(["bench", "threads", "--reps", "9", "--warmup", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout[:7]
+    assert out["kind"] == "bench-threads" and out["command"] == "tngram bench threads --reps 9 --warmup 2 --json"
+    assert out["commit"].startswith(head or "unknown")
+    block = render(out, "x:speed")
+    assert block.split("\n\n")[0] == render(snap, "x:speed").split("\n\n")[0]
+    assert "2-core AMD EPYC, torch 2.13.0+cpu, load average 1.11 -> 1.23 during the run" in block
+
+
+def test_prose_speed_numbers_follow_the_results_files():
+    """The few speed numbers quoted in prose (README Speed, PERFORMANCE.md) equal their results files:
+    the demo's TN-gram / Engram tokens/s and the mini step's slowdown."""
+    demo = {r["method"]: r for r in json.loads((ROOT / "docs/results/demo-compare-cpu.json").read_text())["rows"]}
+    bench = json.loads((ROOT / "docs/results/bench-threads-1ef1ab0.json").read_text())
+    tn, en = demo["tngram"]["tokens_per_s"], demo["engram"]["tokens_per_s"]
+    readme, perf = (ROOT / "README.md").read_text(), (ROOT / "docs/PERFORMANCE.md").read_text()
+    assert f"it trained at {tn / en:.2f}× Engram's tokens/s" in " ".join(readme.split())
+    assert f"TN-gram at {tn:,.0f} tokens/s against Engram's {en:,.0f} (**{tn / en:.2f}×**" in " ".join(perf.split())
+    slower = round(100 * (bench["ratios"]["1"]["step"] - 1))
+    assert f"a training step is {slower}% slower than Engram's" in " ".join(readme.split())

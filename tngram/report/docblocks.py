@@ -121,7 +121,17 @@ def provenance(snap: dict[str, Any], source: str) -> str:
                               "command, commit and machine)")
     note = f" {snap['note']}" if snap.get("note") else ""
     return (f"Generated from `{source}` (`{snap['command']}` at commit {snap['commit']}; "
-            f"{snap['machine']}).{note}")
+            f"{machine_text(snap['machine'])}).{note}")
+
+
+def machine_text(m: str | dict[str, Any]) -> str:
+    """The machine as written in a results file, or as `tngram bench ... --json` records it."""
+    if isinstance(m, str):
+        return m
+    text = f"{m.get('logical_cpus', '?')}-core {m.get('cpu', 'CPU')}, torch {m.get('torch', '?')}"
+    if m.get("loadavg_before") and m.get("loadavg"):
+        text += f", load average {m['loadavg_before'][0]} -> {m['loadavg'][0]} during the run"
+    return text
 
 
 def md_row(cells: list[str]) -> str:
