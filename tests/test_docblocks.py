@@ -132,13 +132,16 @@ def test_bench_threads_json_is_a_results_file(monkeypatch, capsys):
 
 
 def test_prose_speed_numbers_follow_the_results_files():
-    """The few speed numbers quoted in prose (README Speed, PERFORMANCE.md) equal their results files:
-    the demo's TN-gram / Engram tokens/s and the mini step's slowdown."""
+    """The few numbers quoted in prose equal their results files: the demo's TN-gram / Engram
+    tokens/s and val loss (README, PERFORMANCE.md, RESULTS.md) and the mini step's slowdown."""
     demo = {r["method"]: r for r in json.loads((ROOT / "docs/results/demo-compare-cpu.json").read_text())["rows"]}
     bench = json.loads((ROOT / "docs/results/bench-threads-1ef1ab0.json").read_text())
     tn, en = demo["tngram"]["tokens_per_s"], demo["engram"]["tokens_per_s"]
     readme, perf = (ROOT / "README.md").read_text(), (ROOT / "docs/PERFORMANCE.md").read_text()
     assert f"it trained at {tn / en:.2f}× Engram's tokens/s" in " ".join(readme.split())
     assert f"TN-gram at {tn:,.0f} tokens/s against Engram's {en:,.0f} (**{tn / en:.2f}×**" in " ".join(perf.split())
+    results = " ".join((ROOT / "docs/RESULTS.md").read_text().split())
+    assert f"(Today's README demo, with the multi-threaded C lookup at 1ef1ab0, has TN-gram " \
+           f"{demo['tngram']['val_loss']:.4f}.)" in results
     slower = round(100 * (bench["ratios"]["1"]["step"] - 1))
     assert f"a training step is {slower}% slower than Engram's" in " ".join(readme.split())

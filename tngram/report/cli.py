@@ -70,7 +70,8 @@ def _cmd_doc(args: Any) -> int:
                 print(f"{doc}: the generated block {n!r} differs from its results file; run "
                       f"`tngram report doc {doc}` to regenerate it", file=sys.stderr)
             n_ok = len(block_names(doc.read_text(encoding="utf-8"))) - len(differ)
-            print(f"{doc}: {n_ok} generated block(s) match their results files")
+            if n_ok:
+                print(f"{doc}: {n_ok} generated block(s) match their results files")
             bad += len(differ)
         else:
             text, changed = regenerate_doc(doc, args.name)
