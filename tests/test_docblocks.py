@@ -145,3 +145,17 @@ def test_prose_speed_numbers_follow_the_results_files():
            f"{demo['tngram']['val_loss']:.4f}.)" in results
     slower = round(100 * (bench["ratios"]["1"]["step"] - 1))
     assert f"a training step is {slower}% slower than Engram's" in " ".join(readme.split())
+
+
+def test_one_machine_name_everywhere():
+    """Every number here was measured on one 2-core AMD EPYC: the docs never call it anything else,
+    and every committed results file names it."""
+    docs = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+        assert "Intel" not in text and "Xeon" not in text, doc
+    for f in sorted((ROOT / "docs" / "results").glob("*.json")):
+        snap = json.loads(f.read_text())
+        where = snap.get("machine") or snap.get("platform")
+        if isinstance(where, str) and "Linux" not in where:
+            assert "AMD EPYC" in where, f
