@@ -113,7 +113,24 @@ def test_tuning_variants_change_only_their_setting():
     assert len(tv) == 2 * len(TABLE_LR_FACTORS) + len(FACTOR_INIT_STDS)
     base = cfgs["tngram"].optim.tied_embed_lr                     # memory_table_lr unset -> tied_embed_lr
     assert tv["tngram-lr2"].optim.memory_table_lr == 2 * base
-    assert tv["engram-lr0.25"].optim.memory_table_lr == 0.25 * base
+    assert tv["engram-lr0.5"].optim.memory_table_lr == 0.5 * base
     assert tv["tngram-lr2"].model == cfgs["tngram"].model
     assert tv["tngram-init0.3"].model.memory.factor_init_std == 0.3
     assert tv["tngram-init0.3"].optim == cfgs["tngram"].optim
+
+
+def test_experiment_cli_seeds_default_and_budgets(monkeypatch, tmp_path):
+    """`experiment` without --seeds uses each experiment's own count (5 for corpora, 3 for
+    data-scaling, 2 for tuning); --budgets reaches data-scaling as step multipliers."""
+    import tngram.experiments.evidence as ev
+    from tngram.cli import main
+
+    seen = {}
+    monkeypatch.setattr(ev, "corpora", lambda out, scale, seeds, *a, **k: seen.setdefault("corpora", seeds))
+    monkeypatch.setattr(ev, "tuning", lambda out, scale, seeds, *a, **k: seen.setdefault("tuning", seeds))
+    monkeypatch.setattr(ev, "data_scaling", lambda out, scale, seeds, *a, multipliers, **k:
+                        seen.setdefault("data-scaling", (seeds, multipliers)))
+    for argv in (["corpora"], ["tuning"], ["data-scaling", "--budgets", "1,2,4"]):
+        assert main(["experiment", *argv, "--out", str(tmp_path)]) == 0
+    assert seen == {"corpora": 5, "tuning": 2, "data-scaling": (3, (1, 2, 4))}
+    assert main(["experiment", "data-scaling", "--seeds", "2", "--out", str(tmp_path / "b")]) == 0

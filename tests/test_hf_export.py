@@ -205,3 +205,23 @@ def test_warm_start_from_an_export_folder(exported):
         assert torch.equal(v, raw.state_dict()[k] if not is_memory_param(k) else init[k]), k
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(is_memory_param(n) for n in trainable)
+
+
+def test_export_of_a_pruned_adaptive_rank_run(tiny_data, tmp_path):
+    """A run whose TN-gram modules were pruned to different CP ranks (adaptive rank) exports and
+    reloads with those ranks: same shapes, same logits as our pruned model."""
+    from tngram.memory.cp_rank import cp_ranks, prune_tngram, tngram_modules
+
+    run, model = tiny_run(tmp_path / "runs", "mini-tngram", tiny_data)
+    (_, m0), (_, m1) = tngram_modules(model)
+    prune_tngram(m0, torch.tensor([0, 2, 3, 5, 7]))           # 8 -> 5 components
+    prune_tngram(m1, torch.tensor([1, 4, 6]))                 # 8 -> 3
+    assert cp_ranks(model) == [5, 3]
+    save_final_weights(run, model, 2)                          # the run's final weights are pruned
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    hf = load(out)
+    assert cp_ranks(hf.model) == [5, 3]
+    ids = torch.randint(3, TINY_VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, model(ids), atol=1e-6, rtol=0)

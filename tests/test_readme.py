@@ -119,13 +119,16 @@ def test_parameter_table_equals_param_summary():
 
 @pytest.mark.parametrize("path", [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
 def test_generated_results_blocks_equal_their_results_files(path):
-    """Every generated table (README's demo table, any in docs/) is `tngram report readme`'s
-    rendering of the results file it cites."""
+    """Every generated table (README's demo and speed tables, docs/PERFORMANCE.md's and
+    docs/RESULTS.md's) is `tngram report doc`'s rendering of the results file it cites."""
     from tngram.cli import main
-    from tngram.report.readme import block_names
+    from tngram.report.docblocks import block_names
+    names = block_names(path.read_text())
     if path.name == "README.md":
-        assert "demo-compare-cpu" in block_names(path.read_text())
-    assert main(["report", "readme", "--check", "--doc", str(path)]) == 0
+        assert {"demo-compare-cpu", "bench-threads-1ef1ab0:speed"} <= set(names)
+    if path.name == "PERFORMANCE.md":
+        assert {"bench-threads-1ef1ab0:candidates", "bench-threads-1ef1ab0:targets"} <= set(names)
+    assert main(["report", "doc", "--check", str(path)]) == 0
 
 
 def test_report_readme_regenerates_the_block(tmp_path):
@@ -143,6 +146,7 @@ def test_report_readme_regenerates_the_block(tmp_path):
     readme = tmp_path / "README.md"
     shutil.copy(ROOT / "README.md", readme)
     (tmp_path / "docs" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "docs/results/bench-threads-1ef1ab0.json", tmp_path / "docs/results/")  # README speed table
     assert main(["report", "readme", str(d), "--readme", str(readme)]) == 0
     block = current_block(readme.read_text(), BLOCK)
     assert "9.8765" in block and "docs/results/demo-compare-cpu.json" in block

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # the command line, for results files
     try:
         rc = args.func(args)
     except (TngramError, OSError) as e:  # user/environment errors: one line, exit 2

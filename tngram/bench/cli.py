@@ -19,6 +19,18 @@ def _threads(args: argparse.Namespace) -> None:
     apply_threads(args.threads)
 
 
+def results_file_fields(kind: str, argv: list[str]) -> dict[str, Any]:
+    """kind, command and commit, so that `--json` output can be committed as docs/results/NAME.json
+    and shown in the docs as generated tables (tngram.report.docblocks)."""
+    import shlex
+    from pathlib import Path
+
+    from tngram.train.metrics import git_info
+    git = git_info(Path(__file__).resolve().parent)
+    commit = (git.get("commit") or "unknown")[:7] + (" (with uncommitted changes)" if git.get("dirty") else "")
+    return {"kind": kind, "command": "tngram " + shlex.join(argv), "commit": commit}
+
+
 def _emit(res: dict[str, Any], text: str, args: argparse.Namespace) -> None:
     print(json.dumps(res, indent=1) if args.json else text)
 
@@ -41,7 +53,7 @@ def _threads_bench(args: argparse.Namespace) -> int:
         return 0
     res = threads.run(tuple(args.threads_list), batch=args.batch, seq=args.seq, reps=args.reps,
                       warmup=args.warmup, steps=not args.no_steps)
-    _emit(res, threads.report(res), args)
+    _emit(dict(res, **results_file_fields("bench-threads", getattr(args, "argv", []))), threads.report(res), args)
     return 0
 
 

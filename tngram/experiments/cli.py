@@ -9,8 +9,9 @@ from tngram.argtypes import int_range
 from tngram.cli_common import HelpFormatter, add_progress_argument, add_steps_argument
 
 
-def _common(p: Any) -> None:
-    p.add_argument("--seeds", type=int_range(1), default=1, help="seeds per configuration (mean ± std in the report)")
+def _common(p: Any, seeds_default: int | None = 1,
+            seeds_help: str = "seeds per configuration (mean ± std in the report)") -> None:
+    p.add_argument("--seeds", type=int_range(1), default=seeds_default, help=seeds_help)
     p.add_argument("--data", default=None, metavar="DIR",
                    help="dataset folder (default: the offline default corpus, built on first use)")
     add_steps_argument(p)
@@ -22,6 +23,24 @@ def _common(p: Any) -> None:
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="output folder: runs/, results.json, report.md (finished runs are reused)")
     add_progress_argument(p)
+
+
+_SEEDS_HELP = ("seeds per configuration (mean ± std in the report); default: 5 for corpora, 3 for "
+               "data-scaling and adaptive-rank, 2 for tuning, 1 otherwise")
+
+
+def _int_list(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """`--flag 1,2,4` -> (1, 2, 4); one clear error for anything but positive integers."""
+    from tngram.common import TngramError
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) < 1:
+        raise TngramError(f"{flag} expects comma-separated positive integers, got {text!r}")
+    return vals
 
 
 def add_commands(sub: Any) -> None:
@@ -42,7 +61,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("name", choices=list(EXPERIMENTS), metavar="NAME", help="one of " + ", ".join(EXPERIMENTS))
     p.add_argument("--preset", choices=["cpu", "paper"], default="cpu",
                    help="model size: cpu (mini recipes) or paper (paper-l9)")
-    _common(p)
+    _common(p, seeds_default=None, seeds_help=_SEEDS_HELP)  # None: each experiment's own count
+    p.add_argument("--budgets", default=None, metavar="K1,K2,...",
+                   help="data-scaling only: training budgets as multiples of the recipe's steps, "
+                        "comma-separated (default 1,4,16)")
     p.add_argument("--ranks", default=None, metavar="R1,R2,...",
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--corpora", default=None, metavar="NAME,...",
@@ -82,12 +104,8 @@ def _cmd_experiment(args: Any) -> int:
     from tngram.experiments.runner import config_overrides
     from tngram.experiments.sweeps import run_experiment
     _check(args, SCALES[args.preset])
-    ranks = None
-    if args.ranks is not None:
-        try:
-            ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
-        except ValueError:
-            raise TngramError(f"--ranks expects comma-separated integers, got {args.ranks!r}") from None
+    ranks = _int_list("--ranks", args.ranks)
+    budgets = _int_list("--budgets", args.budgets)
     corpora = None
     if args.corpora is not None:
         from tngram.data.corpus import CORPORA
@@ -97,5 +115,6 @@ def _cmd_experiment(args: Any) -> int:
             raise TngramError(f"--corpora: unknown corpus {bad[0] if bad else ''!r}; valid: {', '.join(CORPORA)}")
     with config_overrides(args.overrides):
         run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
-                       steps=args.steps, nproc=args.nproc, ranks=ranks, corpora=corpora)
+                       steps=args.steps, nproc=args.nproc, ranks=ranks, corpora=corpora,
+                       budgets=budgets)
     return 0

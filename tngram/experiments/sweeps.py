@@ -131,16 +131,27 @@ def _vocab(scale: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
     return [(m, m, {}, {}) for m in ("raw", "engram", "tngram")]
 
 
-def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None,
+DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 2}
+
+
+def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None = None, data: str | None = None,
                    steps: int | None = None, nproc: int | None = None,
-                   ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None) -> Path:
+                   ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None,
+                   budgets: tuple[int, ...] | None = None) -> Path:
+    """Run experiment `name`; seeds=None means its default (DEFAULT_SEEDS, else 1)."""
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+    if budgets is not None and name != "data-scaling":
+        raise TngramError(f"--budgets applies to the data-scaling experiment only, not {name!r}")
+    seeds = seeds or DEFAULT_SEEDS.get(name, 1)
     if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning"):
         raise TngramError(f"--corpora applies to the corpora, data-scaling, dense and tuning experiments only, not {name!r}")
     if name in ("corpora", "data-scaling", "dense", "tuning"):
         from tngram.experiments import evidence
-        fn = getattr(evidence, name.replace("-", "_"))
+        if name == "data-scaling":
+            return evidence.data_scaling(out, scale, seeds, data, steps, nproc, corpora=corpora,
+                                         multipliers=budgets or (1, 4, 16))
+        fn = getattr(evidence, name)
         return fn(out, scale, seeds, data, steps, nproc, corpora=corpora)
     if name == "adaptive-rank":
         from tngram.experiments.adaptive_rank import run_adaptive_rank

@@ -40,6 +40,7 @@ class TngramGPTConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values"]
 
     gpt: dict | None = None
+    cp_ranks: list | None = None          # TN-gram modules' CP ranks after adaptive pruning (model order)
     vocab_size: int = 1024
     hidden_size: int = 512
     num_hidden_layers: int = 9
@@ -163,6 +164,9 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: TngramGPTConfig) -> None:
         super().__init__(config)
         self.model = GPT(config.gpt_config())
+        if config.cp_ranks:               # a pruned (adaptive-rank) run: build at its final ranks
+            from tngram.memory.cp_rank import shrink_to_ranks
+            shrink_to_ranks(self.model, list(config.cp_ranks))
         self.post_init()
 
     # our modules initialise themselves in __init__ (the recipes' inits): nothing to redo here
@@ -267,6 +271,10 @@ def register() -> None:
 
 def from_gpt(model: GPT, **config_kw: Any) -> TngramGPTForCausalLM:
     """Wrap a (trained) GPT of ours: same weights, same logits."""
+    from tngram.memory.cp_rank import cp_ranks
+    ranks = cp_ranks(model)                                     # [] without TN-gram memory
+    start = getattr(model.config.memory, "cp_rank", None)
+    config_kw.setdefault("cp_ranks", ranks if any(r != start for r in ranks) else None)
     hf = TngramGPTForCausalLM(TngramGPTConfig.from_gpt_config(model.config, **config_kw))
     hf.model.load_state_dict(model.state_dict(), strict=True)
     return hf.to(next(model.parameters()).device).eval()

@@ -202,6 +202,18 @@ def shrink_to_state(model: nn.Module, tensors: dict[str, Tensor],
     return out
 
 
+def shrink_to_ranks(model: nn.Module, ranks: list[int]) -> None:
+    """Shrink the TN-gram modules of a freshly built `model` to `ranks` (model order) keeping their
+    first components, before loading weights saved at those ranks (e.g. a pruned run's HF export)."""
+    mods = tngram_modules(model)
+    if len(ranks) != len(mods) or any(not 1 <= r <= m.factors.shape[2] for r, (_, m) in zip(ranks, mods)):
+        raise ValueError(f"cp_ranks {ranks} do not fit this model's TN-gram ranks {cp_ranks(model)}")
+    with torch.device("cpu"):   # index tensors on CPU even inside a meta-device build (from_pretrained)
+        for r, (_, m) in zip(ranks, mods):
+            if r < m.factors.shape[2]:
+                prune_tngram(m, torch.arange(r), correct_scales=False)
+
+
 def cp_ranks(model: nn.Module) -> list[int]:
     """Current CP rank of every TN-gram module of `model` (model order)."""
     return [m.factors.shape[2] for _, m in tngram_modules(model)]

@@ -40,34 +40,61 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--note", default=None, help="a sentence shown under the table (e.g. the machine's load)")
     r.add_argument("--check", action="store_true", help="compare only; exit 1 when a block disagrees")
     r.set_defaults(func=_cmd_readme)
+    d = rs.add_parser("doc", help="regenerate (or --check) the generated tables of a Markdown file from "
+                                  "their results files in docs/results/",
+                      description="Every block between <!-- BEGIN generated: NAME --> and <!-- END "
+                      "generated: NAME --> is rendered from docs/results/FILE.json (FILE = NAME up to the "
+                      "first ':'; NAME = FILE:VIEW picks a view of one results file). Without --check the "
+                      "file is rewritten; with --check it is only compared (exit 1 when a block differs).")
+    d.add_argument("docs", type=Path, nargs="+", metavar="FILE", help="Markdown file(s), e.g. docs/RESULTS.md")
+    d.add_argument("--name", action="append", default=None, metavar="NAME",
+                   help="only this block (repeatable; default: every block)")
+    d.add_argument("--check", action="store_true", help="compare only; exit 1 when a block disagrees")
+    d.set_defaults(func=_cmd_doc)
+
+
+def _cmd_doc(args: Any) -> int:
+    import sys
+
+    from tngram.common import MissingFileError, atomic_write_text
+    from tngram.report.docblocks import block_names, check_doc, regenerate_doc
+
+    for doc in args.docs:
+        if not doc.is_file():
+            raise MissingFileError(f"{doc}: file not found")
+    bad = 0
+    for doc in args.docs:
+        if args.check:
+            differ = [n for n in check_doc(doc) if not args.name or n in args.name]
+            for n in differ:
+                print(f"{doc}: the generated block {n!r} differs from its results file; run "
+                      f"`tngram report doc {doc}` to regenerate it", file=sys.stderr)
+            n_ok = len(block_names(doc.read_text(encoding="utf-8"))) - len(differ)
+            if n_ok:
+                print(f"{doc}: {n_ok} generated block(s) match their results files")
+            bad += len(differ)
+        else:
+            text, changed = regenerate_doc(doc, args.name)
+            if changed:
+                atomic_write_text(doc, text)
+            print(f"{doc}: regenerated {', '.join(changed) if changed else 'nothing (all blocks current)'}")
+    return 1 if bad else 0
 
 
 def _cmd_readme(args: Any) -> int:
     import sys
 
     from tngram.common import MissingFileError, TngramError, atomic_write_json, atomic_write_text
-    from tngram.report.readme import (block_names, current_block, render_block, replace_block, snapshot,
-                                      snapshot_path)
+    from tngram.report.readme import render_block, replace_block, snapshot, snapshot_path
 
     if not args.readme.is_file():
         raise MissingFileError(f"{args.readme}: file not found (pass --doc PATH)")
-    text = args.readme.read_text(encoding="utf-8")
     if args.check:
-        bad = 0
-        for name in block_names(text):
-            snap_path = snapshot_path(args.readme, name)
-            if not snap_path.is_file():
-                raise MissingFileError(f"{args.readme}: block {name!r} cites {snap_path}, which is missing")
-            rel = f"docs/results/{name}.json"
-            if current_block(text, name) != render_block(json.loads(snap_path.read_text()), rel):
-                print(f"{args.readme}: the generated block {name!r} differs from {snap_path}; run "
-                      f"`tngram report readme DIR --name {name}` to regenerate it", file=sys.stderr)
-                bad += 1
-            else:
-                print(f"{args.readme}: block {name!r} matches {snap_path}")
-        return 1 if bad else 0
+        args.docs, args.name = [args.readme], None
+        return _cmd_doc(args)
     if args.dir is None:
         raise TngramError("give the `tngram compare` folder DIR (or --check)")
+    text = args.readme.read_text(encoding="utf-8")
     snap = snapshot(args.dir)
     if args.note:
         snap["note"] = args.note

@@ -8,9 +8,8 @@ and command the runs recorded) and regenerates the README block between
     <!-- END generated: demo-compare-cpu -->
 
 from that snapshot. `--name NAME --doc FILE` does the same for any block of any Markdown file
-(snapshot docs/results/NAME.json), e.g. a three-seed table in docs/RESULTS.md. `--check` only
-compares every generated block of the file with its snapshot (tests/test_readme.py runs it on
-README.md and docs/*.md), so a table that disagrees with the file it cites fails the tests.
+(snapshot docs/results/NAME.json), e.g. a three-seed table in docs/RESULTS.md. The markers and
+the check of every block of a file live in tngram.report.docblocks (`tngram report doc FILE --check`).
 """
 
 from __future__ import annotations
@@ -19,21 +18,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tngram.common import MissingFileError, TngramError
+from tngram.common import MissingFileError
+from tngram.report.docblocks import (block_names, current_block, end_marker, begin_marker,  # noqa: F401
+                                      replace_block, snapshot_path)
 from tngram.report.compare import compare_table
 
 BLOCK = "demo-compare-cpu"
 SNAPSHOT = Path("docs/results/demo-compare-cpu.json")
 KEEP = ("method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb", "core", "tokens_per_s",
         "wall_s")
-
-
-def begin_marker(name: str) -> str:
-    return f"<!-- BEGIN generated: {name} -->"
-
-
-def end_marker(name: str) -> str:
-    return f"<!-- END generated: {name} -->"
 
 
 def snapshot(compare_dir: Path) -> dict[str, Any]:
@@ -76,31 +69,3 @@ def render_block(snap: dict[str, Any], source: str = str(SNAPSHOT)) -> str:
              f"{wall:.0f} s of training in total"]
     return (f"{table}\n\nGenerated from `{source}` (`{snap['command']}` at commit "
             f"{snap['commit']}{dirty}; {', '.join(w for w in where if w)}).{note}")
-
-
-def replace_block(text: str, name: str, block: str) -> str:
-    a, b = begin_marker(name), end_marker(name)
-    if a not in text or b not in text:
-        raise TngramError(f"README has no generated block {name!r} (markers {a} ... {b})")
-    head, rest = text.split(a, 1)
-    _, tail = rest.split(b, 1)
-    return f"{head}{a}\n{block}\n{b}{tail}"
-
-
-def block_names(text: str) -> list[str]:
-    """Names of the generated blocks in a Markdown text, in order."""
-    import re
-    return re.findall(r"<!-- BEGIN generated: ([\w.-]+) -->", text)
-
-
-def snapshot_path(doc: Path, name: str) -> Path:
-    """docs/results/NAME.json of the repository holding `doc` (README.md or docs/*.md)."""
-    root = doc.parent.parent if doc.parent.name == "docs" else doc.parent
-    return root / "docs" / "results" / f"{name}.json"
-
-
-def current_block(text: str, name: str) -> str:
-    a, b = begin_marker(name), end_marker(name)
-    if a not in text or b not in text:
-        raise TngramError(f"README has no generated block {name!r} (markers {a} ... {b})")
-    return text.split(a, 1)[1].split(b, 1)[0].strip("\n")

@@ -1,0 +1,104 @@
+"""Generated-block views of a `tngram bench threads --json` results file (see docblocks).
+
+  speed       the README's table: Engram vs TN-gram per measurement and thread count, with targets
+  candidates  every candidate at 1 and 2 threads, median (min) ms, 2-thread speed-up, Amdahl p and
+              the 16-core projection (docs/PERFORMANCE.md)
+  targets     the TN-gram / Engram ratios against their targets, met or not
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tngram.common import TngramError
+from tngram.report.docblocks import md_row
+
+STEP_TARGET = 1.10       # mini training step, TN-gram / Engram
+MODULE_SLACK = 1.05      # module time ratio target = 1.05 x the analytic FLOP ratio
+PARTS = (("lookup", "lookup fwd+bwd, paper-l9 shapes", 2),
+         ("module", "whole module fwd+bwd, paper-l9 shapes", 1),
+         ("step", "mini training step, bf16", 1))
+
+
+def _ms(res: dict[str, Any], key: str, field: str = "median_s") -> float:
+    try:
+        return 1000.0 * res["times"][key][field]
+    except KeyError:
+        raise TngramError(f"bench threads results have no {field} for {key!r}") from None
+
+
+def _times_key(part: str, method: str, t: int) -> str:
+    return f"{part}:{'mini-' if part == 'step' else ''}{method}@{t}"
+
+
+def targets(res: dict[str, Any]) -> dict[str, float]:
+    return {"lookup": res["bytes_ratio"], "module": MODULE_SLACK * res["flop_ratio"], "step": STEP_TARGET}
+
+
+def met(res: dict[str, Any], part: str) -> bool:
+    goal = targets(res)[part]
+    return all(round(res["ratios"][str(t)][part], 2) <= goal for t in res["threads"])
+
+
+def target_text(res: dict[str, Any], part: str) -> str:
+    t = targets(res)[part]
+    if part == "lookup":
+        return f"≤ bytes ratio {t:.2f}"
+    if part == "module":
+        return f"≤ {t:.2f} ({MODULE_SLACK:.2f} × FLOPs {res['flop_ratio']:.2f})"
+    return f"≤ {t:.2f}" + ("" if met(res, part) else " (not met)")
+
+
+def speed_table(res: dict[str, Any]) -> str:
+    lines = ["| measured with | threads | Engram | TN-gram | ratio | target |", "|---|---|---|---|---|---|"]
+    for part, label, digits in PARTS:
+        for i, t in enumerate(res["threads"]):
+            en, tn = _ms(res, _times_key(part, "engram", t)), _ms(res, _times_key(part, "tngram", t))
+            lines.append(md_row([label if i == 0 else "", str(t), f"{en:.{digits}f}", f"{tn:.{digits}f}",
+                                 f"{res['ratios'][str(t)][part]:.2f}", target_text(res, part) if i == 0 else ""]))
+    return "\n".join(lines)
+
+
+def _label(key: str) -> str:
+    part, what = key.split(":", 1)
+    if part == "zero":
+        return f"zero-fill (N,V,R) grad, V {what.lstrip('V')}"
+    return f"{part} {({'engram': 'Engram', 'tngram': 'TN-gram'}).get(what, what)}"
+
+
+def candidates_table(res: dict[str, Any]) -> str:
+    t1, t2 = res["threads"][:2]
+    lines = [f"| candidate | {t1} thread{'s' if t1 > 1 else ''} | {t2} threads | S2 | p | 16-core |",
+             "|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys(k.rsplit("@", 1)[0] for k in res["times"]))
+    for k in keys:
+        if k.startswith("zero:"):
+            cells = [f"{_ms(res, f'{k}@{t}'):.2f}" for t in (t1, t2)] + ["", "", ""]
+        else:
+            cells = [f"{_ms(res, f'{k}@{t}'):.2f} ({_ms(res, f'{k}@{t}', 'min_s'):.2f})" for t in (t1, t2)]
+            s = res["speedups"][k]
+            cells += [f"{s['speedup_2']:.2f}", f"{s['parallel_fraction']:.2f}", f"{s['amdahl_16']:.2f}"]
+        lines.append(md_row([_label(k)] + cells))
+    return "\n".join(lines)
+
+
+def targets_table(res: dict[str, Any]) -> str:
+    ts = res["threads"]
+    lines = ["| target (TN-gram / Engram) | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}" for t in ts)
+             + " | met? |", "|---|" + "---|" * len(ts) + "---|"]
+    goals = targets(res)
+    names = {"lookup": f"lookup ≤ bytes ratio {goals['lookup']:.2f}",
+             "module": f"module ≤ {MODULE_SLACK:.2f} × FLOP ratio {res['flop_ratio']:.2f} = {goals['module']:.2f}",
+             "step": f"mini step ≤ {goals['step']:.2f}"}
+    for part, _, _ in PARTS:
+        lines.append(f"| {names[part]} | " + " | ".join(f"{res['ratios'][str(t)][part]:.2f}" for t in ts)
+                     + f" | {'yes' if met(res, part) else '**no**'} |")
+    return "\n".join(lines)
+
+
+def render_threads(res: dict[str, Any], view: str) -> str:
+    views = {"speed": speed_table, "candidates": candidates_table, "targets": targets_table}
+    if view not in views:
+        raise TngramError(f"bench-threads block view {view!r}: expected one of {', '.join(views)} "
+                          "(block name FILE:VIEW)")
+    return views[view](res)
