@@ -76,7 +76,10 @@ def _trainer(args: argparse.Namespace) -> int:
               trainer.report_gap(res), args)
         return 0
     import torch
-    rows = [trainer.phases(r, args.steps, torch.get_num_threads(), args.data) for r in args.recipes]
+    import contextlib
+    import sys
+    with contextlib.redirect_stdout(sys.stderr):     # the runs' own lines; stdout is the result
+        rows = [trainer.phases(r, args.steps, torch.get_num_threads(), args.data) for r in args.recipes]
     res = {"benchmark": "trainer-phases", "runs": rows,
            **results_file_fields("bench-trainer-phases", getattr(args, "argv", []))}
     _emit(res, trainer.report_phases(rows), args)
