@@ -79,8 +79,9 @@ def _trainer(args: argparse.Namespace) -> int:
     import contextlib
     import sys
     with contextlib.redirect_stdout(sys.stderr):     # the runs' own lines; stdout is the result
-        rows = [trainer.phases(r, args.steps, torch.get_num_threads(), args.data) for r in args.recipes]
-    res = {"benchmark": "trainer-phases", "runs": rows,
+        rows = [trainer.phases(r, args.stop_after, torch.get_num_threads(), args.data) for r in args.recipes]
+    from tngram.bench.common import machine_info
+    res = {"benchmark": "trainer-phases", "machine": machine_info(), "runs": rows,
            **results_file_fields("bench-trainer-phases", getattr(args, "argv", []))}
     _emit(res, trainer.report_phases(rows), args)
     return 0
@@ -158,7 +159,8 @@ def add_commands(sub: Any) -> None:
     common(tr, 11, 2)
     tr.add_argument("--recipes", nargs="+", metavar="RECIPE", default=["mini-tngram", "mini-engram"],
                     help="recipes (default mini-tngram mini-engram; --gap uses the first two)")
-    tr.add_argument("--steps", type=int_range(1), default=128, help="optimiser steps per run (phases)")
+    tr.add_argument("--stop-after", type=int_range(1), default=128, metavar="N",
+                    help="stop each run after N optimiser steps of the recipe's (unchanged) schedule")
     tr.add_argument("--data", metavar="DIR", help="dataset folder (default: the default corpus)")
     tr.add_argument("--gap", action="store_true",
                     help="instead: interleaved step, K/V matmul and Muon NS times and the gap split")
