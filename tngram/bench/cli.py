@@ -67,6 +67,22 @@ def _step(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trainer(args: argparse.Namespace) -> int:
+    from tngram.bench import trainer
+    _threads(args)
+    if args.gap:
+        res = trainer.gap(tuple(args.recipes[:2]), reps=args.reps, warmup=args.warmup)
+        _emit(dict(res, **results_file_fields("bench-trainer-gap", getattr(args, "argv", []))),
+              trainer.report_gap(res), args)
+        return 0
+    import torch
+    rows = [trainer.phases(r, args.steps, torch.get_num_threads(), args.data) for r in args.recipes]
+    res = {"benchmark": "trainer-phases", "runs": rows,
+           **results_file_fields("bench-trainer-phases", getattr(args, "argv", []))}
+    _emit(res, trainer.report_phases(rows), args)
+    return 0
+
+
 def _data(args: argparse.Namespace) -> int:
     from tngram.bench import data
     _threads(args)
@@ -132,6 +148,18 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
     s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
     s.set_defaults(func=_step)
+
+    tr = bs.add_parser("trainer", help="where a real training run's time goes (data, forward, backward, "
+                                       "optimisers, eval, checkpoints); --gap: TN-gram's step gap to "
+                                       "Engram split into extra matmul arithmetic and the rest")
+    common(tr, 11, 2)
+    tr.add_argument("--recipes", nargs="+", metavar="RECIPE", default=["mini-tngram", "mini-engram"],
+                    help="recipes (default mini-tngram mini-engram; --gap uses the first two)")
+    tr.add_argument("--steps", type=int_range(1), default=128, help="optimiser steps per run (phases)")
+    tr.add_argument("--data", metavar="DIR", help="dataset folder (default: the default corpus)")
+    tr.add_argument("--gap", action="store_true",
+                    help="instead: interleaved step, K/V matmul and Muon NS times and the gap split")
+    tr.set_defaults(func=_trainer)
 
     d = bs.add_parser("data", help="data loader (shard reading) and tokenisation throughput",
                       description="Loader throughput (tokens/s of training batches read from shards, page "

@@ -3,8 +3,11 @@
 The step is the trainer's (tngram/train/loop.py): parameter groups from
 `tngram.optim.groups.build_param_groups`, Adam for embeddings/tables/scalars and our Muon for
 matrices, loss = model(x, y), fp32 or bf16 autocast on CPU. Inputs are random token ids (the
-step's cost does not depend on the data). mini-* recipes run at their own micro-batch (16 x 256);
-paper-l9-* at a reduced batch of `paper_batch` x 1024 and fewer reps (one step takes seconds).
+step's cost does not depend on the data). mini-* recipes run one optimiser step of their own
+global batch, as the trainer does: micro-batches of 8 x 256 tokens, gradients accumulated over
+2 of them (16 x 256), then Adam and Muon (at commit 49015ed and before: one micro-batch per optimiser
+step, which gave the optimisers twice the trainer's share of the step); paper-l9-* one
+micro-batch of `paper_batch` x 1024 and fewer reps (one step takes seconds).
 
 Analytic FLOPs per step = 6 x (matmul parameters) x tokens + 12 x L x d x T x tokens (attention
 score and value matmuls, PaLM's convention, no causal discount). Matmul parameters are every
@@ -59,27 +62,31 @@ def build_step(recipe: str, dtype: str, paper_batch: int,
     if muon_groups:
         opts.append(Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum, nesterov=True,
                          ns_steps=o.muon_ns_steps))
-    B = cfg.data.micro_batch_seqs if recipe.startswith("mini") else paper_batch
+    mini = recipe.startswith("mini")
+    B = cfg.data.micro_batch_seqs if mini else paper_batch
     T = cfg.model.sequence_len
     V = cfg.model.vocab_size
+    accum = max(1, cfg.data.global_batch_tokens // (B * T)) if mini else 1   # the trainer's
     gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(1, V, (B, T + 1), generator=gen)
-    x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    seq = torch.randint(1, V, (accum, B, T + 1), generator=gen)
+    batches = [(s[:, :-1].contiguous(), s[:, 1:].contiguous()) for s in seq]
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bf16" else nullcontext
     fwd = torch.compile(model, dynamic=False) if compiled else model
 
     def step() -> None:
-        with ctx():
-            loss = fwd(x, y)
-        loss.backward()
+        for x, y in batches:
+            with ctx():
+                loss = fwd(x, y)
+            (loss / accum).backward()
         for opt in opts:
             opt.step()
         model.zero_grad(set_to_none=True)
 
-    tokens = B * T
+    tokens = accum * B * T
     m = cfg.model
     flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
-    facts = {"recipe": recipe, "dtype": dtype, "compiled": compiled, "batch": B, "seq": T, "tokens": tokens,
+    facts = {"recipe": recipe, "dtype": dtype, "compiled": compiled, "batch": B, "seq": T,
+             "grad_accum": accum, "tokens": tokens,
              "params": model.num_params(), "matmul_params": matmul_params(model),
              "flops": float(flops), "optimizer": "Adam + Muon (tngram.optim.muon)"}
     return step, facts

@@ -8,8 +8,9 @@ see the same machine load. Candidates per thread count t:
                                       (tngram.bench.modules: d 512, V 1024, batch x seq tokens;
                                       TN-gram's lookup is the C kernel when it builds)
   module:engram@t, module:tngram@t   the whole memory module fwd+bwd
-  step:mini-engram@t, step:mini-tngram@t   one training step of the mini recipes (bf16 autocast,
-                                      as the demo trains; tngram.bench.step)
+  step:mini-engram@t, step:mini-tngram@t   one optimiser step of the mini recipes as the demo
+                                      trains (bf16 autocast, 2 accumulated micro-batches of
+                                      8 x 256 tokens, Adam + Muon; tngram.bench.step)
   zero:V1024@t, zero:V8192@t         torch.zeros(5, V, 1024): the dense TN-gram factor-gradient
                                       fill of one paper-l9 layer at vocab 1024 and 8192
 

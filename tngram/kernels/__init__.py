@@ -32,11 +32,15 @@ from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, absorption_weigh
 
 def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
                   ngrams: Tensor, *, use_norm: bool = True, eps: float = 1e-6,
-                  impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+                  impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS,
+                  out_dtype: torch.dtype | None = None) -> Tensor:
     """e_concat (B, T, (N-1) R) = concat_n exp(l_n) RMSNorm(b_n), b_n from Eq. 10.
 
     factors (N, V, R); absorb (N-2, R) or None; log_scales (N-1,) or None; ngrams (B, T, N)
     suffix n-grams with column k = x_{t-k} (left-padded). use_norm=False drops the RMSNorm.
+    out_dtype: the dtype the caller will cast e to (bf16 under autocast). A kernel that can
+    write it directly (the C kernel, bf16) does, bit-identical to the cast and without the
+    fp32 tensor; otherwise e comes back in the factors' dtype as usual and the caller casts.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -59,7 +63,11 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     if impl == "torch" and torch.compiler.is_compiling():
         e = plain_lookup(factors, *args)                                 # traceable ops
     else:
-        e = IMPL_FNS[impl](factors, *args)                               # (M, N-1, R)
+        fn = IMPL_FNS[impl]
+        if out_dtype is not None and out_dtype in getattr(fn, "out_dtypes", ()):
+            e = fn(factors, *args, out_dtype=out_dtype)                  # (M, N-1, R) out_dtype
+        else:
+            e = fn(factors, *args)                                       # (M, N-1, R)
     return e.view(B, T, (N - 1) * R)
 
 

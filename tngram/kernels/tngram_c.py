@@ -96,9 +96,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.tn_count_bad_ids.argtypes = [p, i64, i64, i64, i32]
     lib.tn_count_bad_ids.restype = i64
-    lib.tn_lookup_forward.argtypes = [p, p, p, p, i64, i64, i64, i32, f32, p, p, i32]
+    lib.tn_lookup_forward.argtypes = [p, p, p, p, i64, i64, i64, i32, f32, p, p, i32, i32]
     lib.tn_lookup_forward.restype = None
-    lib.tn_lookup_backward.argtypes = [p, p, p, p, p, p, i64, i64, i64, p, p, p, i32]
+    lib.tn_lookup_backward.argtypes = [p, p, p, p, p, p, i64, i64, i64, p, p, p, i32, i32]
     lib.tn_lookup_backward.restype = None
     return lib
 
@@ -151,8 +151,11 @@ def _lib() -> ctypes.CDLL:
 
 @torch.library.custom_op("tngram::c_lookup_fwd", mutates_args=())
 def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tensor], use_norm: bool,
-                 eps: float) -> tuple[Tensor, Tensor]:
-    """factors (N, V, R) fp32, idx (M, N) row ids, W (N-1, R) -> e (M, N-1, R), r (M, N-1 | 0)."""
+                 eps: float, out_bf16: bool = False) -> tuple[Tensor, Tensor]:
+    """factors (N, V, R) fp32, idx (M, N) row ids, W (N-1, R) -> e (M, N-1, R), r (M, N-1 | 0).
+
+    e is fp32, or with out_bf16 bf16: the same fp32 values rounded once in C, bit-identical to
+    `e.to(torch.bfloat16)` (what bf16 autocast does to it before the K/V matmul)."""
     N, V, R = factors.shape
     M = idx.shape[0]
     table, idx = factors.contiguous(), idx.contiguous()
@@ -161,35 +164,40 @@ def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tenso
         raise ValueError(f"ngram token ids must be in [0, {V})")
     Wc = W.to(torch.float32).contiguous()
     sc = None if scales is None else scales.to(torch.float32).contiguous()
-    out = torch.empty(M, N - 1, R, dtype=torch.float32)
+    out = torch.empty(M, N - 1, R, dtype=torch.bfloat16 if out_bf16 else torch.float32)
     rstd = torch.empty(M, N - 1 if use_norm else 0, dtype=torch.float32)
     lib.tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
-                          int(use_norm), float(eps), out.data_ptr(), _ptr(rstd), nt)
+                          int(use_norm), float(eps), out.data_ptr(), _ptr(rstd), nt, int(out_bf16))
     return out, rstd
 
 
 @c_lookup_fwd.register_fake
-def _(factors, idx, W, scales, use_norm, eps):  # noqa: ANN001, ANN202
+def _(factors, idx, W, scales, use_norm, eps, out_bf16=False):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
-    return factors.new_empty(M, N - 1, R), factors.new_empty(M, N - 1 if use_norm else 0)
+    return (factors.new_empty(M, N - 1, R, dtype=torch.bfloat16 if out_bf16 else torch.float32),
+            factors.new_empty(M, N - 1 if use_norm else 0))
 
 
 @torch.library.custom_op("tngram::c_lookup_bwd", mutates_args=())
 def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tensor],
                  rstd: Tensor, need_factors: bool, need_W: bool, need_scales: bool
                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> d factors (N, V, R), dW (N-1, R), ds (N-1,); each empty when not needed."""
+    """-> d factors (N, V, R), dW (N-1, R), ds (N-1,); each empty when not needed.
+
+    grad fp32, or bf16 (the gradient of a bf16 e): read as is and widened in C (exact)."""
     N, V, R = factors.shape
     M = idx.shape[0]
-    g = grad.to(torch.float32).contiguous()
+    g_bf16 = grad.dtype == torch.bfloat16
+    g = grad.contiguous() if g_bf16 else grad.to(torch.float32).contiguous()
     d_f = torch.zeros(N, V, R, dtype=torch.float32) if need_factors else factors.new_empty(0)
     dW = torch.zeros(N - 1, R, dtype=torch.float32) if need_W else factors.new_empty(0)
     ds = torch.zeros(N - 1, dtype=torch.float32) if (need_scales and scales is not None) else factors.new_empty(0)
     sc = None if scales is None else scales.to(torch.float32).contiguous()
     _lib().tn_lookup_backward(g.data_ptr(), factors.contiguous().data_ptr(), idx.contiguous().data_ptr(),
                               W.to(torch.float32).contiguous().data_ptr(), _ptr(sc), _ptr(rstd),
-                              M, N, R, _ptr(d_f), _ptr(dW), _ptr(ds), torch.get_num_threads())
+                              M, N, R, _ptr(d_f), _ptr(dW), _ptr(ds), torch.get_num_threads(),
+                              int(g_bf16))
     return d_f, dW, ds
 
 
@@ -202,7 +210,7 @@ def _(grad, factors, idx, W, scales, rstd, need_factors, need_W, need_scales):  
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    factors, idx, W, scales, use_norm, eps = inputs
+    factors, idx, W, scales, use_norm, eps = inputs[:6]
     ctx.save_for_backward(factors, idx, W, scales, output[1])
 
 
@@ -211,17 +219,24 @@ def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
     need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
     d_f, dW, ds = c_lookup_bwd(grad_out, factors, idx, W, scales, rstd, need_f, need_W, need_s)
     return (d_f if need_f else None, None, dW.to(W.dtype) if need_W else None,
-            ds.to(scales.dtype) if (need_s and scales is not None) else None, None, None)
+            ds.to(scales.dtype) if (need_s and scales is not None) else None, None, None, None)
 
 
 c_lookup_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def c_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None, use_norm: bool,
-             eps: float, chunk: int = 0) -> Tensor:
+             eps: float, chunk: int = 0, out_dtype: torch.dtype | None = None) -> Tensor:
     """Same contract as `FusedTNGramLookup.apply(factors, idx, W, scales, use_norm, eps, chunk)`
-    (chunk is ignored: the C loop works token by token). W None = no absorption (ones)."""
+    (chunk is ignored: the C loop works token by token). W None = no absorption (ones).
+    out_dtype torch.bfloat16 returns e in bf16, bit-identical to casting the fp32 e (see
+    c_lookup_fwd); None or fp32: fp32."""
     N, V, R = factors.shape
     if W is None:
         W = factors.new_ones(N - 1, R)
-    return c_lookup_fwd(factors, idx, W, scales, use_norm, eps)[0]
+    if out_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"c_lookup out_dtype must be None, float32 or bfloat16, got {out_dtype}")
+    return c_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_dtype == torch.bfloat16)[0]
+
+
+c_lookup.out_dtypes = (torch.bfloat16,)   # dtypes it writes directly (fused_lookup's out_dtype)

@@ -23,6 +23,13 @@
  *   s     (N-1)       scales exp(l_j), or NULL (s_j = 1)
  *   out   (M, N-1, R) e_j = s_j r_j b_j,  b_j = P_{j+2} W_j,  P_n = rows_0 * ... * rows_{n-1}
  *   rstd  (M, N-1)    r_j = 1 / sqrt(mean_R b_j^2 + eps), or NULL when use_norm == 0
+ *
+ * bf16 (uint16_t) output and gradient: under bf16 autocast the first consumer of `out` is the
+ * K/V matmul, which casts it to bf16 anyway. With out_bf16 the forward computes each token's
+ * row in fp32 exactly as before and rounds it once, as torch's fp32 -> bf16 cast does (round to
+ * nearest even, NaN -> 0xFFFF like torch's vectorised cast), so the result is bit-identical to
+ * `out.to(torch.bfloat16)` without the fp32 tensor and the extra pass. With grad_bf16 the
+ * backward reads a bf16 gradient and widens it to fp32 (exact), as `grad.float()` would.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +44,22 @@ static int omp_get_thread_num(void) { return 0; }
 
 #define CHUNK 128          /* tokens per backward chunk: GR + DP = 128 x 9 x R floats */
 #define COL_ALIGN 16       /* column blocks start on 64-byte lines (no false sharing) */
+
+/* fp32 -> bf16 bits, round to nearest even; bit-identical to torch's CPU cast */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (x != x) return 0xFFFF;
+    u += ((u >> 16) & 1u) + 0x7FFFu;
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
 
 /* number of ids outside their factor's rows: column k must lie in [(N-1-k) V, (N-k) V) */
 int64_t tn_count_bad_ids(const int64_t *idx, int64_t M, int64_t N, int64_t V, int nthreads) {
@@ -84,14 +107,22 @@ static void forward_token(const float *table, const int64_t *id, const float *W,
 
 void tn_lookup_forward(const float *table, const int64_t *idx, const float *W, const float *s,
                        int64_t M, int64_t N, int64_t R, int use_norm, float eps,
-                       float *out, float *rstd, int nthreads) {
+                       void *out, float *rstd, int nthreads, int out_bf16) {
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && M >= 32)
     {
         float *P = malloc((size_t)R * sizeof(float));
+        float *row = out_bf16 ? malloc((size_t)((N - 1) * R) * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            forward_token(table, idx + m * N, W, s, N, R, use_norm, eps, out + m * (N - 1) * R,
+        for (int64_t m = 0; m < M; m++) {
+            float *o = out_bf16 ? row : (float *)out + m * (N - 1) * R;
+            forward_token(table, idx + m * N, W, s, N, R, use_norm, eps, o,
                           use_norm ? rstd + m * (N - 1) : NULL, P);
+            if (out_bf16) {
+                uint16_t *restrict ob = (uint16_t *)out + m * (N - 1) * R;
+                for (int64_t i = 0; i < (N - 1) * R; i++) ob[i] = f32_to_bf16(row[i]);
+            }
+        }
+        free(row);
         free(P);
     }
 }
@@ -178,10 +209,10 @@ static void backward_token(const float *g_m, const float *table, const int64_t *
 
 /* backward; any of dtable (N*V, R), dW (N-1, R), ds (N-1) may be NULL (not needed); the
  * non-NULL ones are accumulated into (the caller zeroes them). */
-void tn_lookup_backward(const float *grad, const float *table, const int64_t *idx,
+void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx,
                         const float *W, const float *s, const float *rstd,
                         int64_t M, int64_t N, int64_t R,
-                        float *dtable, float *dW, float *ds, int nthreads) {
+                        float *dtable, float *dW, float *ds, int nthreads, int grad_bf16) {
     if (M <= 0) return;
     int64_t c_max = M < CHUNK ? M : CHUNK;
     float *GR = dtable ? malloc((size_t)(c_max * N * R) * sizeof(float)) : NULL;
@@ -196,12 +227,19 @@ void tn_lookup_backward(const float *grad, const float *table, const int64_t *id
         if (c0 > R) c0 = R;
         if (c1 > R) c1 = R;
         float *scratch = malloc((size_t)((2 * (N - 1) + 1) * R) * sizeof(float));
+        float *gwide = grad_bf16 ? malloc((size_t)((N - 1) * R) * sizeof(float)) : NULL;
         for (int64_t a = 0; a < M; a += CHUNK) {
             int64_t c = (M - a) < CHUNK ? (M - a) : CHUNK;
 #pragma omp for schedule(static)
             for (int64_t q = 0; q < c; q++) {
                 int64_t m = a + q;
-                backward_token(grad + m * (N - 1) * R, table, idx + m * N, W, s,
+                const float *g_m = (const float *)grad + m * (N - 1) * R;
+                if (grad_bf16) {     /* widen the token's bf16 gradient row (exact) */
+                    const uint16_t *gb = (const uint16_t *)grad + m * (N - 1) * R;
+                    for (int64_t i = 0; i < (N - 1) * R; i++) gwide[i] = bf16_to_f32(gb[i]);
+                    g_m = gwide;
+                }
+                backward_token(g_m, table, idx + m * N, W, s,
                                rstd ? rstd + m * (N - 1) : NULL, N, R,
                                GR ? GR + q * N * R : NULL, DP ? DP + q * (N - 1) * R : NULL,
                                DS ? DS + q * (N - 1) : NULL, scratch);
@@ -234,6 +272,7 @@ void tn_lookup_backward(const float *grad, const float *table, const int64_t *id
 #pragma omp barrier
         }
         free(scratch);
+        free(gwide);
     }
     free(GR);
     free(DP);

@@ -98,7 +98,14 @@ class TNGramConfig:
         return n
 
 
+def _cpu_bf16_autocast(h: Tensor) -> bool:
+    return (h.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+
 class TNGram(nn.Module):
+    bf16_lookup_output = True   # class switch (not a parameter): tests/benchmarks compare both paths
+
     def __init__(self, config: TNGramConfig, d_model: int, vocab_size: int) -> None:
         super().__init__()
         config.validate(vocab_size)
@@ -126,16 +133,17 @@ class TNGram(nn.Module):
         check_ids_in_forward(input_ids, self.vocab_size)
         return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
 
-    def memory_vector(self, input_ids: Tensor) -> Tensor:
+    def memory_vector(self, input_ids: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         """The lookup stage: ids (B, T) -> e_concat (B, T, (N-1) R), everything before K/V.
 
         fused=True runs `tngram.kernels.tngram_lookup` (one gather, in-cache chunks, hand-written
         backward; Triton on CUDA); fused=False the plain-autograd reference of cp.py.
+        out_dtype: see `fused_lookup` (a kernel may return e already cast to it; same numbers).
         """
         c = self.config
         if c.fused:
             return fused_lookup(self.factors, self.absorb, self.log_scales, self.ngrams(input_ids),
-                                 use_norm=c.use_norm, eps=c.norm_eps)
+                                 use_norm=c.use_norm, eps=c.norm_eps, out_dtype=out_dtype)
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 
@@ -149,7 +157,12 @@ class TNGram(nn.Module):
         """
         ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id,
                                      valid)
-        e = self.memory_vector(ids)[:, P:].to(h.dtype)
+        # Under CPU bf16 autocast e's only consumer is the K/V matmul, which casts it to bf16:
+        # the C kernel writes bf16 directly (bit-identical, no fp32 e; docs/PERFORMANCE.md)
+        lowp = torch.bfloat16 if (self.bf16_lookup_output and _cpu_bf16_autocast(h)) else None
+        e = self.memory_vector(ids, out_dtype=lowp)[:, P:]
+        if lowp is None or e.dtype != lowp:
+            e = e.to(h.dtype)
         return self.fusion(h, e, cache, valid)
 
     def extra_repr(self) -> str:
