@@ -161,3 +161,19 @@ def test_widen_lr_grid_steps_past_an_edge_best_only():
     loss = {k: 1.0 for k in grown}
     loss[f"engram-lr{hi * 2 ** MAX_LR_STEPS:g}"], loss["tngram-lr1"] = 0.5, 0.5
     assert widen_lr_grid(grown, loss, cfgs) == {}
+
+
+def test_tuned_configs_and_missing_tuning_folder(tmp_path, capsys):
+    from tngram.cli import main
+    from tngram.experiments.evidence import tuned_configs
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    t = tuned_configs(cfgs, {"engram": "engram-lr4", "tngram": "tngram-init0.03"})
+    assert t["raw"] is cfgs["raw"]
+    assert t["engram"].optim.memory_table_lr == pytest.approx(4 * cfgs["engram"].optim.tied_embed_lr)
+    assert t["engram"].model == cfgs["engram"].model
+    assert t["tngram"].model.memory.factor_init_std == 0.03 and t["tngram"].optim == cfgs["tngram"].optim
+    assert main(["experiment", "corpora", "--tuned", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tuning.json" in err[0] and not (tmp_path / "o").exists()

@@ -155,7 +155,7 @@ def add_commands(sub: Any) -> None:
     common(tr, 11, 2)
     tr.add_argument("--recipes", nargs="+", metavar="RECIPE", default=["mini-tngram", "mini-engram"],
                     help="recipes (default mini-tngram mini-engram; --gap uses the first two)")
-    tr.add_argument("--steps", type=int_range(1), default=128, help="optimiser steps per run (phases)")
+    tr.add_argument("--steps", type=int_range(1), default=128, help="total optimiser steps of each timed run (its phases are split)")
     tr.add_argument("--data", metavar="DIR", help="dataset folder (default: the default corpus)")
     tr.add_argument("--gap", action="store_true",
                     help="instead: interleaved step, K/V matmul and Muon NS times and the gap split")

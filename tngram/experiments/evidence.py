@@ -61,8 +61,9 @@ def gap_points(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = None, steps: int | None = None,
-            nproc: int | None = None, corpora: list[str] | None = None) -> Path:
-    """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance."""
+            nproc: int | None = None, corpora: list[str] | None = None, tuned: Path | None = None) -> Path:
+    """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance;
+    with `tuned` (a tuning folder), each memory at the best setting found there."""
     from tngram.data.corpus import CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
@@ -70,11 +71,14 @@ def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = No
 
     names = list(corpora or CORPORA)
     prefix = SCALES[scale]
+    best = read_best(tuned) if tuned is not None else None     # before any data or training work
     by_corpus: dict[str, list[dict[str, Any]]] = {}
     seen: dict[str, Any] = {}
     for name in names:
         data_dir, vocab = _build(name)
         cfgs = _configs(prefix, data_dir, vocab, steps)
+        if best is not None:
+            cfgs = tuned_configs(cfgs, best)
         res = compare_configs(cfgs, out / name, seeds=seeds, preset=scale, data_dir=data_dir,
                               nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
         by_corpus[name] = res["rows"]
@@ -273,6 +277,28 @@ def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
     out = {f"{m}-lr{f:g}": lr_variant(cfgs[m], f) for m in ("engram", "tngram") for f in TABLE_LR_FACTORS}
     for s in FACTOR_INIT_STDS:
         out[f"tngram-init{s:g}"] = with_memory(cfgs["tngram"], factor_init_std=s)
+    return out
+
+
+def read_best(tuning_dir: Path) -> dict[str, str]:
+    """{method: setting name} from a finished `tngram experiment tuning` folder."""
+    from tngram.common import MissingFileError
+    path = Path(tuning_dir) / "tuning.json"
+    if not path.is_file():
+        raise MissingFileError(f"--tuned {tuning_dir}: no tuning.json; run `tngram experiment tuning --out "
+                               f"{tuning_dir}` first")
+    return json.loads(path.read_text())["best"]
+
+
+def tuned_configs(cfgs: dict[str, Any], best: dict[str, str]) -> dict[str, Any]:
+    """cfgs with each method in `best` at its setting: "<m>-lr<f>" (table lr x f) or
+    "tngram-init<std>" (factor_init_std)."""
+    from tngram.experiments.common import with_memory
+    out = dict(cfgs)
+    for m, key in best.items():
+        v = key.split("-", 1)[1]
+        out[m] = lr_variant(cfgs[m], float(v[2:])) if v.startswith("lr") else \
+            with_memory(cfgs[m], factor_init_std=float(v[len("init"):]))
     return out
 
 
