@@ -134,3 +134,46 @@ def test_experiment_cli_seeds_default_and_budgets(monkeypatch, tmp_path):
         assert main(["experiment", *argv, "--out", str(tmp_path)]) == 0
     assert seen == {"corpora": 5, "tuning": 2, "data-scaling": (3, (1, 2, 4))}
     assert main(["experiment", "data-scaling", "--seeds", "2", "--out", str(tmp_path / "b")]) == 0
+
+
+def test_widen_lr_grid_steps_past_an_edge_best_only():
+    from tngram.experiments.evidence import MAX_LR_STEPS, TABLE_LR_FACTORS, tuning_variants, widen_lr_grid
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    tv = tuning_variants(cfgs)
+    hi, lo = max(TABLE_LR_FACTORS), min(TABLE_LR_FACTORS)
+    # Engram best at the top edge, TN-gram best inside the grid: only Engram grows, by x2
+    loss = {k: 1.0 for k in tv}
+    loss[f"engram-lr{hi:g}"], loss["tngram-lr1"] = 0.5, 0.5
+    new = widen_lr_grid(tv, loss, cfgs)
+    assert list(new) == [f"engram-lr{2 * hi:g}"]
+    base = cfgs["engram"].optim.tied_embed_lr
+    assert new[f"engram-lr{2 * hi:g}"].optim.memory_table_lr == pytest.approx(2 * hi * base)
+    # TN-gram best at the bottom edge: /2
+    loss = {k: 1.0 for k in tv}
+    loss[f"tngram-lr{lo:g}"], loss["engram-lr1"] = 0.5, 0.5
+    assert list(widen_lr_grid(tv, loss, cfgs)) == [f"tngram-lr{lo / 2:g}"]
+    # growth stops after MAX_LR_STEPS steps
+    grown = dict(tv)
+    for i in range(1, MAX_LR_STEPS + 1):
+        grown[f"engram-lr{hi * 2 ** i:g}"] = None
+    loss = {k: 1.0 for k in grown}
+    loss[f"engram-lr{hi * 2 ** MAX_LR_STEPS:g}"], loss["tngram-lr1"] = 0.5, 0.5
+    assert widen_lr_grid(grown, loss, cfgs) == {}
+
+
+def test_tuned_configs_and_missing_tuning_folder(tmp_path, capsys):
+    from tngram.cli import main
+    from tngram.experiments.evidence import tuned_configs
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    t = tuned_configs(cfgs, {"engram": "engram-lr4", "tngram": "tngram-init0.03"})
+    assert t["raw"] is cfgs["raw"]
+    assert t["engram"].optim.memory_table_lr == pytest.approx(4 * cfgs["engram"].optim.tied_embed_lr)
+    assert t["engram"].model == cfgs["engram"].model
+    assert t["tngram"].model.memory.factor_init_std == 0.03 and t["tngram"].optim == cfgs["tngram"].optim
+    assert main(["experiment", "corpora", "--tuned", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tuning.json" in err[0] and not (tmp_path / "o").exists()

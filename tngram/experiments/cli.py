@@ -65,6 +65,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--budgets", default=None, metavar="K1,K2,...",
                    help="data-scaling only: training budgets as multiples of the recipe's steps, "
                         "comma-separated (default 1,4,16)")
+    p.add_argument("--tuned", default=None, type=Path, metavar="DIR",
+                   help="corpora only: train each memory at the best setting of a finished "
+                        "`tngram experiment tuning --out DIR`")
     p.add_argument("--ranks", default=None, metavar="R1,R2,...",
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--corpora", default=None, metavar="NAME,...",
@@ -116,5 +119,5 @@ def _cmd_experiment(args: Any) -> int:
     with config_overrides(args.overrides):
         run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
                        steps=args.steps, nproc=args.nproc, ranks=ranks, corpora=corpora,
-                       budgets=budgets)
+                       budgets=budgets, tuned=args.tuned)
     return 0

@@ -61,8 +61,9 @@ def gap_points(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = None, steps: int | None = None,
-            nproc: int | None = None, corpora: list[str] | None = None) -> Path:
-    """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance."""
+            nproc: int | None = None, corpora: list[str] | None = None, tuned: Path | None = None) -> Path:
+    """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance;
+    with `tuned` (a tuning folder), each memory at the best setting found there."""
     from tngram.data.corpus import CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
@@ -70,11 +71,14 @@ def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = No
 
     names = list(corpora or CORPORA)
     prefix = SCALES[scale]
+    best = read_best(tuned) if tuned is not None else None     # before any data or training work
     by_corpus: dict[str, list[dict[str, Any]]] = {}
     seen: dict[str, Any] = {}
     for name in names:
         data_dir, vocab = _build(name)
         cfgs = _configs(prefix, data_dir, vocab, steps)
+        if best is not None:
+            cfgs = tuned_configs(cfgs, best)
         res = compare_configs(cfgs, out / name, seeds=seeds, preset=scale, data_dir=data_dir,
                               nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
         by_corpus[name] = res["rows"]
@@ -253,26 +257,68 @@ def dense(out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None
 
 # ---- fair tuning: each memory's table learning rate (and TN-gram's factor init) on one corpus
 
-# The grid run for docs/RESULTS.md (2 seeds = 22 runs, ~1 h on 2 cores); widen it here if the best
-# setting lands on an edge.
+# The starting grid (2 seeds = 22 runs, ~1 h on 2 cores); `tuning` extends a method's lr grid by
+# x2 steps while its best lands on an edge (widen_lr_grid).
 TABLE_LR_FACTORS = (0.5, 1.0, 2.0, 4.0)      # x the recipe's table lr (tied_embed_lr when unset)
 FACTOR_INIT_STDS = (0.03, 0.1, 0.3)          # TN-gram factor_init_std (recipe: 0.1)
+
+
+def lr_variant(cfg: Any, factor: float) -> Any:
+    """cfg with the memory table lr at `factor` x the recipe's (tied_embed_lr when unset)."""
+    from dataclasses import replace
+    base = cfg.optim.memory_table_lr if cfg.optim.memory_table_lr is not None else cfg.optim.tied_embed_lr
+    return replace(cfg, optim=replace(cfg.optim, memory_table_lr=base * factor))
 
 
 def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
     """Engram and TN-gram at each table-lr factor; TN-gram also at each factor_init_std (at the
     recipe's table lr). Names: <method>-lr<factor>, tngram-init<std>."""
-    from dataclasses import replace
     from tngram.experiments.common import with_memory
-    out = {}
-    for m in ("engram", "tngram"):
-        c = cfgs[m]
-        base = c.optim.memory_table_lr if c.optim.memory_table_lr is not None else c.optim.tied_embed_lr
-        for f in TABLE_LR_FACTORS:
-            out[f"{m}-lr{f:g}"] = replace(c, optim=replace(c.optim, memory_table_lr=base * f))
+    out = {f"{m}-lr{f:g}": lr_variant(cfgs[m], f) for m in ("engram", "tngram") for f in TABLE_LR_FACTORS}
     for s in FACTOR_INIT_STDS:
         out[f"tngram-init{s:g}"] = with_memory(cfgs["tngram"], factor_init_std=s)
     return out
+
+
+def read_best(tuning_dir: Path) -> dict[str, str]:
+    """{method: setting name} from a finished `tngram experiment tuning` folder."""
+    from tngram.common import MissingFileError
+    path = Path(tuning_dir) / "tuning.json"
+    if not path.is_file():
+        raise MissingFileError(f"--tuned {tuning_dir}: no tuning.json; run `tngram experiment tuning --out "
+                               f"{tuning_dir}` first")
+    return json.loads(path.read_text())["best"]
+
+
+def tuned_configs(cfgs: dict[str, Any], best: dict[str, str]) -> dict[str, Any]:
+    """cfgs with each method in `best` at its setting: "<m>-lr<f>" (table lr x f) or
+    "tngram-init<std>" (factor_init_std)."""
+    from tngram.experiments.common import with_memory
+    out = dict(cfgs)
+    for m, key in best.items():
+        v = key.split("-", 1)[1]
+        out[m] = lr_variant(cfgs[m], float(v[2:])) if v.startswith("lr") else \
+            with_memory(cfgs[m], factor_init_std=float(v[len("init"):]))
+    return out
+
+
+MAX_LR_STEPS = 2   # how many x2 (or /2) steps the grid may grow beyond TABLE_LR_FACTORS per method
+
+
+def widen_lr_grid(variants: dict[str, Any], loss: dict[str, float], cfgs: dict[str, Any]) -> dict[str, Any]:
+    """For each method whose best table-lr factor is the largest (smallest) tried, the variant one
+    x2 (/2) step beyond, unless the grid already grew MAX_LR_STEPS steps that way. {} when no best
+    sits on an edge: the grid then brackets every method's best."""
+    new = {}
+    for m in ("engram", "tngram"):
+        tried = {float(k.split("-lr")[1]): k for k in variants if k.startswith(f"{m}-lr")}
+        best = min(tried, key=lambda f: loss[tried[f]])
+        for edge, step, limit in ((max(tried), 2.0, max(TABLE_LR_FACTORS) * 2 ** MAX_LR_STEPS),
+                                  (min(tried), 0.5, min(TABLE_LR_FACTORS) / 2 ** MAX_LR_STEPS)):
+            f = best * step
+            if best == edge and (f <= limit if step > 1 else f >= limit):
+                new[f"{m}-lr{f:g}"] = lr_variant(cfgs[m], f)
+    return new
 
 
 def tuning(out: Path, scale: str = "cpu", seeds: int = 2, data: str | None = None, steps: int | None = None,
@@ -285,10 +331,14 @@ def tuning(out: Path, scale: str = "cpu", seeds: int = 2, data: str | None = Non
 
     prefix = SCALES[scale]
     data_dir, vocab = resolve_data(data) if data else _build((corpora or ["literature"])[0])
-    variants = tuning_variants(_configs(prefix, data_dir, vocab, steps))
-    specs = [RunSpec(f"{k}-s{s}", with_seed(c, s), {"method": k}) for s in range(seeds) for k, c in variants.items()]
-    rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
-    stats = {k: mean_std([r["val_loss"] for r in rows if r["method"] == k]) for k in variants}
+    cfgs = _configs(prefix, data_dir, vocab, steps)
+    variants, todo = {}, tuning_variants(cfgs)
+    while todo:          # the grid, then one x2 step beyond any method whose best is on an edge
+        variants.update(todo)
+        specs = [RunSpec(f"{k}-s{s}", with_seed(c, s), {"method": k}) for s in range(seeds) for k, c in variants.items()]
+        rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
+        stats = {k: mean_std([r["val_loss"] for r in rows if r["method"] == k]) for k in variants}
+        todo = widen_lr_grid(variants, {k: v[0] for k, v in stats.items()}, cfgs)
     lines = ["| setting | table lr | factor_init_std | val loss (mean ± std) |", "|---|---|---|---|"]
     for k, c in variants.items():
         std = getattr(c.model.memory, "factor_init_std", None)
