@@ -125,9 +125,9 @@ def test_generated_results_blocks_equal_their_results_files(path):
     from tngram.report.docblocks import block_names
     names = block_names(path.read_text())
     if path.name == "README.md":
-        assert {"demo-compare-cpu", "bench-threads-1ef1ab0:speed"} <= set(names)
+        assert {"demo-compare-cpu", "bench-threads-bbf1675:speed"} <= set(names)
     if path.name == "PERFORMANCE.md":
-        assert {"bench-threads-1ef1ab0:candidates", "bench-threads-1ef1ab0:targets"} <= set(names)
+        assert {"bench-threads-bbf1675:candidates", "bench-threads-bbf1675:targets"} <= set(names)
     assert main(["report", "doc", "--check", str(path)]) == 0
 
 
@@ -146,7 +146,7 @@ def test_report_readme_regenerates_the_block(tmp_path):
     readme = tmp_path / "README.md"
     shutil.copy(ROOT / "README.md", readme)
     (tmp_path / "docs" / "results").mkdir(parents=True)
-    shutil.copy(ROOT / "docs/results/bench-threads-1ef1ab0.json", tmp_path / "docs/results/")  # README speed table
+    shutil.copy(ROOT / "docs/results/bench-threads-bbf1675.json", tmp_path / "docs/results/")  # README speed table
     assert main(["report", "readme", str(d), "--readme", str(readme)]) == 0
     block = current_block(readme.read_text(), BLOCK)
     assert "9.8765" in block and "docs/results/demo-compare-cpu.json" in block
