@@ -125,15 +125,14 @@ def test_experiment_cli_seeds_default_and_budgets(monkeypatch, tmp_path):
     import tngram.experiments.evidence as ev
     from tngram.cli import main
 
-    seen = {}
-    monkeypatch.setattr(ev, "corpora", lambda out, scale, seeds, *a, **k: seen.setdefault("corpora", seeds))
-    monkeypatch.setattr(ev, "tuning", lambda out, scale, seeds, *a, **k: seen.setdefault("tuning", seeds))
+    seen = []
+    monkeypatch.setattr(ev, "corpora", lambda out, scale, seeds, *a, **k: seen.append(("corpora", seeds)))
+    monkeypatch.setattr(ev, "tuning", lambda out, scale, seeds, *a, **k: seen.append(("tuning", seeds)))
     monkeypatch.setattr(ev, "data_scaling", lambda out, scale, seeds, *a, multipliers, **k:
-                        seen.setdefault("data-scaling", (seeds, multipliers)))
-    for argv in (["corpora"], ["tuning"], ["data-scaling", "--budgets", "1,2,4"]):
+                        seen.append(("data-scaling", seeds, multipliers)))
+    for argv in (["corpora"], ["tuning"], ["data-scaling", "--budgets", "1,2,4"], ["data-scaling", "--seeds", "2"]):
         assert main(["experiment", *argv, "--out", str(tmp_path)]) == 0
-    assert seen == {"corpora": 5, "tuning": 2, "data-scaling": (3, (1, 2, 4))}
-    assert main(["experiment", "data-scaling", "--seeds", "2", "--out", str(tmp_path / "b")]) == 0
+    assert seen == [("corpora", 5), ("tuning", 2), ("data-scaling", 3, (1, 2, 4)), ("data-scaling", 2, (1, 4, 16))]
 
 
 def test_widen_lr_grid_steps_past_an_edge_best_only():

@@ -183,6 +183,16 @@ def prune_model(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = 
     return out
 
 
+def _shrink(module: nn.Module, cp_rank: int, optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Keep the first `cp_rank` components of a TN-gram module (no log-scale correction: the values
+    are about to be overwritten by a load); False when it is not larger than that."""
+    if cp_rank >= module.factors.shape[2]:
+        return False
+    with torch.device("cpu"):   # index tensors on CPU even inside a meta-device build (from_pretrained)
+        prune_tngram(module, torch.arange(cp_rank), optimizers, correct_scales=False)
+    return True
+
+
 def shrink_to_state(model: nn.Module, tensors: dict[str, Tensor],
                     optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[tuple[str, int, int]]:
     """Before loading weights saved after pruning: shrink each TN-gram module whose stored
@@ -193,12 +203,10 @@ def shrink_to_state(model: nn.Module, tensors: dict[str, Tensor],
     out = []
     for name, m in tngram_modules(model):
         key = f"{name}.factors" if name else "factors"
-        if key not in tensors:
-            continue
-        stored, current = tensors[key].shape[-1], m.factors.shape[2]
-        if stored < current:
-            prune_tngram(m, torch.arange(stored), optimizers, correct_scales=False)
-            out.append((name, current, stored))
+        if key in tensors:
+            before, stored = m.factors.shape[2], tensors[key].shape[-1]
+            if _shrink(m, stored, optimizers):
+                out.append((name, before, stored))
     return out
 
 
@@ -208,10 +216,8 @@ def shrink_to_ranks(model: nn.Module, ranks: list[int]) -> None:
     mods = tngram_modules(model)
     if len(ranks) != len(mods) or any(not 1 <= r <= m.factors.shape[2] for r, (_, m) in zip(ranks, mods)):
         raise ValueError(f"cp_ranks {ranks} do not fit this model's TN-gram ranks {cp_ranks(model)}")
-    with torch.device("cpu"):   # index tensors on CPU even inside a meta-device build (from_pretrained)
-        for r, (_, m) in zip(ranks, mods):
-            if r < m.factors.shape[2]:
-                prune_tngram(m, torch.arange(r), correct_scales=False)
+    for r, (_, m) in zip(ranks, mods):
+        _shrink(m, r, [])
 
 
 def cp_ranks(model: nn.Module) -> list[int]:
