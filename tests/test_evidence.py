@@ -176,3 +176,55 @@ def test_tuned_configs_and_missing_tuning_folder(tmp_path, capsys):
     assert main(["experiment", "corpora", "--tuned", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tuning.json" in err[0] and not (tmp_path / "o").exists()
+
+
+def test_tuned_accepts_the_printed_setting_names(tmp_path, capsys):
+    from tngram.cli import main
+    from tngram.experiments.evidence import read_best, tuned_configs
+    from tngram.recipes import get_recipe
+
+    # the names `tngram experiment tuning` prints are the same as a tuning folder's "best"
+    assert read_best("engram-lr4,tngram-lr2") == {"engram": "engram-lr4", "tngram": "tngram-lr2"}
+    assert read_best(" tngram-init0.03 ") == {"tngram": "tngram-init0.03"}
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    t = tuned_configs(cfgs, read_best("engram-lr4,tngram-lr0.5"))
+    base = cfgs["engram"].optim.tied_embed_lr
+    assert t["engram"].optim.memory_table_lr == pytest.approx(4 * base)
+    assert t["tngram"].optim.memory_table_lr == pytest.approx(0.5 * base)
+    # a folder holding tuning.json wins over the name form
+    folder = tmp_path / "engram-lr4"
+    folder.mkdir()
+    (folder / "tuning.json").write_text('{"best": {"engram": "engram-lr2"}}')
+    assert read_best(folder) == {"engram": "engram-lr2"}
+    # one clear line, exit 2, nothing written: two settings for one memory, or a typo
+    for bad, words in (("engram-lr4,engram-lr2", "two settings for engram"),
+                       ("engram-lr4,tngram-rate2", "engram-lr4,tngram-lr2")):
+        for name in ("corpora", "data-scaling"):
+            assert main(["experiment", name, "--tuned", bad, "--out", str(tmp_path / "o")]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and words in err[0] and not (tmp_path / "o").exists()
+    assert main(["experiment", "vocab", "--tuned", "engram-lr4", "--out", str(tmp_path / "o")]) == 2
+    assert "corpora and data-scaling" in capsys.readouterr().err
+
+
+def test_data_scaling_trains_each_memory_at_its_tuned_setting(tmp_path, monkeypatch):
+    import tngram.experiments.compare as cmp
+    import tngram.experiments.evidence as ev
+    from tngram.recipes import get_recipe
+
+    class Seen(Exception):
+        pass
+
+    def record(cfgs, *a, **k):
+        raise Seen(cfgs)
+
+    monkeypatch.setattr(ev, "_build", lambda name: (str(tmp_path), 1024))
+    monkeypatch.setattr(cmp, "compare_configs", record)
+    with pytest.raises(Seen) as got:
+        ev.data_scaling(tmp_path / "o", multipliers=(2,), tuned="engram-lr4,tngram-lr2")
+    cfgs = got.value.args[0]
+    base = get_recipe("mini-engram")
+    assert cfgs["engram"].optim.memory_table_lr == pytest.approx(4 * base.optim.tied_embed_lr)
+    assert cfgs["tngram"].optim.memory_table_lr == pytest.approx(2 * base.optim.tied_embed_lr)
+    assert cfgs["raw"].optim == get_recipe("mini-raw").optim
+    assert cfgs["engram"].schedule.steps == 2 * base.schedule.steps

@@ -65,9 +65,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--budgets", default=None, metavar="K1,K2,...",
                    help="data-scaling only: training budgets as multiples of the recipe's steps, "
                         "comma-separated (default 1,4,16)")
-    p.add_argument("--tuned", default=None, type=Path, metavar="DIR",
-                   help="corpora only: train each memory at the best setting of a finished "
-                        "`tngram experiment tuning --out DIR`")
+    p.add_argument("--tuned", default=None, metavar="DIR|SETTINGS",
+                   help="corpora / data-scaling only: train each memory at the best setting of a "
+                        "finished `tngram experiment tuning --out DIR`, or at the settings it "
+                        "printed, e.g. engram-lr4,tngram-lr2 (table lr x 4 / x 2)")
     p.add_argument("--ranks", default=None, metavar="R1,R2,...",
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--corpora", default=None, metavar="NAME,...",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,9 @@ def gap_points(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = None, steps: int | None = None,
-            nproc: int | None = None, corpora: list[str] | None = None, tuned: Path | None = None) -> Path:
+            nproc: int | None = None, corpora: list[str] | None = None, tuned: Path | str | None = None) -> Path:
     """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance;
-    with `tuned` (a tuning folder), each memory at the best setting found there."""
+    with `tuned` (a tuning folder or setting names, see `read_best`), each memory at that setting."""
     from tngram.data.corpus import CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
@@ -127,21 +128,25 @@ def log_trend(tokens: list[float], gaps: list[float], at: float = PAPER_TOKENS) 
 
 def data_scaling(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = None, steps: int | None = None,
                  nproc: int | None = None, corpora: list[str] | None = None,
-                 multipliers: tuple[int, ...] = (1, 4, 16)) -> Path:
+                 multipliers: tuple[int, ...] = (1, 4, 16), tuned: Path | str | None = None) -> Path:
     """`tngram experiment data-scaling`: the recipes at steps × {1, 4, 16} on one corpus
-    (`--corpora NAME`, default `code`, the largest built-in corpus; or `--data DIR`)."""
+    (`--corpora NAME`, default `code`, the largest built-in corpus; or `--data DIR`); with
+    `tuned`, each memory at that tuned setting (see `read_best`)."""
     from tngram.experiments.common import resolve_data
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
     from tngram.report.plots import xy_plot
 
     prefix = SCALES[scale]
+    best = read_best(tuned) if tuned is not None else None     # before any data or training work
     data_dir, vocab = resolve_data(data) if data else _build((corpora or ["code"])[0])
     base_steps = steps or base_recipe(prefix, "raw").schedule.steps
     by_budget: dict[str, list[dict[str, Any]]] = {}
     pts_tok, pts_gap = [], []
     for k in multipliers:
         cfgs = _configs(prefix, data_dir, vocab, base_steps * k)
+        if best is not None:
+            cfgs = tuned_configs(cfgs, best)
         tokens = base_steps * k * cfgs["raw"].data.global_batch_tokens
         label = f"{tokens / 1e6:g}M"
         res = compare_configs(cfgs, out / label, seeds=seeds, preset=scale, data_dir=data_dir,
@@ -280,14 +285,27 @@ def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_best(tuning_dir: Path) -> dict[str, str]:
-    """{method: setting name} from a finished `tngram experiment tuning` folder."""
-    from tngram.common import MissingFileError
-    path = Path(tuning_dir) / "tuning.json"
-    if not path.is_file():
-        raise MissingFileError(f"--tuned {tuning_dir}: no tuning.json; run `tngram experiment tuning --out "
-                               f"{tuning_dir}` first")
-    return json.loads(path.read_text())["best"]
+SETTING_RE = re.compile(r"^(engram-lr|tngram-lr|tngram-init)(\d+(\.\d+)?|\.\d+)$")
+
+
+def read_best(tuned: Path | str) -> dict[str, str]:
+    """{method: setting name} from a finished `tngram experiment tuning` folder, or from the
+    setting names it printed ("Best on this corpus"), e.g. "engram-lr4,tngram-lr2": the choice
+    can be reused without keeping the tuning runs."""
+    from tngram.common import MissingFileError, TngramError
+    path = Path(tuned)
+    if path.is_dir() or not all(SETTING_RE.match(k.strip()) for k in str(tuned).split(",")):
+        if not (path / "tuning.json").is_file():
+            raise MissingFileError(f"--tuned {tuned}: no tuning.json there and not a list of setting names "
+                                   f"like engram-lr4,tngram-lr2; run `tngram experiment tuning --out {tuned}` first")
+        return json.loads((path / "tuning.json").read_text())["best"]
+    best: dict[str, str] = {}
+    for key in (k.strip() for k in str(tuned).split(",")):
+        m = key.split("-", 1)[0]
+        if m in best:
+            raise TngramError(f"--tuned {tuned}: two settings for {m} ({best[m]}, {key}); give one per memory")
+        best[m] = key
+    return best
 
 
 def tuned_configs(cfgs: dict[str, Any], best: dict[str, str]) -> dict[str, Any]:

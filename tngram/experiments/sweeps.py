@@ -137,14 +137,14 @@ DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 
 def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None = None, data: str | None = None,
                    steps: int | None = None, nproc: int | None = None,
                    ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None,
-                   budgets: tuple[int, ...] | None = None, tuned: Path | None = None) -> Path:
+                   budgets: tuple[int, ...] | None = None, tuned: Path | str | None = None) -> Path:
     """Run experiment `name`; seeds=None means its default (DEFAULT_SEEDS, else 1)."""
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
     if budgets is not None and name != "data-scaling":
         raise TngramError(f"--budgets applies to the data-scaling experiment only, not {name!r}")
-    if tuned is not None and name != "corpora":
-        raise TngramError(f"--tuned applies to the corpora experiment only, not {name!r}")
+    if tuned is not None and name not in ("corpora", "data-scaling"):
+        raise TngramError(f"--tuned applies to the corpora and data-scaling experiments only, not {name!r}")
     seeds = seeds or DEFAULT_SEEDS.get(name, 1)
     if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning"):
         raise TngramError(f"--corpora applies to the corpora, data-scaling, dense and tuning experiments only, not {name!r}")
@@ -152,7 +152,7 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None =
         from tngram.experiments import evidence
         if name == "data-scaling":
             return evidence.data_scaling(out, scale, seeds, data, steps, nproc, corpora=corpora,
-                                         multipliers=budgets or (1, 4, 16))
+                                         multipliers=budgets or (1, 4, 16), tuned=tuned)
         if name == "corpora":
             return evidence.corpora(out, scale, seeds, data, steps, nproc, corpora=corpora, tuned=tuned)
         fn = getattr(evidence, name)
