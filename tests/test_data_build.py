@@ -380,7 +380,7 @@ def test_literature_corpus_groups_editions_and_drops_duplicates(tmp_path, monkey
     m = open_dataset(out).manifest
     assert m["kind"] == "corpus:literature" and m["sources"][0]["package_license"] == "MIT"
     assert m["docs"]["train"] + m["docs"]["val"] == 14 and m["docs"]["val"] >= 1
-    with pytest.raises(TngramError, match="unknown corpus 'nope'; valid: default, literature, code"):
+    with pytest.raises(TngramError, match="unknown corpus 'nope'; valid: default, literature, code, code-large"):
         ensure_default_data(512, progress=False, corpus="nope")
 
 

