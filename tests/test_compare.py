@@ -67,3 +67,35 @@ def test_compare_reuses_finished_runs_and_writes_results(tiny_data, tmp_path):
     stamps = {m: (out / "runs" / f"{m}-s0" / "summary.json").stat().st_mtime_ns for m in cfgs}
     compare_configs(cfgs, out, seeds=1, preset="tiny", data_dir=str(tiny_data))
     assert stamps == {m: (out / "runs" / f"{m}-s0" / "summary.json").stat().st_mtime_ns for m in cfgs}
+
+
+def test_runs_of_another_dataset_version_are_refused_not_reused(tiny_data, tmp_path):
+    """A corpus rebuilt in place (same folder, new fingerprint: here a new split seed) must not
+    let a finished run of the old version be reused, nor a half-finished one resume, silently."""
+    import shutil
+
+    import pytest
+
+    from tngram.common import TngramError
+    from tngram.data.build import build_from_text, open_dataset
+    from test_train_support import TINY_VOCAB
+
+    text = tmp_path / "text"
+    shutil.copytree(tiny_data.parent / "text", text)
+    data = build_from_text([text], tmp_path / "data", vocab_size=TINY_VOCAB, progress=False)
+    cfg = tiny_config(data, "mini-raw", extra=FAST)
+    out = tmp_path / "cmp"
+    run_all([RunSpec("raw-s0", cfg, {"method": "raw"})], out)
+    summary = out / "runs" / "raw-s0" / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    run_all([RunSpec("raw-s0", cfg, {"method": "raw"})], out)              # same dataset: reused
+    assert summary.stat().st_mtime_ns == stamp
+    old = open_dataset(data).manifest["fingerprint"]
+    build_from_text([text], data, vocab_size=TINY_VOCAB, progress=False, seed=7)   # rebuilt in place
+    assert open_dataset(data).manifest["fingerprint"] != old
+    with pytest.raises(TngramError, match=r"raw-s0 was trained on another version of .*data"):
+        run_all([RunSpec("raw-s0", cfg, {"method": "raw"})], out)
+    assert summary.stat().st_mtime_ns == stamp                               # nothing touched
+    summary.unlink()                                                         # half-finished: same
+    with pytest.raises(TngramError, match="another version"):
+        run_all([RunSpec("raw-s0", cfg, {"method": "raw"})], out)

@@ -58,6 +58,23 @@ def is_complete(run_dir: Path, cfg: TrainConfig) -> bool:
     return _same_config(run_dir, cfg)
 
 
+def check_same_dataset(run_dir: Path, cfg: TrainConfig) -> None:
+    """Refuse a run folder trained on another version of the dataset at cfg's data path (its
+    RUN/dataset.json fingerprint differs from the dataset there now, e.g. after a corpus was
+    rebuilt with more sources): reusing or resuming it would mix two datasets in one table."""
+    from tngram.data.build import default_data_dir
+    from tngram.train.portable import read_dataset_record
+    want = (read_dataset_record(run_dir) or {}).get("fingerprint")
+    data_dir = Path(cfg.data.dir).expanduser() if cfg.data.dir else default_data_dir(cfg.model.vocab_size)
+    manifest = data_dir / "manifest.json"
+    if not want or not manifest.is_file():
+        return   # a run from before dataset records, or no dataset to compare with yet
+    have = json.loads(manifest.read_text(encoding="utf-8")).get("fingerprint")
+    if have != want:
+        raise TngramError(f"{run_dir} was trained on another version of {data_dir} (dataset fingerprint "
+                          f"{want[:12]}, now {str(have)[:12]}); remove that folder or choose another --out")
+
+
 def _normalized(saved: dict) -> dict:
     """A saved config.json as the current code resolves it: fields added since the run was made
     take their defaults (which keep the old behaviour), so finished runs stay reusable."""
@@ -84,6 +101,8 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
     rows = []
     for i, spec in enumerate(specs, 1):
         rdir = run_dir_of(out, spec)
+        if (rdir / "config.json").exists():
+            check_same_dataset(rdir, spec.config)
         if is_complete(rdir, spec.config):
             print0(f"[{i}/{len(specs)}] {spec.label}: finished earlier, reused ({rdir})")
         else:
