@@ -20,6 +20,9 @@ def _common(p: Any, seeds_default: int | None = 1,
                         "--set optim.matrix_lr=0.02 (repeatable; model.memory.* skips runs without a memory)")
     p.add_argument("--nproc", type=int_range(1), default=None, metavar="N",
                    help="processes per run, torchrun when > 1 (default: 1 on CPU, all GPUs for paper presets)")
+    p.add_argument("--jobs", type=int_range(1), default=1, metavar="J",
+                   help="CPU: train up to J runs at once, each with cores/J torch threads (or "
+                        "OMP_NUM_THREADS) and its output in RUN/worker.log (default 1)")
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="output folder: runs/, results.json, report.md (finished runs are reused)")
     add_progress_argument(p)
@@ -88,6 +91,10 @@ def _check(args: Any, prefix: str) -> None:
     check_positive("--seeds", args.seeds)
     check_positive("--steps", args.steps)
     check_positive("--nproc", args.nproc)
+    if args.jobs > 1 and (args.nproc or 1) > 1:
+        from tngram.common import TngramError
+        raise TngramError(f"--jobs {args.jobs} trains several single-process runs at once; it cannot be "
+                          f"combined with --nproc {args.nproc}")
     if args.overrides:  # bad keys/values fail before any data or training work
         apply_overrides(get_recipe(f"{prefix}-tngram"), args.overrides)
 
@@ -95,9 +102,9 @@ def _check(args: Any, prefix: str) -> None:
 def _cmd_compare(args: Any) -> int:
     from tngram.experiments.common import PRESETS
     from tngram.experiments.compare import compare
-    from tngram.experiments.runner import config_overrides
+    from tngram.experiments.runner import config_overrides, run_jobs
     _check(args, PRESETS[args.preset])
-    with config_overrides(args.overrides):
+    with config_overrides(args.overrides), run_jobs(args.jobs):
         compare(args.preset, args.out, seeds=args.seeds, data=args.data, with_oe=args.with_oe,
                 steps=args.steps, nproc=args.nproc)
     return 0
@@ -106,7 +113,7 @@ def _cmd_compare(args: Any) -> int:
 def _cmd_experiment(args: Any) -> int:
     from tngram.common import TngramError
     from tngram.experiments.common import SCALES
-    from tngram.experiments.runner import config_overrides
+    from tngram.experiments.runner import config_overrides, run_jobs
     from tngram.experiments.sweeps import run_experiment
     _check(args, SCALES[args.preset])
     ranks = _int_list("--ranks", args.ranks)
@@ -118,7 +125,7 @@ def _cmd_experiment(args: Any) -> int:
         bad = [c for c in corpora if c not in CORPORA]
         if bad or not corpora:
             raise TngramError(f"--corpora: unknown corpus {bad[0] if bad else ''!r}; valid: {', '.join(CORPORA)}")
-    with config_overrides(args.overrides):
+    with config_overrides(args.overrides), run_jobs(args.jobs):
         run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
                        steps=args.steps, nproc=args.nproc, ranks=ranks, corpora=corpora,
                        budgets=budgets, tuned=args.tuned)
