@@ -132,8 +132,8 @@ DATA_SCALING_CORPUS = "code-large"   # the one built-in corpus past the 16x budg
 def check_budgets_fit(data_dir: str, multipliers: tuple[int, ...], base_tokens: int) -> None:
     """Refuse (before any training) a budget that reads more tokens than the train split holds:
     the loader would wrap around and show tokens twice, so the point would not measure more data."""
-    from tngram.data.build import open_dataset
     from tngram.common import TngramError
+    from tngram.data.build import open_dataset
     have = int(open_dataset(data_dir).manifest["tokens"]["train"])
     over = [k for k in multipliers if k * base_tokens > have]
     if over:
