@@ -86,15 +86,13 @@ def _check(args: Any, prefix: str) -> None:
     if getattr(args, "no_progress", False):   # read by the worker subprocesses
         os.environ["TNGRAM_NO_PROGRESS"] = "1"
     from tngram.cli_common import check_positive
+    from tngram.experiments.runner import check_jobs
     from tngram.recipes import get_recipe
     from tngram.train.config import apply_overrides
     check_positive("--seeds", args.seeds)
     check_positive("--steps", args.steps)
     check_positive("--nproc", args.nproc)
-    if args.jobs > 1 and (args.nproc or 1) > 1:
-        from tngram.common import TngramError
-        raise TngramError(f"--jobs {args.jobs} trains several single-process runs at once; it cannot be "
-                          f"combined with --nproc {args.nproc}")
+    check_jobs(args.jobs, args.nproc or 1)      # before any data or training work
     if args.overrides:  # bad keys/values fail before any data or training work
         apply_overrides(get_recipe(f"{prefix}-tngram"), args.overrides)
 

@@ -156,8 +156,9 @@ def data_scaling(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None
     prefix = SCALES[scale]
     best = read_best(tuned) if tuned is not None else None     # before any data or training work
     data_dir, vocab = resolve_data(data) if data else _build((corpora or [DATA_SCALING_CORPUS])[0])
-    base_steps = steps or base_recipe(prefix, "raw").schedule.steps
-    check_budgets_fit(data_dir, multipliers, base_steps * base_recipe(prefix, "raw").data.global_batch_tokens)
+    raw = base_recipe(prefix, "raw")
+    base_steps = steps or raw.schedule.steps
+    check_budgets_fit(data_dir, multipliers, base_steps * raw.data.global_batch_tokens)
     by_budget: dict[str, list[dict[str, Any]]] = {}
     pts_tok, pts_gap = [], []
     for k in multipliers:

@@ -65,6 +65,13 @@ def job_threads(jobs: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // jobs))
 
 
+def check_jobs(jobs: int, nproc: int) -> None:
+    """--jobs runs single-process runs side by side; torchrun runs (--nproc > 1) cannot join them."""
+    if jobs > 1 and nproc > 1:
+        raise TngramError(f"--jobs {jobs} trains several single-process runs at once; it cannot be "
+                          f"combined with --nproc {nproc} (torchrun)")
+
+
 def with_overrides(cfg: TrainConfig, items: tuple[str, ...] | list[str]) -> TrainConfig:
     from tngram.train.config import apply_overrides, split_override
     if cfg.model.memory is None:
@@ -128,9 +135,7 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
     if len(set(labels)) != len(labels):
         raise TngramError(f"run labels must be unique, got {labels}")
     jobs = _JOBS.get()
-    if jobs > 1 and nproc > 1:
-        raise TngramError(f"--jobs {jobs} runs several single-process runs at once; it cannot be combined "
-                          f"with --nproc {nproc} (torchrun)")
+    check_jobs(jobs, nproc)
     todo: list[tuple[int, RunSpec, Path]] = []
     for i, spec in enumerate(specs, 1):
         rdir = run_dir_of(out, spec)
