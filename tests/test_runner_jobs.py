@@ -3,6 +3,8 @@ spec order, keep their output in RUN/worker.log, and a failure stops further run
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from test_train_support import tiny_config, tiny_data  # noqa: F401  (session fixture)
 from tngram.common import TngramError
+from tngram.experiments import runner
 from tngram.experiments.runner import RunSpec, job_threads, run_all, run_jobs
 
 FAST = ["schedule.steps=3", "schedule.warmdown_steps=1", "run.val_every=0", "run.checkpoint_every=0",
@@ -40,6 +43,22 @@ def test_jobs_match_sequential_runs_bit_for_bit(tiny_data, tmp_path, monkeypatch
 
 def test_a_failed_job_stops_further_runs_with_one_error(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # Both workers are real and start together; good-s0 only *reports* back after bad-s0 has failed
+    # (+1 s), so its freed slot is always offered after the failure. Without this the test raced:
+    # on a loaded CI machine good-s0 finished before bad-s0 had failed, and later-s0 rightly started.
+    real, bad_done = runner._train_one, threading.Event()
+
+    def ordered(i, spec, *rest):
+        try:
+            return real(i, spec, *rest)
+        finally:
+            if spec.label == "bad-s0":
+                bad_done.set()
+            else:
+                assert bad_done.wait(300)
+                time.sleep(1.0)
+
+    monkeypatch.setattr(runner, "_train_one", ordered)
     good = tiny_config(tiny_data, "mini-raw", extra=FAST)
     bad = tiny_config(tmp_path / "no-such-data", "mini-raw", extra=FAST)
     specs = [RunSpec("bad-s0", bad), RunSpec("good-s0", good), RunSpec("later-s0", good)]
