@@ -110,7 +110,10 @@ def test_tuning_variants_change_only_their_setting():
 
     cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
     tv = tuning_variants(cfgs)
-    assert len(tv) == 2 * len(TABLE_LR_FACTORS) + len(FACTOR_INIT_STDS)
+    recipe_std = cfgs["tngram"].model.memory.factor_init_std
+    assert recipe_std in FACTOR_INIT_STDS and "tngram-lr1" in tv       # the recipe's setting, trained once:
+    assert len(tv) == 2 * len(TABLE_LR_FACTORS) + len(FACTOR_INIT_STDS) - 1   # no init variant repeats it
+    assert f"tngram-init{recipe_std:g}" not in tv
     base = cfgs["tngram"].optim.tied_embed_lr                     # memory_table_lr unset -> tied_embed_lr
     assert tv["tngram-lr2"].optim.memory_table_lr == 2 * base
     assert tv["engram-lr0.5"].optim.memory_table_lr == 0.5 * base

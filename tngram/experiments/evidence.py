@@ -294,12 +294,14 @@ def lr_variant(cfg: Any, factor: float) -> Any:
 
 
 def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
-    """Engram and TN-gram at each table-lr factor; TN-gram also at each factor_init_std (at the
-    recipe's table lr). Names: <method>-lr<factor>, tngram-init<std>."""
+    """Engram and TN-gram at each table-lr factor; TN-gram also at each factor_init_std other than
+    the recipe's (at the recipe's table lr: the recipe's own std is tngram-lr1, not trained twice).
+    Names: <method>-lr<factor>, tngram-init<std>."""
     from tngram.experiments.common import with_memory
     out = {f"{m}-lr{f:g}": lr_variant(cfgs[m], f) for m in ("engram", "tngram") for f in TABLE_LR_FACTORS}
     for s in FACTOR_INIT_STDS:
-        out[f"tngram-init{s:g}"] = with_memory(cfgs["tngram"], factor_init_std=s)
+        if s != cfgs["tngram"].model.memory.factor_init_std:
+            out[f"tngram-init{s:g}"] = with_memory(cfgs["tngram"], factor_init_std=s)
     return out
 
 
