@@ -165,6 +165,22 @@ def test_widen_lr_grid_steps_past_an_edge_best_only():
     assert widen_lr_grid(grown, loss, cfgs) == {}
 
 
+def test_tuning_table_shows_the_lr_each_setting_trains_with():
+    """The factor-init settings leave optim.memory_table_lr unset (the tied-embedding lr applies):
+    the table must print that lr (a None here crashed a finished 24-run sweep before tuning.json)."""
+    from tngram.experiments.evidence import tuning_table, tuning_variants
+    from tngram.recipes import get_recipe
+
+    cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
+    tv = tuning_variants(cfgs)
+    assert tv["tngram-init0.3"].optim.memory_table_lr is None
+    lines = tuning_table(tv, {k: (3.0 + i / 100, 0.001) for i, k in enumerate(tv)}).splitlines()
+    assert len(lines) == 2 + len(tv)
+    lr = cfgs["tngram"].optim.tied_embed_lr
+    assert f"| tngram-init0.3 | {lr:g} | 0.3 |" in "\n".join(lines)
+    assert f"| engram-lr4 | {4 * lr:g} | – |" in "\n".join(lines)
+
+
 def test_tuned_configs_and_missing_tuning_folder(tmp_path, capsys):
     from tngram.cli import main
     from tngram.experiments.evidence import tuned_configs

@@ -289,8 +289,13 @@ FACTOR_INIT_STDS = (0.03, 0.1, 0.3)          # TN-gram factor_init_std (recipe: 
 def lr_variant(cfg: Any, factor: float) -> Any:
     """cfg with the memory table lr at `factor` x the recipe's (tied_embed_lr when unset)."""
     from dataclasses import replace
-    base = cfg.optim.memory_table_lr if cfg.optim.memory_table_lr is not None else cfg.optim.tied_embed_lr
-    return replace(cfg, optim=replace(cfg.optim, memory_table_lr=base * factor))
+    return replace(cfg, optim=replace(cfg.optim, memory_table_lr=table_lr(cfg) * factor))
+
+
+def table_lr(cfg: Any) -> float:
+    """The memory tables' learning rate a run trains with: optim.memory_table_lr, or the tied
+    embedding's lr when unset (as the recipes leave it)."""
+    return cfg.optim.memory_table_lr if cfg.optim.memory_table_lr is not None else cfg.optim.tied_embed_lr
 
 
 def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
@@ -359,6 +364,16 @@ def widen_lr_grid(variants: dict[str, Any], loss: dict[str, float], cfgs: dict[s
     return new
 
 
+def tuning_table(variants: dict[str, Any], stats: dict[str, tuple[float, float]]) -> str:
+    """Markdown rows: setting, the table lr it trains with, factor_init_std, val loss mean ± std."""
+    lines = ["| setting | table lr | factor_init_std | val loss (mean ± std) |", "|---|---|---|---|"]
+    for k, c in variants.items():
+        std = getattr(c.model.memory, "factor_init_std", None)
+        lines.append(f"| {k} | {table_lr(c):g} | {'–' if std is None else f'{std:g}'} | "
+                     f"{stats[k][0]:.4f} ± {stats[k][1]:.4f} |")
+    return "\n".join(lines)
+
+
 def tuning(out: Path, scale: str = "cpu", seeds: int = 2, data: str | None = None, steps: int | None = None,
            nproc: int | None = None, corpora: list[str] | None = None) -> Path:
     """`tngram experiment tuning`: the tuning sweep on one corpus (default `literature`, so that
@@ -377,15 +392,10 @@ def tuning(out: Path, scale: str = "cpu", seeds: int = 2, data: str | None = Non
         rows = run_all(specs, out, nproc=nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9"))
         stats = {k: mean_std([r["val_loss"] for r in rows if r["method"] == k]) for k in variants}
         todo = widen_lr_grid(variants, {k: v[0] for k, v in stats.items()}, cfgs)
-    lines = ["| setting | table lr | factor_init_std | val loss (mean ± std) |", "|---|---|---|---|"]
-    for k, c in variants.items():
-        std = getattr(c.model.memory, "factor_init_std", None)
-        lines.append(f"| {k} | {c.optim.memory_table_lr:g} | {'–' if std is None else f'{std:g}'} | "
-                     f"{stats[k][0]:.4f} ± {stats[k][1]:.4f} |")
     best = {m: min((k for k in variants if k.startswith(m)), key=lambda k: stats[k][0]) for m in ("engram", "tngram")}
-    body = ("\n".join(lines) + "\n\nBest on this corpus (use these on the others, never re-tuned there): "
-            + ", ".join(f"{m}: {k}" for m, k in best.items()))
-    atomic_write_json(out / "tuning.json", {"data": data_dir, "rows": rows, "best": best})
+    atomic_write_json(out / "tuning.json", {"data": data_dir, "rows": rows, "best": best})   # first: the choice
+    body = (tuning_table(variants, stats) + "\n\nBest on this corpus (use these on the others, never re-tuned "
+            "there): " + ", ".join(f"{m}: {k}" for m, k in best.items()))
     atomic_write_text(out / "report.md", f"# tngram experiment tuning\n\nData: `{data_dir}`\n\n{body}\n")
     print0(body)
     return out / "report.md"
