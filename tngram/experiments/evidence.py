@@ -293,9 +293,9 @@ def lr_variant(cfg: Any, factor: float) -> Any:
 
 
 def table_lr(cfg: Any) -> float:
-    """The memory tables' learning rate a run trains with: optim.memory_table_lr, or the tied
-    embedding's lr when unset (as the recipes leave it)."""
-    return cfg.optim.memory_table_lr if cfg.optim.memory_table_lr is not None else cfg.optim.tied_embed_lr
+    """The memory tables' learning rate a run trains with (the optimiser's own rule)."""
+    from tngram.optim.groups import group_lrs
+    return group_lrs(cfg.optim)["memory_table"]
 
 
 def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
