@@ -14,6 +14,7 @@
     memory-on-trained  add TN-gram / Engram to a trained raw GPT, train only the memory
                        (tngram.experiments.memory_on_trained)
     adaptive-rank  fixed CP ranks vs one run that prunes its own rank (adaptive_rank.py)
+    pareto       every memory family (and dense growth) over one Δparams range: the map (pareto.py)
 
 Each writes OUT/results.csv, OUT/<name>.png and OUT/report.md.
 """
@@ -131,7 +132,7 @@ def _vocab(scale: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
     return [(m, m, {}, {}) for m in ("raw", "engram", "tngram")]
 
 
-DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 2}
+DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 2, "pareto": 3}
 
 
 def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None = None, data: str | None = None,
@@ -143,11 +144,16 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None =
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
     if budgets is not None and name != "data-scaling":
         raise TngramError(f"--budgets applies to the data-scaling experiment only, not {name!r}")
-    if tuned is not None and name not in ("corpora", "data-scaling"):
-        raise TngramError(f"--tuned applies to the corpora and data-scaling experiments only, not {name!r}")
+    if tuned is not None and name not in ("corpora", "data-scaling", "pareto"):
+        raise TngramError(f"--tuned applies to the corpora, data-scaling and pareto experiments only, not {name!r}")
     seeds = seeds or DEFAULT_SEEDS.get(name, 1)
-    if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning"):
-        raise TngramError(f"--corpora applies to the corpora, data-scaling, dense and tuning experiments only, not {name!r}")
+    if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning", "pareto"):
+        raise TngramError(f"--corpora applies to the corpora, data-scaling, dense, tuning and pareto experiments "
+                          f"only, not {name!r}")
+    if name == "pareto":
+        from tngram.experiments.pareto import pareto
+        return pareto(out, scale, seeds, data, steps, nproc, corpora=corpora,
+                      tuned=None if tuned is None else str(tuned))
     if name in ("corpora", "data-scaling", "dense", "tuning"):
         from tngram.experiments import evidence
         if name == "data-scaling":
@@ -280,4 +286,5 @@ EXPERIMENTS: dict[str, Callable[..., Path]] = {
     "data-scaling": lambda *a: run_experiment("data-scaling", *a),
     "dense": lambda *a: run_experiment("dense", *a),
     "tuning": lambda *a: run_experiment("tuning", *a),
+    "pareto": lambda *a: run_experiment("pareto", *a),
 }

@@ -1,0 +1,167 @@
+"""`tngram experiment pareto`: every memory family on one map of loss vs Δparams (vs step time).
+
+Each family is swept over its size knob across one common Δparams range (at `mini`: about
+1.1, 2.2, 4.3, 8.7 and 12 M; `SIZES`), at its own table lr tuned once on the tuning corpus
+(`literature`) and then fixed:
+
+    engram    Engram, per-head table rows (`table_budget`)             tuned: table lr x 4
+    tngram    TN-gram, CP rank                                          tuned: table lr x 2
+    oe        Over-Encoding (N 5, 2 slices), slice-table rows           tuned here (`tune_table_lr`)
+    longcat   Over-Encoding at LongCat's settings (n 4, k 4, averaged fusion), slice-table rows;
+              trains at Over-Encoding's tuned factor (one tuning per fusion rule, not per preset)
+    dense     the raw GPT grown wider (n_embd): "spend it on the backbone instead"; no table, the
+              recipe's learning rates (not tuned)
+    raw       the raw GPT (Δparams 0), the reference point
+
+The Engram / TN-gram factors are the `tngram experiment tuning` choice on literature
+(docs/results/tuning-literature.json); pass `--tuned` to use others. Runs are ordered seed by
+seed and corpus by corpus, so a partial sweep covers every family and size; finished runs are
+reused, and the report is written from whatever runs have finished (`pareto.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError, atomic_write_json, atomic_write_text, print0
+from tngram.experiments.common import SCALES, base_recipe, default_nproc, with_data, with_memory, with_seed, with_steps
+
+TUNING_CORPUS = "literature"
+# Engram / TN-gram: the committed `tngram experiment tuning --corpora literature` choice
+TUNED_DEFAULT = {"engram": 4.0, "tngram": 2.0}
+LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)     # the grid tried for a family tuned here
+TUNE_SEEDS = 2
+
+# family -> (recipe method, size knob, sizes in the order they are trained: first the four that
+# span the range, then the largest)
+SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "engram": ("engram", "table_budget", (700, 1800, 3800, 8000, 11300)),
+    "tngram": ("tngram", "cp_rank", (88, 176, 352, 704, 976)),
+    "oe": ("oe", "table_rows", (8500, 16800, 33697, 67400, 94000)),
+    "longcat": ("oe", "table_rows", (9000, 18000, 36000, 72000, 100000)),
+    "dense": ("raw", "n_embd", (224, 304, 400, 560, 640)),
+}
+FAMILIES = ("raw", *SIZES)
+LONGCAT = {"max_ngram": 4, "n_slices": 4, "average": True}   # LongCat-Flash's n-gram embedding settings
+
+
+def family_config(family: str, size: int | None, cfg_of: dict[str, Any]) -> Any:
+    """The config of `family` at `size` (its knob's value), from the per-method base configs."""
+    if family == "raw":
+        return cfg_of["raw"]
+    method, knob, _ = SIZES[family]
+    cfg = cfg_of[method]
+    if family == "dense":
+        return replace(cfg, model=replace(cfg.model, n_embd=int(size)))
+    if family == "longcat":
+        cfg = with_memory(cfg, **LONGCAT)
+    if knob == "table_budget":
+        return with_memory(cfg, table_budget=(int(size),) * (cfg.model.memory.max_ngram - 1))
+    return with_memory(cfg, **{knob: int(size)})
+
+
+def with_table_lr(cfg: Any, factor: float) -> Any:
+    from tngram.experiments.evidence import lr_variant
+    return cfg if factor == 1.0 else lr_variant(cfg, factor)
+
+
+def _build(corpus: str) -> tuple[str, int]:
+    from tngram.experiments.evidence import _build as build
+    return build(corpus)
+
+
+def _base(prefix: str, data_dir: str, vocab: int, steps: int | None) -> dict[str, Any]:
+    return {m: with_steps(with_data(base_recipe(prefix, m), data_dir, vocab), steps) for m in ("raw", "engram", "tngram", "oe")}
+
+
+def tune_table_lr(out: Path, prefix: str, steps: int | None, nproc: int) -> float:
+    """Over-Encoding's table-lr factor: the grid LR_FACTORS x TUNE_SEEDS seeds at the recipe size on
+    the tuning corpus; the best mean val loss wins. Written to OUT/tuning/tuning.json."""
+    from tngram.experiments.runner import RunSpec, run_all
+    from tngram.report.runs import mean_std
+    data_dir, vocab = _build(TUNING_CORPUS)
+    base = _base(prefix, data_dir, vocab, steps)["oe"]
+    specs = [RunSpec(f"oe-lr{f:g}-s{s}", with_seed(with_table_lr(base, f), s), {"factor": f})
+             for s in range(TUNE_SEEDS) for f in LR_FACTORS]
+    rows = run_all(specs, out / "tuning", nproc=nproc)
+    stats = {f: mean_std([r["val_loss"] for r in rows if r["factor"] == f]) for f in LR_FACTORS}
+    best = min(LR_FACTORS, key=lambda f: stats[f][0])
+    atomic_write_json(out / "tuning" / "tuning.json", {"corpus": TUNING_CORPUS, "data": data_dir, "rows": rows,
+                                                       "best": {"oe": best, "longcat": best}})
+    print0("Over-Encoding table lr on " + TUNING_CORPUS + ": " +
+           ", ".join(f"x{f:g} {m:.4f} ± {s:.4f}" for f, (m, s) in stats.items()) + f"; chosen x{best:g}")
+    return best
+
+
+def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
+    """{family: table-lr factor}: TUNED_DEFAULT (or `--tuned engram-lr4,tngram-lr2,oe-lr2`) plus
+    Over-Encoding's from OUT/tuning/tuning.json; None when Over-Encoding is not tuned yet."""
+    factors = dict(TUNED_DEFAULT)
+    if tuned:
+        for item in (t.strip() for t in tuned.split(",") if t.strip()):
+            fam, _, val = item.partition("-lr")
+            try:
+                factors[fam] = float(val)
+            except ValueError:
+                raise TngramError(f"--tuned {tuned}: expected FAMILY-lrFACTOR items like engram-lr4, got {item!r}")
+            if fam not in SIZES:
+                raise TngramError(f"--tuned {tuned}: unknown family {fam!r}; valid: {', '.join(SIZES)}")
+    path = out / "tuning" / "tuning.json"
+    if "oe" not in factors and path.is_file():
+        factors["oe"] = float(json.loads(path.read_text())["best"]["oe"])
+    if "oe" in factors:
+        factors.setdefault("longcat", factors["oe"])
+        return factors
+    return None
+
+
+def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, factors: dict[str, float],
+              families: tuple[str, ...] = FAMILIES, n_sizes: int = 5) -> list[Any]:
+    """One RunSpec per (seed, corpus, size index, family), in that order of priority: a partial
+    sweep has every family at its smaller sizes first."""
+    from tngram.experiments.runner import RunSpec
+    bases = {c: _base(prefix, *_build(c), steps) for c in corpora}
+    specs = []
+    for s in range(seeds):
+        for corpus in corpora:
+            points = [(f, None) for f in families if f == "raw"]
+            points += [(f, SIZES[f][2][i]) for i in range(n_sizes) for f in families if f != "raw"]
+            for fam, size in points:
+                cfg = family_config(fam, size, bases[corpus])
+                if fam in factors:
+                    cfg = with_table_lr(cfg, factors[fam])
+                label = f"{corpus}-{fam}" + ("" if size is None else f"-{SIZES[fam][1]}{size}") + f"-s{s}"
+                specs.append(RunSpec(label, with_seed(replace(cfg, name=f"pareto-{fam}"), s),
+                                     {"corpus": corpus, "family": fam, "size": size, "seed_index": s}))
+    return specs
+
+
+def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = None, steps: int | None = None,
+           nproc: int | None = None, corpora: list[str] | None = None, tuned: str | None = None,
+           train: bool = True) -> Path:
+    """Tune Over-Encoding (once), train every (seed, corpus, family, size), then write the map."""
+    if data:
+        raise TngramError("the pareto experiment trains on built-in corpora (--corpora), not --data")
+    prefix = SCALES[scale]
+    nproc = nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9")
+    corpora = list(corpora or ["default", TUNING_CORPUS, "code"])
+    factors = read_factors(out, tuned)
+    if factors is None:
+        if not train:
+            raise TngramError(f"{out}/tuning/tuning.json is missing: Over-Encoding's table lr is not tuned yet")
+        tune_table_lr(out, prefix, steps, nproc)
+        factors = read_factors(out, tuned)
+    specs = specs_for(corpora, prefix, seeds, steps, factors)
+    if train:
+        from tngram.experiments.runner import run_all
+        run_all(specs, out, nproc=nproc)
+    from tngram.experiments.pareto_report import write_report
+    return write_report(out, specs, factors)
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
