@@ -45,12 +45,19 @@ def matmul_params(model: nn.Module) -> int:
 def build_step(recipe: str, dtype: str, paper_batch: int,
                compiled: bool = False) -> tuple[Callable[[], None], dict[str, Any]]:
     """A closure doing one training step, and its analytic facts."""
+    from tngram.train.recipes import get_recipe
+    return build_step_for(get_recipe(recipe), dtype, paper_batch, compiled, mini=recipe.startswith("mini"))
+
+
+def build_step_for(cfg: Any, dtype: str, paper_batch: int = 2, compiled: bool = False,
+                   mini: bool = True) -> tuple[Callable[[], None], dict[str, Any]]:
+    """build_step for a TrainConfig: `mini` runs the config's own global batch (micro-batches and
+    accumulation as the trainer), else one micro-batch of `paper_batch` sequences."""
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
     from tngram.optim.muon import Muon
-    from tngram.recipes import get_recipe
 
-    cfg = get_recipe(recipe)
+    recipe = cfg.name
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
     o = cfg.optim
@@ -62,7 +69,6 @@ def build_step(recipe: str, dtype: str, paper_batch: int,
     if muon_groups:
         opts.append(Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum, nesterov=True,
                          ns_steps=o.muon_ns_steps))
-    mini = recipe.startswith("mini")
     B = cfg.data.micro_batch_seqs if mini else paper_batch
     T = cfg.model.sequence_len
     V = cfg.model.vocab_size
