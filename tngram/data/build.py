@@ -98,10 +98,46 @@ def write_manifest(dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def _read_manifest(out: Path) -> dict[str, Any] | None:
+    from tngram.readback import load_json
     try:
-        return json.loads((out / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        m = load_json(out / "manifest.json", out)
+    except (OSError, ValueError):       # missing, a link, a FIFO, not JSON: not up to date
         return None
+    return m
+
+
+def _own_entries(out: Path) -> set[str] | None:
+    """The names in dataset folder `out` that a build wrote (its manifest's files, the manifest,
+    tokenizer files, our temporaries); None when there is no readable manifest."""
+    m = _read_manifest(out)
+    if m is None:
+        return None
+    names = {"manifest.json", "tokenizer.model", "tokenizer.vocab"}
+    sizes = m.get("file_sizes")
+    if isinstance(sizes, dict):
+        names |= {k for k in sizes if isinstance(k, str)}
+    files = m.get("files")
+    if isinstance(files, dict):
+        for split in files.values():
+            if isinstance(split, list):
+                names |= {f for f in split if isinstance(f, str)}
+    return names
+
+
+def _check_only_ours(out: Path) -> None:
+    """A rebuild replaces the whole folder, so it must hold only what a build wrote: anything else
+    (the user's files, a run folder kept there) is refused with one line, never deleted."""
+    if not out.is_dir():
+        return
+    own = _own_entries(out)
+    if own is None:
+        return
+    extra = sorted(p.name for p in out.iterdir()
+                   if p.name not in own and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp")))
+    if extra:
+        raise TngramError(f"{out} holds files that a dataset build did not write ({', '.join(extra[:5])}"
+                          f"{', ...' if len(extra) > 5 else ''}); a rebuild replaces the whole folder: move "
+                          f"them elsewhere or build into another --out")
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:
@@ -153,7 +189,8 @@ def _swap_in(staging: Path, out: Path) -> None:
         except BaseException:
             os.replace(old, out)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        from tngram.safefs import remove_tree
+        remove_tree(old)     # held only our files (_check_only_ours); links inside are not followed
     else:
         os.replace(staging, out)
 
@@ -184,6 +221,8 @@ def _write_split(
                 break
 
     total = sum(len(d.text.encode("utf-8")) for d in docs)
+    import sys
+    progress = progress and sys.stderr.isatty()      # off a terminal: no bar redraws (\r) in logs
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"encode {split}", disable=not progress, leave=False) as bar:
         for start in range(0, len(docs), 256):
             batch = docs[start : start + 256]
@@ -236,6 +275,7 @@ def _build(
             print0(f"dataset {out} is up to date (fingerprint {fingerprint[:12]}); nothing to do")
             return out
         _check_replaceable(out)
+        _check_only_ours(out)
         t_start = time.perf_counter()
         for stale in out.parent.glob(f".{out.name}.building-*"):  # left by a killed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
@@ -457,25 +497,32 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
             f"{d} is not a tngram dataset: manifest.json is missing (build one with `tngram data build "
             "--from-text ... --out DIR` or download FineWeb with `tngram data fineweb`)"
         )
-    try:
-        m = json.loads(mpath.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise TngramError(f"{mpath}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
+    from tngram.readback import get, load_json, plain_name
+    from tngram.safefs import check_regular
+    m = load_json(mpath, d)
+    if m.get("format") != FORMAT:
         raise TngramError(f"{mpath}: not a tngram dataset manifest (no \"format\": \"{FORMAT}\")")
-    for key in ("vocab_size", "tokenizer", "files"):
-        if key not in m:
-            raise TngramError(f"{mpath}: field {key!r} is missing")
-    tok = d / m["tokenizer"]["model"]
-    if not tok.is_file():
+    where = str(mpath)
+    get(m, "vocab_size", "int", where, lo=2, hi=65536)
+    tokinfo = get(m, "tokenizer", "dict", where)
+    plain_name(get(tokinfo, "model", "str", f"{where}: tokenizer"), where, "tokenizer.model")
+    file_lists = get(m, "files", "dict", where)
+    for split in ("train", "val"):
+        names = get(file_lists, split, "list", f"{where}: files", default=[])
+        for name in names:
+            plain_name(name, where, f"files.{split}[]")
+    tok = d / tokinfo["model"]
+    if not os.path.lexists(tok):
         raise MissingFileError(f"dataset {d}: tokenizer file {tok.name} is missing")
+    check_regular(tok, d)
     split_files: dict[str, list[Path]] = {}
     for split in ("train", "val"):
-        paths = [d / f for f in m["files"].get(split, [])]
-        missing = [p.name for p in paths if not p.is_file()]
+        paths = [d / f for f in file_lists.get(split, [])]
+        missing = [p.name for p in paths if not os.path.lexists(p)]
         if missing:
             raise MissingFileError(f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}")
         for p in paths:
+            check_regular(p, d)
             read_shard_header(p)
         split_files[split] = paths
     if not split_files["val"]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import sys
 import re
 import shutil
 import urllib.error
@@ -226,7 +227,7 @@ def download_fineweb(
         if missing:
             online_check(", ".join(name for _, name in missing[:3]) + (" ..." if len(missing) > 3 else ""))
             print0(f"downloading {len(missing)} file(s) from https://huggingface.co/datasets/{repo_id} into {out_dir}")
-            for remote, name in tqdm(missing, desc="fineweb", unit="file", disable=not progress):
+            for remote, name in tqdm(missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())):
                 _fetch(repo_id, remote, out_dir / name, staging, timeout)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -38,7 +38,10 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from tngram.common import MissingFileError, TngramError, atomic_write_bytes, atomic_write_json
+from tngram.common import MissingFileError, TngramError
+from tngram.readback import BadRecordError, load_json, plain_name
+from tngram.safefs import (check_chain, check_regular, is_link, make_dirs, open_fd, open_read, real_dir,
+                           remove_tree, write_bytes, write_json)
 
 CKPT_DIR = "checkpoints"
 FINAL_WEIGHTS = "model.safetensors"
@@ -53,9 +56,10 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Checkpoint folders of a run (renamed into place, so complete when written), oldest first.
     They are not verified here: see `verify_checkpoint` / `newest_good_checkpoint`."""
     root = Path(run_dir) / CKPT_DIR
-    if not root.is_dir():
+    check_chain(run_dir, root, include_self=True)      # never a linked checkpoints/ folder
+    if not real_dir(root):
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and real_dir(p)]
     return [p for _, p in sorted(found)]
 
 
@@ -131,7 +135,9 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """A new file (O_EXCL | O_NOFOLLOW: never an existing file or a link's target)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -171,8 +177,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
     checked before anything is written, and a write that still fails (disk full, I/O error)
     removes the temporary folder and raises one TngramError saying how much space is needed.
     """
-    root = Path(run_dir) / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    root = make_dirs(run_dir, Path(run_dir) / CKPT_DIR)    # a linked checkpoints/ is refused
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     state: dict[str, torch.Tensor] = rng_tensors()
@@ -190,26 +195,26 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
     needed = sum(len(b) for b in blobs.values()) + 4096
     check_free_space(root, needed, f"checkpoint step_{step:06d}")
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if os.path.lexists(tmp):
+            remove_tree(tmp) or os.unlink(tmp)
         tmp.mkdir()
         for name, data in blobs.items():
             _write_file(tmp / name, data)
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
         _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
-            shutil.rmtree(final)
+        if os.path.lexists(final):  # re-saving the same step (a resumed run that was complete)
+            remove_tree(final) or os.unlink(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"disk full while writing checkpoint step_{step:06d} to {root}: a checkpoint "
                            f"needs {_mib(needed)}; the torn copy was removed and the previous "
                            f"checkpoints are intact; free some space and --resume") from None
         raise TngramError(f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}") from None
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in list_checkpoints(run_dir)[:-keep]:     # only our own step_* folders, never a link
+        remove_tree(old, run_dir)
     remove_torn_temps(run_dir)
     return final
 
@@ -220,12 +225,15 @@ def remove_torn_temps(run_dir: str | os.PathLike) -> list[Path]:
     Only call this while holding the run's lock (another writer's temporaries would go too)."""
     run_dir = Path(run_dir)
     gone = []
-    for pattern in (f"{CKPT_DIR}/.tmp-step_*", ".*.tmp", "eval/.*.tmp"):
-        for p in run_dir.glob(pattern):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+    for sub, pattern in (("", ".*.tmp"), (CKPT_DIR, ".tmp-step_*"), ("eval", ".*.tmp")):
+        folder = run_dir / sub
+        if sub and (is_link(folder) or not real_dir(folder)):
+            continue                          # never look through a linked folder
+        for p in folder.glob(pattern):
+            if is_link(p) or not real_dir(p):
+                p.unlink(missing_ok=True)     # a file, or a link itself (never its target)
             else:
-                p.unlink(missing_ok=True)
+                remove_tree(p)
             gone.append(p)
     return gone
 
@@ -247,7 +255,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -261,28 +269,32 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     headers read (their payloads cannot be checked)."""
     path = Path(path)
     mpath = path / MANIFEST
-    if mpath.exists():
+    if os.path.lexists(mpath):
         try:
-            files = json.loads(mpath.read_text())["files"]
+            files = load_json(mpath, limit=1 << 20)["files"]
             assert isinstance(files, dict) and set(files) >= set(CKPT_FILES)
+            assert all(isinstance(r, dict) for r in files.values())
+            for name in files:
+                plain_name(name, str(mpath), "a file name")
         except (OSError, ValueError, KeyError, TypeError, AssertionError):
             return f"{MANIFEST} is corrupt"
         for name, rec in files.items():
             f = path / name
             try:
-                size = f.stat().st_size
-            except OSError:
-                return f"{name} is missing"
+                size = os.fstat(fd := open_fd(f)).st_size
+                os.close(fd)
+            except (OSError, TngramError) as e:
+                return f"{name} is missing" if isinstance(e, FileNotFoundError) else _short(e)
             if size != rec.get("size"):
                 return f"{name} has {size} bytes, the manifest says {rec.get('size')} (truncated or replaced)"
             if _file_sha256(f) != rec.get("sha256"):
                 return f"{name} does not match its sha256 in the manifest (corrupt)"
         return None
     for name in CKPT_FILES:
-        if not (path / name).exists():
+        if not os.path.lexists(path / name):
             return f"{name} is missing (no {MANIFEST}: an incomplete or older checkpoint)"
     try:
-        json.loads((path / "meta.json").read_text())
+        load_json(path / "meta.json")
     except (OSError, ValueError):
         return "meta.json is corrupt"
     for name in ("model.safetensors", "state.safetensors"):
@@ -310,10 +322,13 @@ def _read_safetensors_header(file: Path) -> dict[str, Any]:
     file is missing, truncated or not safetensors."""
     from safetensors import safe_open
     try:
+        check_regular(file)
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_slice(k).get_shape() for k in f.keys()}
     except FileNotFoundError:
         raise MissingFileError(f"{file}: missing") from None
+    except TngramError:
+        raise
     except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError
         raise TngramError(f"{file}: corrupt or truncated safetensors file ({_short(e)})") from None
 
@@ -324,19 +339,26 @@ def _short(e: BaseException) -> str:
 
 def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
     try:
+        check_regular(file)
         return load_file(str(file))
     except FileNotFoundError:
         raise MissingFileError(f"{file}: missing") from None
+    except TngramError:
+        raise
     except Exception as e:
         raise TngramError(f"{file}: corrupt or truncated safetensors file ({_short(e)})") from None
 
 
 def _load_json(file: Path) -> Any:
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
+        return load_json(file, want_dict=False)
     except FileNotFoundError:
         raise MissingFileError(f"{file}: missing") from None
-    except (OSError, ValueError) as e:
+    except BadRecordError as e:
+        if "JSON" in str(e) or "UTF-8" in str(e):
+            raise TngramError(f"{file}: corrupt or truncated JSON ({str(e).split(': ', 1)[-1]})") from None
+        raise
+    except OSError as e:
         raise TngramError(f"{file}: corrupt or truncated JSON ({_short(e)})") from None
 
 
@@ -390,12 +412,69 @@ def load_weights(model: nn.Module, file: str | os.PathLike,
     model.load_state_dict(tensors, strict=True)
 
 
+def weights_with_digest(tensors: dict[str, torch.Tensor], step: int) -> bytes:
+    """A safetensors file whose header records its payload's size and sha256 (the final weights'
+    manifest, inside the file so a copied model.safetensors carries it): `verify_weights_file`."""
+    data = save(tensors, metadata={"step": str(step)})
+    payload = memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
+    meta = {"step": str(step), "payload_bytes": str(len(payload)), "payload_sha256": _sha256(payload)}
+    return save(tensors, metadata=meta)      # the payload does not depend on the metadata
+
+
+def verify_weights_file(file: Path) -> None:
+    """A weights file whose header records a payload digest must match it (size and sha256);
+    files without one (checkpoints, verified by their manifest; older runs) pass."""
+    from safetensors import safe_open
+    try:
+        check_regular(file)
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+    except TngramError:
+        raise
+    except Exception as e:
+        raise TngramError(f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
+                          f"use the newest checkpoint, or re-run the last step with --resume") from None
+    want = meta.get("payload_sha256")
+    if want is None:
+        return
+    h = hashlib.sha256()
+    with open_read(file) as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.seek(8 + n)
+        size = 0
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+            size += len(chunk)
+    if str(size) != meta.get("payload_bytes") or h.hexdigest() != want:
+        raise TngramError(f"{file}: the weights do not match the size and sha256 recorded in their header "
+                          f"(corrupt or replaced); delete it to use the newest checkpoint")
+
+
+def check_finite_model(model: nn.Module, file: Path) -> None:
+    """Loaded weights must be finite and give finite logits on a first probe (8 tokens)."""
+    bad = [n for n, p in model.state_dict().items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise TngramError(f"{file}: non-finite values in {bad[0]} ({len(bad)} tensor(s)); the weights are "
+                          f"corrupt or diverged")
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    T = min(8, int(cfg.sequence_len))
+    ids = torch.arange(T, device=next(model.parameters()).device).remainder(int(cfg.vocab_size)).view(1, T)
+    with torch.no_grad():
+        out = model(ids)
+    logits = out[0] if isinstance(out, tuple) else out
+    if not bool(torch.isfinite(logits).all()):
+        raise TngramError(f"{file}: the weights give non-finite logits on a first probe; they are corrupt "
+                          f"or diverged")
+
+
 def save_final_weights(run_dir: str | os.PathLike, model: nn.Module, step: int) -> Path:
     path = Path(run_dir) / FINAL_WEIGHTS
-    data = save(model_tensors(model), metadata={"step": str(step)})
+    data = weights_with_digest(model_tensors(model), step)
     check_free_space(path.parent, len(data) + 4096, "the final weights")
     try:
-        atomic_write_bytes(path, data)
+        write_bytes(path, data, run_dir)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"disk full while writing {path}: the final weights need {_mib(len(data))}; "
@@ -407,21 +486,24 @@ def save_final_weights(run_dir: str | os.PathLike, model: nn.Module, step: int) 
 def _weights_step(file: Path) -> int:
     from safetensors import safe_open
     try:
+        check_regular(file)
         with safe_open(str(file), framework="pt") as f:
             return int((f.metadata() or {}).get("step", -1))
+    except TngramError:
+        raise
     except Exception as e:
         raise TngramError(f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
                           f"use the newest checkpoint, or re-run the last step with --resume") from None
 
 
 def save_run_config(run_dir: str | os.PathLike, cfg_dict: dict[str, Any]) -> None:
-    atomic_write_json(Path(run_dir) / "config.json", cfg_dict)
+    write_json(Path(run_dir) / "config.json", cfg_dict, run_dir)
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     """DIR/config.json as a dict; TngramError naming the file if missing or corrupt."""
     path = Path(run_dir) / "config.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
     d = _load_json(path)
     if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("model"), dict):
@@ -437,13 +519,14 @@ def load_run_model(run_dir: str | Path, device: str = "cpu",
     checkpoint that verifies (a run still going, or interrupted, has only checkpoints).
     """
     from tngram.model.gpt import GPT
-    from tngram.train.config import TrainConfig
+    from tngram.train.saved import config_from_saved
 
     run_dir = Path(run_dir)
     cfg_dict = read_run_config(run_dir)
+    cfg = config_from_saved(cfg_dict, str(run_dir / "config.json"))   # before anything is allocated
     candidates = []
     final = run_dir / FINAL_WEIGHTS
-    if final.exists():
+    if os.path.lexists(final):
         candidates.append((_weights_step(final), 1, final))
     ckpt = newest_good_checkpoint(run_dir, say)
     if ckpt is not None:
@@ -451,11 +534,10 @@ def load_run_model(run_dir: str | Path, device: str = "cpu",
     if not candidates:
         raise TngramError(f"{run_dir} has no usable weights (no {FINAL_WEIGHTS}, no intact checkpoint)")
     weights = max(candidates)[2]
-    try:
-        cfg = TrainConfig.from_dict(cfg_dict)
-    except (TypeError, KeyError, ValueError, TngramError) as e:
-        raise TngramError(f"{run_dir / 'config.json'}: not a valid run config ({_short(e)})") from None
+    if weights == final:
+        verify_weights_file(final)  # its recorded size + sha256 (checkpoints: their manifest)
     model = GPT(cfg.model)          # random init (cheap), overwritten by the weights below
     load_weights(model, weights)
     model.to(device).eval()
+    check_finite_model(model, weights)
     return model, cfg_dict

@@ -4,9 +4,12 @@ metrics.jsonl holds one JSON object per logged step (`step`, `train_loss`, `lr`,
 `tokens_per_s`; evaluation rows add `val_loss`, `val_bpb`). `step` counts finished optimiser
 steps, so the row of step s reports the loss of the batch that update s was computed from and
 the validation after s updates. On resume, rows after the checkpoint's step are dropped (they
-came from the interrupted process and will be written again), as is a torn last line: the file
-is cut in place (truncated after the last kept row and appended to), never replaced, so there is
-only ever one file that one handle writes. Only the main process writes, under the run's lock.
+came from the interrupted process and will be written again), as is a torn last line; a line
+that does not parse (or is not a row: not an object with an integer step) is dropped alone, the
+good rows around it are kept. The kept rows are written to a new file renamed over the old one
+(tngram.safefs), and later rows are appended to that new file: a hard-linked copy of the run
+never changes its original, and a link at RUN/metrics.jsonl is replaced, never followed. Only the
+main process writes, under the run's lock.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from typing import Any
 
 import torch
 
-from tngram.common import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -73,35 +75,49 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete row of DIR/metrics.jsonl (a torn last line is skipped)."""
+    from tngram.safefs import read_bytes
     path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    for line in read_bytes(path, run_dir).splitlines():
+        row = parse_row(line)
+        if row is not None:
+            rows.append(row)
     return rows
 
 
-def kept_prefix_bytes(data: bytes, keep_until_step: int | None) -> int:
-    """Length of the leading complete rows of a metrics file with step <= keep_until_step
-    (everything is dropped when keep_until_step is None: a fresh run)."""
+def parse_row(line: bytes) -> dict[str, Any] | None:
+    """One metrics row: a JSON object whose "step" is an int >= 0; None for anything else."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):     # not JSON, not UTF-8, or absurdly nested
+        return None
+    if not isinstance(row, dict):
+        return None
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return None
+    return row
+
+
+def kept_rows_bytes(data: bytes, keep_until_step: int | None) -> bytes:
+    """The complete, well-formed rows of a metrics file with step <= keep_until_step, in order
+    (a bad line is dropped alone; a torn last line is dropped; everything when keep_until_step is
+    None: a fresh run)."""
     if keep_until_step is None:
-        return 0
-    end = 0
+        return b""
+    out = []
     for line in data.splitlines(keepends=True):
         if not line.endswith(b"\n"):
             break                                   # torn last line
-        try:
-            row = json.loads(line)
-        except ValueError:
+        row = parse_row(line)
+        if row is None:
+            continue
+        if row["step"] > keep_until_step:
             break
-        if not isinstance(row, dict) or row.get("step", 0) > keep_until_step:
-            break
-        end += len(line)
-    return end
+        out.append(line)
+    return b"".join(out)
 
 
 class MetricsLog:
@@ -117,16 +133,18 @@ class MetricsLog:
         self.wandb = None
         if not enabled:
             return
-        self._file = open(self.path, "a+b")
-        self._file.seek(0)
-        cut = kept_prefix_bytes(self._file.read(), keep_until_step)
-        self._file.truncate(cut)      # in place: same file, same inode; O_APPEND writes after it
-        self._file.flush()
+        from tngram.safefs import make_dirs, read_bytes, replace_for_append
+        old = b""
+        if keep_until_step is not None and os.path.lexists(self.path):
+            old = read_bytes(self.path, run_dir)
+        # a new file renamed over the old one, then appended to (see the module doc)
+        self._file = replace_for_append(self.path, kept_rows_bytes(old, keep_until_step), run_dir)
         if logger == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # checked by check_logger before work
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self.tb = SummaryWriter(log_dir=str(make_dirs(run_dir, run_dir / "tb")))
         elif logger == "wandb":
             import wandb
+            make_dirs(run_dir, run_dir / "wandb")       # wandb writes under RUN/wandb: never a link
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "tngram"), name=run_name,
                                     dir=str(run_dir), config=config, resume="allow",
                                     id=_wandb_id(run_dir))
@@ -156,12 +174,15 @@ class MetricsLog:
 
 def _wandb_id(run_dir: Path) -> str:
     """A W&B run id kept in DIR/wandb_id, so a resumed run continues the same W&B run."""
+    from tngram.safefs import read_text, write_bytes
     path = run_dir / "wandb_id"
-    if path.is_file():
-        return path.read_text().strip()
+    if os.path.lexists(path):
+        rid = read_text(path, run_dir, limit=4096).strip()
+        if rid.isalnum():
+            return rid
     import uuid
     rid = uuid.uuid4().hex[:12]
-    atomic_write_text(path, rid + "\n")
+    write_bytes(path, (rid + "\n").encode(), run_dir)
     return rid
 
 

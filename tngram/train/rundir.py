@@ -16,9 +16,12 @@ run is locked for the duration.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 from tngram.common import TngramError, check_writable_dir
+from tngram.safefs import check_chain, write_json
 from tngram.train.runlock import LOCK_FILE, RunLock
 
 # what a run folder may hold besides its own records (so a crashed fresh run can be restarted)
@@ -61,6 +64,18 @@ def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train")
     return lock
 
 
+def inside_lexically(path: Path, folder: Path) -> bool:
+    """`path` names a location inside `folder` (by its components, not following links)."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(folder))
+    return rel != ".." and not rel.startswith(".." + os.sep)
+
+
+def write_result(path: Path, obj: Any, run_dir: Path | None) -> None:
+    """Write a result JSON: a new file renamed into place; inside `run_dir` never through a link."""
+    root = run_dir if run_dir is not None and inside_lexically(path, run_dir) else None
+    write_json(path, obj, root)
+
+
 def release_run_dir(lock: RunLock) -> None:
     """Release the lock; a folder this run created and left holding only the lock file goes too."""
     run_dir = lock.run_dir
@@ -79,12 +94,15 @@ def claim_output_file(path: Path, run_dir: Path | None, what: str) -> RunLock | 
     lock that run (returned; release it when done). TngramError otherwise."""
     if path.exists() and path.is_dir():
         raise TngramError(f"--out {path} is a folder, expected a file path")
+    if run_dir is not None and inside_lexically(path, run_dir):
+        check_chain(run_dir, path)          # RUN/eval as a link would write outside the run
     check_writable_dir(path.parent, "--out")
     if run_dir is not None:
-        try:
-            path.resolve().relative_to(run_dir.resolve())
-        except ValueError:
-            return None
+        if not inside_lexically(path, run_dir):
+            try:
+                path.resolve().relative_to(run_dir.resolve())
+            except ValueError:
+                return None
         try:
             return RunLock(run_dir, what).acquire()
         except TngramError as e:

@@ -15,12 +15,15 @@ through the locked descriptor itself; see docs/LOG.md.)
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -40,10 +43,12 @@ def _holder_text(info: dict | None) -> str:
 
 def read_holder(run_dir: str | os.PathLike) -> dict | None:
     """The recorded holder of DIR's lock file (whether or not it still holds it), or None."""
+    from tngram.safefs import read_text
     try:
-        return json.loads((Path(run_dir) / LOCK_FILE).read_text() or "null")
-    except (OSError, ValueError):
+        info = json.loads(read_text(Path(run_dir) / LOCK_FILE, limit=1 << 16) or "null")
+    except (OSError, ValueError):      # missing, a link, a FIFO, not JSON: no holder info
         return None
+    return info if isinstance(info, dict) else None
 
 
 class RunLock:
@@ -65,19 +70,10 @@ class RunLock:
         path = self.run_dir / LOCK_FILE
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.created_file = not path.exists()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.created_file = not os.path.lexists(path)
         except OSError as e:
             raise TngramError(f"cannot create the run lock {path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise TngramError(f"run folder {self.run_dir} is in use by {_holder_text(read_holder(self.run_dir))}; "
-                                  f"wait for it to finish or choose another folder") from None
-            raise TngramError(f"cannot lock {path}: {e.strerror or e} (does this filesystem support "
-                              f"flock?)") from None
+        fd = self._open_locked(path)
         prev = read_holder(self.run_dir)
         if prev and (prev.get("pid"), prev.get("host")) != (os.getpid(), socket.gethostname()):
             self.stale = prev    # it was recorded but not locked: its process is gone
@@ -87,6 +83,69 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
         return self
+
+    def _open_locked(self, path: Path) -> int:
+        """Open and flock the lock file, never through a link (O_NOFOLLOW) and only a regular
+        file; a lock file with other hard links (a `cp -al` copy of the run) is first replaced by
+        a file of its own, so the other copy's lock file is never written."""
+        for _ in range(20):
+            fd = self._open_one(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                self._flock(fd, path)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise TngramError(f"{path} is not a regular file; remove it (it was not written by "
+                                      f"tngram)")
+                try:
+                    now = os.lstat(path)
+                except FileNotFoundError:
+                    now = None
+                if now is None or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                    os.close(fd)         # replaced while we waited: lock the current file
+                    continue
+                if st.st_nlink > 1:      # shared with another copy: lock a new file of our own
+                    fd2 = self._fresh_lock_file(path)
+                    os.close(fd)
+                    fd = fd2
+                return fd
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                raise
+        raise TngramError(f"cannot lock {path}: it keeps being replaced by another process")
+
+    def _open_one(self, path: Path, flags: int) -> int:
+        try:
+            return os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise TngramError(f"{path} is a symbolic link; tngram never follows links in a run "
+                                  f"folder: remove it (the run lock is recreated)") from None
+            raise TngramError(f"cannot create the run lock {path}: {e.strerror or e}") from None
+
+    def _flock(self, fd: int, path: Path) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise TngramError(f"run folder {self.run_dir} is in use by {_holder_text(read_holder(self.run_dir))}; "
+                                  f"wait for it to finish or choose another folder") from None
+            raise TngramError(f"cannot lock {path}: {e.strerror or e} (does this filesystem support "
+                              f"flock?)") from None
+
+    def _fresh_lock_file(self, path: Path) -> int:
+        """A new lock file, locked, renamed over `path` (we hold the old one's lock meanwhile)."""
+        fd, tmp = tempfile.mkstemp(prefix=f"{LOCK_FILE}.", suffix=".tmp", dir=self.run_dir)
+        try:
+            os.fchmod(fd, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return fd
 
     def release(self) -> None:
         if self._fd is None:

@@ -1,0 +1,120 @@
+"""A run's config.json read back (tngram.readback for the file, this module for its fields).
+
+`config_from_saved(d, where)` checks a saved config dict field by field before anything is built
+from it: every key known, every value of its declared type (strictly: no string where an int
+belongs, no float where an int belongs), every range of `validate_config`, and the model's size
+against the memory available, so a hostile or damaged config.json is one line naming the file and
+the field, never a long allocation or a model built from NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from tngram.common import TngramError
+from tngram.readback import BadRecordError
+
+_SECTIONS = ("model", "optim", "schedule", "data", "run")
+
+
+def _strict_ok(v: Any, hint: Any) -> bool:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_strict_ok(v, a) for a in args)
+    if hint is type(None):
+        return v is None
+    if origin is tuple:
+        elem = args[0] if args else Any
+        return isinstance(v, (list, tuple)) and all(_strict_ok(x, elem) for x in v)
+    if hint is bool:
+        return isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if hint is str:
+        return isinstance(v, str)
+    if hint is Any or hint is typing.Any:
+        return True
+    return True     # a type we do not know how to check: validate_config still runs
+
+
+def _check_fields(sd: dict[str, Any], cls: type, prefix: str, where: str, skip: tuple[str, ...] = ()) -> None:
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for k, v in sd.items():
+        if k in skip:
+            continue
+        if k not in known:
+            raise BadRecordError(f"{where}: unknown field {prefix}{k}")
+        if not _strict_ok(v, hints[k]):
+            name = getattr(hints[k], "__name__", None) or str(hints[k]).replace("typing.", "")
+            text = repr(v) if len(repr(v)) < 60 else repr(v)[:57] + "..."
+            raise BadRecordError(f"{where}: field {prefix}{k} must be {name}, got {text}")
+
+
+def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
+    """The TrainConfig of a saved config dict, checked (see the module doc); BadRecordError
+    (one line naming `where` and the field) otherwise."""
+    from tngram.memory import memory_config_classes
+    from tngram.model.gpt import GPTConfig
+    from tngram.train.config import DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, validate_config
+
+    if not isinstance(d, dict):
+        raise BadRecordError(f"{where}: expected a JSON object")
+    if not isinstance(d.get("name"), str):
+        raise BadRecordError(f"{where}: field 'name' must be a string (the recipe name)")
+    classes = {"model": GPTConfig, "optim": OptimConfig, "schedule": ScheduleConfig, "data": DataConfig,
+               "run": RunConfig}
+    for sec in _SECTIONS:
+        if sec not in d:
+            raise BadRecordError(f"{where}: section {sec!r} is missing")
+        if not isinstance(d[sec], dict):
+            raise BadRecordError(f"{where}: section {sec!r} must be an object")
+        _check_fields(d[sec], classes[sec], f"{sec}.", where, skip=("memory",) if sec == "model" else ())
+    extra = sorted(set(d) - set(_SECTIONS) - {"name"})
+    if extra:
+        raise BadRecordError(f"{where}: unknown field(s) {extra}")
+    mem = d["model"].get("memory")
+    if mem is not None:
+        if not isinstance(mem, dict):
+            raise BadRecordError(f"{where}: field model.memory must be an object or null")
+        kinds = memory_config_classes()
+        kind = mem.get("kind")
+        if not isinstance(kind, str) or kind not in kinds:
+            raise BadRecordError(f"{where}: field model.memory.kind must be one of {sorted(kinds)}, got {kind!r}")
+        _check_fields(mem, kinds[kind], "model.memory.", where, skip=("kind",))
+    try:
+        cfg = TrainConfig.from_dict(d)
+        validate_config(cfg)
+    except (TngramError, TypeError, ValueError, KeyError) as e:
+        raise BadRecordError(f"{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if check_memory:
+        check_model_fits(cfg, where)
+    return cfg
+
+
+def check_model_fits(cfg: Any, where: str) -> None:
+    """The model's weights (counted on the meta device: nothing allocated) must fit the memory
+    available; otherwise one line naming the sizes to lower."""
+    import torch
+
+    from tngram.model.gpt import GPT
+    from tngram.train.health import available_memory
+    try:
+        with torch.device("meta"):
+            n = GPT(cfg.model).num_params()
+    except (TngramError, ValueError, RuntimeError, TypeError) as e:
+        raise BadRecordError(f"{where}: the model cannot be built ({str(e).splitlines()[0][:160]})") from None
+    need = 4 * n
+    have, what = available_memory("cpu")
+    if have is not None and need > have:
+        m = cfg.model
+        raise BadRecordError(f"{where}: the model has {n:,} parameters ({need / 2**30:,.1f} GiB) but only "
+                             f"{have / 2**30:,.1f} GiB {what}; the config's sizes (model.n_layer {m.n_layer}, "
+                             f"model.n_embd {m.n_embd}, model.vocab_size {m.vocab_size}, model.memory) are "
+                             f"too large for this machine")
