@@ -39,7 +39,7 @@ def test_collision_stats_match_brute_force(tiny_data, tmp_path):
     info = open_dataset(tiny_data)
     train = np.concatenate([np.asarray(read_shard(f)) for f in info.train_files])
     layers = tuple(cfg.model.memory_layers)
-    module = cfg.model.memory.build(cfg.model.n_embd, cfg.model.vocab_size, layers[0], layers)
+    module = cfg.model.memory.build(d_model=cfg.model.n_embd, vocab_size=cfg.model.vocab_size, layer_id=layers[0], layer_ids=layers)
     z = module.hash_ids(torch.from_numpy(train.astype(np.int64)).unsqueeze(0))[0].numpy()
     shares = []
     for head in (0, 1):                      # order 2 occupies columns 0..H-1

@@ -114,8 +114,8 @@ def test_shapes_and_param_count_after_pruning():
         w = dict(m.named_parameters())[name]
         assert w.shape == (D, (N - 1) * Rk) and torch.equal(w, old[name][:, cols])
     assert m.fusion.value_proj.in_features == (N - 1) * Rk and m.config.cp_rank == Rk
-    assert sum(p.numel() for p in m.parameters()) == m.config.param_count(D, V)
-    assert sum(p.numel() for p in m.parameters()) == replace(m.config, cp_rank=R).param_count(D, V) \
+    assert sum(p.numel() for p in m.parameters()) == m.config.param_count(d_model=D, vocab_size=V)
+    assert sum(p.numel() for p in m.parameters()) == replace(m.config, cp_rank=R).param_count(d_model=D, vocab_size=V) \
         - (R - Rk) * (N * V + (N - 2) + 3 * (N - 1) * D)   # factors, absorb, 2 keys + 1 value
 
 
@@ -168,9 +168,9 @@ def test_over_pruning_guard_and_config_checks():
     m = make(N=3, R=12, prune_energy_tol=0.99, min_cp_rank=5)
     assert prune_model(m) == [("", 12, 5)] and m.factors.shape[2] == 5
     with pytest.raises(TngramError, match="min_cp_rank"):
-        TNGramConfig(cp_rank=4, min_cp_rank=5, prune_at_step=3).validate(10)
+        TNGramConfig(cp_rank=4, min_cp_rank=5, prune_at_step=3)       # checked at construction
     with pytest.raises(TngramError, match="prune_energy_tol"):
-        TNGramConfig(prune_energy_tol=1.0).validate(10)
+        TNGramConfig(prune_energy_tol=1.0)
 
 
 # ---- training: pruning step, resume across it, sizes, loading
@@ -199,7 +199,7 @@ def test_resume_across_the_pruning_step_is_bit_identical(tiny_data, tmp_path):
     model, _ = ckpt.load_run_model(tmp_path / "run")
     raw = tiny_config(tiny_data, recipe="mini-raw")
     assert ref["delta_params"] == resumed["delta_params"] == model.num_params() - GPT(raw.model).num_params()
-    assert ref["delta_params"] == replace(cfg.model.memory, cp_rank=r_final).param_count(32, 512)
+    assert ref["delta_params"] == replace(cfg.model.memory, cp_rank=r_final).param_count(d_model=32, vocab_size=512)
 
 
 def test_prune_step_must_lie_inside_the_schedule(tiny_data, tmp_path):

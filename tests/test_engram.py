@@ -231,8 +231,8 @@ def test_param_count_demo_config_matches_reference():
     # §9 demo: d=1024, V=129,280, M=4, k=4, E=512, H=8, budget 646,400, layers [1, 15]
     cfg = EngramConfig(max_ngram=3, n_head_per_ngram=8, n_embed_per_ngram=512,
                        table_budget=(646400, 646400), hc_mult=4, kernel_size=4)
-    assert cfg.param_count(1024, 129_280, 1, (1, 15)) == 667_303_168      # §9
-    assert cfg.param_count(1024, 129_280, 15, (1, 15)) == 667_564_160     # §9
+    assert cfg.param_count(d_model=1024, vocab_size=129_280, layer_id=1, layer_ids=(1, 15)) == 667_303_168      # §9
+    assert cfg.param_count(d_model=1024, vocab_size=129_280, layer_id=15, layer_ids=(1, 15)) == 667_564_160     # §9
 
 
 def test_param_count_paper_l9_engram():
@@ -250,12 +250,12 @@ def test_param_count_paper_l9_engram():
     dense = 2 * (2048 * 512 + 512) + 2 * 512 + 512 + 512 * 3
     want = {1: 64 * sum(primes[:32]) + dense, 7: 64 * sum(primes[32:]) + dense}
     cfg = EngramConfig(max_ngram=5, n_head_per_ngram=8, n_embed_per_ngram=512, kernel_size=3)
-    got = {layer: cfg.param_count(512, 1024, layer, (1, 7)) for layer in (1, 7)}
+    got = {layer: cfg.param_count(d_model=512, vocab_size=1024, layer_id=layer, layer_ids=(1, 7)) for layer in (1, 7)}
     assert got == want
     total = got[1] + got[7]
     assert total == 26_428_288                    # the number reported for paper-l9-engram
     assert abs(total - 26e6) <= 0.05 * 26e6       # paper Table: Engram +26M
-    built = n_params(cfg.build(512, 1024, 1, (1, 7)))
+    built = n_params(cfg.build(d_model=512, vocab_size=1024, layer_id=1, layer_ids=(1, 7)))
     assert built == got[1]
 
 
@@ -264,7 +264,7 @@ def test_param_count_paper_l9_engram():
 def test_param_count_equals_module(kw):
     cfg = small_cfg(**kw)
     m = cfg.build(d_model=16, vocab_size=40, layer_id=3, layer_ids=(0, 3))
-    assert n_params(m) == cfg.param_count(16, 40, 3, (0, 3))
+    assert n_params(m) == cfg.param_count(d_model=16, vocab_size=40, layer_id=3, layer_ids=(0, 3))
 
 
 # ---------------------------------------------------------------- forward behaviour
@@ -275,7 +275,7 @@ def test_forward_shapes_zero_init_and_shared_fusion():
     ids = torch.randint(0, 40, (2, 7))
     y = m(torch.randn(2, 7, 16), ids)
     assert y.shape == (2, 7, 16) and torch.count_nonzero(y) == 0             # zero value -> no-op
-    m4 = small_cfg(hc_mult=2, zero_init_value=False).build(16, 40, 0, (0,))
+    m4 = small_cfg(hc_mult=2, zero_init_value=False).build(d_model=16, vocab_size=40, layer_id=0, layer_ids=(0,))
     h = torch.randn(2, 7, 2, 16)
     y4 = m4(h, ids)
     assert y4.shape == (2, 7, 2, 16)
@@ -318,7 +318,7 @@ def test_gradients_reach_exactly_the_used_rows():
 
 # ---------------------------------------------------------------- errors and config
 def test_engram_errors():
-    m = small_cfg().build(16, 40, 0, (0,))
+    m = small_cfg().build(d_model=16, vocab_size=40, layer_id=0, layer_ids=(0,))
     with pytest.raises(TngramError, match="vocabulary"):
         m(torch.zeros(1, 3, 16), torch.tensor([[0, 40, 1]]))
     with pytest.raises(TngramError, match="vocabulary"):
@@ -330,17 +330,17 @@ def test_engram_errors():
     with pytest.raises(TngramError, match="multiple of n_head_per_ngram"):
         EngramConfig(n_embed_per_ngram=12, n_head_per_ngram=8)
     with pytest.raises(TngramError, match="multiple of n_head_per_ngram"):
-        EngramConfig(n_head_per_ngram=3).build(16, 40, 0, (0,))       # E = d_model = 16
+        EngramConfig(n_head_per_ngram=3).build(d_model=16, vocab_size=40, layer_id=0, layer_ids=(0,))       # E = d_model = 16
     with pytest.raises(TngramError, match="not in layer_ids"):
-        small_cfg().build(16, 40, 2, (0, 1))
+        small_cfg().build(d_model=16, vocab_size=40, layer_id=2, layer_ids=(0, 1))
     with pytest.raises(TngramError, match="table_budget"):
         EngramConfig(max_ngram=3, table_budget=(10,))
     with pytest.raises(TngramError, match="tokenizer_path"):
         EngramConfig(compress=True)
     with pytest.raises(TngramError, match="pad_id"):
-        small_cfg(pad_id=40).build(16, 40, 0, (0,))
-    with pytest.raises(TngramError, match="kind"):
-        EngramConfig(kind="tngram")
+        small_cfg(pad_id=40).build(d_model=16, vocab_size=40, layer_id=0, layer_ids=(0,))
+    with pytest.raises(TypeError, match="kind"):
+        EngramConfig(kind="tngram")          # kind is a class attribute, not a field
 
 
 def test_config_defaults_and_frozen():

@@ -89,8 +89,8 @@ def test_module_switch_every_ablation_matches_reference(use_norm, learn_scales, 
     kw = dict(max_ngram=4, cp_rank=R, use_norm=use_norm, learn_scales=learn_scales,
               use_absorption=use_absorption, zero_init_value=False, zero_init_conv=False)
     torch.manual_seed(0)
-    fused = TNGramConfig(fused=True, **kw).build(16, V)
-    ref = TNGramConfig(fused=False, **kw).build(16, V)
+    fused = TNGramConfig(fused=True, **kw).build(d_model=16, vocab_size=V)
+    ref = TNGramConfig(fused=False, **kw).build(d_model=16, vocab_size=V)
     ref.load_state_dict(fused.state_dict())
     with torch.no_grad():  # non-trivial absorption and scales
         for m in (fused, ref):
@@ -337,7 +337,7 @@ def test_module_under_torch_compile_matches_eager(impl, monkeypatch):
     monkeypatch.setenv("TNGRAM_LOOKUP_IMPL", impl)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = TNGramConfig(max_ngram=4, cp_rank=R, zero_init_value=False, zero_init_conv=False).build(16, V)
+    m = TNGramConfig(max_ngram=4, cp_rank=R, zero_init_value=False, zero_init_conv=False).build(d_model=16, vocab_size=V)
     ids = torch.randint(0, V, (2, 9))
     h = torch.randn(2, 9, 16)
     y_ref = m(h, ids)

@@ -112,7 +112,7 @@ def test_memory_changes_output_and_gets_gradient():
     loss.backward()
     assert m.blocks[1].memory.factors.grad.abs().sum() > 0
     assert m.blocks[0].memory is None and m.blocks[3].memory is not None
-    assert m.memory_params() == 2 * mem.param_count(32, 50)
+    assert m.memory_params() == 2 * mem.param_count(d_model=32, vocab_size=50)
 
 
 def test_bad_inputs_fail_with_clear_messages():

@@ -8,8 +8,7 @@ from torch import nn
 
 from tngram.common import TngramError
 from tngram.model.gpt import CONTROL_NAMES, GPT, GPTConfig
-from tngram.optim.groups import (CONTROL_PARAM_NAMES, assign_groups, build_param_groups,
-                                 format_param_table)
+from tngram.optim.groups import assign_groups, build_param_groups, format_param_table
 from tngram.recipes import get_recipe
 from tngram.train.config import OptimConfig
 
@@ -104,8 +103,20 @@ def test_group_learning_rates():
     assert lrs["memory_table"] == 0.1 and lrs["muon"] == 0.02 and lrs["embed"] == 0.05
 
 
-def test_backbone_control_names_are_covered():
-    assert set(CONTROL_NAMES) <= set(CONTROL_PARAM_NAMES)
+# Which parameters are gains/scales/per-channel kernels, written out by name independently of the
+# modules' control_parameters() declarations (the backbone's plus the memories' own).
+CONTROL_LEAVES = CONTROL_NAMES + ("absorb", "log_scales", "norm_h", "norm_k", "norm_weight")
+
+
+@pytest.mark.parametrize("kind", ["raw", "tngram", "engram", "oe"])
+def test_scalar_group_is_controls_conv_kernels_and_1d(kind):
+    model = tiny_models()[kind]
+    groups = build_param_groups(model, OptimConfig())
+    scalar = {n for g in groups if g["group"] == "scalar" for n in g["names"]}
+    want = {n for n, p in model.named_parameters()
+            if p.dim() < 2 or n.rsplit(".", 1)[-1] in CONTROL_LEAVES or n.endswith(".conv.weight")}
+    assert scalar == want
+    assert any(p.dim() == 2 for n, p in model.named_parameters() if n in scalar)  # 2-D gains too
 
 
 def test_unknown_parameter_fails_loudly():

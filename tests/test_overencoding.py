@@ -75,7 +75,7 @@ def test_forward_equals_explicit_sum_of_slice_projections():
     want = want / (1 + k * (N - 1))
     assert torch.allclose(m(tok, ids), want, atol=1e-5)
     m_sum = OverEncodingConfig(max_ngram=N, n_slices=k, table_rows=61, slice_dim=3,
-                               average=False).build(d, V)
+                               average=False).build(d_model=d, vocab_size=V)
     m_sum.load_state_dict(m.state_dict())
     assert torch.allclose(m_sum(tok, ids), want * (1 + k * (N - 1)), atol=1e-5)
 
@@ -91,10 +91,10 @@ def test_zero_init_is_scaled_identity_and_default_widths():
 def test_param_count():
     for cfg, d, V in [(OverEncodingConfig(), 512, 1024),
                       (OverEncodingConfig(max_ngram=4, n_slices=3, table_rows=100, slice_dim=5), 16, 33)]:
-        m = cfg.build(d, V)
-        assert sum(p.numel() for p in m.parameters()) == cfg.param_count(d, V)
+        m = cfg.build(d_model=d, vocab_size=V)
+        assert sum(p.numel() for p in m.parameters()) == cfg.param_count(d_model=d, vocab_size=V)
     # default at d 512, V 1024: rows 5121+5123+5125+5127 = 20,496 of width 128, 4 projections 128x512
-    assert OverEncodingConfig().param_count(512, 1024) == 20_496 * 128 + 4 * 128 * 512
+    assert OverEncodingConfig().param_count(d_model=512, vocab_size=1024) == 20_496 * 128 + 4 * 128 * 512
 
 
 def test_causal():
@@ -131,7 +131,7 @@ def test_gradients_reach_exactly_the_used_rows():
 def test_errors_and_config():
     assert OverEncodingConfig.injection == "embedding" and EngramConfig.injection == "block"
     assert OverEncodingConfig().kind == "oe"
-    m = OverEncodingConfig().build(16, 20)
+    m = OverEncodingConfig().build(d_model=16, vocab_size=20)
     assert isinstance(m, OverEncoding)
     with pytest.raises(TngramError, match="vocabulary"):
         m(torch.zeros(1, 2, 16), torch.tensor([[0, 20]]))
@@ -144,8 +144,8 @@ def test_errors_and_config():
     with pytest.raises(TngramError, match="n_slices"):
         OverEncodingConfig(n_slices=0)
     with pytest.raises(TngramError, match="pad_id"):
-        OverEncodingConfig(pad_id=20).build(16, 20)
+        OverEncodingConfig(pad_id=20).build(d_model=16, vocab_size=20)
     with pytest.raises(TngramError, match="slice"):
-        OverEncodingConfig(max_ngram=5, n_slices=4).build(8, 20)     # 8 // 16 = 0
-    with pytest.raises(TngramError, match="kind"):
-        OverEncodingConfig(kind="engram")
+        OverEncodingConfig(max_ngram=5, n_slices=4).build(d_model=8, vocab_size=20)     # 8 // 16 = 0
+    with pytest.raises(TypeError, match="kind"):
+        OverEncodingConfig(kind="engram")    # kind is a class attribute, not a field

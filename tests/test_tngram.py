@@ -20,7 +20,7 @@ V, R, D = 11, 6, 8
 def make(N=4, **kw) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = TNGramConfig(max_ngram=N, cp_rank=R, zero_init_value=False, zero_init_conv=False, **kw)
-    m = cfg.build(D, V)
+    m = cfg.build(d_model=D, vocab_size=V)
     with torch.no_grad():  # make absorption vectors and scales non-trivial
         if m.absorb is not None:
             m.absorb.copy_(torch.randn_like(m.absorb))
@@ -95,7 +95,7 @@ def test_theorem1_lower_order_is_combination_of_higher_order(n):
     torch.manual_seed(2)
     N, Vbig, Rs = 5, 12, 5                   # V > R so A_{N-n+1} has full column rank
     cfg = TNGramConfig(max_ngram=N, cp_rank=Rs, factor_init="normal")
-    m = cfg.build(D, Vbig).double()
+    m = cfg.build(d_model=D, vocab_size=Vbig).double()
     with torch.no_grad():
         m.absorb.copy_(torch.randn_like(m.absorb))
     A = m.factors[N - n].detach()            # A_{N-n+1} (1-based) = factors[N-n]
@@ -163,7 +163,7 @@ def test_causality(N):
 def test_all_orders_finite_and_b_in_sane_range(N):
     cfg = TNGramConfig(max_ngram=N, cp_rank=64, zero_init_value=False)
     torch.manual_seed(0)
-    m = cfg.build(32, 100)
+    m = cfg.build(d_model=32, vocab_size=100)
     ids = torch.randint(0, 100, (2, 16))
     b = order_vectors(m.factors, m.absorb, m.ngrams(ids))
     rms = b.pow(2).mean(-1).sqrt()
@@ -216,13 +216,13 @@ def test_ablation_switches_change_exactly_what_they_say():
 def test_param_count_formula_matches_module():
     for kw in [{}, {"use_absorption": False}, {"learn_scales": False}, {"kv_bias": False}, {"hc_mult": 2}]:
         cfg = TNGramConfig(max_ngram=5, cp_rank=7, **kw)
-        assert cfg.param_count(16, 20) == sum(p.numel() for p in cfg.build(16, 20).parameters())
+        assert cfg.param_count(d_model=16, vocab_size=20) == sum(p.numel() for p in cfg.build(d_model=16, vocab_size=20).parameters())
 
 
 @pytest.mark.parametrize("kw,msg", [({"max_ngram": 1}, "max_ngram"), ({"cp_rank": 0}, "cp_rank")])
 def test_bad_config_errors(kw, msg):
     with pytest.raises(TngramError, match=msg):
-        TNGramConfig(**kw).build(8, 10)
+        TNGramConfig(**kw).build(d_model=8, vocab_size=10)
 
 
 def test_bad_token_ids():

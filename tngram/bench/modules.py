@@ -76,7 +76,7 @@ def build(name: str) -> nn.Module | None:
         cfg = replace(cfg, fused=False)
     elif name in TN_IMPL:
         cfg = replace(cfg, fused=True)
-    return cfg.build(D_MODEL, VOCAB, 1, (1, 7))
+    return cfg.build(d_model=D_MODEL, vocab_size=VOCAB, layer_id=1, layer_ids=(1, 7))
 
 
 def lookup(name: str, m: nn.Module, ids: Tensor) -> Tensor:

@@ -122,7 +122,7 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
     """Per order and head: distinct train n-grams, table size, share of n-grams in a shared bucket."""
     mem = cfg.model.memory
     layers = tuple(cfg.model.memory_layers)
-    module = mem.build(cfg.model.n_embd, cfg.model.vocab_size, layers[0], layers)
+    module = mem.build(d_model=cfg.model.n_embd, vocab_size=cfg.model.vocab_size, layer_id=layers[0], layer_ids=layers)
     train = _train_tokens(data_dir)
     ids = torch.from_numpy(train.astype(np.int64)).unsqueeze(0)
     with torch.no_grad():

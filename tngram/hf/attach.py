@@ -127,7 +127,7 @@ def _build(cfg: Any, d_model: int, vocab: int, layer_id: int, layer_ids: tuple[i
            seed: int, ref: Tensor) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_memory_seed(seed, layer_id))
-        mod = cfg.build(d_model, vocab, layer_id, layer_ids)
+        mod = cfg.build(d_model=d_model, vocab_size=vocab, layer_id=layer_id, layer_ids=layer_ids)
     mod.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
     for m in mod.modules():
         # hash constants are saved with the weights: from_pretrained re-creates non-persistent

@@ -209,7 +209,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         for i in layers:
             target = self.model.blocks[i].memory if block_mem else self.model.embed_memory
             with torch.device("cpu"):
-                fresh = mem.build(cfg.n_embd, cfg.vocab_size, i, layers)
+                fresh = mem.build(d_model=cfg.n_embd, vocab_size=cfg.vocab_size, layer_id=i, layer_ids=layers)
             own = dict(target.named_buffers())
             for name, buf in fresh.named_buffers():
                 if name in own:

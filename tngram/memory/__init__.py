@@ -1,8 +1,9 @@
 """Memory modules: TN-gram (ours), Engram (DeepSeek's reference) and Over-Encoding.
 
-Each config has `kind`, `injection` ("block": output added to a block's residual stream;
-"embedding": replaces the input embedding), `build(d_model, vocab_size, layer_id, layer_ids)`
-and `param_count(...)`. Modules never import the model.
+Every memory follows the contract of `tngram.memory.base` (a `MemoryConfig` subclass with
+`kind`, `injection`, checks, keyword-only `build(*, d_model, vocab_size, layer_id, layer_ids)`
+and `param_count(...)`; a module with `table_parameters()` / `control_parameters()`) and is
+registered here by kind. Modules never import the model.
 """
 
 from __future__ import annotations
@@ -13,12 +14,32 @@ from typing import Any
 from tngram.common import TngramError
 
 
-def memory_config_classes() -> dict[str, type]:
-    from tngram.memory.engram import EngramConfig
-    from tngram.memory.overencoding import OverEncodingConfig
-    from tngram.memory.tngram import TNGramConfig
+# kind -> "module:ConfigClass" of the built-in memories, imported on first use (so that
+# `import tngram.memory` stays light); register_memory adds more at run time.
+MEMORY_KINDS: dict[str, str] = {"tngram": "tngram.memory.tngram:TNGramConfig",
+                                "engram": "tngram.memory.engram:EngramConfig",
+                                "oe": "tngram.memory.overencoding:OverEncodingConfig"}
+_registered: dict[str, type] = {}
 
-    return {"tngram": TNGramConfig, "engram": EngramConfig, "oe": OverEncodingConfig}
+
+def register_memory(config_cls: type) -> type:
+    """Make a MemoryConfig subclass available by its `kind` (recipes, --set model.memory.kind,
+    config.json). Usable as a class decorator."""
+    from tngram.memory.base import MemoryConfig
+    if not (isinstance(config_cls, type) and issubclass(config_cls, MemoryConfig) and config_cls.kind):
+        raise TngramError(f"register_memory expects a MemoryConfig subclass with a kind, got {config_cls!r}")
+    _registered[config_cls.kind] = config_cls
+    return config_cls
+
+
+def memory_config_classes() -> dict[str, type]:
+    """{kind: config class} of every registered memory."""
+    import importlib
+    out = {}
+    for kind, target in MEMORY_KINDS.items():
+        module, _, name = target.partition(":")
+        out[kind] = getattr(importlib.import_module(module), name)
+    return {**out, **_registered}
 
 
 def memory_config_to_dict(cfg: Any) -> dict[str, Any] | None:

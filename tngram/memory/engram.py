@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.compression import (build_compression_from_file, compressed_vocab_size,
                                        lookup_fingerprint)
 from tngram.memory.gating import GatedFusion
@@ -40,7 +41,7 @@ from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suff
 
 
 @dataclass(kw_only=True, frozen=True)
-class EngramConfig:
+class EngramConfig(MemoryConfig):
     """Engram hyper-parameters; `build` makes the module of one layer.
 
     table_budget: per-head prime budget of each order 2..N (reference `engram_vocab_size`);
@@ -49,7 +50,11 @@ class EngramConfig:
     pad_id is a raw id; with compress=True it is compressed before use.
     """
 
+    kind: ClassVar[str] = "engram"
     injection: ClassVar[str] = "block"  # added to a block's residual stream
+    int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
+        "max_ngram": (1, 32), "n_head_per_ngram": (1, 1024), "n_embed_per_ngram": (1, INT_MAX),
+        "kernel_size": (1, 256), "dilation": (1, 1024), "hc_mult": (1, 64)}
 
     max_ngram: int = 3
     n_head_per_ngram: int = 8
@@ -65,11 +70,8 @@ class EngramConfig:
     kv_bias: bool = True
     zero_init_value: bool = True
     zero_init_conv: bool = True
-    kind: str = "engram"  # constant; identifies the memory type in recipes / JSON
 
-    def __post_init__(self) -> None:
-        if self.kind != "engram":
-            raise TngramError(f"EngramConfig.kind is fixed to 'engram', got {self.kind!r}")
+    def check_fields(self) -> None:
         if self.max_ngram < 2:
             raise TngramError(f"Engram max_ngram must be >= 2 (orders 2..N), got {self.max_ngram}")
         if self.n_head_per_ngram < 1:
@@ -120,9 +122,15 @@ class EngramConfig:
                                  self.n_head_per_ngram, list(layer_ids))
         return primes[layer_id]
 
-    def param_count(self, d_model: int, vocab_size: int, layer_id: int,
-                    layer_ids: tuple[int, ...]) -> int:
+    def check_vocab(self, vocab_size: int) -> None:
+        super().check_vocab(vocab_size)
+        if not 0 <= self.pad_id < vocab_size:
+            raise TngramError(f"Engram pad_id {self.pad_id} is outside the vocabulary [0, {vocab_size})")
+
+    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
+                    layer_ids: tuple[int, ...] | None = None) -> int:
         """Exact parameter count of `build(...)`, analytically (reference §4)."""
+        layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
         E = self.embed_per_ngram(d_model)
         Dh = E // self.n_head_per_ngram
         rows = sum(sum(p) for p in self.layer_primes(vocab_size, layer_id, layer_ids))
@@ -131,23 +139,20 @@ class EngramConfig:
         fusion = (M + 1) * proj + 2 * M * d + M * d + M * d * k  # K's+V, gate norms, conv norm, conv
         return rows * Dh + fusion
 
-    def build(self, d_model: int, vocab_size: int, layer_id: int,
-              layer_ids: tuple[int, ...]) -> "Engram":
+    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
+                    layer_ids: tuple[int, ...]) -> "Engram":
         return Engram(self, d_model=d_model, vocab_size=vocab_size, layer_id=layer_id,
                       layer_ids=tuple(layer_ids))
 
 
-class Engram(nn.Module):
+class Engram(MemoryModule, nn.Module):
     """One Engram layer: forward(h (B,T,D) or (B,T,M,D), input_ids (B,T)) -> y, same shape as h."""
 
     def __init__(self, config: EngramConfig, *, d_model: int, vocab_size: int, layer_id: int,
                  layer_ids: tuple[int, ...]) -> None:
         super().__init__()
         cfg = config
-        if vocab_size < 1:
-            raise TngramError(f"vocab_size must be >= 1, got {vocab_size}")
-        if not 0 <= cfg.pad_id < vocab_size:
-            raise TngramError(f"Engram pad_id {cfg.pad_id} is outside the vocabulary [0, {vocab_size})")
+        cfg.check_vocab(vocab_size)
         self.config, self.d_model, self.vocab_size = cfg, d_model, vocab_size
         self.layer_id, self.layer_ids = layer_id, tuple(layer_ids)
         self.max_ngram, self.n_head = cfg.max_ngram, cfg.n_head_per_ngram
@@ -189,6 +194,12 @@ class Engram(nn.Module):
         return (f"layer_id={self.layer_id}, max_ngram={self.max_ngram}, heads={self.n_head}, "
                 f"rows={self.n_rows}, head_dim={self.head_dim}, d_mem={self.d_mem}, "
                 f"V'={self.compressed_vocab_size}, pad'={self.pad_id_compressed}")
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        return [self.table.weight]
+
+    def control_parameters(self) -> list[nn.Parameter]:
+        return self.fusion.control_parameters()
 
     def compress(self, input_ids: Tensor) -> Tensor:
         """Raw ids (B, T) -> compressed ids (B, T) int64 (identity when compress=False)."""

@@ -64,6 +64,10 @@ class ShortConv(nn.Module):
             bound = 1.0 / math.sqrt(kernel_size)
             nn.init.uniform_(self.weight, -bound, bound)
 
+    def control_parameters(self) -> list[nn.Parameter]:
+        """The norm gains and the depthwise kernel (2-D, but one filter per channel)."""
+        return [self.norm_weight, self.weight]
+
     def forward(self, x: Tensor, cache: dict | None = None, valid: Tensor | None = None) -> Tensor:
         """x: (B, T, M, D) -> (B, T, M, D). With `cache` (incremental decoding) the conv input of
         the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start;
@@ -114,6 +118,11 @@ class GatedFusion(nn.Module):
         self.conv = ShortConv(d_model, hc_mult, kernel_size, dilation, zero_init=zero_init_conv)
         self.fuse_kv = True  # one K/V matmul when hc_mult == 1 (not a parameter; benchmarks flip it)
         self.fuse_kv_min_rows = FUSE_KV_MIN_ROWS
+
+    def control_parameters(self) -> list[nn.Parameter]:
+        """Gains and per-channel kernels (Adam at the scalar lr); the K/V projections are
+        matrices (Muon)."""
+        return [self.norm_h, self.norm_k] + self.conv.control_parameters()
 
     def keys_values(self, e: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (B, T, M, D) and the shared value (B, T, 1, D) from e (B, T, E).

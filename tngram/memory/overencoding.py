@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 INT64_MAX = 2**63 - 1
@@ -55,10 +56,14 @@ def oe_moduli(table_rows: int, n_tables: int, vocab_size: int) -> list[int]:
 
 
 @dataclass(kw_only=True, frozen=True)
-class OverEncodingConfig:
+class OverEncodingConfig(MemoryConfig):
     """Over-Encoding hyper-parameters; `build` makes the module (one per model, at the input)."""
 
+    kind: ClassVar[str] = "oe"
     injection: ClassVar[str] = "embedding"  # the GPT replaces its token embedding by forward(...)
+    int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
+        "max_ngram": (1, 32), "n_slices": (1, 1024), "table_rows": (1, INT_MAX),
+        "slice_dim": (1, INT_MAX)}
 
     max_ngram: int = 3
     n_slices: int = 2
@@ -67,11 +72,8 @@ class OverEncodingConfig:
     pad_id: int = 0
     average: bool = True
     zero_init_proj: bool = True
-    kind: str = "oe"  # constant; identifies the memory type in recipes / JSON
 
-    def __post_init__(self) -> None:
-        if self.kind != "oe":
-            raise TngramError(f"OverEncodingConfig.kind is fixed to 'oe', got {self.kind!r}")
+    def check_fields(self) -> None:
         if self.max_ngram < 2:
             raise TngramError(f"Over-Encoding max_ngram must be >= 2, got {self.max_ngram}")
         if self.n_slices < 1:
@@ -96,29 +98,30 @@ class OverEncodingConfig:
         rows = self.table_rows if self.table_rows is not None else 5 * vocab_size
         return oe_moduli(rows, self.n_tables, vocab_size)
 
-    def param_count(self, d_model: int, vocab_size: int, layer_id: int = 0,
-                    layer_ids: tuple[int, ...] = (0,)) -> int:
+    def check_vocab(self, vocab_size: int) -> None:
+        super().check_vocab(vocab_size)
+        if not 0 <= self.pad_id < vocab_size:
+            raise TngramError(f"Over-Encoding pad_id {self.pad_id} is outside [0, {vocab_size})")
+
+    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
+                    layer_ids: tuple[int, ...] | None = None) -> int:
         """Exact parameter count of `build(...)`: sum_s m_s * Ds + S * Ds * D."""
         ds = self.slice_width(d_model)
         return sum(self.moduli(vocab_size)) * ds + self.n_tables * ds * d_model
 
-    def build(self, d_model: int, vocab_size: int, layer_id: int = 0,
-              layer_ids: tuple[int, ...] = (0,)) -> "OverEncoding":
-        """layer_id / layer_ids are accepted (and ignored) for a uniform memory API: OE has one
-        module per model, at the input embedding."""
+    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
+                    layer_ids: tuple[int, ...]) -> "OverEncoding":
+        """layer_id / layer_ids are ignored: OE has one module per model, at the input embedding."""
         return OverEncoding(self, d_model=d_model, vocab_size=vocab_size)
 
 
-class OverEncoding(nn.Module):
+class OverEncoding(MemoryModule, nn.Module):
     """forward(tok_emb (B,T,D), input_ids (B,T)) -> new input embedding (B,T,D)."""
 
     def __init__(self, config: OverEncodingConfig, *, d_model: int, vocab_size: int) -> None:
         super().__init__()
         cfg = config
-        if vocab_size < 1:
-            raise TngramError(f"vocab_size must be >= 1, got {vocab_size}")
-        if not 0 <= cfg.pad_id < vocab_size:
-            raise TngramError(f"Over-Encoding pad_id {cfg.pad_id} is outside [0, {vocab_size})")
+        cfg.check_vocab(vocab_size)
         self.config, self.d_model, self.vocab_size = cfg, d_model, vocab_size
         self.max_ngram, self.n_slices, self.n_tables = cfg.max_ngram, cfg.n_slices, cfg.n_tables
         self.slice_dim = cfg.slice_width(d_model)
@@ -148,6 +151,9 @@ class OverEncoding(nn.Module):
         return (f"max_ngram={self.max_ngram}, n_slices={self.n_slices}, rows={self.n_rows}, "
                 f"slice_dim={self.slice_dim}, moduli={self.moduli.tolist()}, "
                 f"average={self.config.average}")
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        return [self.table.weight]
 
     def ngram_ids(self, input_ids: Tensor) -> Tensor:
         """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T, S) int64."""

@@ -32,13 +32,14 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.kernels import fused_lookup
+from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 
 @dataclass(kw_only=True, frozen=True)
-class TNGramConfig:
+class TNGramConfig(MemoryConfig):
     max_ngram: int = 5             # N: orders 2..N
     cp_rank: int = 1024            # R
     pad_id: int = 0                # left padding token id
@@ -64,14 +65,16 @@ class TNGramConfig:
 
     kind: ClassVar[str] = "tngram"
     injection: ClassVar[str] = "block"
+    int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
+        "max_ngram": (1, 32), "cp_rank": (1, INT_MAX), "min_cp_rank": (1, INT_MAX),
+        "kernel_size": (1, 256), "dilation": (1, 1024), "hc_mult": (1, 64)}
+    positive_floats: ClassVar[frozenset[str]] = frozenset({"factor_init_std", "norm_eps"})
 
-    def validate(self, vocab_size: int) -> None:
+    def check_fields(self) -> None:
         if self.max_ngram < 2:
             raise TngramError(f"TN-gram max_ngram (N) must be >= 2, got {self.max_ngram}")
         if self.cp_rank < 1:
             raise TngramError(f"TN-gram cp_rank must be >= 1, got {self.cp_rank}")
-        if not 0 <= self.pad_id < vocab_size:
-            raise TngramError(f"TN-gram pad_id must lie in [0, {vocab_size}), got {self.pad_id}")
         if self.prune_at_step < 0:
             raise TngramError(f"TN-gram prune_at_step must be >= 0 (0: no pruning), got {self.prune_at_step}")
         if not 0.0 <= self.prune_energy_tol < 1.0:
@@ -82,12 +85,17 @@ class TNGramConfig:
         if self.factor_init not in ("sign", "normal"):
             raise TngramError(f"TN-gram factor_init must be 'sign' or 'normal', got {self.factor_init!r}")
 
-    def build(self, d_model: int, vocab_size: int, layer_id: int = 0,
-              layer_ids: tuple[int, ...] = ()) -> "TNGram":
+    def check_vocab(self, vocab_size: int) -> None:
+        super().check_vocab(vocab_size)
+        if not 0 <= self.pad_id < vocab_size:
+            raise TngramError(f"TN-gram pad_id must lie in [0, {vocab_size}), got {self.pad_id}")
+
+    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
+                    layer_ids: tuple[int, ...]) -> "TNGram":
         return TNGram(self, d_model, vocab_size)
 
-    def param_count(self, d_model: int, vocab_size: int, layer_id: int = 0,
-                    layer_ids: tuple[int, ...] = ()) -> int:
+    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
+                    layer_ids: tuple[int, ...] | None = None) -> int:
         N, R, d, M = self.max_ngram, self.cp_rank, d_model, self.hc_mult
         n = N * vocab_size * R                                   # factors
         n += (N - 2) * R if self.use_absorption else 0           # w_1..w_{N-2}
@@ -103,12 +111,12 @@ def _cpu_bf16_autocast(h: Tensor) -> bool:
             and torch.get_autocast_dtype("cpu") == torch.bfloat16)
 
 
-class TNGram(nn.Module):
+class TNGram(MemoryModule, nn.Module):
     bf16_lookup_output = True   # class switch (not a parameter): tests/benchmarks compare both paths
 
     def __init__(self, config: TNGramConfig, d_model: int, vocab_size: int) -> None:
         super().__init__()
-        config.validate(vocab_size)
+        config.check_vocab(vocab_size)
         self.config, self.d_model, self.vocab_size = config, d_model, vocab_size
         N, R = config.max_ngram, config.cp_rank
         self.factors = nn.Parameter(torch.empty(N, vocab_size, R))      # (N, V, R): A_1..A_N
@@ -119,6 +127,13 @@ class TNGram(nn.Module):
             dilation=config.dilation or N, kv_bias=config.kv_bias,
             zero_init_value=config.zero_init_value, zero_init_conv=config.zero_init_conv)
         self.reset_factors()
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        return [self.factors]                                         # the CP factor tables
+
+    def control_parameters(self) -> list[nn.Parameter]:
+        own = [p for p in (self.absorb, self.log_scales) if p is not None]
+        return own + self.fusion.control_parameters()
 
     @torch.no_grad()
     def reset_factors(self) -> None:

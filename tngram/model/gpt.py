@@ -203,13 +203,20 @@ class GPT(nn.Module):
             for i in layers:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(memory_seed(cfg.memory_seed, i))
-                    module = mem.build(cfg.n_embd, cfg.vocab_size, i, layers)
+                    module = mem.build(d_model=cfg.n_embd, vocab_size=cfg.vocab_size,
+                                       layer_id=i, layer_ids=layers)
                 if block_mem:
                     self.blocks[i].memory = module
                 else:
                     self.embed_memory = module
 
     # ---- bookkeeping
+    def control_parameters(self) -> list[nn.Parameter]:
+        """The backbone's control parameters (CONTROL_NAMES: gains, mixes, skip weights), some
+        2-D but none a matrix acting on activations: Adam at the scalar lr (tngram.optim.groups).
+        Memory modules declare their own."""
+        return [p for n, p in self.named_parameters() if n.rsplit(".", 1)[-1] in CONTROL_NAMES]
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -7,20 +7,23 @@ memory modules are covered explicitly (docs/TRAINING.md "Parameter groups"):
 
     group         optimiser  lr                              what
     embed         Adam       tied_embed_lr (0.05)            tok_emb.weight (the tied head too)
-    memory_table  Adam       memory_table_lr or tied_emb_lr  TN-gram CP factors, Engram / OE tables
-    scalar        Adam       scalar_lr (0.04)                control-named parameters, depthwise
-                                                             conv kernels, every 1-D parameter
+    memory_table  Adam       memory_table_lr or tied_emb_lr  every memory's table_parameters():
+                                                             TN-gram CP factors, Engram / OE tables
+    scalar        Adam       scalar_lr (0.04)                control_parameters() of the GPT and of
+                                                             each memory (gains, scales, depthwise
+                                                             conv kernels), every 1-D parameter
     muon          Muon       matrix_lr (0.04)                every nn.Linear weight: attention,
                                                              MLP, memory K/V, OE projection
 
 Rules are tried in order; the first match decides. Tables come before matrices, so an embedding
-table can never reach Muon. This module never imports the model: rules look at parameter names
-and at the torch module type that owns the parameter (nn.Embedding / nn.Linear).
+table can never reach Muon. This module imports neither the model nor a memory: the modules
+declare their tables and control parameters (`table_parameters()` / `control_parameters()`,
+the contract of tngram.memory.base), the rest is decided by the torch module type (nn.Linear)
+and the shape.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,12 +31,6 @@ from typing import Protocol
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-
-# Control parameters by leaf name: the backbone's (model.gpt.CONTROL_NAMES, parameter-golf §1.8)
-# plus the memory modules' absorption vectors, per-order log-scales and RMSNorm gains. Several
-# are 2-D ((2, D) resid_mix, (M, D) norm gains, (N-2, R) absorb) but are gains, not matrices.
-CONTROL_PARAM_NAMES = ("attn_scale", "mlp_scale", "resid_mix", "q_gain", "skip_weights",
-                       "absorb", "log_scales", "norm_h", "norm_k", "norm_weight")
 
 GROUP_OPTIMIZER = {"embed": "adam", "memory_table": "adam", "scalar": "adam", "muon": "muon"}
 
@@ -57,19 +54,30 @@ def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def default_rules(control_names: tuple[str, ...] = CONTROL_PARAM_NAMES) -> tuple[ParamRule, ...]:
-    """The rule table, in priority order."""
+def declared_parameters(model: nn.Module, method: str) -> list[nn.Parameter]:
+    """The parameters the model's modules declare through `method` ("table_parameters" or
+    "control_parameters", tngram.memory.base.MemoryModule and GPT), each once, in module order."""
+    out: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        declare = getattr(m, method, None)
+        if callable(declare):
+            out.update((id(p), p) for p in declare())
+    return list(out.values())
+
+
+def default_rules(model: nn.Module) -> tuple[ParamRule, ...]:
+    """The rule table of `model`, in priority order."""
+    tables = {id(p) for p in declared_parameters(model, "table_parameters")}
+    controls = {id(p) for p in declared_parameters(model, "control_parameters")}
     return (
         ParamRule("embed", "token embedding tok_emb.weight (tied head)",
                   lambda n, p, m: n == "tok_emb.weight"),
-        ParamRule("memory_table", "TN-gram CP factors (*.factors)",
-                  lambda n, p, m: _leaf(n) == "factors"),
-        ParamRule("memory_table", "n-gram embedding tables (nn.Embedding: Engram, Over-Encoding)",
-                  lambda n, p, m: isinstance(m, nn.Embedding)),
-        ParamRule("scalar", "control parameters (" + ", ".join(control_names) + ")",
-                  lambda n, p, m: _leaf(n) in control_names),
-        ParamRule("scalar", "depthwise short-conv kernels (*.conv.weight, 2-D but per-channel)",
-                  lambda n, p, m: re.search(r"(^|\.)conv\.weight$", n) is not None),
+        ParamRule("memory_table", "memory lookup tables (each memory's table_parameters(): TN-gram "
+                  "CP factors, Engram / Over-Encoding tables)",
+                  lambda n, p, m: id(p) in tables),
+        ParamRule("scalar", "control parameters (control_parameters() of the GPT and of each memory: "
+                  "gains, scales, absorption vectors, depthwise conv kernels)",
+                  lambda n, p, m: id(p) in controls),
         ParamRule("scalar", "1-D parameters (biases, gains)",
                   lambda n, p, m: p.dim() < 2),
         ParamRule("muon", "nn.Linear weights (attention, MLP, memory K/V, OE projection)",
@@ -84,7 +92,7 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
 
 def assign_groups(model: nn.Module, rules: tuple[ParamRule, ...] | None = None) -> dict[str, str]:
     """{parameter name: group} for every trainable parameter; TngramError if one matches no rule."""
-    rules = default_rules() if rules is None else rules
+    rules = default_rules(model) if rules is None else rules
     out: dict[str, str] = {}
     unmatched = []
     for name, p in model.named_parameters():
@@ -146,19 +154,9 @@ def format_param_table(groups: list[dict]) -> str:
 # ---- any model (e.g. a transformers model with tngram.hf.add_memory) -------------------------
 
 def memory_table_params(model: nn.Module) -> list[nn.Parameter]:
-    """The memory lookup tables of any model, found by module type: TN-gram CP factors
-    (TNGram.factors) and the Engram / Over-Encoding n-gram tables (.table.weight)."""
-    from tngram.memory.engram import Engram
-    from tngram.memory.overencoding import OverEncoding
-    from tngram.memory.tngram import TNGram
-
-    out: dict[int, nn.Parameter] = {}
-    for m in model.modules():
-        if isinstance(m, TNGram):
-            out[id(m.factors)] = m.factors
-        elif isinstance(m, (Engram, OverEncoding)):
-            out[id(m.table.weight)] = m.table.weight
-    return list(out.values())
+    """The memory lookup tables of any model, as its memory modules declare them
+    (`table_parameters()`: TN-gram CP factors, Engram / Over-Encoding n-gram tables)."""
+    return declared_parameters(model, "table_parameters")
 
 
 def split_memory_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

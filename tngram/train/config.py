@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tngram.common import TngramError
+from tngram.memory.base import MemoryConfig
 from tngram.model.gpt import GPTConfig
 
 
@@ -105,9 +106,6 @@ MAX_VOCAB = 65536   # token shards store uint16 ids
 # looping for hours while the model is built
 MODEL_INT_MAX = {"n_layer": 1024, "n_head": 1024, "n_kv_head": 1024, "n_embd": 65536, "mlp_mult": 64,
                  "sequence_len": 1 << 20}
-MEMORY_INT_MAX = {"max_ngram": 32, "hc_mult": 64, "kernel_size": 256, "dilation": 1024,
-                  "n_head_per_ngram": 1024, "n_slices": 1024}
-INT_MAX = 1 << 40
 
 
 def _validate_model(m: GPTConfig) -> None:
@@ -126,33 +124,15 @@ def _validate_model(m: GPTConfig) -> None:
            m.memory_layers)
 
 
-MEMORY_INT_MIN1 = {"max_ngram", "cp_rank", "kernel_size", "dilation", "hc_mult", "n_head_per_ngram",
-                   "n_embed_per_ngram", "n_slices", "table_rows", "slice_dim", "min_cp_rank"}
-MEMORY_FLOAT_POSITIVE = {"factor_init_std", "norm_eps"}
-
-
 def _validate_memory(mem: Any) -> None:
-    """Generic ranges of a memory config's fields (the module's own validate() adds the rest):
-    every int >= 0 (sizes in MEMORY_INT_MIN1 >= 1), every float finite and >= 0 (> 0 for
-    MEMORY_FLOAT_POSITIVE), tuple elements >= 1."""
-    if mem is None or not is_dataclass(mem):
+    """The memory config checks itself (tngram.memory.base.MemoryConfig.check: field ranges and
+    the memory's own rules); here only that it is one."""
+    if mem is None:
         return
-    for f in fields(mem):
-        v, key = getattr(mem, f.name), f"model.memory.{f.name}"
-        if isinstance(v, bool) or v is None or isinstance(v, str):
-            continue
-        if isinstance(v, int):
-            lo = 1 if f.name in MEMORY_INT_MIN1 else 0
-            hi = MEMORY_INT_MAX.get(f.name, INT_MAX)
-            _check(lo <= v <= hi, key, f"an int in [{lo}, {hi}]", v)
-        elif isinstance(v, float):
-            if f.name in MEMORY_FLOAT_POSITIVE:
-                _check(math.isfinite(v) and v > 0, key, "a finite float > 0", v)
-            else:
-                _check(math.isfinite(v) and v >= 0, key, "a finite float >= 0", v)
-        elif isinstance(v, tuple):
-            _check(all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= INT_MAX for x in v), key,
-                   f"ints in [1, {INT_MAX}]", v)
+    if not isinstance(mem, MemoryConfig):
+        raise TngramError(f"model.memory must be a memory config (tngram.memory.base.MemoryConfig), "
+                          f"got {type(mem).__name__}")
+    mem.check()
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -197,9 +177,8 @@ def validate_config(cfg: TrainConfig) -> None:
     if r.init_from is not None:
         check_init_from(r.init_from)
     cfg.model.validate()
-    mem = cfg.model.memory
-    if mem is not None and hasattr(mem, "validate"):
-        mem.validate(cfg.model.vocab_size)
+    if cfg.model.memory is not None:
+        cfg.model.memory.check_vocab(cfg.model.vocab_size)
 
 
 def check_memory_layers_used(cfg: TrainConfig, recipe_cfg: TrainConfig) -> None:
@@ -332,21 +311,43 @@ def apply_settings(cfg: TrainConfig, settings: list[tuple[str, Any]], origin: st
     """Apply (dotted key, value) pairs in order, then validate. A value is a `--set` string or a
     typed value from a config file. `model.memory.kind=K` switches the memory to K's defaults
     (none removes it); later model.memory.* keys then refine it. `origin` prefixes errors
-    (e.g. the config file's name)."""
+    (e.g. the config file's name). Consecutive model.memory.* fields are applied together (a memory
+    config checks itself when it is made, and a pair such as cp_rank / min_cp_rank may only be
+    valid once both are set)."""
     where = f"{origin}: " if origin else ""
+    pending: dict[str, tuple[str, Any]] = {}       # memory field -> (key=text, parsed value)
     for key, value in settings:
         try:
-            cfg = _apply_one(cfg, key, value)
+            if not key.startswith("model.memory.") or key == "model.memory.kind":
+                cfg = _apply_memory_fields(cfg, pending)
+            cfg = _apply_one(cfg, key, value, pending)
         except TngramError as e:
             raise TngramError(f"{where}{e}") from None
     try:
+        cfg = _apply_memory_fields(cfg, pending)
         validate_config(cfg)
     except TngramError as e:
         raise TngramError(f"{where}{e}") from None
     return cfg
 
 
-def _apply_one(cfg: TrainConfig, key: str, value: Any) -> TrainConfig:
+def _apply_memory_fields(cfg: TrainConfig, pending: dict[str, tuple[str, Any]]) -> TrainConfig:
+    """Make the memory config with the pending model.memory.* values (then empties `pending`)."""
+    if not pending:
+        return cfg
+    changes = {name: v for name, (_, v) in pending.items()}
+    keys = ", ".join(k for k, _ in pending.values())
+    pending.clear()
+    try:
+        mem = replace(cfg.model.memory, **changes)
+    except TngramError as e:
+        raise TngramError(f"{keys}: {e}") from None
+    return replace(cfg, model=replace(cfg.model, memory=mem))
+
+
+def _apply_one(cfg: TrainConfig, key: str, value: Any,
+               pending: dict[str, tuple[str, Any]] | None = None) -> TrainConfig:
+    """`cfg` with one setting applied; a model.memory.* field goes into `pending` when given."""
     text = value if isinstance(value, str) else json.dumps(value)
     if key == "name":
         return replace(cfg, name=str(value))
@@ -366,7 +367,7 @@ def _apply_one(cfg: TrainConfig, key: str, value: Any) -> TrainConfig:
     if sec not in sections:
         if sec == "model.memory":
             raise TngramError(f"{key}: recipe {cfg.name!r} has no memory module (model.memory is none); "
-                              f"set model.memory.kind=tngram|engram|oe first to add one")
+                              f"set model.memory.kind={'|'.join(_memory_kinds())} first to add one")
         raise TngramError(f"unknown config section {sec!r} in {key!r}; valid keys: "
                           + ", ".join(config_keys(cfg)))
     obj = sections[sec]
@@ -376,6 +377,9 @@ def _apply_one(cfg: TrainConfig, key: str, value: Any) -> TrainConfig:
                           + ", ".join(f"{sec}.{n}" for n in sorted(names)))
     hint = get_type_hints(type(obj))[fname]
     new_value = _parse_value(key, value, hint) if isinstance(value, str) else _coerce_value(key, value, hint)
+    if sec == "model.memory" and pending is not None:
+        pending[fname] = (f"{key}={text}", new_value)
+        return cfg
     try:
         new = replace(obj, **{fname: new_value})
     except TngramError as e:

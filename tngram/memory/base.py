@@ -1,0 +1,115 @@
+"""The memory contract: what every n-gram memory (TN-gram, Engram, Over-Encoding, yours) provides.
+
+A memory is two classes, written in one file of `tngram/memory/` and registered in
+`tngram.memory.MEMORY_KINDS`:
+
+    config (frozen dataclass, subclass of MemoryConfig)       module (nn.Module + MemoryModule)
+      kind, injection          class attributes                 forward(h, input_ids, cache, valid)
+      check()                  runs at construction             table_parameters()
+      check_vocab(vocab_size)  the checks that need V           control_parameters()
+      build(*, d_model, vocab_size, layer_id, layer_ids)
+      param_count(*, same arguments)   exact count of build(...)
+
+`injection` is "block" (the module's output is added to the residual stream of each block in
+`model.memory_layers`, before attention) or "embedding" (one module; its output replaces the
+token embedding). Config validation (tngram.train.config) and optimiser grouping
+(tngram.optim.groups) ask these methods; neither names a memory's fields.
+
+Generic field ranges (checked by `check()` for every field of a subclass, so a typo such as an
+extra zero fails before a model is built): ints in [0, 2^40] unless `int_bounds` says otherwise,
+floats finite and >= 0 (> 0 for the names in `positive_floats`), tuples of ints in [1, 2^40];
+bools, strings and None are left to the subclass's `check_fields()`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from torch import nn
+
+from tngram.common import TngramError
+
+INT_MAX = 1 << 40
+INJECTIONS = ("block", "embedding")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryConfig:
+    """Base of every memory config. Subclasses set `kind`, `injection`, the bounds, implement
+    `check_fields()` (cross-field checks), `check_vocab()` (checks that need the vocabulary),
+    `make_module()` and `param_count()`."""
+
+    kind: ClassVar[str] = ""
+    injection: ClassVar[str] = "block"
+    # field name -> (lo, hi) for int fields; unnamed ints are in [0, INT_MAX]
+    int_bounds: ClassVar[dict[str, tuple[int, int]]] = {}
+    positive_floats: ClassVar[frozenset[str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Generic ranges of every field (names as in config.json: model.memory.<field>), then
+        the subclass's own `check_fields()`; TngramError on the first violation."""
+        for f in fields(self):
+            v, key = getattr(self, f.name), f"model.memory.{f.name}"
+            if isinstance(v, bool) or v is None or isinstance(v, str):
+                continue
+            if isinstance(v, int):
+                lo, hi = self.int_bounds.get(f.name, (0, INT_MAX))
+                if not lo <= v <= hi:
+                    raise TngramError(f"{key} must be an int in [{lo}, {hi}], got {v!r}")
+            elif isinstance(v, float):
+                if f.name in self.positive_floats:
+                    if not (math.isfinite(v) and v > 0):
+                        raise TngramError(f"{key} must be a finite float > 0, got {v!r}")
+                elif not (math.isfinite(v) and v >= 0):
+                    raise TngramError(f"{key} must be a finite float >= 0, got {v!r}")
+            elif isinstance(v, tuple):
+                if not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= INT_MAX
+                           for x in v):
+                    raise TngramError(f"{key} must be ints in [1, {INT_MAX}], got {v!r}")
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """Checks that involve several fields or non-numeric ones (override)."""
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Checks that need the vocabulary size (override; call super first)."""
+        if vocab_size < 1:
+            raise TngramError(f"vocab_size must be >= 1, got {vocab_size}")
+
+    # ---- building --------------------------------------------------------------------------
+    def build(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
+              layer_ids: tuple[int, ...] | None = None) -> nn.Module:
+        """The module of layer `layer_id` (a block index, or 0 for an embedding memory) in a
+        model whose memory layers are `layer_ids` (default: just this one)."""
+        self.check_vocab(vocab_size)
+        layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
+        return self.make_module(d_model=d_model, vocab_size=vocab_size, layer_id=layer_id,
+                                layer_ids=layer_ids)
+
+    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
+                    layer_ids: tuple[int, ...]) -> nn.Module:
+        raise NotImplementedError
+
+    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
+                    layer_ids: tuple[int, ...] | None = None) -> int:
+        """Exact number of parameters of `build(...)` with the same arguments."""
+        raise NotImplementedError
+
+
+class MemoryModule:
+    """Mixin of every memory nn.Module: which of its parameters are lookup tables (Adam at the
+    table learning rate, never Muon) and which are control parameters (gains, scales, per-channel
+    conv kernels: Adam at the scalar learning rate). Everything else is grouped by shape and
+    type (nn.Linear weights -> Muon, 1-D -> scalar) in tngram.optim.groups."""
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def control_parameters(self) -> list[nn.Parameter]:
+        return []
