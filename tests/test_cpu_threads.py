@@ -1,0 +1,88 @@
+"""tngram.cpu: the thread choice from faked machine facts, the cgroup quota reader, and the
+duration / ETA helpers of progress lines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tngram.cpu import (BUSY_CPUS, CpuFacts, available_cpus, cgroup_quota, choose_threads, eta_seconds,
+                        fmt_duration)
+
+
+def test_idle_machine_keeps_the_default_exactly():
+    # nothing else running, no quota: today's default, whatever the default is
+    for default in (1, 2, 8, 64):
+        c = choose_threads(CpuFacts(affinity=64), default)
+        assert (c.threads, c.changed, c.busy, c.reason) == (default, False, False, "")
+
+
+def test_niced_jobs_and_a_high_load_average_alone_change_nothing():
+    # the background sweep of this machine: 2 nice-15 processes (load average ~2): not busy
+    c = choose_threads(CpuFacts(affinity=2, others_niced=2.0, loadavg=2.5), 2)
+    assert c.threads == 2 and not c.busy and not c.changed
+
+
+def test_busy_two_cores_give_one_thread_and_say_why():
+    c = choose_threads(CpuFacts(affinity=2, others_busy=1.9, loadavg=3.2), 2)
+    assert c.threads == 1 and c.busy and c.changed
+    assert "1.9 of 2 CPUs" in c.reason and "1 thread instead of 2" in c.reason and "3.20" in c.reason
+
+
+def test_one_thread_per_free_cpu_never_more_than_the_default():
+    # 16 CPUs, others keep 5.5 busy: floor(16 - 5.5) = 10 free
+    assert choose_threads(CpuFacts(affinity=16, others_busy=5.5), 16).threads == 10
+    # the default (e.g. OMP_NUM_THREADS=4 or a --jobs share) is a ceiling
+    assert choose_threads(CpuFacts(affinity=16, others_busy=5.5), 4).threads == 4
+    # everything busy: still one thread
+    assert choose_threads(CpuFacts(affinity=4, others_busy=7.0), 4).threads == 1
+
+
+def test_busy_threshold():
+    below = choose_threads(CpuFacts(affinity=2, others_busy=BUSY_CPUS - 0.01), 2)
+    at = choose_threads(CpuFacts(affinity=2, others_busy=BUSY_CPUS), 2)
+    assert (below.threads, below.busy) == (2, False)
+    assert (at.threads, at.busy) == (1, True)          # floor(2 - 0.5) = 1
+
+
+def test_quota_and_affinity_cap_the_threads():
+    assert available_cpus(CpuFacts(affinity=8, quota=2.5)) == 2
+    assert available_cpus(CpuFacts(affinity=8, quota=0.5)) == 1
+    assert available_cpus(CpuFacts(affinity=3, quota=None)) == 3
+    c = choose_threads(CpuFacts(affinity=8, quota=2.0), 8)
+    assert c.threads == 2 and not c.busy and "quota is 2 CPUs" in c.reason
+    # affinity below torch's default (a taskset'd run): the affinity
+    assert choose_threads(CpuFacts(affinity=2), 8).threads == 2
+
+
+def test_cgroup_quota_reader(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_quota(str(v2)) is None
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_quota(str(v2)) == 1.5
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_quota(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    assert cgroup_quota(str(v1)) == 3.0
+    assert cgroup_quota(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("s, text", [(0, "0 s"), (4.4, "4 s"), (59.4, "59 s"), (59.6, "1 min 00 s"),
+                                     (65, "1 min 05 s"), (3599, "59 min 59 s"), (3600, "1 h 00 min"),
+                                     (96000, "26 h 40 min"), (-1, "?"), (float("nan"), "?"),
+                                     (float("inf"), "?")])
+def test_fmt_duration(s, text):
+    assert fmt_duration(s) == text
+
+
+def test_eta_is_the_mean_rate_of_the_finished_part():
+    # 3 of 9 runs in 120 s: 40 s each, 6 left -> 240 s
+    assert eta_seconds(3, 9, 120.0) == 240.0
+    assert eta_seconds(9, 9, 500.0) == 0.0
+    assert math.isnan(eta_seconds(0, 9, 10.0))
