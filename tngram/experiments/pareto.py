@@ -112,7 +112,8 @@ def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
                 raise TngramError(f"--tuned {tuned}: unknown family {fam!r}; valid: {', '.join(SIZES)}")
     path = out / "tuning" / "tuning.json"
     if "oe" not in factors and path.is_file():
-        factors["oe"] = float(json.loads(path.read_text())["best"]["oe"])
+        from tngram.readback import get, read_tuning_file
+        factors["oe"] = float(get(read_tuning_file(path)["best"], "oe", "float", f"{path}: best"))
     if "oe" in factors:
         factors.setdefault("longcat", factors["oe"])
         return factors
@@ -160,7 +161,32 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
         from tngram.experiments.runner import run_all
         run_all(specs, out, nproc=nproc)
     from tngram.experiments.pareto_report import write_report
-    return write_report(out, specs, factors)
+    return write_report(out, specs, factors, bench=bench_once(out, specs))
+
+
+def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
+    """OUT/bench.json: training-step and decode time of every (family, size), one torch thread,
+    interleaved in this process (`bench_points`); measured once and reused while it covers every
+    point (all corpora share the vocabulary, so one timing serves every corpus)."""
+    import torch
+    from tngram.experiments.pareto_report import bench_points, point_key
+    path = out / "bench.json"
+    cfgs = {}
+    for s in specs:
+        cfgs.setdefault(point_key(s.tags["family"], s.tags["size"]), s.config)
+    if path.is_file():
+        have = json.loads(path.read_text())
+        if set(cfgs) <= set(have.get("points", {})):
+            return have
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        print0(f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ...")
+        res = bench_points(cfgs, reps=reps)
+    finally:
+        torch.set_num_threads(threads)
+    atomic_write_json(path, res)
+    return res
 
 
 def finite(x: Any) -> bool:

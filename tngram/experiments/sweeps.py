@@ -34,7 +34,7 @@ from tngram.experiments.common import (SCALES, base_recipe, default_nproc, resol
 from tngram.experiments.runner import RunSpec, run_all
 from tngram.report.plots import bar_plot, xy_plot
 from tngram.report.runs import mean_std
-from tngram.recipes import param_summary
+from tngram.train.recipes import param_summary
 
 
 def _specs(prefix: str, data_dir: str, vocab: int, seeds: int, steps: int | None,
@@ -138,7 +138,8 @@ DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 
 def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None = None, data: str | None = None,
                    steps: int | None = None, nproc: int | None = None,
                    ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None,
-                   budgets: tuple[int, ...] | None = None, tuned: Path | str | None = None) -> Path:
+                   budgets: tuple[int, ...] | None = None, tuned: Path | str | None = None,
+                   report_only: bool = False) -> Path:
     """Run experiment `name`; seeds=None means its default (DEFAULT_SEEDS, else 1)."""
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
@@ -153,7 +154,9 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None =
     if name == "pareto":
         from tngram.experiments.pareto import pareto
         return pareto(out, scale, seeds, data, steps, nproc, corpora=corpora,
-                      tuned=None if tuned is None else str(tuned))
+                      tuned=None if tuned is None else str(tuned), train=not report_only)
+    if report_only:
+        raise TngramError(f"--report-only applies to the pareto experiment only, not {name!r}")
     if name in ("corpora", "data-scaling", "dense", "tuning"):
         from tngram.experiments import evidence
         if name == "data-scaling":

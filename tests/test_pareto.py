@@ -1,0 +1,173 @@
+"""`tngram experiment pareto`: the front and budget tables against brute force, the optimiser-state
+count against real optimisers, and the sweep's sizes against the common Δparams range."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tngram.experiments import pareto as P
+from tngram.experiments.pareto_report import best_under, optimizer_state_bytes, pareto_front
+
+
+def _dominated(points, i):
+    ci, li = points[i]
+    return any((c <= ci and l <= li and (c < ci or l < li)) for j, (c, l) in enumerate(points) if j != i)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_front_is_exactly_the_non_dominated_points(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    # small integer grid: ties in cost and in loss are common
+    pts = [(float(rng.randint(0, 5)), float(rng.randint(0, 5))) for _ in range(n)]
+    front = pareto_front(pts)
+    brute = {i for i in range(n) if not _dominated(pts, i)}
+    # exact duplicates: the front keeps one of them (the first), brute force keeps all copies
+    dedup = {i for i in brute if all(pts[j] != pts[i] for j in range(i))}
+    assert set(front) == dedup
+    assert [pts[i][0] for i in front] == sorted(pts[i][0] for i in front)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_best_under_is_the_lowest_loss_that_fits(seed):
+    rng = random.Random(100 + seed)
+    pts = [(rng.uniform(0, 10), rng.uniform(3, 4)) for _ in range(rng.randint(1, 9))]
+    for cap in (-1.0, 2.5, 5.0, 11.0):
+        fit = [(l, i) for i, (c, l) in enumerate(pts) if c <= cap]
+        got = best_under(pts, cap)
+        assert got == (min(fit)[1] if fit else None)
+
+
+def _tiny(cfg):
+    m = cfg.model
+    return replace(cfg, model=replace(m, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, vocab_size=64,
+                                      sequence_len=16, memory_layers=(0, 1) if m.memory else m.memory_layers,
+                                      memory=m.memory))
+
+
+@pytest.mark.parametrize("recipe,mem", [("mini-raw", {}), ("mini-engram", {"table_budget": (7, 7, 7, 7),
+                                                                               "n_embed_per_ngram": 32}),
+                                        ("mini-tngram", {"cp_rank": 8}), ("mini-oe", {"table_rows": 11})])
+def test_optimizer_state_bytes_equal_what_the_trainer_optimisers_hold(recipe, mem):
+    """Count by the rule (Adam 8 B, Muon 4 B per parameter) = bytes of the state tensors the
+    trainer's own optimisers allocate after one step."""
+    from tngram.experiments.common import base_recipe
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import build_param_groups
+    from tngram.optim.muon import Muon
+    cfg = _tiny(base_recipe("mini", recipe.split("-")[1]))
+    if mem:
+        cfg = replace(cfg, model=replace(cfg.model, memory=replace(cfg.model.memory, **mem)))
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    groups = build_param_groups(model, cfg.optim)
+    o = cfg.optim
+    opts = [torch.optim.Adam([g for g in groups if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2), eps=o.adam_eps)]
+    muon = [g for g in groups if g["optimizer"] == "muon"]
+    if muon:
+        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, nesterov=True, ns_steps=o.muon_ns_steps))
+    # non-zero gradients everywhere (the zero-init value projections would leave tables gradient-free)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for opt in opts:
+        opt.step()
+    held = sum(t.numel() * t.element_size() for opt in opts for st in opt.state.values()
+               for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    assert optimizer_state_bytes(cfg)["total"] == held
+
+
+def test_sizes_span_one_common_delta_params_range():
+    """At `mini`, every family's sizes land within 12% of the common targets 1.1, 2.2, 4.3, 8.7, 12 M
+    (Δparams from the meta-device count; dense Δ = its total − the raw GPT's total)."""
+    from tngram.experiments.common import base_recipe
+    from tngram.train.recipes import param_summary
+    bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
+    raw_total = param_summary(bases["raw"])["total_params"]
+    targets = (1.1e6, 2.2e6, 4.3e6, 8.7e6, 12.0e6)
+    for fam, (_, _, sizes) in P.SIZES.items():
+        assert len(sizes) >= 4
+        for size, target in zip(sizes, targets):
+            cfg = P.family_config(fam, size, bases)
+            delta = param_summary(cfg)["total_params"] - raw_total
+            assert abs(delta - target) / target < 0.12 * (2 if fam == "dense" else 1), (fam, size, delta)
+
+
+def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
+    from tngram.experiments.common import base_recipe
+    from tngram.experiments.evidence import table_lr
+    bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
+    lc = P.family_config("longcat", 36000, bases).model.memory
+    assert (lc.kind, lc.max_ngram, lc.n_slices, lc.average, lc.table_rows) == ("oe", 4, 4, True, 36000)
+    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
+    specs = P.specs_for(["default"], "mini", 2, None, {"engram": 4.0, "tngram": 2.0, "oe": 0.5, "longcat": 0.5})
+    assert len({s.label for s in specs}) == len(specs) == 2 * (1 + 5 * 5)
+    recipe_lr = table_lr(bases["engram"])
+    for s in specs:
+        fam = s.tags["family"]
+        want = {"engram": 4.0, "tngram": 2.0, "oe": 0.5, "longcat": 0.5}.get(fam)
+        if want is not None:
+            assert table_lr(s.config) == pytest.approx(recipe_lr * want)
+        else:
+            assert s.config.optim.memory_table_lr is None
+    # seed-major order: every family's first size comes before any family's second size
+    first = [s.tags["family"] for s in specs[:6]]
+    assert first == ["raw", "engram", "tngram", "oe", "longcat", "dense"]
+    assert [s.config.run.seed for s in specs] == sorted(s.config.run.seed for s in specs)
+
+
+def test_read_factors_parses_and_rejects(tmp_path):
+    from tngram.common import TngramError
+    assert P.read_factors(tmp_path, None) is None     # Over-Encoding not tuned yet
+    f = P.read_factors(tmp_path, "oe-lr2,engram-lr8")
+    assert f == {"engram": 8.0, "tngram": 2.0, "oe": 2.0, "longcat": 2.0}
+    for bad in ("oe-lrx", "nope-lr2"):
+        with pytest.raises(TngramError):
+            P.read_factors(tmp_path, bad)
+
+
+def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_path, monkeypatch):
+    """Finished runs (summary.json + the spec's config.json) with known losses: the report's best-at-≤P
+    rows are the brute-force choices; a folder holding another config is not counted."""
+    import json
+
+    from tngram.experiments.pareto_report import write_report
+    from tngram.experiments.runner import run_dir_of
+    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
+    factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
+    specs = P.specs_for(["default"], "mini", 1, None, factors, families=("raw", "engram", "tngram"), n_sizes=2)
+    loss = {"default-raw-s0": 3.70, "default-engram-table_budget700-s0": 3.48,
+            "default-tngram-cp_rank88-s0": 3.47, "default-engram-table_budget1800-s0": 3.40,
+            "default-tngram-cp_rank176-s0": 3.38}
+    from tngram.train.recipes import param_summary
+    for s in specs:
+        d = run_dir_of(tmp_path, s)
+        d.mkdir(parents=True)
+        cfg = s.config if s.label != "default-tngram-cp_rank176-s0" else P.with_table_lr(s.config, 3.0)
+        (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+        (d / "summary.json").write_text(json.dumps({"total_params": param_summary(s.config)["total_params"],
+                                                    "val_loss": loss[s.label], "val_bpb": loss[s.label] / 2,
+                                                    "train_loss": loss[s.label]}))
+    bench = {"points": {"raw": {"step_ms": 100.0, "decode_ms_per_token": 1.0},
+                        "engram-700": {"step_ms": 140.0, "decode_ms_per_token": 1.5},
+                        "tngram-88": {"step_ms": 120.0, "decode_ms_per_token": 1.4},
+                        "engram-1800": {"step_ms": 160.0, "decode_ms_per_token": 1.6},
+                        "tngram-176": {"step_ms": 130.0, "decode_ms_per_token": 1.5}}}
+    write_report(tmp_path, specs, factors, bench=bench)
+    data = json.loads((tmp_path / "pareto.json").read_text())
+    assert len(data["rows"]) == 4              # the lr x3 TN-gram folder is another config: not counted
+    t = data["tables"]["default"]
+    best_p = {r[0]: r[1] for r in t["best_params"]}
+    # Δparams: Engram 700 ≈ 1.09M, TN-gram 88 ≈ 1.08M, Engram 1800 ≈ 2.24M
+    assert best_p["≤ 1.5M"] == "TN-gram (88)" and best_p["≤ 3M"] == "Engram (1800)"
+    best_s = {r[0]: r[1] for r in t["best_step"]}
+    # step ratios: TN-gram 88 1.2x (3.47), Engram 700 1.4x (3.48), Engram 1800 1.6x (3.40)
+    assert best_s["≤ 1.25× raw"] == "TN-gram (88)" and best_s["≤ 1.5× raw"] == "TN-gram (88)"
+    assert best_s["≤ 2× raw"] == "Engram (1800)"
+    fronts = {r[0] + r[1]: r[8] for r in t["points"]}
+    # Engram 700 has more Δparams, more step time and a higher loss than TN-gram 88: on no front
+    assert fronts == {"raw GPT–": "params + time", "TN-gram88": "params + time", "Engram700": "",
+                      "Engram1800": "params + time"}

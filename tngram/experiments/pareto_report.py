@@ -1,0 +1,262 @@
+"""The map of `tngram experiment pareto`: fronts, "best memory at ≤ budget" tables, figures, timing.
+
+Pure pieces (tested against brute force in tests/test_pareto.py):
+    pareto_front(points)      indices of the points no other point beats on both cost and loss
+    best_under(points, cap)   the lowest-loss point whose cost is ≤ cap
+    optimizer_state_bytes     what Adam (2 fp32 moments) and Muon (1 fp32 momentum) hold per parameter
+
+Timing (`bench_points`): one training step (forward, backward, Adam + Muon; the trainer's micro-batches
+and accumulation, bf16 autocast as the mini recipes) and greedy decode per token with the KV/memory
+cache, every (family, size) built in one process and timed interleaved (rep i of every point before
+rep i + 1 of any), medians, at the thread count of the caller (the command sets 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from tngram.common import atomic_write_json, atomic_write_text, print0
+
+Point = tuple[float, float]   # (cost, loss)
+
+# "best at ≤ P" caps: Δparams (M) and step time as a multiple of the raw GPT's step
+PARAM_CAPS_M = (1.5, 3.0, 5.0, 10.0, 13.0)
+STEP_CAPS_X = (1.25, 1.5, 2.0, 3.0, 5.0)
+LABELS = {"raw": "raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding",
+          "longcat": "Over-Encoding (LongCat n4 k4)", "dense": "dense (wider GPT)"}
+
+
+def pareto_front(points: Sequence[Point]) -> list[int]:
+    """Indices (ascending cost) of points not dominated: no other point has cost ≤ and loss ≤ with
+    one of them strictly lower. Ties in both keep the first."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1], i))
+    front, best = [], math.inf
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def best_under(points: Sequence[Point], cap: float) -> int | None:
+    """Index of the lowest-loss point with cost ≤ cap (first on ties); None when none fits."""
+    fit = [i for i, (c, _) in enumerate(points) if c <= cap]
+    return min(fit, key=lambda i: (points[i][1], i)) if fit else None
+
+
+def optimizer_state_bytes(cfg: Any) -> dict[str, int]:
+    """Bytes of optimiser state the trainer keeps for `cfg`'s model: Adam holds two fp32 moments per
+    parameter, Muon one fp32 momentum buffer (tngram.optim.muon); "memory" counts the memory's own
+    parameters (tables/factors and its K/V, gate, conv, scales)."""
+    import torch
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import build_param_groups
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    per = {"adam": 8, "muon": 4}
+    mem_names = {n for n, _ in model.named_parameters() if ".memory" in n or n.startswith("memory")
+                 or "memories" in n or "input_memory" in n}
+    total = memory = 0
+    for g in build_param_groups(model, cfg.optim):
+        for n, p in zip(g["names"], g["params"]):
+            b = per[g["optimizer"]] * p.numel()
+            total += b
+            memory += b if n in mem_names else 0
+    return {"total": total, "memory": memory}
+
+
+def point_key(family: str, size: Any) -> str:
+    return family if size is None else f"{family}-{size}"
+
+
+def bench_points(cfgs: dict[str, Any], reps: int = 5, warmup: int = 1, decode_tokens: int = 32) -> dict[str, Any]:
+    """{key: {"step_ms", "decode_ms_per_token"}} for each config, timed interleaved in this process."""
+    import time
+    from dataclasses import replace
+
+    import torch
+    from tngram.bench.common import interleaved, machine_info
+    from tngram.bench.step import build_step_for
+    from tngram.model.gpt import GPT
+
+    steps = {k: build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for k, c in cfgs.items()}
+    step_t = interleaved(steps, reps, warmup)
+    del steps
+    decoders = {}
+    for k, c in cfgs.items():
+        m = c.model
+        if m.memory is not None and hasattr(m.memory, "zero_init_value"):
+            m = replace(m, memory=replace(m.memory, zero_init_value=False))
+        torch.manual_seed(0)
+        model = GPT(m).eval()
+        prompt = torch.randint(1, m.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+
+        def decode(model: Any = model, prompt: Any = prompt) -> None:
+            cache: dict = {}
+            with torch.no_grad():
+                logits = model(prompt, cache=cache)
+                for _ in range(decode_tokens):
+                    logits = model(logits[:, -1:].argmax(-1), cache=cache)
+        decoders[k] = decode
+    dec_t = interleaved(decoders, reps, warmup)
+    out = {k: {"step_ms": 1e3 * step_t[k].median, "decode_ms_per_token": 1e3 * dec_t[k].median / decode_tokens,
+               "reps": reps} for k in cfgs}
+    return {"points": out, "machine": machine_info(), "timed_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def collect(out: Path, specs: list[Any]) -> list[dict[str, Any]]:
+    """One row per finished run (summary.json present, same config as its spec): tags + the numbers
+    the map needs."""
+    from tngram.train.recipes import param_summary
+    from tngram.experiments.runner import is_complete, run_dir_of
+    raw_total: dict[str, int] = {}
+    for s in specs:
+        if s.tags["family"] == "raw":
+            raw_total[s.tags["corpus"]] = param_summary(s.config)["total_params"]
+    rows = []
+    for s in specs:
+        f = run_dir_of(out, s) / "summary.json"
+        if not is_complete(run_dir_of(out, s), s.config):
+            continue
+        summ = json.loads(f.read_text())
+        total = int(summ["total_params"])
+        delta = total - raw_total.get(s.tags["corpus"], total)
+        rows.append({**s.tags, "label": s.label, "seed": s.config.run.seed, "delta_params": delta,
+                     "total_params": total, "val_loss": summ["val_loss"], "val_bpb": summ["val_bpb"],
+                     "train_loss": summ["train_loss"], "opt_state_bytes": optimizer_state_bytes(s.config),
+                     "table_lr": s.config.optim.memory_table_lr})
+    return rows
+
+
+def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """One point per (corpus, family, size): losses per seed, Δparams, timing."""
+    pts: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r["corpus"], r["family"], r["size"])
+        p = pts.setdefault(key, {"corpus": r["corpus"], "family": r["family"], "size": r["size"],
+                                 "delta_params": r["delta_params"], "opt_state_bytes": r["opt_state_bytes"],
+                                 "val_loss": [], "val_bpb": [], "seeds": []})
+        p["val_loss"].append(r["val_loss"])
+        p["val_bpb"].append(r["val_bpb"])
+        p["seeds"].append(r["seed"])
+    for p in pts.values():
+        t = bench.get("points", {}).get(point_key(p["family"], p["size"]), {})
+        p["step_ms"], p["decode_ms_per_token"] = t.get("step_ms"), t.get("decode_ms_per_token")
+        p["loss"] = statistics.fmean(p["val_loss"])
+    return sorted(pts.values(), key=lambda p: (p["corpus"], p["family"], p["delta_params"]))
+
+
+def name_of(p: dict[str, Any]) -> str:
+    return LABELS.get(p["family"], p["family"]) + ("" if p["size"] is None else f" ({p['size']})")
+
+
+def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
+    """The three tables of one corpus: every point, best at ≤ P parameters, best at ≤ S step time."""
+    pts = [p for p in points if p["corpus"] == corpus]
+    raw = next((p for p in pts if p["family"] == "raw"), None)
+    by_params = [(p["delta_params"], p["loss"]) for p in pts]
+    front_p = set(pareto_front(by_params))
+    timed = [i for i, p in enumerate(pts) if p["step_ms"] is not None]
+    front_s = {timed[j] for j in pareto_front([(pts[i]["step_ms"], pts[i]["loss"]) for i in timed])}
+    rows = []
+    for i, p in enumerate(pts):
+        rows.append([LABELS.get(p["family"], p["family"]), "–" if p["size"] is None else str(p["size"]),
+                     p["delta_params"], p["val_loss"], p["val_bpb"],
+                     None if p["step_ms"] is None else p["step_ms"],
+                     None if p["decode_ms_per_token"] is None else p["decode_ms_per_token"],
+                     p["opt_state_bytes"]["memory"] / 1e6,
+                     ("params" if i in front_p else "") + (" + time" if i in front_s and i in front_p
+                                                           else ("time" if i in front_s else ""))])
+    best_p = []
+    for cap in PARAM_CAPS_M:
+        j = best_under(by_params, cap * 1e6)
+        if j is not None:
+            best_p.append([f"≤ {cap:g}M", name_of(pts[j]), pts[j]["delta_params"], pts[j]["val_loss"]])
+    best_s = []
+    if raw is not None and raw["step_ms"]:
+        sp = [(pts[i]["step_ms"] / raw["step_ms"], pts[i]["loss"]) for i in timed]
+        for cap in STEP_CAPS_X:
+            j = best_under(sp, cap)
+            if j is not None:
+                q = pts[timed[j]]
+                best_s.append([f"≤ {cap:g}× raw", name_of(q), q["step_ms"], q["delta_params"], q["val_loss"]])
+    return {"points": rows, "best_params": best_p, "best_step": best_s}
+
+
+def _table_file(kind_rows: list[list[Any]], columns: list[dict[str, str]], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "table", **meta, "columns": columns, "rows": kind_rows}
+
+
+POINT_COLUMNS = [{"header": "memory"}, {"header": "size"}, {"header": "Δparams", "fmt": "params"},
+                 {"header": "val loss", "fmt": "mean_std:.4f"}, {"header": "val BPB", "fmt": "mean_std:.4f"},
+                 {"header": "step ms", "fmt": ".0f"}, {"header": "decode ms/token", "fmt": ".2f"},
+                 {"header": "memory optimiser state (MB)", "fmt": ".1f"}, {"header": "on the front"}]
+BEST_P_COLUMNS = [{"header": "Δparams budget"}, {"header": "best"}, {"header": "Δparams", "fmt": "params"},
+                  {"header": "val loss", "fmt": "mean_std:.4f"}]
+BEST_S_COLUMNS = [{"header": "step-time budget"}, {"header": "best"}, {"header": "step ms", "fmt": ".0f"},
+                  {"header": "Δparams", "fmt": "params"}, {"header": "val loss", "fmt": "mean_std:.4f"}]
+
+
+def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path | None:
+    try:
+        from tngram.report.plots import xy_plot
+    except ImportError:    # matplotlib is an optional extra
+        return None
+    from tngram.report.runs import mean_std
+    pts = [p for p in points if p["corpus"] == corpus and p["family"] != "raw"]
+    by_p: dict[str, list] = {}
+    by_s: dict[str, list] = {}
+    for p in pts:
+        m, s = mean_std(p["val_loss"])
+        by_p.setdefault(LABELS[p["family"]], []).append((p["delta_params"] / 1e6, m, s))
+        if p["step_ms"] is not None:
+            by_s.setdefault(LABELS[p["family"]], []).append((p["step_ms"], m, s))
+    raw = next((p for p in points if p["corpus"] == corpus and p["family"] == "raw"), None)
+    title = f"{corpus}: val loss vs Δparams" + (f" (raw GPT {raw['loss']:.4f})" if raw else "")
+    return xy_plot(by_p, png, "Δparams (M)", "val loss (nats/token)", title,
+                   panels=[{"series": by_s, "xlabel": "training step (ms, 1 thread)", "ylabel": "val loss (nats/token)",
+                            "title": f"{corpus}: val loss vs step time"}] if by_s else None)
+
+
+def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None) -> Path:
+    """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs."""
+    rows = collect(out, specs)
+    if bench is None:
+        f = out / "bench.json"
+        bench = json.loads(f.read_text()) if f.is_file() else {}
+    points = aggregate(rows, bench)
+    corpora = list(dict.fromkeys(s.tags["corpus"] for s in specs))
+    tables = {c: corpus_tables(points, c) for c in corpora}
+    atomic_write_json(out / "pareto.json", {"factors": factors, "rows": rows, "points": points,
+                                            "bench": bench, "tables": tables})
+    md = [f"# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
+          + ", ".join(f"{k} ×{v:g}" for k, v in factors.items()) + f". {len(rows)} of {len(specs)} runs finished.\n"]
+    from tngram.report.docblocks import render_table
+    for c in corpora:
+        t = tables[c]
+        png = write_figures(points, c, out / f"pareto-{c}.png")
+        md.append(f"## {c}\n\n" + render_table({"columns": POINT_COLUMNS, "rows": t["points"]}) + "\n\n"
+                  + "Best at ≤ Δparams:\n\n" + render_table({"columns": BEST_P_COLUMNS, "rows": t["best_params"]})
+                  + "\n\nBest at ≤ step time:\n\n"
+                  + (render_table({"columns": BEST_S_COLUMNS, "rows": t["best_step"]}) if t["best_step"] else "(no timing yet)")
+                  + (f"\n\n![{c}]({png.name})\n" if png else "\n"))
+    atomic_write_text(out / "report.md", "\n".join(md))
+    print0("\n".join(md))
+    return out / "report.md"
+
+
+def results_files(out: Path, commit: str, machine: str, command: str) -> dict[str, dict[str, Any]]:
+    """docs/results files (kind "table") per corpus: pareto-<corpus>, pareto-<corpus>-best-params,
+    pareto-<corpus>-best-step, from OUT/pareto.json."""
+    data = json.loads((out / "pareto.json").read_text())
+    files = {}
+    for c, t in data["tables"].items():
+        meta = {"command": command, "commit": commit, "machine": machine, "source": str(out / "pareto.json")}
+        files[f"pareto-{c}"] = _table_file(t["points"], POINT_COLUMNS, meta)
+        files[f"pareto-{c}-best-params"] = _table_file(t["best_params"], BEST_P_COLUMNS, meta)
+        files[f"pareto-{c}-best-step"] = _table_file(t["best_step"], BEST_S_COLUMNS, meta)
+    return files
