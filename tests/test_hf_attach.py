@@ -5,6 +5,7 @@ layer-list path for other architectures, and optimiser groups for any model."""
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_tiny import FAMILIES, MEMORIES, VOCAB, prompt, tiny_model, with_memory  # noqa: E402
+from hf_tiny import FAMILIES, MEMORIES, VOCAB, prompt, tiny_config, tiny_model, with_memory  # noqa: E402
 
 import transformers  # noqa: E402
 
@@ -50,13 +51,26 @@ def test_causal_through_the_integration(family, kind):
     assert (a[:, t:] - b[:, t:]).abs().max() > 1e-4
 
 
-def test_config_object_is_not_changed():
-    """The caller's config can still build plain models; the spec goes into config.json only."""
-    model = tiny_model("llama")
+def test_config_object_is_not_changed_and_the_spec_lives_on_model_config():
+    """The caller's config can still build plain models; the model gets a tngram_<family>
+    config copy carrying the spec (what save_pretrained writes), shared by its submodules."""
+    from tngram.hf.classes import base_class
+
+    config = tiny_config("llama")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
     add_memory(model, MEMORIES["tngram"])
-    assert not hasattr(model.config, "tngram_memory") and memory_spec(model)["layers"] == [1]
-    again = type(model)(model.config)
-    assert not memory_modules(again)
+    assert not hasattr(config, "tngram_memory") and type(config) is transformers.LlamaConfig
+    assert model.config is not config and model.config.tngram_memory == memory_spec(model)
+    assert memory_spec(model)["layers"] == [1]
+    assert model.config.model_type == "tngram_llama" and type(model).__name__ == "TngramLlamaForCausalLM"
+    assert base_class(type(model)) is transformers.LlamaForCausalLM
+    assert all(m.config is model.config for m in model.modules()
+               if isinstance(m.__dict__.get("config"), transformers.PreTrainedConfig))
+    assert not memory_modules(transformers.LlamaForCausalLM(config))
+    again = type(model)(model.config)          # the memory class rebuilds the memory from its config
+    assert set(memory_modules(again)) == set(memory_modules(model))
+    assert json.loads(model.config.to_json_string())["tngram_memory"] == memory_spec(model)
 
 
 def test_default_zero_init_memory_is_a_no_op_at_start():
@@ -95,9 +109,21 @@ def test_vocab_mismatch():
         model(prompt())
 
 
-def test_bad_layers_and_double_add():
-    with pytest.raises(TngramError, match=r"layers \(0, 3\) must be distinct decoder-layer indices"):
-        add_memory(tiny_model("llama"), MEMORIES["tngram"], layers=(0, 3))
+@pytest.mark.parametrize("layers,match", [
+    ((0, 3), r"\[0, 3\] must be distinct decoder-layer indices in \[-3, 3\)"),
+    ((1, -2), r"\[1, -2\] must be distinct"),                 # -2 is layer 1 again
+    ("12", r"must be a list of decoder-layer indices \(ints\), got '12'"),   # not layers 1 and 2
+    ((0.0,), r"must hold ints"), ((True,), r"must hold ints"), ((), r"must be distinct")])
+def test_bad_layers(layers, match):
+    with pytest.raises(TngramError, match=match):
+        add_memory(tiny_model("llama"), MEMORIES["tngram"], layers=layers)
+
+
+def test_bad_arguments_and_double_add():
+    with pytest.raises(TngramError, match="memory_config must be a memory config"):
+        add_memory(tiny_model("llama"), {"kind": "tngram"})
+    with pytest.raises(TngramError, match="memory_seed must be an int"):
+        add_memory(tiny_model("llama"), MEMORIES["tngram"], memory_seed=-1)
     model = with_memory("llama", "tngram")
     with pytest.raises(TngramError, match="already has an n-gram memory"):
         add_memory(model, MEMORIES["tngram"])

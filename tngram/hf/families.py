@@ -1,9 +1,11 @@
 """Where the decoder layers of a Hugging Face causal LM live, per model family.
 
 `DECODER_LAYERS[config.model_type]` is the dotted path, under the base model
-(`model.base_model`: LlamaModel, GPT2Model, ...), of the nn.ModuleList of decoder layers. A model
-outside the table takes an explicit `layers_attr` (same meaning); nothing is guessed, so an
-unknown architecture gets one error saying what to pass instead of a silently wrong layer list.
+(`model.base_model`: LlamaModel, GPT2Model, ...), of the nn.ModuleList of decoder layers. A family
+outside the table whose base model has a non-empty `layers` ModuleList (qwen3, mixtral, gemma,
+phi, olmo2, ... -- the usual transformers layout) uses it; any other takes an explicit
+`layers_attr` (same meaning), so an unknown architecture gets one error saying what to pass
+instead of a guessed layer list.
 """
 
 from __future__ import annotations
@@ -21,22 +23,30 @@ DECODER_LAYERS = {
 }
 
 
-def decoder_layers_attr(model_type: str | None, layers_attr: str | None = None) -> str:
-    """The dotted path of the decoder-layer list: `layers_attr` if given, else the family's."""
+AUTO_LAYERS = "layers"    # the plain transformers layout, used for families outside the table
+
+
+def decoder_layers_attr(model_type: str | None, layers_attr: str | None = None,
+                        base: nn.Module | None = None) -> str:
+    """The dotted path of the decoder-layer list: `layers_attr` if given, else the family's,
+    else `layers` when `base` has a non-empty nn.ModuleList there."""
     if layers_attr:
         return layers_attr
     if model_type in DECODER_LAYERS:
         return DECODER_LAYERS[model_type]
+    auto = getattr(base, AUTO_LAYERS, None) if base is not None else None
+    if isinstance(auto, nn.ModuleList) and len(auto) > 0:
+        return AUTO_LAYERS
     raise TngramError(
         f"tngram.hf does not know where the decoder layers of model_type {model_type!r} are "
-        f"(known: {', '.join(sorted(DECODER_LAYERS))}); pass layers_attr='...', the dotted path "
+        f"(known: {', '.join(sorted(DECODER_LAYERS))}, or any with base_model.layers); pass layers_attr='...', the dotted path "
         "of the nn.ModuleList of decoder layers under model.base_model (e.g. 'layers' or 'h')")
 
 
 def find_decoder_layers(base: nn.Module, model_type: str | None,
                         layers_attr: str | None = None) -> tuple[str, nn.ModuleList]:
     """(path, ModuleList) of the decoder layers of a base model; one clear error otherwise."""
-    path = decoder_layers_attr(model_type, layers_attr)
+    path = decoder_layers_attr(model_type, layers_attr, base)
     try:
         layers = base.get_submodule(path)
     except AttributeError:

@@ -1,0 +1,160 @@
+"""The `tngram_<family>` model types: a model with an n-gram memory is its own transformers class.
+
+add_memory turns a `LlamaForCausalLM` with a `LlamaConfig` into a `TngramLlamaForCausalLM` with a
+`TngramLlamaConfig` (subclasses made here on first use, one per family). The config subclass has
+`model_type = "tngram_llama"` and one more field, `tngram_memory` (the memory spec), so
+
+- the spec lives on `model.config` and `save_pretrained` writes it like any other field;
+- a saved folder says `"model_type": "tngram_llama"`: in a process that did not import tngram,
+  AutoConfig / AutoModelForCausalLM / pipeline refuse it ("model type `tngram_llama` ... does not
+  recognize this architecture") instead of loading the backbone without its memory;
+- after `import tngram`, `CONFIG_MAPPING["tngram_<family>"]` resolves on demand (the mapping's
+  lookup is extended once, see `install`), and the Auto classes map the new config to the
+  memory classes: from_pretrained needs neither remote code nor trust_remote_code.
+
+The model subclass builds the memory from `config.tngram_memory` after the family's own
+`__init__` (so only the outermost model gets it: nested PreTrainedModels such as OPT's decoder
+see a config with a spec but are not memory classes) and checks on `from_pretrained` that the
+weights match the spec (tngram.hf.attach.check_loaded).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tngram.common import TngramError
+
+PREFIX = "tngram_"
+CONFIG_KEY = "tngram_memory"
+
+_LOCK = threading.RLock()
+_CONFIGS: dict[type, type] = {}      # base config class -> memory config class
+_MODELS: dict[type, type] = {}       # base model class -> memory model class
+_BASES: dict[type, type] = {}        # memory class -> base class
+
+
+class TngramConfigMixin:
+    """Marker of the memory config classes; `base_model_type` is the family's own model_type."""
+
+    base_model_type: str = ""
+
+
+class TngramModelMixin:
+    """Builds the memory of `config.tngram_memory` after the family's __init__; checks loads."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        spec = getattr(config, CONFIG_KEY, None)
+        if spec is not None:
+            from tngram.hf.attach import attach_from_spec
+
+            attach_from_spec(self, spec)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        from tngram.hf.attach import check_loaded
+
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        check_loaded(model, info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        return (model, info) if want_info else model
+
+
+def base_class(cls: type) -> type:
+    """The family class under a memory class (the class itself otherwise)."""
+    return _BASES.get(cls, cls)
+
+
+def config_class_for(base: type) -> type:
+    """The memory config class of a family's config class (created and registered once)."""
+    from transformers import AutoConfig
+
+    base = base_class(base)
+    with _LOCK:
+        if base not in _CONFIGS:
+            model_type = getattr(base, "model_type", "") or ""
+            if not model_type:
+                raise TngramError(f"{base.__name__} has no model_type; add_memory needs a "
+                                  "registered transformers config class")
+            cls = type(f"Tngram{base.__name__}", (TngramConfigMixin, base), {
+                "__module__": __name__, "__qualname__": f"Tngram{base.__name__}",
+                "model_type": PREFIX + model_type, "base_model_type": model_type,
+                "__annotations__": {CONFIG_KEY: "dict | None"}, CONFIG_KEY: None})
+            _CONFIGS[base], _BASES[cls] = cls, base
+            AutoConfig.register(cls.model_type, cls, exist_ok=True)
+            _register_auto_models(base, cls)
+        return _CONFIGS[base]
+
+
+def model_class_for(base: type, config_cls: type | None = None) -> type:
+    """The memory model class of a family's model class (created once)."""
+    base = base_class(base)
+    with _LOCK:
+        if base not in _MODELS:
+            cfg_cls = config_cls or config_class_for(base.config_class)
+            cls = type(f"Tngram{base.__name__}", (TngramModelMixin, base), {
+                "__module__": __name__, "__qualname__": f"Tngram{base.__name__}",
+                "config_class": cfg_cls})
+            _MODELS[base], _BASES[cls] = cls, base
+        return _MODELS[base]
+
+
+def _auto_mappings() -> list[Any]:
+    from transformers.models.auto import modeling_auto as ma
+
+    return [getattr(ma, name) for name in ("MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_MAPPING")
+            if hasattr(ma, name)]
+
+
+def _register_auto_models(base_cfg: type, cfg_cls: type) -> None:
+    """Map the memory config to the memory classes of the family's causal LM and base model."""
+    for mapping in _auto_mappings():
+        try:
+            model_cls = mapping[base_cfg]
+        except (KeyError, AttributeError, ImportError):
+            continue
+        if isinstance(model_cls, (list, tuple)):
+            model_cls = model_cls[0]
+        if base_cfg is not getattr(model_cls, "config_class", base_cfg):
+            continue
+        mapping.register(cfg_cls, model_class_for(model_cls, cfg_cls), exist_ok=True)
+
+
+def resolve_model_type(model_type: Any) -> type | None:
+    """The memory config class of "tngram_<family>" (registering it), or None."""
+    if not (isinstance(model_type, str) and model_type.startswith(PREFIX)):
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    family = model_type[len(PREFIX):]
+    if family.startswith(PREFIX) or family not in CONFIG_MAPPING:
+        return None
+    return config_class_for(CONFIG_MAPPING[family])
+
+
+def install() -> None:
+    """Let CONFIG_MAPPING resolve "tngram_<family>" on demand (idempotent). The mapping object's
+    class is swapped for a subclass whose lookups try `resolve_model_type` first."""
+    from transformers.models.auto import configuration_auto as ca
+
+    mapping = ca.CONFIG_MAPPING
+    if getattr(type(mapping), "_tngram_resolving", False):
+        return
+    base = type(mapping)
+
+    class _Resolving(base):  # type: ignore[misc, valid-type]
+        _tngram_resolving = True
+
+        def __getitem__(self, key: str) -> Any:
+            if key not in self._extra_content and resolve_model_type(key) is not None:
+                return self._extra_content[key]
+            return super().__getitem__(key)
+
+        def __contains__(self, item: object) -> bool:
+            if super().__contains__(item):
+                return True
+            return resolve_model_type(item) is not None
+
+    _Resolving.__name__ = _Resolving.__qualname__ = base.__name__
+    mapping.__class__ = _Resolving
