@@ -25,6 +25,7 @@ from torch import Tensor
 from tngram.kernels.choice import (IMPL_FNS, IMPLS, choose_impl, forced_impl, reset_choices,
                                    resolved_impl, self_check, self_check_results,
                                    triton_available)
+from tngram.kernels.sparse_rows import compact_rows
 from tngram.kernels.tngram_c import c_supported, c_unavailable_reason
 from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, absorption_weights,
                                           clear_workspaces, ngram_row_index, plain_lookup)
@@ -33,7 +34,7 @@ from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, absorption_weigh
 def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
                   ngrams: Tensor, *, use_norm: bool = True, eps: float = 1e-6,
                   impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS,
-                  out_dtype: torch.dtype | None = None) -> Tensor:
+                  out_dtype: torch.dtype | None = None, sparse_grad: bool = False) -> Tensor:
     """e_concat (B, T, (N-1) R) = concat_n exp(l_n) RMSNorm(b_n), b_n from Eq. 10.
 
     factors (N, V, R); absorb (N-2, R) or None; log_scales (N-1,) or None; ngrams (B, T, N)
@@ -41,6 +42,8 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     out_dtype: the dtype the caller will cast e to (bf16 under autocast). A kernel that can
     write it directly (the C kernel, bf16) does, bit-identical to the cast and without the
     fp32 tensor; otherwise e comes back in the factors' dtype as usual and the caller casts.
+    sparse_grad: the factors get a sparse COO gradient holding only the rows this batch reads
+    (`tngram.kernels.sparse_rows`); the kernel runs on the compacted rows, same numbers.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -51,6 +54,9 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     if impl == "auto":
         impl = choose_impl(factors.device.type, str(factors.dtype))
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
+    if sparse_grad:       # the kernel sees (N, U'/N, R): the touched rows only, ids remapped
+        sub, idx = compact_rows(factors, idx, blocks=N)
+        factors = sub.view(N, -1, R)
     # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
     # are rounded once, at the cast back
     up = (lambda p: p.float() if p.dtype in (torch.bfloat16, torch.float16) else p)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.compression import (build_compression_from_file, compressed_vocab_size,
                                        lookup_fingerprint)
@@ -148,6 +149,10 @@ class EngramConfig(MemoryConfig):
 class Engram(MemoryModule, nn.Module):
     """One Engram layer: forward(h (B,T,D) or (B,T,M,D), input_ids (B,T)) -> y, same shape as h."""
 
+    # True: the table gets a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
+    # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
+    sparse_grad = False
+
     def __init__(self, config: EngramConfig, *, d_model: int, vocab_size: int, layer_id: int,
                  layer_ids: tuple[int, ...]) -> None:
         super().__init__()
@@ -222,7 +227,11 @@ class Engram(MemoryModule, nn.Module):
         rows = self.row_ids(input_ids)                                       # (B, T, (N-1)*H)
         B, T, _ = rows.shape
         # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU (PERFORMANCE.md)
-        flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*(N-1)*H, D_h)
+        if self.sparse_grad and torch.is_grad_enabled():   # row-sparse table gradient (tngram.kernels.sparse_rows), same values
+            sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
+            flat = torch.index_select(sub, 0, inv)
+        else:
+            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*(N-1)*H, D_h)
         return flat.view(B, T, self.d_mem)                                   # (B, T, (N-1)*E)
 
     def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None,

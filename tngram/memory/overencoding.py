@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
@@ -118,6 +119,10 @@ class OverEncodingConfig(MemoryConfig):
 class OverEncoding(MemoryModule, nn.Module):
     """forward(tok_emb (B,T,D), input_ids (B,T)) -> new input embedding (B,T,D)."""
 
+    # True: the table gets a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
+    # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
+    sparse_grad = False
+
     def __init__(self, config: OverEncodingConfig, *, d_model: int, vocab_size: int) -> None:
         super().__init__()
         cfg = config
@@ -172,7 +177,11 @@ class OverEncoding(MemoryModule, nn.Module):
         """Concatenated slice embeddings (B, T) -> (B, T, S*Ds), before the projections."""
         rows = self.ngram_ids(input_ids) + self.offsets                      # (B, T, S)
         B, T, _ = rows.shape
-        flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*S, Ds)
+        if self.sparse_grad and torch.is_grad_enabled():   # row-sparse table gradient (tngram.kernels.sparse_rows), same values
+            sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
+            flat = torch.index_select(sub, 0, inv)
+        else:
+            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*S, Ds)
         return flat.view(B, T, self.n_tables * self.slice_dim)
 
     def forward(self, tok_emb: Tensor, input_ids: Tensor, cache: dict | None = None,

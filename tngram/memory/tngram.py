@@ -113,6 +113,9 @@ def _cpu_bf16_autocast(h: Tensor) -> bool:
 
 class TNGram(MemoryModule, nn.Module):
     bf16_lookup_output = True   # class switch (not a parameter): tests/benchmarks compare both paths
+    # True: the factors get a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
+    # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
+    sparse_grad = False
 
     def __init__(self, config: TNGramConfig, d_model: int, vocab_size: int) -> None:
         super().__init__()
@@ -158,7 +161,11 @@ class TNGram(MemoryModule, nn.Module):
         c = self.config
         if c.fused:
             return fused_lookup(self.factors, self.absorb, self.log_scales, self.ngrams(input_ids),
-                                 use_norm=c.use_norm, eps=c.norm_eps, out_dtype=out_dtype)
+                                 use_norm=c.use_norm, eps=c.norm_eps, out_dtype=out_dtype,
+                                 sparse_grad=self.sparse_grad and torch.is_grad_enabled())
+        if self.sparse_grad:
+            raise TngramError("a row-sparse factor gradient (optim.memory_update sparse/rowwise) "
+                              "needs the fused lookup: set model.memory.fused=true")
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))     # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 
@@ -183,4 +190,3 @@ class TNGram(MemoryModule, nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return f"N={c.max_ngram}, cp_rank={c.cp_rank}, vocab={self.vocab_size}, d_model={self.d_model}"
-

@@ -32,6 +32,9 @@ class OptimConfig:
     adam_eps: float = 1e-8
     grad_clip_norm: float = 0.0        # 0 disables
     trainable: str = "all"             # "all" | "memory" (backbone frozen; tngram.train.warmstart)
+    # memory tables: "dense" Adam | "sparse" lazy Adam on touched rows | "rowwise" one second
+    # moment per row (tngram.optim.memory_update); config.json omits it when "dense"
+    memory_update: str = "dense"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -73,7 +76,10 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model.to_dict(), "optim": asdict(self.optim),
+        optim = asdict(self.optim)
+        if optim["memory_update"] == "dense":   # written only when set: older runs' configs match
+            del optim["memory_update"]
+        return {"name": self.name, "model": self.model.to_dict(), "optim": optim,
                 "schedule": asdict(self.schedule), "data": asdict(self.data), "run": asdict(self.run)}
 
     @classmethod
@@ -153,6 +159,8 @@ def validate_config(cfg: TrainConfig) -> None:
     for k in ("muon_momentum", "muon_momentum_start", "beta1", "beta2"):
         _check(0 <= getattr(o, k) < 1, f"optim.{k}", "in [0, 1)", getattr(o, k))
     _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
+    _check(o.memory_update in ("dense", "sparse", "rowwise"), "optim.memory_update",
+           "one of dense, sparse, rowwise", o.memory_update)
     _check(o.muon_momentum_warmup_steps >= 0, "optim.muon_momentum_warmup_steps", ">= 0",
            o.muon_momentum_warmup_steps)
     _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)
@@ -174,6 +182,10 @@ def validate_config(cfg: TrainConfig) -> None:
     _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
     if o.trainable == "memory" and cfg.model.memory is None:
         raise TngramError("optim.trainable=memory needs a model with memory (model.memory is none)")
+    if o.memory_update != "dense" and getattr(cfg.model.memory, "prune_at_step", 0):
+        raise TngramError("optim.memory_update sparse/rowwise cannot be combined with "
+                          "model.memory.prune_at_step > 0 (pruning reshapes the dense Adam state); "
+                          "use optim.memory_update=dense")
     if r.init_from is not None:
         check_init_from(r.init_from)
     cfg.model.validate()

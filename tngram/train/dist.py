@@ -128,7 +128,62 @@ def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    sparse = {id(p) for p in sparse_grad_params(model)}
+    if sparse:   # row-sparse tables: DDP leaves them alone, sync_sparse_grads all-gathers the rows
+        names = [n for n, p in model.named_parameters() if id(p) in sparse]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, names)
     return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+
+def sparse_grad_params(model: nn.Module) -> list[nn.Parameter]:
+    """The table parameters whose modules produce row-sparse gradients (optim.memory_update
+    sparse / rowwise), in a fixed order (the same on every process)."""
+    from tngram.optim.groups import memory_table_params
+    if not any(getattr(m, "sparse_grad", False) for m in model.modules()):
+        return []
+    return [p for p in memory_table_params(model) if p.requires_grad]
+
+
+def sync_sparse_grads(model: nn.Module, ctx: DistContext) -> None:
+    """Average the row-sparse table gradients over processes (what DDP does for dense ones).
+
+    Each process's gradient is coalesced, its (indices, values) are all-gathered (padded to the
+    longest; gloo and NCCL all_gather need equal sizes), concatenated and coalesced again, which
+    sums the rows several processes touched, then divided by world_size. A process whose table
+    got no gradient contributes zero rows. No-op for one process or without sparse tables.
+    """
+    if not ctx.distributed:
+        return
+    for p in sparse_grad_params(getattr(model, "module", model)):
+        g = p.grad
+        k = len(p.shape) - 1                                  # sparse dims (rows)
+        width = p.shape[-1]
+        if g is None:
+            ind = torch.zeros(k, 0, dtype=torch.int64, device=p.device)
+            val = torch.zeros(0, width, dtype=p.dtype, device=p.device)
+        else:
+            if not g.is_sparse:
+                raise TngramError(f"sync_sparse_grads: {tuple(p.shape)} table has a dense gradient")
+            g = g.coalesce()
+            ind, val = g.indices(), g.values()
+        n = torch.tensor([ind.shape[1]], dtype=torch.int64, device=p.device)
+        sizes = [torch.zeros_like(n) for _ in range(ctx.world_size)]
+        dist.all_gather(sizes, n)
+        sizes_i = [int(s) for s in sizes]
+        most = max(sizes_i)
+        if most == 0:
+            continue
+        pad_i = torch.zeros(k, most, dtype=torch.int64, device=p.device)
+        pad_v = torch.zeros(most, width, dtype=val.dtype, device=p.device)
+        pad_i[:, : ind.shape[1]] = ind
+        pad_v[: ind.shape[1]] = val
+        all_i = [torch.empty_like(pad_i) for _ in range(ctx.world_size)]
+        all_v = [torch.empty_like(pad_v) for _ in range(ctx.world_size)]
+        dist.all_gather(all_i, pad_i)
+        dist.all_gather(all_v, pad_v)
+        ind = torch.cat([t[:, :s] for t, s in zip(all_i, sizes_i)], dim=1)
+        val = torch.cat([t[:s] for t, s in zip(all_v, sizes_i)], dim=0)
+        p.grad = torch.sparse_coo_tensor(ind, val / ctx.world_size, tuple(p.shape)).coalesce()
 
 
 def no_sync(model: nn.Module, sync: bool) -> AbstractContextManager:

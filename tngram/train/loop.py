@@ -36,13 +36,15 @@ from tngram.common import TngramError, atomic_write_json
 from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT
 from tngram.optim.groups import build_param_groups, format_param_table
+from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
 from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
 from tngram.train import checkpoint as ckpt
 from tngram.train.config import TrainConfig, validate_config
 from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
-                               grad_accum_steps, init_distributed, no_sync, shutdown, wrap_ddp)
+                               grad_accum_steps, init_distributed, no_sync, shutdown,
+                               sync_sparse_grads, wrap_ddp)
 from tngram.train.health import LossHealth, check_batch_vs_data, check_step_memory
 from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info
 from tngram.train.portable import record_dataset
@@ -228,8 +230,12 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
     model = GPT(cfg.model).to(device)
     apply_warmstart(model, cfg.run.init_from, cfg.optim.trainable)
     groups = build_param_groups(model, cfg.optim)
-    muon_groups = [g for g in groups if g["optimizer"] == "muon"]
-    adam_groups = [g for g in groups if g["optimizer"] == "adam"]
+    # optim.memory_update sparse/rowwise: the tables get row-sparse gradients and their own
+    # optimiser (tngram.optim.memory_update); "dense" leaves `groups` as they are
+    table_opt, rest = setup_memory_update(model, groups, cfg.optim.memory_update,
+                                          (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.adam_eps)
+    muon_groups = [g for g in rest if g["optimizer"] == "muon"]
+    adam_groups = [g for g in rest if g["optimizer"] == "adam"]
     o = cfg.optim
     optimizers: dict[str, torch.optim.Optimizer] = {
         "adam": torch.optim.Adam(adam_groups, betas=(o.beta1, o.beta2), eps=o.adam_eps,
@@ -238,6 +244,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
         optimizers["muon"] = Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum_start,
                                   nesterov=True, ns_steps=o.muon_ns_steps, ddp_rank=ctx.ddp_rank,
                                   world_size=ctx.world_size)
+    if table_opt is not None:
+        optimizers["memory"] = table_opt
     sizes = delta_params(cfg)
     if ctx.is_main:   # a checkpoint holds the weights and up to two moments per parameter
         ckpt_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
@@ -328,8 +336,9 @@ def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
                     g["lr"] = g["base_lr"] * mult
                     if "momentum" in g:
                         g["momentum"] = mom
-            if o.grad_clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip_norm)
+            sync_sparse_grads(model, ctx)       # row-sparse tables under DDP; no-op otherwise
+            if o.grad_clip_norm > 0:            # torch's clip_grad_norm_ unless grads are sparse
+                clip_grad_norm(model.parameters(), o.grad_clip_norm)
             for opt in optimizers.values():
                 opt.step()
             model.zero_grad(set_to_none=True)

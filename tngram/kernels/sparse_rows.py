@@ -1,0 +1,92 @@
+"""Row-sparse gradients for lookup tables: compact the touched rows, differentiate the compact copy.
+
+A training step reads at most B*T*(rows per token) rows of an n-gram table or CP factor, yet the
+usual backward (index_select / nn.Embedding / the fused lookups) zero-fills a gradient the size of
+the whole table. `compact_rows` instead gathers the U distinct rows a batch touches into a small
+(U', W) table (U' >= U: laid out in the table's blocks, see `compact_rows`), remaps the ids into it, and gives the big table a sparse COO gradient holding exactly those U
+rows. The lookup itself (torch, C or Triton, unchanged) runs on the compact table, so its backward
+zero-fills U' rows instead of the table's:
+
+    uniq, inv = unique(ids)                    sorted distinct row ids, inverse map
+    sub       = table[uniq]   (U', W)          block-aligned; unused slots are never indexed
+    lookup(sub, inv) -> out ; backward -> d sub (U', W) -> table.grad = sparse(uniq, d sub[pos])
+
+The sparse gradient is coalesced (uniq is sorted and distinct); accumulated micro-steps add up
+to an uncoalesced one, which the optimisers (torch.optim.SparseAdam, tngram.optim.memory_update)
+coalesce. Its values equal the dense gradient's touched rows exactly (the same per-row sums in
+the same order), so a sparse update can be checked against a dense computation.
+
+torch.compile: torch's own sparse embedding gradients do not compile (pytorch/pytorch#150656),
+and neither would this Function. The compaction is therefore `torch.compiler.disable`d: dynamo
+breaks the graph around it, the compiled graphs see `sub` as an ordinary dense input, and the
+sparse gradient is produced in eager autograd (tests/test_memory_update.py compiles a model).
+
+Tables of more than two dimensions (TN-gram's (N, V, R) factors) are treated as rows of their
+last dimension: the gradient has len(shape) - 1 sparse dimensions and one dense dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class _CompactRows(torch.autograd.Function):
+    """apply(table (..., W), uniq (U,) flat row ids, src (U',), pos (U,)) -> table.view(-1, W)[src]
+    (row pos[i] of the result is row uniq[i] of the table); backward: a sparse COO gradient of
+    table's shape holding the U rows uniq."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, uniq: Tensor, src: Tensor, pos: Tensor) -> Tensor:  # noqa: ANN001
+        ctx.save_for_backward(uniq, pos)
+        ctx.shape = table.shape
+        return table.reshape(-1, table.shape[-1]).index_select(0, src)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+        uniq, pos = ctx.saved_tensors
+        return sparse_row_grad(uniq, grad.index_select(0, pos), ctx.shape), None, None, None
+
+
+def sparse_row_grad(rows: Tensor, values: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """A sparse COO tensor of `shape` whose flat rows (over all but the last dim) `rows` hold
+    `values` (len(rows), shape[-1]); `rows` must be sorted and distinct (it is marked coalesced)."""
+    lead = tuple(shape[:-1])
+    if len(lead) == 1:
+        idx = rows.unsqueeze(0)
+    else:
+        idx = torch.stack(torch.unravel_index(rows, lead))               # (len(lead), U)
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        return torch.sparse_coo_tensor(idx, values, tuple(shape), is_coalesced=True)
+
+
+@torch.compiler.disable
+def compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, Tensor]:
+    """(sub (blocks * U_b, W), inv like ids) with sub[inv] == table.reshape(-1, W)[ids]; the gradient
+    that reaches `table` through `sub` is sparse (the U distinct rows only).
+
+    The table's rows are `blocks` equal blocks (TN-gram: one per factor A_1..A_N, each V rows);
+    an id of block j is remapped into block j of `sub`, whose blocks hold U_b rows each (U_b = the
+    largest number of distinct rows read in one block; unused slots repeat table row 0 and are
+    never read), so a kernel that checks "column k reads block N-1-k" still can. Not traced by
+    torch.compile (module docstring).
+    """
+    W = table.shape[-1]
+    n_rows = table.numel() // W
+    block = n_rows // blocks
+    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)      # sorted: grouped by block
+    if blocks == 1:
+        pos = torch.arange(uniq.numel(), device=ids.device)
+        return _CompactRows.apply(table, uniq, uniq, pos), inv
+    which = torch.div(uniq, block, rounding_mode="floor")                # block of each row
+    counts = torch.bincount(which, minlength=blocks)
+    per = max(1, int(counts.max())) if uniq.numel() else 1               # U_b
+    starts = torch.cumsum(counts, 0) - counts                            # first uniq of each block
+    pos = which * per + (torch.arange(uniq.numel(), device=ids.device) - starts[which])
+    src = torch.zeros(blocks * per, dtype=uniq.dtype, device=ids.device)
+    src[pos] = uniq
+    return _CompactRows.apply(table, uniq, src, pos), pos[inv]
+
+
+__all__ = ["compact_rows", "sparse_row_grad"]
