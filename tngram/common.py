@@ -28,6 +28,21 @@ class MissingFileError(TngramError, FileNotFoundError):
         return str(self.args[0]) if self.args else ""
 
 
+class MissingExtraError(TngramError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""
+
+
+def require_extra(module: str, extra: str, what: str) -> Any:
+    """`import module`, or a one-line MissingExtraError naming the extra that installs it, e.g.
+    require_extra("matplotlib", "report", "figures")."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(f"{what} need {module.split('.')[0]}, which is not installed: "
+                          f"pip install 'tngram[{extra}]'") from None
+
+
 @dataclass(frozen=True)
 class DistInfo:
     ddp_rank: int

@@ -150,10 +150,11 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
         todo.append((i, spec, rdir))
     stop = threading.Event()     # set by the first failure: no further run starts
 
+    clock = RunClock(len(todo))
     def train_one(i: int, spec: RunSpec, rdir: Path) -> str | None:
         if stop.is_set():
             return None
-        err = _train_one(i, spec, rdir, len(specs), nproc, jobs)
+        err = _train_one(i, spec, rdir, len(specs), nproc, jobs, clock)
         if err:
             stop.set()
         return err
@@ -176,7 +177,31 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
     return rows
 
 
-def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: int) -> str | None:
+class RunClock:
+    """Elapsed time and ETA of the runs a run_all call trains (reused runs do not count): after
+    each finished run, the ETA is the mean wall time per finished run so far times the runs
+    left (with --jobs J the runs overlap, and the mean is of wall time, so it includes that)."""
+
+    def __init__(self, total: int, now: float | None = None) -> None:
+        self.total, self.done = total, 0
+        self.t0 = time.monotonic() if now is None else now
+        self._lock = threading.Lock()
+
+    def finished(self, now: float | None = None) -> str:
+        """Count one finished run; the text for its line, e.g. "1/3 trained, 1 min 30 s elapsed,
+        about 3 min 00 s left"."""
+        from tngram.cpu import eta_seconds, fmt_duration
+        with self._lock:
+            self.done += 1
+            elapsed = (time.monotonic() if now is None else now) - self.t0
+            text = f"{self.done}/{self.total} trained, {fmt_duration(elapsed)} elapsed"
+            if self.done < self.total:
+                text += f", about {fmt_duration(eta_seconds(self.done, self.total, elapsed))} left"
+            return text
+
+
+def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: int,
+               clock: RunClock | None = None) -> str | None:
     """Train one run in a subprocess; None when it finished, else the error line. With jobs > 1
     its output goes to RUN/worker.log and it gets job_threads(jobs) threads."""
     rdir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +222,8 @@ def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: 
         where = f"its folder is {rdir}"
     if code != 0:
         return f"run {spec.label} failed (exit {code}); {where}"
-    print0(f"[{i}/{total}] {spec.label}: done in {time.time() - t0:.0f} s")
+    took = f"done in {time.time() - t0:.0f} s"
+    print0(f"[{i}/{total}] {spec.label}: {took}" + (f" ({clock.finished()})" if clock is not None else ""))
     return None
 
 

@@ -43,7 +43,8 @@ def compare_table(results: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     n = len({r["seed"] for r in rows})
     lines.append("")
-    lines.append(f"Mean ± std over {n} seed(s). Loss in nats/token; BPB = bits per UTF-8 byte of the "
+    lines.append(("Mean ± std over {n} seeds" if n > 1 else "One seed (no spread: run --seeds 3 for one)")
+                 .format(n=n) + ". Loss in nats/token; BPB = bits per UTF-8 byte of the "
                  f"validation text. ΔParams against the raw GPT of the same backbone.")
     if raw_bpb == raw_bpb:  # not NaN
         for m in methods:
@@ -53,8 +54,9 @@ def compare_table(results: dict[str, Any]) -> str:
     paired = paired_val_loss(rows, "tngram", "engram")
     if paired:
         m, s = mean_std(paired)
+        spread = f"mean {m:+.4f} ± {s:.4f}; " if len(paired) > 1 else ""
         lines.append(f"- TN-gram − Engram val loss, paired by seed (same init and data order): "
-                     + ", ".join(f"{d:+.4f}" for d in paired) + f" (mean {m:+.4f} ± {s:.4f}; negative = TN-gram better)")
+                     + ", ".join(f"{d:+.4f}" for d in paired) + f" ({spread}negative = TN-gram better)")
     return "\n".join(lines)
 
 
@@ -137,14 +139,25 @@ def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
 
 
 def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """report.md (and loss_curves.png) in `out`. Without the `report` extra (scipy, matplotlib)
+    the table is still written; the significance table and the figure are replaced by a line
+    saying what to install."""
+    from tngram.common import MissingExtraError
     table = compare_table(results)
     if len({r["seed"] for r in results["rows"]}) > 1:
-        table += "\n\n" + significance_table({Path(str(results.get("data") or out)).name: results["rows"]})
+        try:
+            table += "\n\n" + significance_table({Path(str(results.get("data") or out)).name: results["rows"]})
+        except MissingExtraError as e:
+            table += f"\n\nNo significance table: {e}."
     runs: dict[str, list[str]] = {}
     for r in results["rows"]:
         runs.setdefault(NAMES.get(r["method"], r["method"]), []).append(r["run_dir"])
-    png = loss_curves(runs, out / "loss_curves.png", title=f"tngram compare --preset {results['preset']}")
+    try:
+        png = loss_curves(runs, out / "loss_curves.png", title=f"tngram compare --preset {results['preset']}")
+        figure = f"![loss curves]({png.name})"
+    except MissingExtraError as e:
+        png, figure = None, f"No figure: {e}."
     text = (f"# tngram compare — preset {results['preset']}\n\n"
-            f"Data: `{results['data']}`\n\n{table}\n\n![loss curves]({png.name})\n")
+            f"Data: `{results['data']}`\n\n{table}\n\n{figure}\n")
     atomic_write_text(out / "report.md", text)
     return {"table": table, "png": png}

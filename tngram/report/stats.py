@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tngram.common import require_extra
+
 __all__ = ["PairedStats", "paired_stats", "sign_flip_p", "sign_test_p"]
 
 
@@ -42,7 +44,7 @@ class PairedStats:
 
 def sign_test_p(diffs: list[float] | np.ndarray) -> float:
     """Two-sided exact sign test: binomial(n_nonzero, 1/2) on the number of positive signs."""
-    from scipy.stats import binomtest
+    binomtest = require_extra("scipy.stats", "report", "significance tests").binomtest
 
     d = np.asarray(diffs, dtype=float)
     d = d[d != 0]
@@ -71,7 +73,7 @@ def sign_flip_p(diffs: list[float] | np.ndarray, exact_max: int = 16, samples: i
 
 def paired_stats(diffs: list[float] | np.ndarray) -> PairedStats:
     """All statistics of paired differences d (e.g. val_loss(A) − val_loss(B) per seed)."""
-    from scipy.stats import t as student_t
+    student_t = require_extra("scipy.stats", "report", "confidence intervals").t
 
     d = np.asarray(diffs, dtype=float)
     n = int(d.size)

@@ -1,0 +1,69 @@
+"""What a newcomer sees: the overall ETA of compare/experiment runs, one-seed reports without a
+spread, the loss figure without a panel of lone dots, and runs named after the memory they have."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+
+from tngram.experiments.runner import RunClock
+from tngram.report.compare import compare_table
+
+
+def test_run_clock_elapsed_and_eta_from_the_mean_run_time():
+    clock = RunClock(3, now=100.0)
+    # one run in 90 s: two left at 90 s each
+    assert clock.finished(now=190.0) == "1/3 trained, 1 min 30 s elapsed, about 3 min 00 s left"
+    # two runs in 200 s: mean 100 s, one left
+    assert clock.finished(now=300.0) == "2/3 trained, 3 min 20 s elapsed, about 1 min 40 s left"
+    assert clock.finished(now=400.0) == "3/3 trained, 5 min 00 s elapsed"
+
+
+def _rows(seeds: list[int]) -> list[dict]:
+    rows = []
+    for s in seeds:
+        for m, base in (("raw", 3.70), ("engram", 3.36), ("tngram", 3.35)):
+            v = base + 0.01 * s
+            rows.append({"method": m, "seed": s, "delta_params": 0 if m == "raw" else 1_000_000,
+                         "train_loss": v + 0.03, "val_loss": v, "val_bpb": v / 2, "tokens_per_s": 1000.0,
+                         "run_dir": f"runs/{m}-s{s}"})
+    return rows
+
+
+def test_one_seed_report_prints_no_spread():
+    table = compare_table({"preset": "cpu", "rows": _rows([0])})
+    assert "±" not in table
+    assert "| TN-gram | 1.00M | 3.3800 | 3.3500 | 1.6750 | 1,000 |" in table
+    assert "One seed (no spread" in table
+    # TN-gram - Engram of the one seed, no "mean ± std"
+    assert "paired by seed (same init and data order): -0.0100 (negative = TN-gram better)" in table
+
+
+def test_two_seed_report_prints_the_sample_std():
+    table = compare_table({"preset": "cpu", "rows": _rows([0, 1])})
+    sd = statistics.stdev([3.35, 3.36])          # TN-gram val loss over seeds 0 and 1
+    assert f"| 3.3550 ± {sd:.4f} |" in table and "Mean ± std over 2 seeds" in table
+
+
+def _png_width(path) -> int:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">I", head[16:20])[0]
+
+
+def _run(folder, val_steps: list[int]):
+    folder.mkdir(parents=True)
+    rows = [{"step": s, "train_loss": 5.0 - s / 100} for s in range(10, 110, 10)]
+    rows += [{"step": s, "val_loss": 4.0 - s / 200} for s in val_steps]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_loss_figure_has_a_validation_panel_only_for_curves(tmp_path):
+    from tngram.report.plots import loss_curves
+    one = {"raw": [_run(tmp_path / "a", [100])], "tngram": [_run(tmp_path / "b", [100])]}
+    many = {"raw": [_run(tmp_path / "c", [50, 100])], "tngram": [_run(tmp_path / "d", [100])]}
+    # figsize 6.5 x 4 in (one panel) or 11 x 4 in (two) at 120 dpi
+    assert _png_width(loss_curves(one, tmp_path / "one.png")) == 780
+    assert _png_width(loss_curves(many, tmp_path / "many.png")) == 1320
