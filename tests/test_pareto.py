@@ -171,3 +171,16 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
     # Engram 700 has more Δparams, more step time and a higher loss than TN-gram 88: on no front
     assert fronts == {"raw GPT–": "params + time", "TN-gram88": "params + time", "Engram700": "",
                       "Engram1800": "params + time"}
+
+
+def test_large_vocabulary_setting_rides_with_the_default_corpus(monkeypatch):
+    """`default@8192` trains every family at its recipe size and one larger, at vocabulary 8192."""
+    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
+    factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
+    specs = P.specs_for([P.VOCAB_CORPUS], "mini", 1, None, factors)
+    got = {(s.tags["family"], s.tags["size"]) for s in specs}
+    want = {("raw", None)} | {(f, v) for f, vs in P.VOCAB_SIZES.items() for v in vs}
+    assert got == want and len(specs) == len(want)
+    assert {s.config.model.vocab_size for s in specs} == {8192}
+    engram = next(s for s in specs if s.tags["family"] == "engram")
+    assert engram.config.model.memory.table_budget == (5 * 8192,) * 4     # the recipe's 5 V rows per head

@@ -4,7 +4,7 @@ Each family is swept over its size knob across one common Δparams range (at `mi
 1.1, 2.2, 4.3, 8.7 and 12 M; `SIZES`), at its own table lr tuned once on the tuning corpus
 (`literature`) and then fixed:
 
-    engram    Engram, per-head table rows (`table_budget`)             tuned: table lr x 4
+    engram    Engram, per-head table rows (`table_budget`; the recipe's is 5 V = 5120)   tuned: table lr x 4
     tngram    TN-gram, CP rank                                          tuned: table lr x 2
     oe        Over-Encoding (N 5, 2 slices), slice-table rows           tuned here (`tune_table_lr`)
     longcat   Over-Encoding at LongCat's settings (n 4, k 4, averaged fusion), slice-table rows;
@@ -12,6 +12,9 @@ Each family is swept over its size knob across one common Δparams range (at `mi
     dense     the raw GPT grown wider (n_embd): "spend it on the backbone instead"; no table, the
               recipe's learning rates (not tuned)
     raw       the raw GPT (Δparams 0), the reference point
+
+With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
+a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
 
 The Engram / TN-gram factors are the `tngram experiment tuning` choice on literature
 (docs/results/tuning-literature.json); pass `--tuned` to use others. Runs are ordered seed by
@@ -70,8 +73,19 @@ def with_table_lr(cfg: Any, factor: float) -> Any:
 
 
 def _build(corpus: str) -> tuple[str, int]:
-    from tngram.experiments.evidence import _build as build
-    return build(corpus)
+    """(dataset dir, vocab) of a built-in corpus; "NAME@V" is NAME tokenised with vocabulary V."""
+    from tngram.data.build import ensure_default_data, open_dataset
+    name, _, vocab = corpus.partition("@")
+    info = open_dataset(ensure_default_data(vocab_size=int(vocab) if vocab else 1024, corpus=name))
+    return str(info.dir), int(info.vocab_size)
+
+
+# The large-vocabulary setting: default corpus at V 8192, each family at its recipe size and one
+# larger size (Engram/TN-gram/OE knobs x2; dense: the two smallest widths, since every width also
+# grows the V x d embedding 8-fold)
+VOCAB_CORPUS = "default@8192"
+VOCAB_SIZES: dict[str, tuple[int, ...]] = {"engram": (40960, 81920), "tngram": (352, 704), "oe": (33697, 67394),
+                                           "longcat": (36000, 72000), "dense": (224, 304)}
 
 
 def _base(prefix: str, data_dir: str, vocab: int, steps: int | None) -> dict[str, Any]:
@@ -129,8 +143,10 @@ def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, fa
     specs = []
     for s in range(seeds):
         for corpus in corpora:
+            sizes = VOCAB_SIZES if corpus == VOCAB_CORPUS else {f: SIZES[f][2][:n_sizes] for f in SIZES}
             points = [(f, None) for f in families if f == "raw"]
-            points += [(f, SIZES[f][2][i]) for i in range(n_sizes) for f in families if f != "raw"]
+            points += [(f, sizes[f][i]) for i in range(max(map(len, sizes.values())))
+                       for f in families if f != "raw" and i < len(sizes[f])]
             for fam, size in points:
                 cfg = family_config(fam, size, bases[corpus])
                 if fam in factors:
@@ -150,6 +166,8 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
     prefix = SCALES[scale]
     nproc = nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9")
     corpora = list(corpora or ["default", TUNING_CORPUS, "code"])
+    if "default" in corpora and VOCAB_CORPUS not in corpora:
+        corpora.append(VOCAB_CORPUS)          # the large-vocabulary setting rides with the default corpus
     factors = read_factors(out, tuned)
     if factors is None:
         if not train:
