@@ -108,6 +108,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     if max_steps is not None and max_steps < 1:
         raise TngramError(f"--steps must be >= 1, got {max_steps}")
     run_dir = Path(out_dir)
+    else:
+        _choose_threads(ctx, threads)
     check_step_memory(cfg)                     # before the folder exists or anything is allocated
     ctx = init_distributed(cfg.run.device)
     threads = torch.get_num_threads()
@@ -119,6 +121,22 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
         return _train(cfg, run_dir, ctx, resume, max_steps, logger, progress)
     finally:
         if lock is not None:
+def _choose_threads(ctx: DistContext, default: int) -> None:
+    """run.threads 0 on CPU without OMP_NUM_THREADS: keep torch's default unless other jobs keep
+    the CPUs busy or a quota caps them (tngram.cpu.choose_threads); say so in one line when the
+    count changes. On an idle machine nothing changes."""
+    import os
+
+    from tngram.cpu import auto_threads
+    if ctx.device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    choice = auto_threads(default)
+    if choice.changed:
+        torch.set_num_threads(choice.threads)
+        if ctx.is_main:
+            print(f"tngram: note: {choice.reason}", flush=True)
+
+
             release_run_dir(lock)
         torch.set_num_threads(threads)
         shutdown(ctx)
