@@ -7,6 +7,8 @@ import math
 
 import pytest
 
+from test_train_support import one_thread, tiny_data  # noqa: F401
+
 from tngram.cpu import (BUSY_CPUS, CpuFacts, available_cpus, cgroup_quota, choose_threads, eta_seconds,
                         fmt_duration)
 
@@ -86,3 +88,51 @@ def test_eta_is_the_mean_rate_of_the_finished_part():
     assert eta_seconds(3, 9, 120.0) == 240.0
     assert eta_seconds(9, 9, 500.0) == 0.0
     assert math.isnan(eta_seconds(0, 9, 10.0))
+
+
+# --- the trainer acts on the choice -------------------------------------------------------------
+
+def _fake_facts(monkeypatch, others_busy: float) -> None:
+    import tngram.cpu
+    monkeypatch.setattr(tngram.cpu, "read_cpu_facts",
+                        lambda sample_s=0.3: CpuFacts(affinity=2, others_busy=others_busy, loadavg=3.0))
+
+
+def test_train_on_a_busy_machine_uses_one_thread_and_says_so(tiny_data, tmp_path, monkeypatch, capsys):
+    import json
+
+    import torch
+
+    from test_train_support import tiny_config
+    from tngram.train.loop import train
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _fake_facts(monkeypatch, 2.0)
+    torch.set_num_threads(2)                  # the default of a 2-core machine (one_thread restores 1)
+    train(tiny_config(tiny_data, extra=["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0"]),
+          tmp_path / "run", progress=False)
+    out = capsys.readouterr().out
+    assert "tngram: note: the CPUs are busy (other jobs kept 2.0 of 2 CPUs busy" in out
+    assert "training with 1 thread instead of 2" in out
+    assert json.loads((tmp_path / "run" / "env.json").read_text())["torch_threads"] == 1
+    assert torch.get_num_threads() == 2       # restored after the run
+
+
+def test_idle_machine_omp_setting_or_cuda_change_nothing(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    import torch
+
+    from tngram.train.loop import _choose_threads
+    cpu = SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _fake_facts(monkeypatch, 0.1)             # idle
+    torch.set_num_threads(2)
+    _choose_threads(cpu, 2)
+    assert torch.get_num_threads() == 2
+    _fake_facts(monkeypatch, 2.0)             # busy, but the user set OMP_NUM_THREADS
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    _choose_threads(cpu, 2)
+    assert torch.get_num_threads() == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    _choose_threads(SimpleNamespace(device=torch.device("cuda"), is_main=True), 2)
+    assert torch.get_num_threads() == 2 and capsys.readouterr().out == ""
