@@ -167,7 +167,7 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
     # step ratios: TN-gram 88 1.2x (3.47), Engram 700 1.4x (3.48), Engram 1800 1.6x (3.40)
     assert best_s["≤ 1.25× raw"] == "TN-gram (88)" and best_s["≤ 1.5× raw"] == "TN-gram (88)"
     assert best_s["≤ 2× raw"] == "Engram (1800)"
-    fronts = {r[0] + r[1]: r[8] for r in t["points"]}
+    fronts = {r[0] + r[1]: r[-1] for r in t["points"]}
     # Engram 700 has more Δparams, more step time and a higher loss than TN-gram 88: on no front
     assert fronts == {"raw GPT–": "params + time", "TN-gram88": "params + time", "Engram700": "",
                       "Engram1800": "params + time"}

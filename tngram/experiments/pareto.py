@@ -159,8 +159,10 @@ def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, fa
 
 def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = None, steps: int | None = None,
            nproc: int | None = None, corpora: list[str] | None = None, tuned: str | None = None,
-           train: bool = True) -> Path:
-    """Tune Over-Encoding (once), train every (seed, corpus, family, size), then write the map."""
+           train: bool = True, core_max: int | None = None) -> Path:
+    """Tune Over-Encoding (once), train every (seed, corpus, family, size), then write the map.
+    With `core_max` N, every finished run is also scored on the offline CORE bundle
+    (`tngram eval core RUN --max-per-task N`, once per run) and the map gains a CORE column."""
     if data:
         raise TngramError("the pareto experiment trains on built-in corpora (--corpora), not --data")
     prefix = SCALES[scale]
@@ -178,8 +180,26 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
     if train:
         from tngram.experiments.runner import run_all
         run_all(specs, out, nproc=nproc)
+    if core_max:
+        core_once(out, specs, core_max)
     from tngram.experiments.pareto_report import write_report
-    return write_report(out, specs, factors, bench=bench_once(out, specs))
+    return write_report(out, specs, factors, bench=bench_once(out, specs), core_max=core_max)
+
+
+def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
+    """`tngram eval core RUN --max-per-task N` (a subprocess, one thread) for every finished run that
+    has no RUN/eval/core-maxN.json yet; the offline bundle must exist (`tngram eval build-bundle`)."""
+    import subprocess
+    import sys
+    from tngram.experiments.runner import run_dir_of
+    for s in specs:
+        rdir = run_dir_of(out, s)
+        if (rdir / "summary.json").is_file() and not (rdir / "eval" / f"core-max{max_per_task}.json").is_file():
+            print0(f"CORE (max {max_per_task} per task): {s.label}")
+            code = subprocess.run([sys.executable, "-m", "tngram", "eval", "core", str(rdir), "--max-per-task",
+                                   str(max_per_task), "--threads", "1"]).returncode
+            if code != 0:
+                raise TngramError(f"tngram eval core {rdir} failed (exit {code})")
 
 
 def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:

@@ -108,7 +108,15 @@ def bench_points(cfgs: dict[str, Any], reps: int = 5, warmup: int = 1, decode_to
     return {"points": out, "machine": machine_info(), "timed_at": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def collect(out: Path, specs: list[Any]) -> list[dict[str, Any]]:
+def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
+    """CORE of a run from RUN/eval/core-maxN.json (N = max_per_task), None when not evaluated."""
+    if not max_per_task:
+        return None
+    f = run_dir / "eval" / f"core-max{max_per_task}.json"
+    return float(json.loads(f.read_text())["core"]) if f.is_file() else None
+
+
+def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[dict[str, Any]]:
     """One row per finished run (summary.json present, same config as its spec): tags + the numbers
     the map needs."""
     from tngram.train.recipes import param_summary
@@ -128,7 +136,8 @@ def collect(out: Path, specs: list[Any]) -> list[dict[str, Any]]:
         rows.append({**s.tags, "label": s.label, "seed": s.config.run.seed, "delta_params": delta,
                      "total_params": total, "val_loss": summ["val_loss"], "val_bpb": summ["val_bpb"],
                      "train_loss": summ["train_loss"], "opt_state_bytes": optimizer_state_bytes(s.config),
-                     "table_lr": s.config.optim.memory_table_lr})
+                     "table_lr": s.config.optim.memory_table_lr,
+                     "core": read_core_score(run_dir_of(out, s), core_max)})
     return rows
 
 
@@ -139,7 +148,9 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
         key = (r["corpus"], r["family"], r["size"])
         p = pts.setdefault(key, {"corpus": r["corpus"], "family": r["family"], "size": r["size"],
                                  "delta_params": r["delta_params"], "opt_state_bytes": r["opt_state_bytes"],
-                                 "val_loss": [], "val_bpb": [], "seeds": []})
+                                 "val_loss": [], "val_bpb": [], "core": [], "seeds": []})
+        if r.get("core") is not None:
+            p["core"].append(r["core"])
         p["val_loss"].append(r["val_loss"])
         p["val_bpb"].append(r["val_bpb"])
         p["seeds"].append(r["seed"])
@@ -165,7 +176,7 @@ def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
     rows = []
     for i, p in enumerate(pts):
         rows.append([LABELS.get(p["family"], p["family"]), "–" if p["size"] is None else str(p["size"]),
-                     p["delta_params"], p["val_loss"], p["val_bpb"],
+                     p["delta_params"], p["val_loss"], p["val_bpb"], p["core"] or None,
                      None if p["step_ms"] is None else p["step_ms"],
                      None if p["decode_ms_per_token"] is None else p["decode_ms_per_token"],
                      p["opt_state_bytes"]["memory"] / 1e6,
@@ -193,7 +204,7 @@ def _table_file(kind_rows: list[list[Any]], columns: list[dict[str, str]], meta:
 
 POINT_COLUMNS = [{"header": "memory"}, {"header": "size"}, {"header": "Δparams", "fmt": "params"},
                  {"header": "val loss", "fmt": "mean_std:.4f"}, {"header": "val BPB", "fmt": "mean_std:.4f"},
-                 {"header": "step ms", "fmt": ".0f"}, {"header": "decode ms/token", "fmt": ".2f"},
+                 {"header": "CORE", "fmt": "mean_std:.4f"}, {"header": "step ms", "fmt": ".0f"}, {"header": "decode ms/token", "fmt": ".2f"},
                  {"header": "memory optimiser state (MB)", "fmt": ".1f"}, {"header": "on the front"}]
 BEST_P_COLUMNS = [{"header": "Δparams budget"}, {"header": "best"}, {"header": "Δparams", "fmt": "params"},
                   {"header": "val loss", "fmt": "mean_std:.4f"}]
@@ -222,9 +233,10 @@ def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path 
                             "title": f"{corpus}: val loss vs step time"}] if by_s else None)
 
 
-def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None) -> Path:
+def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None,
+                 core_max: int | None = None) -> Path:
     """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs."""
-    rows = collect(out, specs)
+    rows = collect(out, specs, core_max)
     if bench is None:
         f = out / "bench.json"
         bench = json.loads(f.read_text()) if f.is_file() else {}
