@@ -171,6 +171,11 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
     # Engram 700 has more Δparams, more step time and a higher loss than TN-gram 88: on no front
     assert fronts == {"raw GPT–": "params + time", "TN-gram88": "params + time", "Engram700": "",
                       "Engram1800": "params + time"}
+    # the docs/results files: "table" kind with provenance, rendered by the docblocks renderer
+    from tngram.report.docblocks import render_table
+    snap = json.loads((tmp_path / "results" / "pareto-default-best-params.json").read_text())
+    assert snap["kind"] == "table" and {"command", "commit", "machine"} <= set(snap)
+    assert "| ≤ 1.5M | TN-gram (88) | 1.08M | 3.4700 |" in render_table(snap)
 
 
 def test_large_vocabulary_setting_rides_with_the_default_corpus(monkeypatch):

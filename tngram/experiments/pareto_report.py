@@ -257,8 +257,27 @@ def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: 
                   + (render_table({"columns": BEST_S_COLUMNS, "rows": t["best_step"]}) if t["best_step"] else "(no timing yet)")
                   + (f"\n\n![{c}]({png.name})\n" if png else "\n"))
     atomic_write_text(out / "report.md", "\n".join(md))
+    write_results_files(out)
     print0("\n".join(md))
     return out / "report.md"
+
+
+def write_results_files(out: Path) -> None:
+    """OUT/results/*.json: the tables as docs/results files (copy them there to publish; `tngram
+    report doc` renders them into README/RESULTS blocks)."""
+    import sys
+    import tngram
+    from tngram.train.metrics import git_info
+    g = git_info(Path(tngram.__file__).resolve().parent)
+    commit = (g["commit"] or "unknown")[:12] + (" (uncommitted changes)" if g["dirty"] else "")
+    bench = json.loads((out / "pareto.json").read_text()).get("bench", {})
+    m = bench.get("machine", {})
+    machine = (f"{m.get('cpu', '?')}, {m.get('logical_cpus', '?')} CPUs; training runs one torch thread each; "
+               f"timing at 1 thread, interleaved, load average {m.get('loadavg', '?')} at the end of timing")
+    command = "tngram experiment pareto " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["experiment", "pareto"] \
+        else "tngram experiment pareto --out " + str(out)
+    for name, data in results_files(out, commit, machine, command).items():
+        atomic_write_json(out / "results" / f"{name}.json", data)
 
 
 def results_files(out: Path, commit: str, machine: str, command: str) -> dict[str, dict[str, Any]]:
