@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" numpy
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,report]"
 	touch $(STAMP)
 
 # `make test` also installs triton (CPU-usable wheel, ~15 s) so the Triton kernels are checked

@@ -102,3 +102,34 @@ def render_threads(res: dict[str, Any], view: str) -> str:
         raise TngramError(f"bench-threads block view {view!r}: expected one of {', '.join(views)} "
                           "(block name FILE:VIEW)")
     return views[view](res)
+
+
+# --- `tngram bench contention --json` (kind "bench-contention") ---------------------------------
+
+CONDITION_LABELS = {"idle": "alone", "busy": "beside a 2-thread torch job"}
+
+
+def render_contention(res: dict[str, Any], view: str = "") -> str:
+    """Tokens/s per (condition, thread policy), median of the interleaved reps, and the ratio to
+    the idle machine at torch's default thread count; a line on what else ran."""
+    if view not in ("", "table"):
+        raise TngramError(f"bench-contention block view {view!r}: expected table (block name FILE:table)")
+    try:
+        med, rel, chose = res["median_tokens_per_s"], res["vs_idle_default"], res["auto_chose"]
+        default = res["default_threads"]
+    except KeyError as e:
+        raise TngramError(f"bench contention results have no {e.args[0]!r}") from None
+    label = {"default": f"torch's default ({default})", "1": "1"}
+    lines = ["| machine | threads | tokens/s | × alone at the default |", "|---|---|---|---|"]
+    for cond in ("idle", "busy"):
+        for i, pol in enumerate(("default", "1", "auto")):
+            k = f"{cond}:{pol}"
+            picked = sorted(set(chose.get(cond, [])))
+            name = label.get(pol) or ("automatic (chose " + "/".join(map(str, picked)) + ")")
+            lines.append(md_row([CONDITION_LABELS[cond] if i == 0 else "", name, f"{med[k]:,.0f}",
+                                 f"{rel[k]:.2f}"]))
+    bg = res.get("background")
+    lines += ["", f"{res['recipe']}, {res['steps_per_rep']} optimiser steps of {res['tokens_per_step']:,} "
+              f"tokens per rep, median of {res['reps']} reps, all six candidates interleaved in one process. "
+              + (f"Also running: {bg} — not an idle machine." if bg else "Nothing else was running.")]
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ the renderer:
 - "compare": a snapshot of a `tngram compare` folder (`tngram report readme DIR`, Table 1 layout);
 - "bench-threads": the output of `tngram bench threads --json` (views "speed", "candidates",
   "targets");
+- "bench-contention": the output of `tngram bench contention --json` (view "table");
 - "table": a table stored as it is shown: "columns" (each a header and an optional "fmt") and
   "rows" (one list of raw values per row), see `render_cell`.
 
@@ -111,7 +112,11 @@ def render(snap: dict[str, Any], name: str) -> str:
     if kind == "bench-threads":
         from tngram.report.bench_blocks import render_threads
         return render_threads(snap, view) + "\n\n" + provenance(snap, source)
-    raise TngramError(f"{source}: unknown kind {kind!r} (expected compare, table or bench-threads)")
+    if kind == "bench-contention":
+        from tngram.report.bench_blocks import render_contention
+        return render_contention(snap, view) + "\n\n" + provenance(snap, source)
+    raise TngramError(f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads or "
+                      "bench-contention)")
 
 
 def provenance(snap: dict[str, Any], source: str) -> str:
