@@ -165,3 +165,12 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "tngram"
+
+
+def check_thread_count(n: int, key: str) -> None:
+    """A thread count far above the CPU cores (more than 4x) runs for minutes without one step
+    (each op's threads spin-wait for each other): one TngramError naming `key`, before any work."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n > 4 * cores:
+        raise TngramError(f"{key} {n} is far above this machine's {cores} CPU core(s) (at most {4 * cores}); "
+                          f"use 0 (torch's default) or a count up to {cores}")

@@ -96,6 +96,8 @@ def get(d: dict[str, Any], key: str, kind: str, where: str, *, lo: float | None 
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     elif kind == "number?":
         ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    elif kind == "any-number?":      # NaN and infinities allowed (a diverged run's record)
+        ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
     elif kind == "str":
         ok = isinstance(v, str)
     elif kind == "bool":
@@ -110,6 +112,7 @@ def get(d: dict[str, Any], key: str, kind: str, where: str, *, lo: float | None 
         ok = (lo is None or v >= lo) and (hi is None or v <= hi)
     if not ok:
         want = {"int": "an int", "float": "a finite number", "number?": "a finite number or null",
+                "any-number?": "a number or null",
                 "str": "a string", "bool": "true or false", "dict": "an object", "list": "a list"}[kind]
         raise BadRecordError(f"{where}: field {key!r} must be {_describe(want, lo, hi)}, got {_short(v)}")
     return v
@@ -126,3 +129,68 @@ def plain_name(name: Any, where: str, key: str) -> str:
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# numbers a summary.json holds (tngram.train.loop); each must be a number or null when present
+SUMMARY_NUMBERS = ("steps", "schedule_steps", "train_loss", "val_loss", "val_bpb", "val_tokens", "val_bytes",
+                   "tokens", "tokens_per_s", "train_time_s", "wall_s", "total_params", "memory_params",
+                   "delta_params", "world_size", "grad_accum_steps")
+
+
+def check_numbers(d: dict[str, Any], keys: tuple[str, ...], where: str) -> dict[str, Any]:
+    """Every key of `keys` present in `d` holds a number (NaN allowed: a diverged run) or null."""
+    for k in keys:
+        if k in d:
+            get(d, k, "any-number?", where)
+    return d
+
+
+def read_summary_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+    """A run's summary.json read back: an object whose numbers are numbers (see SUMMARY_NUMBERS)."""
+    return check_numbers(load_json(path, root), SUMMARY_NUMBERS, str(path))
+
+
+def read_results_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+    """An experiment's results.json read back: {"rows": [row objects]}, each row's numbers numbers,
+    its run_dir and method strings, its seed an int."""
+    where = str(path)
+    d = load_json(path, root)
+    rows = get(d, "rows", "list", where)
+    for i, r in enumerate(rows):
+        rw = f"{where}: rows[{i}]"
+        if not isinstance(r, dict):
+            raise BadRecordError(f"{rw} must be an object, got {_short(r)}")
+        check_numbers(r, SUMMARY_NUMBERS, rw)
+        for k in ("run_dir", "method", "label", "recipe"):
+            if k in r:
+                get(r, k, "str", rw)
+        if "seed" in r:
+            get(r, "seed", "int", rw, lo=0)
+    return d
+
+
+def read_tuning_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+    """A tuning.json read back: {"best": {family: setting name or number}, "rows": [...]}."""
+    where = str(path)
+    d = load_json(path, root)
+    best = get(d, "best", "dict", where)
+    for k, v in best.items():
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+            raise BadRecordError(f"{where}: field best.{k} must be a setting name or a finite number, got {_short(v)}")
+    if "rows" in d:
+        get(d, "rows", "list", where)
+    return d
+
+
+def read_core_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+    """An eval/core*.json read back: its "core" a number, its per-task results an object."""
+    where = str(path)
+    d = load_json(path, root)
+    get(d, "core", "any-number?", where)
+    tasks = get(d, "tasks", "dict", where, default={})
+    for label, t in tasks.items():
+        tw = f"{where}: tasks.{label}"
+        if not isinstance(t, dict):
+            raise BadRecordError(f"{tw} must be an object, got {_short(t)}")
+        check_numbers(t, ("accuracy", "centered", "n", "random_baseline"), tw)
+    return d

@@ -54,6 +54,9 @@ def evaluate_bpb(model: Callable[..., Tensor], val_tokens: Tensor, seq_len: int,
         raise TngramError(f"val_tokens must be 1-D, got shape {tuple(val_tokens.shape)}")
     if seq_len < 1 or batch_seqs < 1:
         raise TngramError(f"seq_len and batch_seqs must be >= 1, got {seq_len}, {batch_seqs}")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise TngramError(f"the validation cap (data.val_tokens / --max-tokens) is {max_tokens} targets, below "
+                          f"one window of sequence_len {seq_len}; raise it to at least {seq_len}")
     n_windows = eval_windows(val_tokens.numel(), seq_len, max_tokens)
     if n_windows == 0:
         raise TngramError(f"validation split has {val_tokens.numel()} tokens, fewer than one window "

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tngram.common import TngramError, atomic_write_json, print0
+from tngram.readback import load_json, read_summary_file
 from tngram.train.config import TrainConfig
 
 
@@ -103,7 +104,7 @@ def check_same_dataset(run_dir: Path, cfg: TrainConfig) -> None:
     manifest = data_dir / "manifest.json"
     if not want or not manifest.is_file():
         return   # a run from before dataset records, or no dataset to compare with yet
-    have = json.loads(manifest.read_text(encoding="utf-8")).get("fingerprint")
+    have = load_json(manifest, data_dir).get("fingerprint")
     if have != want:
         raise TngramError(f"{run_dir} was trained on another version of {data_dir} (dataset fingerprint "
                           f"{want[:12]}, now {str(have)[:12]}); remove that folder or choose another --out")
@@ -149,8 +150,8 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
                               f"or remove that folder")
         todo.append((i, spec, rdir))
     stop = threading.Event()     # set by the first failure: no further run starts
-
     clock = RunClock(len(todo))
+
     def train_one(i: int, spec: RunSpec, rdir: Path) -> str | None:
         if stop.is_set():
             return None
@@ -172,7 +173,7 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
     rows = []
     for spec in specs:
         rdir = run_dir_of(out, spec)
-        summary = json.loads((rdir / "summary.json").read_text())
+        summary = read_summary_file(rdir / "summary.json", rdir)
         rows.append({**spec.tags, "label": spec.label, "run_dir": str(rdir), **summary})
     return rows
 
@@ -228,4 +229,4 @@ def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: 
 
 
 def _same_config(rdir: Path, cfg: TrainConfig) -> bool:
-    return _normalized(json.loads((rdir / "config.json").read_text())) == json.loads(json.dumps(cfg.to_dict()))
+    return _normalized(load_json(rdir / "config.json", rdir)) == json.loads(json.dumps(cfg.to_dict()))

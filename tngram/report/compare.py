@@ -123,18 +123,18 @@ def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
     """Rows (method, seed, losses, run_dir) of a compare-style folder: every finished run in
     folder/runs/<method>-s<i>/ (summary.json + config.json), so a half-finished `tngram compare`
     or one with seeds added later is reported in full; results.json only when runs/ is gone."""
-    import json
-
+    from tngram.readback import get, load_json, read_results_file, read_summary_file
     path = folder / "results.json"
     if not (folder / "runs").is_dir() and path.exists():
-        return json.loads(path.read_text())["rows"]
+        return read_results_file(path)["rows"]
     rows = []
     for run in sorted((folder / "runs").glob("*-s*")):
         summary, config = run / "summary.json", run / "config.json"
         if not (summary.exists() and config.exists()):
             continue
-        s, c = json.loads(summary.read_text()), json.loads(config.read_text())
-        rows.append({**s, "method": run.name.rsplit("-s", 1)[0], "seed": c["run"]["seed"], "run_dir": str(run)})
+        s, c = read_summary_file(summary, run), load_json(config, run)
+        seed = get(get(c, "run", "dict", str(config)), "seed", "int", f"{config}: run", lo=0)
+        rows.append({**s, "method": run.name.rsplit("-s", 1)[0], "seed": seed, "run_dir": str(run)})
     return rows
 
 

@@ -14,7 +14,6 @@ the check of every block of a file live in tngram.report.docblocks (`tngram repo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,12 @@ def snapshot(compare_dir: Path) -> dict[str, Any]:
     path = compare_dir / "results.json"
     if not path.is_file():
         raise MissingFileError(f"{path} not found: is {compare_dir} a `tngram compare` folder?")
-    results = json.loads(path.read_text())
+    from tngram.readback import load_json, read_results_file
+    results = read_results_file(path)
     envs, row_commits = [], []
     for r in results["rows"]:
-        env = compare_dir / "runs" / Path(r["run_dir"]).name / "env.json"
-        e = json.loads(env.read_text()) if env.is_file() else {}
+        env = compare_dir / "runs" / Path(str(r.get("run_dir", ""))).name / "env.json"
+        e = load_json(env) if env.is_file() else {}
         envs.append(e)
         row_commits.append(((e.get("git") or {}).get("commit") or "unknown")[:12])
     commits = list(dict.fromkeys(row_commits))

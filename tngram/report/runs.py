@@ -2,28 +2,43 @@
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
 
-from tngram.common import MissingFileError, iter_jsonl
+from tngram.common import MissingFileError
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    from tngram.readback import BadRecordError, parse_json
+    from tngram.safefs import read_bytes
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
+    if not os.path.lexists(path):
         raise MissingFileError(f"{path} not found: is {run_dir} a tngram run folder?")
-    rows = [obj for _, obj in iter_jsonl(path)]
+    rows = []
+    for lineno, line in enumerate(read_bytes(path, run_dir).splitlines(), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, f"{path}: line {lineno}")
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise BadRecordError(f"{path}: line {lineno}: a metrics row must be an object with an int "
+                                 f"step >= 0, got {line[:60]!r}")
+        for k, v in row.items():
+            if k != "step" and (isinstance(v, bool) or not (v is None or isinstance(v, (int, float)))):
+                raise BadRecordError(f"{path}: line {lineno}: field {k!r} must be a number, got {v!r}"[:200])
+        rows.append(row)
     return rows
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    from tngram.readback import read_summary_file
     path = Path(run_dir) / "summary.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         raise MissingFileError(f"{path} not found: the run in {run_dir} has not finished")
-    return json.loads(path.read_text())
+    return read_summary_file(path, run_dir)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -49,16 +64,23 @@ def fmt_params(n: float | None) -> str:
 def read_core(run_dir: str | Path) -> dict[str, Any] | None:
     """The run's CORE result written by `tngram eval core`: eval/core.json, else the newest
     eval/core-max*.json; None when the run has not been evaluated."""
+    from tngram.readback import read_core_file
+    from tngram.safefs import check_chain, real_dir
     ev = Path(run_dir) / "eval"
+    check_chain(run_dir, ev, include_self=True)
+    if not real_dir(ev):
+        return None
     full = ev / "core.json"
-    if full.exists():
-        return json.loads(full.read_text())
-    partial = sorted(ev.glob("core-max*.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(partial[-1].read_text()) if partial else None
+    if os.path.lexists(full):
+        return read_core_file(full, run_dir)
+    partial = sorted(ev.glob("core-max*.json"), key=lambda p: p.lstat().st_mtime)
+    return read_core_file(partial[-1], run_dir) if partial else None
 
 
 def run_name(run_dir: str | Path) -> str:
+    from tngram.readback import load_json
     cfg = Path(run_dir) / "config.json"
-    if cfg.exists():
-        return str(json.loads(cfg.read_text()).get("name", Path(run_dir).name))
+    if os.path.lexists(cfg):
+        name = load_json(cfg, run_dir).get("name", Path(run_dir).name)
+        return name if isinstance(name, str) else Path(run_dir).name
     return Path(run_dir).name

@@ -22,6 +22,8 @@ from typing import Any
 
 from tngram.common import MissingFileError, TngramError
 
+MAX_DEPTH = 8     # config keys nest at most model.memory.field
+
 
 def _load_toml(path: Path) -> Any:
     if sys.version_info >= (3, 11):
@@ -32,10 +34,11 @@ def _load_toml(path: Path) -> Any:
         except ImportError:
             raise TngramError(f"{path}: reading TOML on Python 3.10 needs `pip install tomli`") from None
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        return tomllib.loads(_read_text(path))
     except tomllib.TOMLDecodeError as e:
         raise TngramError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise TngramError(f"{path}: nested too deeply (more than {MAX_DEPTH} levels)") from None
 
 
 def _load_yaml(path: Path) -> Any:
@@ -44,9 +47,18 @@ def _load_yaml(path: Path) -> Any:
     except ImportError:
         raise TngramError(f"{path}: reading YAML needs PyYAML (`pip install pyyaml`); or use TOML") from None
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(_read_text(path))
     except yaml.YAMLError as e:
         raise TngramError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except RecursionError:
+        raise TngramError(f"{path}: nested too deeply (more than {MAX_DEPTH} levels)") from None
+
+
+def _read_text(path: Path) -> str:
+    """The config file as UTF-8 text: a regular file (a FIFO or device is refused, never waited
+    on), at most 16 MiB; other encodings are one line naming the byte."""
+    from tngram.safefs import read_text
+    return read_text(path.resolve(), limit=16 << 20)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -64,7 +76,7 @@ def load_config_file(path: str | os.PathLike) -> tuple[str | None, list[tuple[st
     """(recipe or None, [(dotted key, value)]) from a .toml/.yaml/.yml file. The memory kind
     comes first so the other model.memory.* keys apply to it."""
     path = Path(path).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise MissingFileError(f"--config {path}: file not found")
     suffix = path.suffix.lower()
     if suffix == ".toml":
@@ -72,16 +84,18 @@ def load_config_file(path: str | os.PathLike) -> tuple[str | None, list[tuple[st
     elif suffix in (".yaml", ".yml"):
         data = _load_yaml(path)
     elif suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise TngramError(f"{path}: not valid JSON ({e})") from None
+        from tngram.readback import parse_json
+        data = parse_json(_read_text(path), str(path))
     else:
         raise TngramError(f"--config {path}: expected a .toml, .yaml, .yml or .json file")
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise TngramError(f"{path}: expected a table of config keys at the top level")
+    from tngram.readback import depth
+    if depth(data) > MAX_DEPTH:
+        raise TngramError(f"{path}: nested too deeply (more than {MAX_DEPTH} levels); config keys are "
+                          f"at most section.field or model.memory.field")
     data = dict(data)
     recipe = data.pop("recipe", None)
     if recipe is not None and not isinstance(recipe, str):

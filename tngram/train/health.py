@@ -102,7 +102,11 @@ def _gib(n: float) -> str:
 
 
 def check_step_memory(cfg) -> None:
-    """TngramError (with the estimate) if a training step of `cfg` certainly cannot fit."""
+    """TngramError (with the estimate) if a training step of `cfg` certainly cannot fit; also the
+    other setting that can only fail late: run.threads far above the CPU cores."""
+    from tngram.common import check_thread_count
+    if cfg.run.threads > 0 and cfg.run.device in ("cpu", "auto"):
+        check_thread_count(cfg.run.threads, "run.threads")
     parts = step_memory_lower_bound(cfg)
     need = sum(parts.values())
     have, where = available_memory(cfg.run.device)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError, check_writable_dir
-from tngram.safefs import check_chain, write_json
+from tngram.safefs import check_chain, is_link, write_json
 from tngram.train.runlock import LOCK_FILE, RunLock
 
 # what a run folder may hold besides its own records (so a crashed fresh run can be restarted)
@@ -40,6 +40,10 @@ def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train")
     lock = RunLock(run_dir, what).acquire()
     try:
         lock.created = not existed
+        links = sorted(n for n in _RUN_ENTRIES if n != LOCK_FILE and is_link(run_dir / n))
+        if links:     # a received run folder must not lead a write (or a retention) outside it
+            raise TngramError(f"--out {run_dir}: {', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; "
+                              f"tngram never follows links in a run folder: replace them with real files/folders")
         entries = {p.name for p in run_dir.iterdir()
                    if p.name not in (LOCK_FILE, "requested_config.json")   # (tngram experiment's)
                    and not (p.is_file() and p.name.endswith(_NOTE_SUFFIXES))}
