@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tngram.bench.step import build_step
-from tngram.recipes import get_recipe
+from tngram.train.recipes import get_recipe
 from test_train_support import tiny_data  # noqa: F401  (fixture)
 
 

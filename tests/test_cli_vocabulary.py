@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from test_train_support import TINY_SETS, cli_args, one_thread, tiny_data  # noqa: F401
-from tngram.cli import build_parser, main
+from tngram.cli.main import build_parser, main
 from tngram.common import MissingFileError, TngramError
 
 
@@ -144,7 +144,7 @@ def test_plain_log_lines_when_stderr_is_not_a_terminal(tiny_data, tmp_path):  # 
 
 def test_tensorboard_logger(tiny_data, tmp_path):  # noqa: F811
     pytest.importorskip("tensorboard")
-    from tngram.train.cli import resolve_config
+    from tngram.train.recipes import resolve_config
     from tngram.train.loop import train
     cfg = resolve_config("mini-raw", TINY_SETS + ["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0"],
                          str(tiny_data))
@@ -156,7 +156,7 @@ def test_wandb_logger_offline(tiny_data, tmp_path, monkeypatch):  # noqa: F811
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    from tngram.train.cli import resolve_config
+    from tngram.train.recipes import resolve_config
     from tngram.train.loop import train
     from tngram.train.metrics import read_metrics
     cfg = resolve_config("mini-raw", TINY_SETS + ["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0",

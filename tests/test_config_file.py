@@ -10,8 +10,8 @@ import pytest
 from test_train_support import MEMORY_SETS, TINY_SETS, one_thread, tiny_data  # noqa: F401
 from tngram.cli import main
 from tngram.common import TngramError
-from tngram.recipes import get_recipe, recipe_names
-from tngram.train.cli import resolve_config
+from tngram.train.recipes import get_recipe, recipe_names
+from tngram.train.recipes import resolve_config
 from tngram.train.config_file import config_to_toml, load_config_file
 
 

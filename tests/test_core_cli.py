@@ -18,7 +18,7 @@ import torch
 
 from test_bundle import make_packages
 from test_core_fixtures import lm_items, mc_items, schema_items, write_toy_bundle
-from tngram.eval.cli import add_commands
+from tngram.cli.eval import add_commands
 
 pytest.importorskip("sentencepiece")
 

@@ -16,7 +16,7 @@ import pytest
 import tngram.data.build as build_mod
 from tngram.common import TngramError
 from tngram.data.build import build_from_text, ensure_default_data, open_dataset
-from tngram.data.cli import add_commands
+from tngram.cli.data import add_commands
 from tngram.data.corpus import DEFAULT_SOURCES, Document, read_source, read_text_paths, split_documents, wheel_metadata
 from tngram.data.loader import TokenLoader
 from tngram.data.shards import read_shard

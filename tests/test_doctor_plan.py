@@ -39,7 +39,7 @@ def test_doctor_reports_lookups_self_checks_and_what_to_install(fresh_lookup_cho
 
 
 def test_plan_is_plausible_for_the_papers_l9_on_4_a100(capsys):
-    from tngram.recipes import get_recipe, param_summary
+    from tngram.train.recipes import get_recipe, param_summary
     assert main(["plan", "paper-l9-tngram", "--gpus", "4", "--gpu-mem", "80", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["params"] == param_summary(get_recipe("paper-l9-tngram"))["total_params"]
@@ -73,8 +73,8 @@ RSS = textwrap.dedent("""
     import json, torch
     from tngram.bench.common import vm_rss_bytes
     from tngram.model.gpt import GPT
-    from tngram.plan import activation_bytes
-    from tngram.recipes import get_recipe
+    from tngram.cli.plan import activation_bytes
+    from tngram.train.recipes import get_recipe
     torch.set_num_threads(1)
     m = get_recipe("mini-tngram").model
     traced = activation_bytes(m, 8, "fp32")["total"]

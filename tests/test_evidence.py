@@ -85,7 +85,7 @@ def test_dense_variants_match_params_and_flops():
     from dataclasses import replace as rep
 
     from tngram.experiments.evidence import dense_variants, train_flops_per_token
-    from tngram.recipes import get_recipe, param_summary
+    from tngram.train.recipes import get_recipe, param_summary
 
     cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
     total = lambda c: param_summary(c)["total_params"]  # noqa: E731
@@ -106,7 +106,7 @@ def test_dense_variants_match_params_and_flops():
 
 def test_tuning_variants_change_only_their_setting():
     from tngram.experiments.evidence import FACTOR_INIT_STDS, TABLE_LR_FACTORS, tuning_variants
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
     tv = tuning_variants(cfgs)
@@ -140,7 +140,7 @@ def test_experiment_cli_seeds_default_and_budgets(monkeypatch, tmp_path):
 
 def test_widen_lr_grid_steps_past_an_edge_best_only():
     from tngram.experiments.evidence import MAX_LR_STEPS, TABLE_LR_FACTORS, tuning_variants, widen_lr_grid
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
     tv = tuning_variants(cfgs)
@@ -169,7 +169,7 @@ def test_tuning_table_shows_the_lr_each_setting_trains_with():
     """The factor-init settings leave optim.memory_table_lr unset (the tied-embedding lr applies):
     the table must print that lr (a None here crashed a finished 24-run sweep before tuning.json)."""
     from tngram.experiments.evidence import tuning_table, tuning_variants
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
     tv = tuning_variants(cfgs)
@@ -184,7 +184,7 @@ def test_tuning_table_shows_the_lr_each_setting_trains_with():
 def test_tuned_configs_and_missing_tuning_folder(tmp_path, capsys):
     from tngram.cli import main
     from tngram.experiments.evidence import tuned_configs
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     cfgs = {m: get_recipe(f"mini-{m}") for m in ("raw", "engram", "tngram")}
     t = tuned_configs(cfgs, {"engram": "engram-lr4", "tngram": "tngram-init0.03"})
@@ -200,7 +200,7 @@ def test_tuned_configs_and_missing_tuning_folder(tmp_path, capsys):
 def test_tuned_accepts_the_printed_setting_names(tmp_path, capsys):
     from tngram.cli import main
     from tngram.experiments.evidence import read_best, tuned_configs
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     # the names `tngram experiment tuning` prints are the same as a tuning folder's "best"
     assert read_best("engram-lr4,tngram-lr2") == {"engram": "engram-lr4", "tngram": "tngram-lr2"}
@@ -229,7 +229,7 @@ def test_tuned_accepts_the_printed_setting_names(tmp_path, capsys):
 def test_data_scaling_trains_each_memory_at_its_tuned_setting(tmp_path, monkeypatch):
     import tngram.experiments.compare as cmp
     import tngram.experiments.evidence as ev
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     class Seen(Exception):
         pass

@@ -431,8 +431,8 @@ def test_fuzz_set_values_never_traceback(recipe):
     """Every --set key x hostile values: either a valid config (whose model can be built and
     whose step memory can be estimated) or one TngramError line; never another exception."""
     from tngram.model.gpt import GPT
-    from tngram.recipes import get_recipe
-    from tngram.train.cli import resolve_config
+    from tngram.train.recipes import get_recipe
+    from tngram.train.recipes import resolve_config
     from tngram.train.config import config_keys
     from tngram.train.health import check_step_memory
     keys = config_keys(get_recipe(recipe))   # a renamed recipe must fail here, not skip

@@ -10,7 +10,7 @@ import torch
 
 from tngram.common import TngramError
 from tngram.model.gpt import GPT, GPTConfig, apply_rope
-from tngram.recipes import get_recipe, param_summary, recipe_names
+from tngram.train.recipes import get_recipe, param_summary, recipe_names
 from tngram.memory.tngram import TNGramConfig
 
 TINY = GPTConfig(vocab_size=50, n_layer=4, n_embd=32, n_head=4, n_kv_head=2, sequence_len=32,

@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 from test_train_support import TINY_VOCAB, one_thread, synthetic_documents, tiny_data  # noqa: F401,E402
 from tngram.cli import main  # noqa: E402
 from tngram.model.gpt import GPT  # noqa: E402
-from tngram.recipes import get_recipe  # noqa: E402
+from tngram.train.recipes import get_recipe  # noqa: E402
 from tngram.train.checkpoint import save_final_weights, save_run_config  # noqa: E402
 
 RECIPES = ("mini-raw", "mini-engram", "mini-tngram", "mini-oe")
@@ -159,7 +159,7 @@ def test_pipeline_text_generation(exported):
 
 def test_fresh_process_after_import_tngram(exported):
     """A new interpreter: `import tngram` + the Auto classes, no trust_remote_code."""
-    pytest.importorskip("tngram._hf_hook", reason="the import hook of tngram.hf is not in this tree yet")
+    pytest.importorskip("tngram.hf._import_hook", reason="the import hook of tngram.hf is not in this tree yet")
     d = exported["mini-engram"][1]
     code = ("import tngram, torch\n"
             "from transformers import AutoModelForCausalLM, AutoTokenizer\n"

@@ -13,13 +13,13 @@ PKG = Path(__file__).resolve().parents[1] / "tngram"
 
 FORBIDDEN = {
     "memory": ("tngram.model", "tngram.train", "tngram.optim", "tngram.data", "tngram.eval",
-               "tngram.experiments", "tngram.report", "tngram.recipes", "tngram.bench"),
+               "tngram.experiments", "tngram.report", "tngram.train.recipes", "tngram.bench"),
     "model": ("tngram.train", "tngram.optim", "tngram.data", "tngram.eval", "tngram.experiments",
-              "tngram.report", "tngram.recipes", "tngram.bench"),
+              "tngram.report", "tngram.train.recipes", "tngram.bench"),
     "optim": ("tngram.model", "tngram.train", "tngram.data", "tngram.eval", "tngram.experiments",
-              "tngram.report", "tngram.recipes"),
+              "tngram.report", "tngram.train.recipes"),
     "data": ("tngram.model", "tngram.train", "tngram.optim", "tngram.memory", "tngram.experiments",
-             "tngram.report", "tngram.recipes"),
+             "tngram.report", "tngram.train.recipes"),
     "report": ("tngram.model", "tngram.train", "tngram.optim", "tngram.memory", "tngram.data"),
 }
 

@@ -9,7 +9,7 @@ from torch import nn
 from tngram.common import TngramError
 from tngram.model.gpt import CONTROL_NAMES, GPT, GPTConfig
 from tngram.optim.groups import assign_groups, build_param_groups, format_param_table
-from tngram.recipes import get_recipe
+from tngram.train.recipes import get_recipe
 from tngram.train.config import OptimConfig
 
 TINY = GPTConfig(vocab_size=64, n_layer=4, n_embd=32, n_head=4, n_kv_head=2, sequence_len=32,

@@ -52,7 +52,7 @@ def test_python_snippet_runs(i, project, monkeypatch, capsys):
 
 @pytest.mark.parametrize("i", range(len(blocks("toml"))))
 def test_toml_snippet_is_a_valid_config(i, tmp_path):
-    from tngram.train.cli import resolve_config
+    from tngram.train.recipes import resolve_config
     f = tmp_path / "c.toml"
     f.write_text(blocks("toml")[i])
     cfg = resolve_config(None, [], config_file=str(f))
@@ -72,8 +72,8 @@ def _command_lines() -> list[str]:
 
 
 def test_every_shell_command_parses(tmp_path, monkeypatch, capsys):
-    from tngram.cli import build_parser, main
-    from tngram.train.cli import resolve_config
+    from tngram.cli.main import build_parser, main
+    from tngram.train.recipes import resolve_config
     monkeypatch.chdir(tmp_path)
     parser = build_parser()
     lines = _command_lines()
@@ -108,7 +108,7 @@ def _table(text: str, header_start: str) -> list[list[str]]:
 
 
 def test_parameter_table_equals_param_summary():
-    from tngram.recipes import get_recipe, param_summary
+    from tngram.train.recipes import get_recipe, param_summary
     rows = _table(README, "| recipe | backbone |")
     assert len(rows) >= 6
     for row in rows:
@@ -183,7 +183,7 @@ def test_command_lines_in_docs_parse():
     """Every `tngram COMMAND ...` line in a code block of docs/*.md still parses (stale flags such
     as a renamed option fail here). Usage synopses (with [optional] parts) and output lines whose
     first word is not a command are skipped."""
-    from tngram.cli import build_parser
+    from tngram.cli.main import build_parser
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
     bad, n = [], 0

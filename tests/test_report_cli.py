@@ -33,7 +33,7 @@ def test_tables_from_run_folders(tmp_path):
 def test_tables_needs_an_evaluated_run(tmp_path):
     (tmp_path / "r").mkdir()
     with pytest.raises(TngramError, match="tngram eval core"):
-        from tngram.report.cli import _cmd_tables
+        from tngram.cli.report import _cmd_tables
         import argparse
         _cmd_tables(argparse.Namespace(run_dirs=[str(tmp_path / "r")], metric="accuracy", out=tmp_path))
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from tngram.experiments.runner import is_complete
-from tngram.recipes import get_recipe
+from tngram.train.recipes import get_recipe
 
 
 def test_run_saved_before_a_new_field_is_still_complete(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tngram.experiments.common import with_data, with_memory
 from tngram.experiments.sweeps import _ablation, _capacity, _ngram_order, _specs
-from tngram.recipes import get_recipe, param_summary
+from tngram.train.recipes import get_recipe, param_summary
 
 
 def test_ngram_order_covers_N_2_to_8_for_both_memories():

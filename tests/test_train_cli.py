@@ -7,8 +7,8 @@ import pytest
 from test_train_support import one_thread, tiny_config, tiny_data  # noqa: F401
 from tngram.cli import main
 from tngram.common import TngramError
-from tngram.recipes import recipe_names
-from tngram.train.cli import resolve_config
+from tngram.train.recipes import recipe_names
+from tngram.train.recipes import resolve_config
 from tngram.train.loop import train
 
 

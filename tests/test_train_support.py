@@ -103,7 +103,7 @@ MEMORY_SETS = ["model.memory_layers=1"]   # only where there is a memory (refuse
 
 
 def tiny_config(data_dir: Path, recipe: str = "mini-tngram", extra: list[str] | None = None):
-    from tngram.train.cli import resolve_config
+    from tngram.train.recipes import resolve_config
     sets = TINY_SETS + (MEMORY_SETS if recipe != "mini-raw" else []) + (
         TNGRAM_SETS if recipe == "mini-tngram" else []) + list(extra or [])
     return resolve_config(recipe, sets, str(data_dir))

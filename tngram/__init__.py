@@ -13,12 +13,40 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "build_model", "load_run", "sample"]
+# The public modules and configs, importable from the root (`from tngram import TNGram`) but loaded
+# on first use (PEP 562 module __getattr__): `import tngram` stays cheap (no torch until needed).
+_LAZY = {
+    "TNGram": "tngram.memory.tngram",
+    "TNGramConfig": "tngram.memory.tngram",
+    "Engram": "tngram.memory.engram",
+    "EngramConfig": "tngram.memory.engram",
+    "OverEncoding": "tngram.memory.overencoding",
+    "OverEncodingConfig": "tngram.memory.overencoding",
+    "GatedFusion": "tngram.memory.gating",
+    "GPT": "tngram.model.gpt",
+    "GPTConfig": "tngram.model.gpt",
+}
+
+__all__ = ["__version__", "build_model", "load_run", "sample", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value   # later look-ups skip __getattr__
+        return value
+    raise AttributeError(f"module 'tngram' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 
 def build_model(recipe_name: str, **overrides: Any) -> Any:
     """Build the model of a named recipe (see `tngram recipes`): forward(ids (B, T)) -> logits (B, T, V)."""
-    from tngram.recipes import build_model as _build
+    from tngram.train.recipes import build_model as _build
 
     return _build(recipe_name, **overrides)
 
@@ -47,7 +75,7 @@ def sample(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 64, te
 
 
 # transformers integration: tngram.hf registers itself when transformers is imported (not here;
-# importing tngram never imports transformers). See tngram/_hf_hook.py.
-from tngram import _hf_hook  # noqa: E402
+# importing tngram never imports transformers). See tngram/hf/_import_hook.py.
+from tngram.hf import _import_hook  # noqa: E402
 
-_hf_hook.install()
+_import_hook.install()

@@ -56,7 +56,7 @@ def decode_flops(model: nn.Module, context: int) -> float:
 def build(shape: str, method: str, tiny: bool = False) -> nn.Module:
     """The recipe's model with random weights (non-zero memory output), eval mode, fp32."""
     from tngram.model.gpt import GPT
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
     cfg = get_recipe(f"{SHAPES[shape]}-{method}").model
     if cfg.memory is not None:
         cfg = replace(cfg, memory=replace(cfg.memory, zero_init_value=False))

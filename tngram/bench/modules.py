@@ -63,7 +63,7 @@ def _impl(name: str) -> Iterator[None]:
 
 def build(name: str) -> nn.Module | None:
     """The paper-l9 module for a candidate name (seeded, so every process builds the same)."""
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
     torch.manual_seed(0)
     if name == "none":
         return None

@@ -93,7 +93,7 @@ def _timers() -> Iterator[dict[str, list[float]]]:
 
 def phases(recipe: str, steps: int, threads: int, data: str | None = None) -> dict[str, Any]:
     """One real training run of `steps` optimiser steps, split into PHASES and OUTSIDE (seconds)."""
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
     cfg = get_recipe(recipe)
     cfg = replace(cfg, run=replace(cfg.run, threads=threads),
                   data=replace(cfg.data, dir=data) if data else cfg.data)
@@ -152,7 +152,7 @@ def _muon_ns(E: int, D: int, matrices: int, ns_steps: int) -> tuple[Callable[[],
 
 def memory_width(recipe: str) -> tuple[int, int, int]:
     """(E, D, memory layers) of a recipe's memory K/V projections (E = their input width)."""
-    from tngram.recipes import build_model
+    from tngram.train.recipes import build_model
     with torch.device("meta"):
         model = build_model(recipe)
     fusions = [m for m in model.modules() if type(m).__name__ == "GatedFusion"]
@@ -163,7 +163,7 @@ def gap(recipes: tuple[str, str] = ("mini-tngram", "mini-engram"), reps: int = 1
         warmup: int = 2) -> dict[str, Any]:
     """Step times of two recipes and of their K/V matmuls and Muon NS alone, interleaved."""
     from tngram.bench.step import build_step
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
     work: dict[str, Callable[[], None]] = {}
     flops: dict[str, float] = {}
     facts: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""Text sampling with incremental decoding (`tngram sample RUN_DIR --prompt TEXT`).
+"""Text sampling with incremental decoding (the command is `tngram sample`, tngram/cli/sample.py).
 
 The model keeps a cache between calls (attention keys/values, each memory module's n-gram window
 and conv state), so each new token costs one position of compute; the logits equal a full
@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tngram.argtypes import float_range, int_range
 from tngram.common import TngramError
 
 
@@ -55,40 +54,3 @@ def pick(logits: Tensor, temperature: float, top_k: int | None, gen: torch.Gener
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[0, 0]
-
-
-# ---- CLI: tngram sample RUN_DIR --prompt TEXT
-
-def add_commands(sub: Any) -> None:
-    from tngram.cli_common import add_device_argument
-    p = sub.add_parser("sample", help="sample text from a trained run (incremental decoding)",
-                       description="Sample continuations of --prompt from a trained run folder. The run's "
-                       "own tokenizer (RUN_DIR/tokenizer.model) is used, so a moved run works.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `tngram train`")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float_range(0.0), default=0.8, help="softmax temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int_range(0), default=50, help="sample among the k most likely tokens; 0 = all")
-    p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeds SEED, SEED+1, ...)")
-    p.add_argument("--seed", type=int_range(0), default=0, help="sampling seed")
-    p.add_argument("--tokenizer", default=None, metavar="MODEL",
-                   help="SentencePiece .model to use instead of the run's (older runs without one)")
-    add_device_argument(p)
-    p.set_defaults(func=_cmd_sample)
-
-
-def _cmd_sample(args: Any) -> int:
-    import tngram
-    from tngram.cli_common import resolve_device
-
-    if args.num_samples < 1:
-        raise TngramError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.max_new_tokens < 1:
-        raise TngramError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model, tok = tngram.load_run(args.run_dir, device=resolve_device(args.device), tokenizer=args.tokenizer)
-    for i in range(args.num_samples):
-        if i:
-            print("-" * 40)
-        print(tngram.sample(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                            args.seed + i))
-    return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError, print0
-from tngram.recipes import get_recipe
+from tngram.train.recipes import get_recipe
 from tngram.train.config import TrainConfig
 
 # preset -> (recipe prefix, default processes)

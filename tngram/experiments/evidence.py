@@ -225,7 +225,7 @@ def _closest(cfg: Any, field: str, values: range, measure: Any, target: float) -
 def dense_variants(raw: Any, memory_cfgs: dict[str, Any]) -> dict[str, Any]:
     """Raw GPTs grown to each memory model's total parameters — wider (n_embd), deeper (n_layer),
     larger MLP (mlp_mult) — and to its training FLOPs per token (wider). Names: dense-<way>-<method>."""
-    from tngram.recipes import param_summary
+    from tngram.train.recipes import param_summary
     total = lambda c: param_summary(c)["total_params"]  # noqa: E731
     m = raw.model
     step = 2 * m.n_head
@@ -247,7 +247,7 @@ def dense(out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None
     from dataclasses import replace
     from tngram.experiments.common import resolve_data, with_seed
     from tngram.experiments.runner import RunSpec, run_all
-    from tngram.recipes import param_summary
+    from tngram.train.recipes import param_summary
     from tngram.report.plots import xy_plot
     from tngram.report.runs import mean_std
 

@@ -9,7 +9,7 @@ exact with the KV cache; save_pretrained / from_pretrained round-trip it (see do
 
 Nothing below `tngram.hf` imports it, and `import tngram` does not import transformers: names
 here load on first use (`__getattr__`), and the transformers patches / Auto-class registrations
-run when transformers is imported (tngram._hf_hook).
+run when transformers is imported (tngram.hf._import_hook).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def register() -> None:
     """Teach transformers about tngram (idempotent): models whose config carries a
     `tngram_memory` entry get their memory rebuilt on construction / from_pretrained,
     save_pretrained writes that entry for models with a memory, and the modules in
-    _REGISTERING_MODULES register their Auto classes. tngram._hf_hook runs both parts when
+    _REGISTERING_MODULES register their Auto classes. tngram.hf._import_hook runs both parts when
     transformers is imported after tngram; add_memory calls this too."""
     from tngram.hf import attach
 

@@ -1,6 +1,6 @@
 """Training configuration: nested frozen dataclasses, serialised to the run's config.json.
 
-A run = a recipe function (tngram.recipes) + dotted overrides (`--set optim.matrix_lr=0.02`).
+A run = a recipe function (tngram.train.recipes) + dotted overrides (`--set optim.matrix_lr=0.02`).
 """
 
 from __future__ import annotations

@@ -44,18 +44,22 @@ class DistContext:
         return self.world_size > 1
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """"auto" -> cuda:LOCAL_RANK when CUDA is available, else cpu; "cuda" -> cuda:LOCAL_RANK."""
+def resolve_device(name: str, local_rank: int = 0, flag: str = "run.device") -> torch.device:
+    """The one device rule (training, evaluation, sampling): "auto" -> cuda:LOCAL_RANK when CUDA is
+    available, else cpu; "cuda" -> cuda:LOCAL_RANK; "cuda:N" and "cpu" as given; "mps" (Apple GPU)
+    when torch has it. Anything else, or a device this torch cannot use, is a one-line error naming
+    `flag` (the config key or command-line flag the name came from)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         name = f"cuda:{local_rank}"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise TngramError(f"run.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
+    if not (name in ("cpu", "mps") or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise TngramError(f"{flag} must be auto, cpu, cuda, cuda:N or mps, got {name!r}")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise TngramError(f"run.device is {name!r} but CUDA is not available; use run.device=cpu")
+        raise TngramError(f"{flag} is {name!r} but CUDA is not available (use cpu)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise TngramError(f"{flag} is 'mps' but this torch has no MPS device (use cpu)")
     return device
 
 

@@ -24,7 +24,10 @@ from typing import Any
 
 from tngram.common import TngramError
 from tngram.model.gpt import GPT, GPTConfig
-from tngram.train.config import DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+from tngram.train.config import (DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig,
+                                 apply_overrides, apply_settings, check_memory_layers_used,
+                                 with_schedule_steps)
+from tngram.train.config_file import load_config_file
 
 
 # ---- memory configurations
@@ -85,6 +88,9 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-raw": lambda: _mini(None, "mini-raw"),
     "mini-engram": lambda: _mini(_engram(MINI_D, MINI_VOCAB, heads=4), "mini-engram"),
     "mini-tngram": lambda: _mini(_tngram(352), "mini-tngram"),
+    # the ablation winners (docs/RESULTS.md Fig. 4 right): no RMSNorm, no absorption
+    "mini-tngram-lean": lambda: _mini(_tngram(352, use_norm=False, use_absorption=False),
+                                      "mini-tngram-lean"),
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
 }
 
@@ -120,45 +126,23 @@ def param_summary(cfg: TrainConfig) -> dict[str, Any]:
             "memory_params": model.memory_params()}
 
 
-# ---- CLI: `tngram recipes`, `tngram params RECIPE [--json]`
+# ---- a run's config: recipe + config file + --data + --steps + --set
 
-def add_commands(sub: Any) -> None:
-    from tngram.cli_common import add_json_argument
-    p = sub.add_parser("recipes", help="list the named recipes")
-    add_json_argument(p)
-    p.set_defaults(func=_cmd_recipes)
-    from tngram.cli_common import add_config_arguments
-    p = sub.add_parser("params", help="parameter counts of a recipe (delta against its raw GPT)",
-                       description="Total, memory and delta parameters (delta = total minus the same "
-                       "backbone without memory) of a recipe, a --config file or both, with --set applied.")
-    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE",
-                   help="a named recipe (optional when --config names one)")
-    add_config_arguments(p)
-    add_json_argument(p)
-    p.set_defaults(func=_cmd_params)
-
-
-def _cmd_recipes(args: Any) -> int:
-    if getattr(args, "json", False):
-        import json
-        print(json.dumps({name: get_recipe(name).to_dict() for name in RECIPES}, indent=1))
-        return 0
-    for name in RECIPES:
-        cfg = get_recipe(name)
-        m = cfg.model
-        mem = "none" if m.memory is None else m.memory.kind
-        print(f"{name:18s} L{m.n_layer} d{m.n_embd} V{m.vocab_size} T{m.sequence_len} memory={mem} "
-              f"steps={cfg.schedule.steps} batch={cfg.data.global_batch_tokens} tokens")
-    return 0
-
-
-def _cmd_params(args: Any) -> int:
-    import json
-    from tngram.train.cli import resolve_config
-    s = param_summary(resolve_config(args.recipe, args.overrides, config_file=args.config))
-    if args.json:
-        print(json.dumps(s))
-    else:
-        for k, v in s.items():
-            print(f"{k:14s} {v:,}" if isinstance(v, int) else f"{k:14s} {v}")
-    return 0
+def resolve_config(recipe: str | None, overrides: list[str], data: str | None = None,
+                   config_file: str | None = None, steps: int | None = None) -> TrainConfig:
+    """The TrainConfig of recipe + config file + --data + --steps + --set, validated (no work done)."""
+    settings: list[tuple[str, Any]] = []
+    if config_file is not None:
+        file_recipe, settings = load_config_file(config_file)
+        recipe = recipe or file_recipe
+    if recipe is None:
+        raise TngramError("name a RECIPE (see `tngram recipes`) or give a --config file with recipe = \"...\"")
+    cfg = get_recipe(recipe)
+    if settings:
+        cfg = apply_settings(cfg, settings, origin=str(config_file))
+    if data is not None:
+        cfg = replace(cfg, data=replace(cfg.data, dir=str(data)))
+    cfg = with_schedule_steps(cfg, steps)
+    cfg = apply_overrides(cfg, overrides)
+    check_memory_layers_used(cfg, get_recipe(recipe))
+    return cfg

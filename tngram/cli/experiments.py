@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tngram.argtypes import int_range
-from tngram.cli_common import HelpFormatter, add_progress_argument, add_steps_argument
+from tngram.cli.argtypes import int_range
+from tngram.cli.common import HelpFormatter, add_progress_argument, add_set_argument, add_steps_argument
 
 
 def _common(p: Any, seeds_default: int | None = 1,
@@ -15,8 +15,7 @@ def _common(p: Any, seeds_default: int | None = 1,
     p.add_argument("--data", default=None, metavar="DIR",
                    help="dataset folder (default: the offline default corpus, built on first use)")
     add_steps_argument(p)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a config key in every run, after the experiment's own settings, e.g. "
+    add_set_argument(p, help="override a config key in every run, after the experiment's own settings, e.g. "
                         "--set optim.matrix_lr=0.02 (repeatable; model.memory.* skips runs without a memory)")
     p.add_argument("--nproc", type=int_range(1), default=None, metavar="N",
                    help="processes per run, torchrun when > 1 (default: 1 on CPU, all GPUs for paper presets)")
@@ -85,9 +84,9 @@ def _check(args: Any, prefix: str) -> None:
     import os
     if getattr(args, "no_progress", False):   # read by the worker subprocesses
         os.environ["TNGRAM_NO_PROGRESS"] = "1"
-    from tngram.cli_common import check_positive
+    from tngram.cli.common import check_positive
     from tngram.experiments.runner import check_jobs
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
     from tngram.train.config import apply_overrides
     check_positive("--seeds", args.seeds)
     check_positive("--steps", args.steps)

@@ -5,7 +5,7 @@ the same thing everywhere (tests/test_cli_vocabulary.py checks the help texts).
     --json           a switch: print one JSON object on stdout instead of a table
     --out PATH       where results are written
     --threads N      torch CPU threads; 0 = torch's default (OMP_NUM_THREADS, else all cores)
-    --device D       auto | cpu | cuda | cuda:N; auto = cuda when available
+    --device D       auto | cpu | cuda | cuda:N | mps; auto = cuda when available
     --preset P       the size of an experiment: cpu | paper (compare also paper-l9, paper-l18)
     --no-progress    no progress bars (also implied when stderr is not a terminal)
     --config FILE    a TOML or YAML file of config keys (the keys of --set)
@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Any
 
-from tngram.argtypes import int_range
+from tngram.cli.argtypes import int_range
 from tngram.common import TngramError
 
 LOGGERS = ("none", "tensorboard", "wandb")
@@ -62,17 +62,8 @@ def use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N; auto = cuda when available "
-                   "(default: auto)")
-
-
-def resolve_device(name: str, local_rank: int = 0) -> str:
-    if name == "auto":
-        import torch
-        return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    if not (name == "cpu" or name == "cuda" or name.startswith("cuda:")):
-        raise TngramError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    return name
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps; auto = cuda when "
+                   "available (default: auto)")
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
@@ -113,9 +104,14 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML (.toml) or YAML (.yaml/.yml) file of config keys, the same keys as --set "
                         "(see --print-config)")
+    add_set_argument(p)
+
+
+def add_set_argument(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """--set SECTION.FIELD=VALUE (repeatable) into args.overrides; the one place it is declared."""
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one config key, e.g. --set optim.matrix_lr=0.02 or "
-                        "--set model.memory.kind=tngram (repeatable; applied after --config)")
+                   help=help or "override one config key, e.g. --set optim.matrix_lr=0.02 or "
+                                "--set model.memory.kind=tngram (repeatable; applied after --config)")
 
 
 def add_logger_argument(p: argparse.ArgumentParser) -> None:

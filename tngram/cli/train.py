@@ -15,11 +15,14 @@ config ranges) is checked before any work, with one error line listing what is v
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from tngram.cli_common import (HelpFormatter, add_config_arguments, add_logger_argument,
+from tngram.cli.argtypes import OneLineParser, report_error
+from tngram.cli.common import (HelpFormatter, add_config_arguments, add_logger_argument,
                                add_progress_argument, add_steps_argument, check_positive)
 from tngram.common import TngramError
+from tngram.train.recipes import resolve_config
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +40,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="dataset folder (default: the offline default corpus, built on first use)")
     p.add_argument("--device", default=None, metavar="D",
-                   help="auto | cpu | cuda | cuda:N (same as --set run.device=D; default: the config's, auto)")
+                   help="auto | cpu | cuda | cuda:N | mps (same as --set run.device=D; default: the config's, auto)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
                         "(same as --set run.threads=N; default: the config's, 0)")
@@ -50,33 +53,6 @@ def add_commands(sub: Any) -> None:
                        description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
-
-
-def resolve_config(recipe: str | None, overrides: list[str], data: str | None = None,
-                   config_file: str | None = None, steps: int | None = None):
-    """The TrainConfig of recipe + config file + --data + --steps + --set, validated (no work done)."""
-    from dataclasses import replace
-
-    from tngram.recipes import get_recipe
-    from tngram.train.config import (apply_overrides, apply_settings, check_memory_layers_used,
-                                     with_schedule_steps)
-
-    settings: list[tuple[str, Any]] = []
-    if config_file is not None:
-        from tngram.train.config_file import load_config_file
-        file_recipe, settings = load_config_file(config_file)
-        recipe = recipe or file_recipe
-    if recipe is None:
-        raise TngramError("name a RECIPE (see `tngram recipes`) or give a --config file with recipe = \"...\"")
-    cfg = get_recipe(recipe)
-    if settings:
-        cfg = apply_settings(cfg, settings, origin=str(config_file))
-    if data is not None:
-        cfg = replace(cfg, data=replace(cfg.data, dir=str(data)))
-    cfg = with_schedule_steps(cfg, steps)
-    cfg = apply_overrides(cfg, overrides)
-    check_memory_layers_used(cfg, get_recipe(recipe))
-    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -102,3 +78,19 @@ def _recipe_name(args: argparse.Namespace) -> str | None:
         return args.recipe
     from tngram.train.config_file import load_config_file
     return load_config_file(args.config)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tngram.train RECIPE --out DIR ...`: the train command alone (for torchrun)."""
+    parser = OneLineParser(prog="python -m tngram.train", description=__doc__, formatter_class=HelpFormatter)
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_train(args)
+    except (TngramError, OSError) as e:
+        print(f"tngram: error: {report_error(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,12 +10,12 @@ import argparse
 import json
 from typing import Any
 
-from tngram.argtypes import int_range
+from tngram.cli.argtypes import int_range
 
 
 
 def _threads(args: argparse.Namespace) -> None:
-    from tngram.cli_common import apply_threads
+    from tngram.cli.common import apply_threads
     apply_threads(args.threads)
 
 
@@ -111,7 +111,7 @@ def add_commands(sub: Any) -> None:
     bs.required = True
 
     def common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
-        from tngram.cli_common import add_json_argument, add_threads_argument
+        from tngram.cli.common import add_json_argument, add_threads_argument
         add_json_argument(q)
         q.add_argument("--reps", type=int_range(1), default=reps, help="timed repetitions")
         q.add_argument("--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions")
@@ -129,7 +129,7 @@ def add_commands(sub: Any) -> None:
 
     t = bs.add_parser("threads", help="TN-gram vs Engram lookup/module/mini step at several thread "
                                       "counts, interleaved in one process, with speed-ups")
-    from tngram.cli_common import add_json_argument
+    from tngram.cli.common import add_json_argument
     add_json_argument(t)
     t.add_argument("--reps", type=int, default=15, help="timed repetitions")
     t.add_argument("--warmup", type=int, default=3, help="untimed warm-up repetitions")

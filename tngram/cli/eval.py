@@ -20,12 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tngram.argtypes import int_range
+from tngram.cli.argtypes import int_range
 from tngram.common import MissingFileError, TngramError, atomic_write_json, get_dist_info, print0
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    from tngram.cli_common import (add_device_argument, add_json_argument, add_progress_argument,
+    from tngram.cli.common import (add_device_argument, add_json_argument, add_progress_argument,
                                    add_threads_argument)
     p = subparsers.add_parser("eval", help="evaluate runs (CORE, bpb) and build the offline CORE bundle",
                               description=__doc__)
@@ -75,8 +75,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 # ------------------------------------------------------------------ helpers
 def _device(name: str) -> str:
-    from tngram.cli_common import resolve_device
-    return resolve_device(name, get_dist_info().local_rank)
+    from tngram.train.dist import resolve_device
+    return str(resolve_device(name, get_dist_info().local_rank, flag="--device"))
 
 
 @contextmanager
@@ -138,7 +138,7 @@ def _show(args: argparse.Namespace, res: dict[str, Any], table: str, path: Path)
 def cmd_build_bundle(args: argparse.Namespace) -> int:
     from tngram.eval.bundle import build_bundle, default_bundle_dir, format_build_report
     out = Path(args.out) if args.out else default_bundle_dir()
-    from tngram.cli_common import show_progress
+    from tngram.cli.common import show_progress
     stamp = build_bundle(out, args.cache, force=args.force, download=not args.no_download,
                          progress=show_progress(args))
     if not stamp.get("noop"):
@@ -152,7 +152,7 @@ def cmd_core(args: argparse.Namespace) -> int:
 
     from tngram.eval.bundle import default_bundle_dir
     from tngram.eval.core import SentencePieceTokenizer, evaluate_core, format_core_table
-    from tngram.cli_common import apply_threads, show_progress
+    from tngram.cli.common import apply_threads, show_progress
     device = _device(args.device)
     apply_threads(args.threads)
     bundle = Path(args.bundle) if args.bundle else default_bundle_dir()
@@ -194,7 +194,7 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.data.loader import load_val_tokens
     from tngram.data.tokenizer import load_tokenizer
     from tngram.eval.bpb import evaluate_bpb
-    from tngram.cli_common import apply_threads
+    from tngram.cli.common import apply_threads
     device = _device(args.device)
     apply_threads(args.threads)
     path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / "bpb.json"

@@ -90,7 +90,7 @@ def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: fl
     from tngram.common import TngramError
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
-    from tngram.recipes import get_recipe
+    from tngram.train.recipes import get_recipe
 
     if gpus < 1:
         raise TngramError(f"--gpus must be >= 1, got {gpus}")

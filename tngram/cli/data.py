@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tngram.argtypes import float_range, int_range
-from tngram.cli_common import add_progress_argument, show_progress
+from tngram.cli.argtypes import float_range, int_range
+from tngram.cli.common import add_progress_argument, show_progress
 from tngram.common import TngramError, check_writable_dir
 
 

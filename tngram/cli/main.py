@@ -15,28 +15,28 @@ import argparse
 import importlib
 import sys
 
-from tngram.argtypes import OneLineParser, report_error
+from tngram.cli.argtypes import OneLineParser, report_error
 from tngram.common import TngramError
 
 # Modules that define `add_commands(subparsers)`; each owns its subcommands.
 _AREAS = (
-    "tngram.recipes",
-    "tngram.data.cli",
-    "tngram.train.cli",
-    "tngram.eval.cli",
-    "tngram.eval.sample",
-    "tngram.experiments.cli",
-    "tngram.report.cli",
-    "tngram.bench.cli",
-    "tngram.export_cli",
-    "tngram.doctor",
-    "tngram.plan",
+    "tngram.cli.recipes",
+    "tngram.cli.data",
+    "tngram.cli.train",
+    "tngram.cli.eval",
+    "tngram.cli.sample",
+    "tngram.cli.experiments",
+    "tngram.cli.report",
+    "tngram.cli.bench",
+    "tngram.cli.export",
+    "tngram.cli.doctor",
+    "tngram.cli.plan",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from tngram import __version__
-    from tngram.cli_common import use_formatter
+    from tngram.cli.common import use_formatter
 
     parser = OneLineParser(prog="tngram", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tngram {__version__}")
