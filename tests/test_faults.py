@@ -138,17 +138,21 @@ def test_non_empty_folder_that_is_not_this_recipes_run_is_refused(content, needl
     assert sorted(p.name for p in run.iterdir()) == sorted(content)   # nothing touched or added
 
 
-def test_metrics_log_cuts_in_place_never_replaces(tmp_path):
+def test_metrics_log_rewrites_into_a_new_file_and_keeps_good_rows(tmp_path):
+    """On resume the kept rows go into a new file renamed over the old one (a hard link to the
+    old file keeps its content); a bad line is dropped alone, the good rows after it are kept."""
     rows = [{"step": s, "train_loss": 1.0 / s} for s in range(1, 6)]
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "tra')   # torn tail
-    inode = path.stat().st_ino
-    other = open(path, "ab")                # another handle on the same file
+    lines = [json.dumps(r) + "\n" for r in rows]
+    text = lines[0] + "{not json\n" + '["a list"]\n' + '{"step": "2"}\n' + "".join(lines[1:]) + '{"step": 6, "tra'
+    path.write_text(text)
+    twin = tmp_path / "twin.jsonl"
+    os.link(path, twin)                     # a `cp -al` copy shares the inode
     log = MetricsLog(tmp_path, True, keep_until_step=3)
     log.log({"step": 4, "train_loss": 0.5})
     log.close()
-    other.close()
-    assert path.stat().st_ino == inode      # the same file, cut and appended, not a replacement
+    assert twin.read_text() == text         # the other name still holds exactly the old bytes
+    assert path.stat().st_ino != twin.stat().st_ino
     assert [r for _, r in iter_jsonl(path)] == rows[:3] + [{"step": 4, "train_loss": 0.5}]
 
 

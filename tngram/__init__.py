@@ -43,7 +43,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-
 def build_model(recipe_name: str, **overrides: Any) -> Any:
     """Build the model of a named recipe (see `tngram recipes`): forward(ids (B, T)) -> logits (B, T, V)."""
     from tngram.train.recipes import build_model as _build
@@ -67,8 +66,12 @@ def sample(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 64, te
            top_k: int | None = 50, seed: int = 0) -> str:
     """Prompt + sampled continuation as text (incremental decoding; temperature 0 = greedy)."""
     from tngram.data.tokenizer import BOS_ID
-    from tngram.eval.sample import generate
+    from tngram.common import TngramError
+    from tngram.eval.sample import check_sampling_args, generate
 
+    if not isinstance(prompt, str):
+        raise TngramError(f"prompt must be a str, got {type(prompt).__name__}")
+    check_sampling_args(max_new_tokens, temperature, top_k, seed)
     ids = [BOS_ID] + list(tokenizer.encode(prompt))
     out = generate(model, ids, max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode(ids[1:] + out)

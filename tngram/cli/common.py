@@ -77,6 +77,9 @@ def apply_threads(n: int) -> None:
         raise TngramError(f"--threads must be >= 0 (0 = torch's default), got {n}")
     if n > 0:
         import torch
+
+        from tngram.common import check_thread_count
+        check_thread_count(n, "--threads")
         torch.set_num_threads(n)
 
 

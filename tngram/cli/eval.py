@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.cli.argtypes import int_range
-from tngram.common import MissingFileError, TngramError, atomic_write_json, get_dist_info, print0
+from tngram.common import MissingFileError, TngramError, get_dist_info, print0
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -184,7 +184,8 @@ def cmd_core(args: argparse.Namespace) -> int:
         res["run_dir"] = str(args.run_dir)
         res["wall_seconds"] = round(time.perf_counter() - t0, 2)
         if info.is_main:
-            atomic_write_json(path, res)
+            from tngram.train.rundir import write_result
+            write_result(path, res, Path(args.run_dir))        # never through a link in the run
             _show(args, res, format_core_table(res), path)
     return 0
 
@@ -207,12 +208,16 @@ def cmd_bpb(args: argparse.Namespace) -> int:
         val = load_val_tokens(ds.val_files, seq_len, vocab)
         luts = token_byte_luts(load_tokenizer(ds.tokenizer_path), vocab)
         max_tokens = args.max_tokens if args.max_tokens is not None else (cfg.get("data") or {}).get("val_tokens")
+        if args.max_tokens is not None and args.max_tokens < seq_len:
+            raise TngramError(f"--max-tokens {args.max_tokens} is below one window of the run's sequence_len "
+                              f"{seq_len}; use at least {seq_len}")
         t0 = time.perf_counter()
         res = dict(evaluate_bpb(model, val, seq_len, luts, args.batch_seqs, ddp_rank=info.ddp_rank,
                                 world_size=info.world_size, max_tokens=max_tokens))
         res.update(run_dir=str(args.run_dir), data_dir=str(data), seconds=round(time.perf_counter() - t0, 2))
         if info.is_main:
-            atomic_write_json(path, res)
+            from tngram.train.rundir import write_result
+            write_result(path, res, Path(args.run_dir))        # never through a link in the run
             _show(args, res, f"{'run':<40}{'val_loss':>10}{'val_bpb':>10}{'tokens':>12}\n"
                   f"{str(args.run_dir):<40}{res['val_loss']:>10.4f}{res['val_bpb']:>10.4f}{res['tokens']:>12}", path)
     return 0

@@ -15,8 +15,7 @@ import argparse
 import importlib
 import sys
 
-from tngram.cli.argtypes import OneLineParser, report_error
-from tngram.common import TngramError
+from tngram.cli.argtypes import OneLineParser
 
 # Modules that define `add_commands(subparsers)`; each owns its subcommands.
 _AREAS = (
@@ -58,12 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # the command line, for results files
-    try:
-        rc = args.func(args)
-    except (TngramError, OSError) as e:  # user/environment errors: one line, exit 2
-        print(f"tngram: error: {report_error(e)}", file=sys.stderr)
-        return 2
-    return int(rc or 0)
+    from tngram.cli.safety import run_command
+    return run_command(args.func, args)      # every failure is one line (tngram.cli.safety)
 
 
 if __name__ == "__main__":

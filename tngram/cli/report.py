@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +150,15 @@ def _compare_one(dir: Path) -> int:
     path = dir / "results.json"
     if not path.exists():
         raise MissingFileError(f"{path} not found: is {dir} a `tngram compare` folder?")
-    results = json.loads(path.read_text())
+    from tngram.readback import read_results_file
+    results = read_results_file(path)
     # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
     # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
-    local = {id(r): dir / "runs" / Path(r["run_dir"]).name for r in results["rows"]}
+    local = {id(r): dir / "runs" / Path(r.get("run_dir", "")).name for r in results["rows"]}
     local = {k: v for k, v in local.items() if v.is_dir()}
     for r in results["rows"]:
-        core = read_core(local.get(id(r), r["run_dir"]))
+        rd = local.get(id(r), r.get("run_dir"))
+        core = read_core(rd) if rd else None
         if core is not None:
             r["core"] = core["core"]
     atomic_write_json(path, results)

@@ -20,7 +20,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--temperature", type=float_range(0.0), default=0.8, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int_range(0), default=50, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeds SEED, SEED+1, ...)")
-    p.add_argument("--seed", type=int_range(0), default=0, help="sampling seed")
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="sampling seed (a 64-bit int)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="SentencePiece .model to use instead of the run's (older runs without one)")
     add_device_argument(p)
@@ -35,6 +35,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         raise TngramError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_new_tokens < 1:
         raise TngramError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.seed + args.num_samples - 1 >= 2**63:
+        raise TngramError(f"--seed + --num-samples - 1 must stay below 2^63, got {args.seed + args.num_samples - 1}")
     device = str(resolve_device(args.device, flag="--device"))
     model, tok = tngram.load_run(args.run_dir, device=device, tokenizer=args.tokenizer)
     for i in range(args.num_samples):

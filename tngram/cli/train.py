@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from tngram.cli.argtypes import OneLineParser, report_error
+from tngram.cli.argtypes import OneLineParser
 from tngram.cli.common import (HelpFormatter, add_config_arguments, add_logger_argument,
                                add_progress_argument, add_steps_argument, check_positive)
 from tngram.common import TngramError
@@ -37,6 +37,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop after N optimiser steps of the (unchanged) schedule; --resume continues it")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--accept-changed-data", action="store_true",
+                   help="with --resume: continue although the dataset's fingerprint differs from the one "
+                        "the run recorded (both are kept in RUN/dataset.json)")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="dataset folder (default: the offline default corpus, built on first use)")
     p.add_argument("--device", default=None, metavar="D",
@@ -67,9 +70,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if args.out is None:
         raise TngramError("--out DIR is required (the run folder)")
+    if args.accept_changed_data and not args.resume:
+        raise TngramError("--accept-changed-data only applies with --resume")
+    import os
     from tngram.train.loop import train
-    train(cfg, args.out, resume=args.resume, max_steps=args.stop_after, logger=args.logger,
-          progress=False if args.no_progress else None)
+    from tngram.train.portable import ACCEPT_CHANGED_DATA_ENV
+    before = os.environ.get(ACCEPT_CHANGED_DATA_ENV)
+    if args.accept_changed_data:
+        os.environ[ACCEPT_CHANGED_DATA_ENV] = "1"       # read where RUN/dataset.json is checked
+    try:
+        train(cfg, args.out, resume=args.resume, max_steps=args.stop_after, logger=args.logger,
+              progress=False if args.no_progress else None)
+    finally:
+        if before is None:
+            os.environ.pop(ACCEPT_CHANGED_DATA_ENV, None)
+        else:
+            os.environ[ACCEPT_CHANGED_DATA_ENV] = before
     return 0
 
 
@@ -85,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m tngram.train", description=__doc__, formatter_class=HelpFormatter)
     add_train_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return cmd_train(args)
-    except (TngramError, OSError) as e:
-        print(f"tngram: error: {report_error(e)}", file=sys.stderr)
-        return 2
+    from tngram.cli.safety import run_command
+    return run_command(cmd_train, args)
 
 
 if __name__ == "__main__":

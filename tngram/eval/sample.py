@@ -19,6 +19,7 @@ from tngram.common import TngramError
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int = 64, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> list[int]:
     """Sample continuation ids after `prompt` (which should start with BOS). temperature 0 = greedy."""
+    check_sampling_args(max_new_tokens, temperature, top_k, seed)
     if not prompt:
         raise TngramError("the prompt must contain at least one token (BOS)")
     vocab = model.config.vocab_size
@@ -43,6 +44,23 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int = 64, temp
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
         feed = nxt.view(1, 1)
     return out
+
+
+def check_sampling_args(max_new_tokens: Any, temperature: Any, top_k: Any, seed: Any) -> None:
+    """The checks the `sample` command's flags make, for the Python API (one TngramError each)."""
+    import math
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise TngramError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature < 0):
+        raise TngramError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
+        raise TngramError(f"top_k must be None or an int >= 0 (0 = all tokens), got {top_k!r}")
+    if not is_int(seed) or not 0 <= seed < 2**63:
+        raise TngramError(f"seed must be an int in [0, 2^63), got {seed!r}")
 
 
 def pick(logits: Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> Tensor:

@@ -375,8 +375,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     path = Path(path)
     meta = _load_json(path / "meta.json")
     load_weights(model, path / "model.safetensors", (optimizers or {}).values())
+    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:     # a checkpoint without a manifest cannot be verified byte for byte: check the values
+        raise TngramError(f"{path / 'model.safetensors'}: non-finite values in {bad[0]} (corrupt); move "
+                          f"{path.name} away to resume from an older checkpoint")
     if optimizers:
         state = _load_tensors(path / "state.safetensors")
+        bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        if bad:
+            raise TngramError(f"{path / 'state.safetensors'}: non-finite values in {bad[0]} (corrupt); move "
+                              f"{path.name} away to resume from an older checkpoint")
         for name, opt in optimizers.items():
             if name not in meta.get("optimizers", {}):
                 raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
@@ -388,7 +396,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         if restore_rng_state:
             if "rng/torch_cpu" not in state:
                 raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
-            restore_rng(state)
+            try:
+                restore_rng(state)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise TngramError(f"{path / 'state.safetensors'}: the RNG state is corrupt ({_short(e)}); move "
+                                  f"{path.name} away to resume from an older checkpoint") from None
     return meta
 
 
