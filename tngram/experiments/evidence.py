@@ -323,7 +323,8 @@ def read_best(tuned: Path | str) -> dict[str, str]:
         if not (path / "tuning.json").is_file():
             raise MissingFileError(f"--tuned {tuned}: no tuning.json there and not a list of setting names "
                                    f"like engram-lr4,tngram-lr2; run `tngram experiment tuning --out {tuned}` first")
-        return json.loads((path / "tuning.json").read_text())["best"]
+        from tngram.readback import read_tuning_file
+        return read_tuning_file(path / "tuning.json")["best"]
     best: dict[str, str] = {}
     for key in (k.strip() for k in str(tuned).split(",")):
         m = key.split("-", 1)[0]

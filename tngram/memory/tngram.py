@@ -106,6 +106,13 @@ class TNGramConfig(MemoryConfig):
         return n
 
 
+def _autocast_on(h: Tensor) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(h.device.type))
+    except TypeError:          # older torch: no device argument
+        return bool(torch.is_autocast_enabled())
+
+
 def _cpu_bf16_autocast(h: Tensor) -> bool:
     return (h.device.type == "cpu" and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16)
@@ -177,14 +184,18 @@ class TNGram(MemoryModule, nn.Module):
         valid: optional (B, T) bool mask of real tokens (False = padding): padded positions
         read as pad_id in the n-gram windows, stay out of the conv state and output 0.
         """
+        if h.dim() not in (3, 4) or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
+            raise TngramError(f"TN-gram expects h of shape (B, T, {self.d_model}) or (B, T, M, "
+                              f"{self.d_model}) matching input_ids (B, T); got h "
+                              f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}")
         ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id,
                                      valid)
         # Under CPU bf16 autocast e's only consumer is the K/V matmul, which casts it to bf16:
         # the C kernel writes bf16 directly (bit-identical, no fp32 e; docs/PERFORMANCE.md)
         lowp = torch.bfloat16 if (self.bf16_lookup_output and _cpu_bf16_autocast(h)) else None
         e = self.memory_vector(ids, out_dtype=lowp)[:, P:]
-        if lowp is None or e.dtype != lowp:
-            e = e.to(h.dtype)
+        if (lowp is None or e.dtype != lowp) and (h.dtype == e.dtype or _autocast_on(h)):
+            e = e.to(h.dtype)       # (bf16/fp16 h without autocast: e stays in the weights' dtype, as Engram's)
         return self.fusion(h, e, cache, valid)
 
     def extra_repr(self) -> str:

@@ -111,7 +111,7 @@ MAX_VOCAB = 65536   # token shards store uint16 ids
 # upper bounds far above any real model, so a typo (an extra zero run) fails here instead of
 # looping for hours while the model is built
 MODEL_INT_MAX = {"n_layer": 1024, "n_head": 1024, "n_kv_head": 1024, "n_embd": 65536, "mlp_mult": 64,
-                 "sequence_len": 1 << 20}
+                 "sequence_len": 1 << 20, "memory_seed": 2**63 - 1}
 
 
 def _validate_model(m: GPTConfig) -> None:
@@ -165,13 +165,16 @@ def validate_config(cfg: TrainConfig) -> None:
            o.muon_momentum_warmup_steps)
     _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)
     _check(s.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", s.warmdown_steps)
-    _check(d.seed >= 0, "data.seed", ">= 0", d.seed)
-    _check(r.seed >= 0, "run.seed", ">= 0", r.seed)
+    _check(0 <= d.seed < 2**63, "data.seed", "in [0, 2^63) (a 64-bit seed)", d.seed)
+    _check(0 <= r.seed < 2**63, "run.seed", "in [0, 2^63) (a 64-bit seed)", r.seed)
     _check(r.device == "auto" or r.device == "cpu" or r.device == "mps" or r.device.startswith("cuda"),
            "run.device", "auto, cpu, cuda, cuda:N or mps", r.device)
     _check(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
     _check(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
     _check(d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens)
+    _check(d.val_tokens is None or not isinstance(cfg.model.sequence_len, int) or d.val_tokens >= cfg.model.sequence_len,
+           "data.val_tokens", f"none or >= model.sequence_len ({cfg.model.sequence_len}: one validation window)",
+           d.val_tokens)
     _check(r.dtype in DTYPES, "run.dtype", f"one of {DTYPES}", r.dtype)
     _check(r.log_every >= 1, "run.log_every", ">= 1", r.log_every)
     for k in ("val_every", "checkpoint_every"):
