@@ -67,3 +67,27 @@ def test_loss_figure_has_a_validation_panel_only_for_curves(tmp_path):
     # figsize 6.5 x 4 in (one panel) or 11 x 4 in (two) at 120 dpi
     assert _png_width(loss_curves(one, tmp_path / "one.png")) == 780
     assert _png_width(loss_curves(many, tmp_path / "many.png")) == 1320
+
+
+def test_a_run_whose_settings_change_the_memory_is_named_for_it():
+    from tngram.train.recipes import resolve_config
+    assert resolve_config("mini-raw", ["model.memory.kind=tngram", "model.memory.cp_rank=64"]).name \
+        == "mini-raw+memory=tngram"
+    assert resolve_config("mini-tngram", ["model.memory.kind=none"]).name == "mini-tngram+memory=none"
+    assert resolve_config("mini-tngram", ["model.memory.kind=engram"]).name == "mini-tngram+memory=engram"
+    # same family (other settings of it), back to the recipe's family, or an explicit name: unchanged
+    assert resolve_config("mini-tngram", ["model.memory.cp_rank=64"]).name == "mini-tngram"
+    assert resolve_config("mini-raw", ["model.memory.kind=tngram", "model.memory.kind=none"]).name == "mini-raw"
+    assert resolve_config("mini-raw", ["model.memory.kind=tngram", "name=mine"]).name == "mine"
+
+
+def test_compare_rows_changed_by_set_are_reported_as_what_they_are():
+    from tngram.experiments.runner import RunSpec, _overridden
+    from tngram.train.recipes import get_recipe
+    specs = {m: RunSpec(f"{m}-s0", get_recipe(f"mini-{m}"), {"method": m, "seed": 0}) for m in ("raw", "engram")}
+    raw, engram = (_overridden(s, ("model.memory.kind=engram",)) for s in specs.values())
+    assert raw.tags == {"method": "raw+memory=engram", "seed": 0} and raw.config.model.memory.kind == "engram"
+    assert engram.tags == {"method": "engram", "seed": 0}
+    # folder label and config name stay (finished runs are found again)
+    assert raw.label == "raw-s0" and raw.config.name == "mini-raw"
+    assert _overridden(specs["raw"], ("optim.matrix_lr=0.02",)).tags["method"] == "raw"

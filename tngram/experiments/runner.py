@@ -81,6 +81,18 @@ def with_overrides(cfg: TrainConfig, items: tuple[str, ...] | list[str]) -> Trai
     return apply_overrides(cfg, list(items))
 
 
+def _overridden(spec: RunSpec, items: tuple[str, ...]) -> RunSpec:
+    """The spec with `--set` items applied. When they change the run's memory family its row is
+    reported as what it is: method "raw+memory=tngram", not "raw" (folder and config name stay,
+    so finished runs are still found)."""
+    from tngram.train.recipes import memory_kind
+    cfg = with_overrides(spec.config, items)
+    tags = spec.tags
+    if "method" in tags and memory_kind(cfg) != memory_kind(spec.config):
+        tags = {**tags, "method": f"{tags['method']}+memory={memory_kind(cfg)}"}
+    return replace(spec, config=cfg, tags=tags)
+
+
 def run_dir_of(out: Path, spec: RunSpec) -> Path:
     return out / "runs" / spec.label
 
@@ -131,7 +143,7 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
     order: tags + summary.json. After a failed run no further run starts (runs already training
     finish), then the error names the failed run."""
     if _OVERRIDES.get():
-        specs = [replace(s, config=with_overrides(s.config, _OVERRIDES.get())) for s in specs]
+        specs = [_overridden(s, _OVERRIDES.get()) for s in specs]
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise TngramError(f"run labels must be unique, got {labels}")

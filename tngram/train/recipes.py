@@ -145,4 +145,18 @@ def resolve_config(recipe: str | None, overrides: list[str], data: str | None = 
     cfg = with_schedule_steps(cfg, steps)
     cfg = apply_overrides(cfg, overrides)
     check_memory_layers_used(cfg, get_recipe(recipe))
-    return cfg
+    return named_for_memory(cfg, get_recipe(recipe))
+
+
+def memory_kind(cfg: TrainConfig) -> str:
+    """The memory family of a config: tngram, engram, oe, ... or none."""
+    return "none" if cfg.model.memory is None else str(cfg.model.memory.kind)
+
+
+def named_for_memory(cfg: TrainConfig, base: TrainConfig) -> TrainConfig:
+    """A config whose settings changed its recipe's memory family is named RECIPE+memory=KIND
+    (mini-raw with model.memory.kind=tngram is "mini-raw+memory=tngram", not "mini-raw"), so its
+    log lines, summary.json and reports say what was trained. A name set explicitly is kept."""
+    if cfg.name != base.name or memory_kind(cfg) == memory_kind(base):
+        return cfg
+    return replace(cfg, name=f"{base.name}+memory={memory_kind(cfg)}")
