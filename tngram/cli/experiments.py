@@ -68,15 +68,21 @@ def add_commands(sub: Any) -> None:
                    help="data-scaling only: training budgets as multiples of the recipe's steps, "
                         "comma-separated (default 1,4,16)")
     p.add_argument("--tuned", default=None, metavar="DIR|SETTINGS",
-                   help="corpora / data-scaling only: train each memory at the best setting of a "
+                   help="corpora / data-scaling / pareto only: train each memory at the best setting of a "
                         "finished `tngram experiment tuning --out DIR`, or at the settings it "
-                        "printed, e.g. engram-lr4,tngram-lr2 (table lr x 4 / x 2)")
+                        "printed, e.g. engram-lr4,tngram-lr2 (table lr x 4 / x 2; pareto also oe-lrF)")
+    p.add_argument("--core-max", type=int_range(1), default=None, metavar="N",
+                   help="pareto only: also score every finished run on the offline CORE bundle with "
+                        "--max-per-task N (`tngram eval build-bundle` first; the `eval` extra)")
+    p.add_argument("--report-only", action="store_true",
+                   help="pareto only: write the map from the runs finished so far; train nothing "
+                        "(the step/decode timing still runs once if OUT/bench.json is missing)")
     p.add_argument("--ranks", default=None, metavar="R1,R2,...",
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--corpora", default=None, metavar="NAME,...",
-                   help="corpora / data-scaling only: built-in corpora (`tngram data build --corpus`), "
-                        "comma-separated (default: default,literature,code for corpora, code-large for "
-                        "data-scaling)")
+                   help="corpora / data-scaling / pareto / dense / tuning only: built-in corpora (`tngram data "
+                        "build --corpus`), comma-separated (default: default,literature,code for corpora and "
+                        "pareto, code-large for data-scaling)")
     p.set_defaults(func=_cmd_experiment)
 
 
@@ -125,5 +131,6 @@ def _cmd_experiment(args: Any) -> int:
     with config_overrides(args.overrides), run_jobs(args.jobs):
         run_experiment(args.name, args.out, scale=args.preset, seeds=args.seeds, data=args.data,
                        steps=args.steps, nproc=args.nproc, ranks=ranks, corpora=corpora,
-                       budgets=budgets, tuned=args.tuned)
+                       budgets=budgets, tuned=args.tuned, report_only=args.report_only,
+                       core_max=args.core_max)
     return 0

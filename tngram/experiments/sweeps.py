@@ -139,7 +139,7 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None =
                    steps: int | None = None, nproc: int | None = None,
                    ranks: tuple[int, ...] | None = None, corpora: list[str] | None = None,
                    budgets: tuple[int, ...] | None = None, tuned: Path | str | None = None,
-                   report_only: bool = False) -> Path:
+                   report_only: bool = False, core_max: int | None = None) -> Path:
     """Run experiment `name`; seeds=None means its default (DEFAULT_SEEDS, else 1)."""
     if name not in EXPERIMENTS:
         raise TngramError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
@@ -154,9 +154,9 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None =
     if name == "pareto":
         from tngram.experiments.pareto import pareto
         return pareto(out, scale, seeds, data, steps, nproc, corpora=corpora,
-                      tuned=None if tuned is None else str(tuned), train=not report_only)
-    if report_only:
-        raise TngramError(f"--report-only applies to the pareto experiment only, not {name!r}")
+                      tuned=None if tuned is None else str(tuned), train=not report_only, core_max=core_max)
+    if report_only or core_max:
+        raise TngramError(f"--report-only and --core-max apply to the pareto experiment only, not {name!r}")
     if name in ("corpora", "data-scaling", "dense", "tuning"):
         from tngram.experiments import evidence
         if name == "data-scaling":
