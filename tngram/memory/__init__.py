@@ -45,7 +45,13 @@ def memory_config_classes() -> dict[str, type]:
 def memory_config_to_dict(cfg: Any) -> dict[str, Any] | None:
     if cfg is None:
         return None
-    return {"kind": cfg.kind, **asdict(cfg)}
+    d = {"kind": cfg.kind, **asdict(cfg)}
+    # fields added after runs were saved (e.g. TN-gram's variant switches) are written only when
+    # set, so the config.json of every existing setting (resume, run reuse) stays unchanged
+    for f in fields(cfg):
+        if f.name in getattr(cfg, "omit_at_default", ()) and d[f.name] == f.default:
+            del d[f.name]
+    return d
 
 
 def memory_config_from_dict(d: dict[str, Any] | None) -> Any:

@@ -25,7 +25,7 @@ only its own factors, b_n = A_{N-n+1}[x_{t-n+1}] * ... * A_N[x_t] (equivalent to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,8 @@ from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
+from tngram.memory.tngram_variants import (ORDER_COMBINES, HashedOrders, link_shared_factors,
+                                           lookup_width, variant_param_count)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -62,13 +64,28 @@ class TNGramConfig(MemoryConfig):
     prune_at_step: int = 0
     prune_energy_tol: float = 0.1
     min_cp_rank: int = 8
+    # variants beyond the paper (tngram.memory.tngram_variants; docs/TRAINING.md "TN-gram
+    # variants beyond the paper"); the defaults are the paper's module, bit for bit
+    order_combine: str = "concat"  # "sum": K/V read sum_n e_n (R features), not e_concat
+    kv_rank: int = 0               # > 0: low-rank K/V, e -> Linear(kv_rank, no bias) -> K/V
+    share_factors: bool = False    # one A_1..A_N for every memory layer of the model
+    hash_orders: tuple[int, ...] = ()  # hybrid: an Engram-style hashed table for these orders
+    hash_heads: int = 4            # hybrid: heads (primes) per hashed order
+    hash_embed: int = 64           # hybrid: width per hashed order (hash_heads * head dim)
+    hash_budget: int = 0           # hybrid: per-head prime budget (0: 5 * vocab_size)
+    hash_seed: int = 0             # hybrid: hash multiplier seed (as Engram's seed)
 
     kind: ClassVar[str] = "tngram"
     injection: ClassVar[str] = "block"
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
         "max_ngram": (1, 32), "cp_rank": (1, INT_MAX), "min_cp_rank": (1, INT_MAX),
-        "kernel_size": (1, 256), "dilation": (1, 1024), "hc_mult": (1, 64)}
+        "kernel_size": (1, 256), "dilation": (1, 1024), "hc_mult": (1, 64),
+        "hash_heads": (1, 1024), "hash_embed": (1, INT_MAX)}
     positive_floats: ClassVar[frozenset[str]] = frozenset({"factor_init_std", "norm_eps"})
+    # written to config.json only when not at their default (earlier runs' configs unchanged)
+    omit_at_default: ClassVar[tuple[str, ...]] = (
+        "order_combine", "kv_rank", "share_factors", "hash_orders", "hash_heads", "hash_embed",
+        "hash_budget", "hash_seed")
 
     def check_fields(self) -> None:
         if self.max_ngram < 2:
@@ -84,6 +101,34 @@ class TNGramConfig(MemoryConfig):
                               f"got {self.min_cp_rank}")
         if self.factor_init not in ("sign", "normal"):
             raise TngramError(f"TN-gram factor_init must be 'sign' or 'normal', got {self.factor_init!r}")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        if self.order_combine not in ORDER_COMBINES:
+            raise TngramError(f"model.memory.order_combine must be one of {ORDER_COMBINES}, "
+                              f"got {self.order_combine!r}")
+        orders = tuple(self.hash_orders)
+        if any(not 2 <= n <= self.max_ngram for n in orders) or list(orders) != sorted(set(orders)):
+            raise TngramError(f"model.memory.hash_orders must be increasing distinct orders in "
+                              f"[2, max_ngram={self.max_ngram}], got {orders}")
+        if orders and self.hash_embed % self.hash_heads:
+            raise TngramError(f"model.memory.hash_embed ({self.hash_embed}) must be a multiple of "
+                              f"hash_heads ({self.hash_heads})")
+        if self.prune_at_step and self.is_variant():
+            raise TngramError("model.memory.prune_at_step (adaptive CP rank) works with the paper's "
+                              "module only: set order_combine='concat', kv_rank=0, "
+                              "share_factors=false, hash_orders=[]")
+
+    def is_variant(self) -> bool:
+        """True when a switch of tngram_variants is on (the module is not the paper's)."""
+        return (self.order_combine != "concat" or self.kv_rank > 0 or self.share_factors
+                or bool(self.hash_orders))
+
+    def link_layers(self, modules: list[nn.Module]) -> None:
+        """Called by the model after building one module per memory layer (in layer order):
+        with share_factors, the first owns A_1..A_N and the others use them."""
+        if self.share_factors:
+            link_shared_factors(modules)
 
     def check_vocab(self, vocab_size: int) -> None:
         super().check_vocab(vocab_size)
@@ -92,15 +137,18 @@ class TNGramConfig(MemoryConfig):
 
     def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
                     layer_ids: tuple[int, ...]) -> "TNGram":
-        return TNGram(self, d_model, vocab_size)
+        return TNGram(self, d_model, vocab_size, layer_id=layer_id, layer_ids=layer_ids)
 
     def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
                     layer_ids: tuple[int, ...] | None = None) -> int:
         N, R, d, M = self.max_ngram, self.cp_rank, d_model, self.hc_mult
-        n = N * vocab_size * R                                   # factors
-        n += (N - 2) * R if self.use_absorption else 0           # w_1..w_{N-2}
+        layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
+        shared_elsewhere = self.share_factors and layer_id != layer_ids[0]
+        n = 0 if shared_elsewhere else N * vocab_size * R        # factors (once when shared)
+        n += (N - 2) * R if self.use_absorption and N > 2 else 0  # w_1..w_{N-2}
         n += (N - 1) if self.learn_scales else 0                 # l_2..l_N
-        d_mem = (N - 1) * R
+        extra, d_mem = variant_param_count(self, vocab_size, layer_id, layer_ids)
+        n += extra                                               # hash table, W_down (variants)
         n += (M + 1) * (d_mem * d + (d if self.kv_bias else 0))  # M_K per branch + shared M_V
         n += 2 * M * d + M * d * self.kernel_size + M * d        # gate norms, conv, conv norms
         return n
@@ -124,7 +172,8 @@ class TNGram(MemoryModule, nn.Module):
     # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
     sparse_grad = False
 
-    def __init__(self, config: TNGramConfig, d_model: int, vocab_size: int) -> None:
+    def __init__(self, config: TNGramConfig, d_model: int, vocab_size: int, *, layer_id: int = 0,
+                 layer_ids: tuple[int, ...] | None = None) -> None:
         super().__init__()
         config.check_vocab(vocab_size)
         self.config, self.d_model, self.vocab_size = config, d_model, vocab_size
@@ -132,14 +181,43 @@ class TNGram(MemoryModule, nn.Module):
         self.factors = nn.Parameter(torch.empty(N, vocab_size, R))      # (N, V, R): A_1..A_N
         self.absorb = nn.Parameter(torch.ones(N - 2, R)) if config.use_absorption and N > 2 else None
         self.log_scales = nn.Parameter(torch.zeros(N - 1)) if config.learn_scales else None
+        # variants (tngram_variants): None / the lookup width with every switch at its default
+        self.hashed: HashedOrders | None = None
+        self.kv_down: nn.Linear | None = None
+        d_mem = lookup_width(config)                                     # (N-1) R, or R ("sum")
+        if config.hash_orders:
+            ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
+            self.hashed = HashedOrders(config, vocab_size, layer_id, ids)
+            d_mem += self.hashed.width
+        if config.kv_rank:
+            self.kv_down = nn.Linear(d_mem, config.kv_rank, bias=False)
+            d_mem = config.kv_rank
         self.fusion = GatedFusion(
-            (N - 1) * R, d_model, hc_mult=config.hc_mult, kernel_size=config.kernel_size,
+            d_mem, d_model, hc_mult=config.hc_mult, kernel_size=config.kernel_size,
             dilation=config.dilation or N, kv_bias=config.kv_bias,
             zero_init_value=config.zero_init_value, zero_init_conv=config.zero_init_conv)
         self.reset_factors()
 
     def table_parameters(self) -> list[nn.Parameter]:
-        return [self.factors]                                         # the CP factor tables
+        hashed = [] if self.hashed is None else [self.hashed.table.weight]  # hybrid's table
+        return [self.factors] + hashed                                # the CP factor tables
+
+    def use_factors_of(self, owner: "TNGram") -> None:
+        """share_factors: drop this module's own A_1..A_N and read `owner`'s (same shape). The
+        shared tensor stays a parameter of the owner only, so it is counted, optimised and saved
+        once; `self.factors` returns it."""
+        if owner.factors.shape != self._parameters["factors"].shape:
+            raise TngramError(f"share_factors: factor shapes differ {tuple(owner.factors.shape)} "
+                              f"vs {tuple(self._parameters['factors'].shape)}")
+        del self._parameters["factors"]
+        self.__dict__["_factor_owner"] = [owner]      # a list: not registered as a submodule
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "factors":
+            owner = self.__dict__.get("_factor_owner")
+            if owner is not None:
+                return owner[0].factors
+        return super().__getattr__(name)
 
     def control_parameters(self) -> list[nn.Parameter]:
         own = [p for p in (self.absorb, self.log_scales) if p is not None]
@@ -196,8 +274,24 @@ class TNGram(MemoryModule, nn.Module):
         e = self.memory_vector(ids, out_dtype=lowp)[:, P:]
         if (lowp is None or e.dtype != lowp) and (h.dtype == e.dtype or _autocast_on(h)):
             e = e.to(h.dtype)       # (bf16/fp16 h without autocast: e stays in the weights' dtype, as Engram's)
+        if self.config.is_variant():
+            e = self.variant_input(e, ids, P)
         return self.fusion(h, e, cache, valid)
+
+    def variant_input(self, e: Tensor, ids: Tensor, P: int) -> Tensor:
+        """The variants' stage between lookup and K/V (tngram_variants): e_concat (B, T, (N-1) R)
+        of the positions after the P history ids of `ids` -> the K/V input (B, T, d_mem)."""
+        c = self.config
+        if c.order_combine == "sum":
+            e = e.unflatten(-1, (c.max_ngram - 1, c.cp_rank)).sum(-2)   # (B, T, R)
+        if self.hashed is not None:
+            z = self.hashed(suffix_ngrams(ids, c.max_ngram, c.pad_id))[:, P:]
+            e = torch.cat([e, z.to(e.dtype)], dim=-1)
+        if self.kv_down is not None:
+            e = self.kv_down(e)
+        return e
 
     def extra_repr(self) -> str:
         c = self.config
         return f"N={c.max_ngram}, cp_rank={c.cp_rank}, vocab={self.vocab_size}, d_model={self.d_model}"
+

@@ -209,6 +209,9 @@ class GPT(nn.Module):
                     self.blocks[i].memory = module
                 else:
                     self.embed_memory = module
+            link = getattr(mem, "link_layers", None)   # e.g. TN-gram share_factors: one A_1..A_N
+            if block_mem and link is not None:
+                link([self.blocks[i].memory for i in layers])
 
     # ---- bookkeeping
     def control_parameters(self) -> list[nn.Parameter]:
