@@ -23,7 +23,7 @@ Dimension letters: B batch, T time, D model width, H heads, K kv heads, E head d
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -279,3 +279,14 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                                reduction=reduction)
+
+
+def param_counts(cfg: GPTConfig) -> dict[str, int]:
+    """total / memory / delta (total minus the same GPT without memory) parameter counts of
+    GPT(cfg), built on the meta device (nothing is allocated or initialised)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+        raw = GPT(replace(cfg, memory=None))
+    total = model.num_params()
+    return {"total_params": total, "memory_params": model.memory_params(),
+            "delta_params": total - raw.num_params()}

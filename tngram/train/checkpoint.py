@@ -367,6 +367,11 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     return _load_json(Path(path) / "meta.json")
 
 
+def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The meta.json of checkpoint folder `path` (step, tokens, times, loader state, config)."""
+    return _load_json(Path(path) / "meta.json")
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizers: dict[str, torch.optim.Optimizer] | None = None,
                     restore_rng_state: bool = True) -> dict[str, Any]:

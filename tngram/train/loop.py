@@ -13,6 +13,11 @@ RNG, so backbone init is identical across methods). bf16 autocast on CUDA (run.d
 fp32 on CPU unless run.dtype=bf16; parameters stay fp32 (parameter-golf keeps the tied
 embedding itself in bf16; we keep fp32 master weights everywhere).
 
+Read it top to bottom: `train()` checks, locks the run folder and hands over to `Trainer`, whose
+`__init__` sets up (resume checks, data, model, optimisers, records), `train_step()` is one
+optimiser step and `run()` the loop, where logging, validation and checkpoints each happen when
+one predicate (`should_log`, `should_validate`, `should_save`) says so; `StepClock` keeps the times.
+
 A run is resumable from its latest checkpoint and bit-identical on CPU to an uninterrupted run:
 weights, optimiser moments, loader position and RNG are restored, and the schedules depend only
 on the step. A non-finite training loss stops the run before the update (TngramError), leaving
@@ -26,7 +31,6 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ import torch
 
 from tngram.common import TngramError, atomic_write_json
 from tngram.eval.bpb import evaluate_bpb
-from tngram.model.gpt import GPT
+from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
 from tngram.train.warmstart import apply_warmstart
@@ -61,17 +65,8 @@ def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def delta_params(cfg: TrainConfig) -> dict[str, int]:
-    """total / memory / delta parameter counts, computed on the meta device (no allocation)."""
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-        raw = GPT(replace(cfg.model, memory=None))
-    return {"total_params": model.num_params(), "memory_params": model.memory_params(),
-            "delta_params": model.num_params() - raw.num_params()}
-
-
 def live_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
-    """`sizes` (from delta_params) updated to the model's actual shapes (after CP-rank pruning)."""
+    """`sizes` (from model.gpt.param_counts) updated to the model's actual shapes (after CP-rank pruning)."""
     raw_total = sizes["total_params"] - sizes["delta_params"]
     total = model.num_params()
     return {"total_params": total, "memory_params": model.memory_params(),
@@ -108,19 +103,24 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     if max_steps is not None and max_steps < 1:
         raise TngramError(f"--steps must be >= 1, got {max_steps}")
     run_dir = Path(out_dir)
-    else:
-        _choose_threads(ctx, threads)
     check_step_memory(cfg)                     # before the folder exists or anything is allocated
     ctx = init_distributed(cfg.run.device)
     threads = torch.get_num_threads()
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
+    else:
+        _choose_threads(ctx, threads)
     lock = None
     try:
         lock = _claim(run_dir, cfg, resume, ctx)
-        return _train(cfg, run_dir, ctx, resume, max_steps, logger, progress)
+        return Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress).run()
     finally:
         if lock is not None:
+            release_run_dir(lock)
+        torch.set_num_threads(threads)
+        shutdown(ctx)
+
+
 def _choose_threads(ctx: DistContext, default: int) -> None:
     """run.threads 0 on CPU without OMP_NUM_THREADS: keep torch's default unless other jobs keep
     the CPUs busy or a quota caps them (tngram.cpu.choose_threads); say so in one line when the
@@ -135,11 +135,6 @@ def _choose_threads(ctx: DistContext, default: int) -> None:
         torch.set_num_threads(choice.threads)
         if ctx.is_main:
             print(f"tngram: note: {choice.reason}", flush=True)
-
-
-            release_run_dir(lock)
-        torch.set_num_threads(threads)
-        shutdown(ctx)
 
 
 def _claim(run_dir: Path, cfg: TrainConfig, resume: bool, ctx: DistContext):
@@ -163,7 +158,7 @@ def _claim(run_dir: Path, cfg: TrainConfig, resume: bool, ctx: DistContext):
 
 def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> None:
     """The checkpoint's config must equal `cfg` except for RESUMABLE_RUN_FIELDS."""
-    saved = ckpt._load_json(checkpoint / "meta.json").get("config")
+    saved = ckpt.read_checkpoint_meta(checkpoint).get("config")
     if saved is None:
         saved = ckpt.read_run_config(run_dir)
     new = json.loads(json.dumps(cfg.to_dict()))
@@ -202,237 +197,336 @@ def _open_data(cfg: TrainConfig, ctx: DistContext):
     return info
 
 
-def _train(cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
-           max_steps: int | None, logger: str = "none", bar: bool = True) -> dict[str, Any]:
-    say = print if ctx.is_main else (lambda *a, **k: None)
-    seq_len = cfg.model.sequence_len
-    accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs, seq_len,
-                             ctx.world_size)
-    steps = cfg.schedule.steps
-    prune_at = _prune_at_step(cfg, ctx.world_size)
-    stop = min(steps, max_steps) if max_steps is not None else steps
+class StepClock:
+    """Time spent in optimiser steps (not in evaluation or saving) and tokens trained: for this
+    session, for the current logging window, plus the earlier sessions of a resumed run."""
 
-    # ---- run folder: refuse to overwrite checkpoints; on resume take the newest checkpoint
-    # that verifies (saying which newer ones are skipped), and its config must match
-    existing = ckpt.list_checkpoints(run_dir)
-    if existing and not resume:
-        raise TngramError(f"{run_dir} already holds a run with checkpoints; pass --resume to "
-                          f"continue it or choose another --out")
-    latest = ckpt.newest_good_checkpoint(run_dir, say) if resume else None
-    if resume and existing and latest is None:
-        raise TngramError(f"cannot resume {run_dir}: none of its {len(existing)} checkpoint(s) verifies "
-                          f"(see the lines above); move {run_dir / ckpt.CKPT_DIR} away to start over")
-    if resume and latest is not None:
-        _check_resume_config(run_dir, latest, cfg)
-    elif resume:
-        say(f"tngram: no checkpoint in {run_dir}; starting from step 0")
+    def __init__(self, train_time_prev: float = 0.0, wall_prev: float = 0.0) -> None:
+        self.train_time_prev, self.wall_prev = train_time_prev, wall_prev
+        self.start = time.perf_counter()
+        self.train_time = 0.0                      # this session
+        self.win_time, self.win_tokens = 0.0, 0    # since the last metrics row
 
-    # ---- data (built on first use), tokenizer byte tables, validation stream
-    from tngram.data.bpb import token_byte_luts
-    from tngram.data.loader import TokenLoader, load_val_tokens
-    from tngram.data.tokenizer import load_tokenizer
-    info = _open_data(cfg, ctx)
-    V = cfg.model.vocab_size
-    loader = TokenLoader(info.train_files, cfg.data.micro_batch_seqs, seq_len, ddp_rank=ctx.ddp_rank,
-                         world_size=ctx.world_size, seed=cfg.data.seed, vocab_size=V)
-    check_batch_vs_data(cfg, sum(loader.counts))
-    val_tokens = load_val_tokens(info.val_files, seq_len, vocab_size=V)
-    luts = token_byte_luts(load_tokenizer(info.tokenizer_path), V)
+    def begin(self) -> None:
+        self.start = time.perf_counter()
 
-    # ---- model and optimisers (global RNG seeded first)
-    device = ctx.device
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model).to(device)
-    apply_warmstart(model, cfg.run.init_from, cfg.optim.trainable)
-    groups = build_param_groups(model, cfg.optim)
-    # optim.memory_update sparse/rowwise: the tables get row-sparse gradients and their own
-    # optimiser (tngram.optim.memory_update); "dense" leaves `groups` as they are
-    table_opt, rest = setup_memory_update(model, groups, cfg.optim.memory_update,
-                                          (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.adam_eps)
-    muon_groups = [g for g in rest if g["optimizer"] == "muon"]
-    adam_groups = [g for g in rest if g["optimizer"] == "adam"]
-    o = cfg.optim
-    optimizers: dict[str, torch.optim.Optimizer] = {
-        "adam": torch.optim.Adam(adam_groups, betas=(o.beta1, o.beta2), eps=o.adam_eps,
-                                 fused=device.type == "cuda")}
-    if muon_groups:
-        optimizers["muon"] = Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum_start,
-                                  nesterov=True, ns_steps=o.muon_ns_steps, ddp_rank=ctx.ddp_rank,
-                                  world_size=ctx.world_size)
-    if table_opt is not None:
-        optimizers["memory"] = table_opt
-    sizes = delta_params(cfg)
-    if ctx.is_main:   # a checkpoint holds the weights and up to two moments per parameter
-        ckpt_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-        ckpt.check_free_space(run_dir, ckpt_bytes + ckpt_bytes // 3, "a checkpoint and the final weights")
+    def add(self, seconds: float, tokens: int = 0) -> None:
+        self.train_time += seconds
+        self.win_time += seconds
+        self.win_tokens += tokens
 
-    step, tokens, wall_prev, train_time_prev = 0, 0, 0.0, 0.0
-    if resume and latest is not None:
-        meta = ckpt.load_checkpoint(latest, model, optimizers)
-        loader.load_state_dict(meta["loader"])
-        step, tokens = meta["step"], meta["tokens"]
-        wall_prev, train_time_prev = meta["wall_s"], meta["train_time_s"]
-        sizes = live_sizes(model, sizes)   # smaller if the checkpoint was written after pruning
-        if meta.get("world_size") != ctx.world_size:
-            say(f"tngram: note: checkpoint was written with {meta.get('world_size')} processes, "
-                f"resuming with {ctx.world_size} (same global batch, so the same optimisation)")
-        say(f"tngram: resumed {run_dir} from {latest.name}")
+    def window_tokens_per_s(self) -> float:
+        return self.win_tokens / max(self.win_time, 1e-9)
 
-    amp = autocast_dtype(cfg.run.dtype, device)
-    autocast_ctx = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else nullcontext
-    fwd_model = torch.compile(model, dynamic=False) if cfg.run.compile else model
-    fwd_model = wrap_ddp(fwd_model, ctx)
+    def reset_window(self) -> None:
+        self.win_time, self.win_tokens = 0.0, 0
 
-    # ---- records
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.save_run_config(run_dir, cfg.to_dict())
-        record_dataset(run_dir, info)  # tokenizer + manifest copy: the run folder stands alone
-        atomic_write_json(run_dir / "env.json", env_info(device, ctx.world_size, accum))
-    log = MetricsLog(run_dir, ctx.is_main, keep_until_step=step, logger=logger, run_name=cfg.name,
-                     config=cfg.to_dict())
-    say(f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
-        f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {accum} micro-step(s) x "
-        f"{cfg.data.micro_batch_seqs} x {seq_len} tokens = {cfg.data.global_batch_tokens:,} "
-        f"tokens/step; steps {step}->{stop} of {steps}; device {device}; "
-        f"autocast {amp or 'off (fp32)'}")
-    say(format_param_table(groups))
+    def total_train_time(self) -> float:
+        return self.train_time_prev + self.train_time
 
-    def evaluate() -> dict[str, Any]:
-        return evaluate_bpb(model, val_tokens, seq_len, luts, cfg.data.micro_batch_seqs,
-                            ddp_rank=ctx.ddp_rank, world_size=ctx.world_size, autocast_dtype=amp,
+    def wall(self) -> float:
+        return self.wall_prev + time.perf_counter() - self.start
+
+
+class Trainer:
+    """One run on one process, in the order it happens: `__init__` sets up (resume checks, data,
+    model, optimisers, records), `train_step()` is one optimiser step, `run()` is the loop (a step,
+    then log / validate / checkpoint when their predicate says so) and the summary."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
+                 max_steps: int | None, logger: str = "none", bar: bool = True) -> None:
+        self.cfg, self.run_dir, self.ctx, self.bar = cfg, run_dir, ctx, bar
+        self.say = print if ctx.is_main else (lambda *a, **k: None)
+        self.accum = grad_accum_steps(cfg.data.global_batch_tokens, cfg.data.micro_batch_seqs,
+                                      cfg.model.sequence_len, ctx.world_size)
+        self.prune_at = _prune_at_step(cfg, ctx.world_size)
+        steps = cfg.schedule.steps
+        self.stop = min(steps, max_steps) if max_steps is not None else steps
+        latest = self._resume_point(resume)
+        self._setup_data()
+        self._setup_model()
+        self.step, self.tokens, self.clock = 0, 0, StepClock()
+        if latest is not None:
+            self._load(latest)
+        self._setup_forward()
+        self._write_records(logger)
+        self.last_loss, self.last_eval = float("nan"), None
+        self.lr_mult, self.momentum = 1.0, cfg.optim.muon_momentum_start
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _resume_point(self, resume: bool) -> Path | None:
+        """Refuse to overwrite checkpoints; on resume the newest checkpoint that verifies (saying
+        which newer ones are skipped), whose config must match."""
+        run_dir = self.run_dir
+        existing = ckpt.list_checkpoints(run_dir)
+        if existing and not resume:
+            raise TngramError(f"{run_dir} already holds a run with checkpoints; pass --resume to "
+                              f"continue it or choose another --out")
+        latest = ckpt.newest_good_checkpoint(run_dir, self.say) if resume else None
+        if resume and existing and latest is None:
+            raise TngramError(f"cannot resume {run_dir}: none of its {len(existing)} checkpoint(s) verifies "
+                              f"(see the lines above); move {run_dir / ckpt.CKPT_DIR} away to start over")
+        if latest is not None:
+            _check_resume_config(run_dir, latest, self.cfg)
+        elif resume:
+            self.say(f"tngram: no checkpoint in {run_dir}; starting from step 0")
+        return latest
+
+    def _setup_data(self) -> None:
+        """The dataset (built on first use), the train loader, the validation tokens and the
+        tokenizer's byte tables (for bits per byte)."""
+        from tngram.data.bpb import token_byte_luts
+        from tngram.data.loader import TokenLoader, load_val_tokens
+        from tngram.data.tokenizer import load_tokenizer
+        cfg, ctx = self.cfg, self.ctx
+        V, T = cfg.model.vocab_size, cfg.model.sequence_len
+        self.data = _open_data(cfg, ctx)
+        self.loader = TokenLoader(self.data.train_files, cfg.data.micro_batch_seqs, T,
+                                  ddp_rank=ctx.ddp_rank, world_size=ctx.world_size, seed=cfg.data.seed,
+                                  vocab_size=V)
+        check_batch_vs_data(cfg, sum(self.loader.counts))
+        self.val_tokens = load_val_tokens(self.data.val_files, T, vocab_size=V)
+        self.luts = token_byte_luts(load_tokenizer(self.data.tokenizer_path), V)
+
+    def _setup_model(self) -> None:
+        """The model (global RNG seeded first; memories seed their own), the parameter groups and
+        the optimisers (Adam for embeddings, tables and controls; Muon for matrices)."""
+        cfg, ctx, o = self.cfg, self.ctx, self.cfg.optim
+        device = self.device = ctx.device
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.run.seed)
+        model = self.model = GPT(cfg.model).to(device)
+        apply_warmstart(model, cfg.run.init_from, o.trainable)
+        self.groups = build_param_groups(model, o)
+        # optim.memory_update sparse/rowwise: the tables get row-sparse gradients and their own
+        # optimiser (tngram.optim.memory_update); "dense" leaves `groups` as they are
+        table_opt, rest = setup_memory_update(model, self.groups, o.memory_update,
+                                              (o.beta1, o.beta2), o.adam_eps)
+        muon_groups = [g for g in rest if g["optimizer"] == "muon"]
+        adam_groups = [g for g in rest if g["optimizer"] == "adam"]
+        self.optimizers: dict[str, torch.optim.Optimizer] = {
+            "adam": torch.optim.Adam(adam_groups, betas=(o.beta1, o.beta2), eps=o.adam_eps,
+                                     fused=device.type == "cuda")}
+        if muon_groups:
+            self.optimizers["muon"] = Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum_start,
+                                           nesterov=True, ns_steps=o.muon_ns_steps,
+                                           ddp_rank=ctx.ddp_rank, world_size=ctx.world_size)
+        if table_opt is not None:
+            self.optimizers["memory"] = table_opt
+        self.sizes = param_counts(cfg.model)
+        if ctx.is_main:   # a checkpoint holds the weights and up to two moments per parameter
+            ckpt_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+            ckpt.check_free_space(self.run_dir, ckpt_bytes + ckpt_bytes // 3,
+                                  "a checkpoint and the final weights")
+
+    def _load(self, latest: Path) -> None:
+        """Weights, optimiser moments, loader position, RNG, step, tokens and times of `latest`."""
+        meta = ckpt.load_checkpoint(latest, self.model, self.optimizers)
+        self.loader.load_state_dict(meta["loader"])
+        self.step, self.tokens = meta["step"], meta["tokens"]
+        self.clock = StepClock(meta["train_time_s"], meta["wall_s"])
+        self.sizes = live_sizes(self.model, self.sizes)   # smaller if written after pruning
+        if meta.get("world_size") != self.ctx.world_size:
+            self.say(f"tngram: note: checkpoint was written with {meta.get('world_size')} processes, "
+                     f"resuming with {self.ctx.world_size} (same global batch, so the same optimisation)")
+        self.say(f"tngram: resumed {self.run_dir} from {latest.name}")
+
+    def _setup_forward(self) -> None:
+        """Autocast (bf16 on CUDA, fp32 on CPU unless run.dtype=bf16), torch.compile, DDP."""
+        self.amp = amp = autocast_dtype(self.cfg.run.dtype, self.device)
+        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=amp)) if amp is not None
+                         else nullcontext)
+        fwd = torch.compile(self.model, dynamic=False) if self.cfg.run.compile else self.model
+        self.fwd_model = wrap_ddp(fwd, self.ctx)
+
+    def _write_records(self, logger: str) -> None:
+        """config.json, the dataset record, env.json, the metrics log; then the run's header."""
+        cfg, ctx, run_dir, sizes = self.cfg, self.ctx, self.run_dir, self.sizes
+        if ctx.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.save_run_config(run_dir, cfg.to_dict())
+            record_dataset(run_dir, self.data)  # tokenizer + manifest copy: the run folder stands alone
+            atomic_write_json(run_dir / "env.json", env_info(self.device, ctx.world_size, self.accum))
+        self.log = MetricsLog(run_dir, ctx.is_main, keep_until_step=self.step, logger=logger,
+                              run_name=cfg.name, config=cfg.to_dict())
+        self.say(f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
+                 f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {self.accum} "
+                 f"micro-step(s) x {cfg.data.micro_batch_seqs} x {cfg.model.sequence_len} tokens = "
+                 f"{cfg.data.global_batch_tokens:,} tokens/step; steps {self.step}->{self.stop} of "
+                 f"{cfg.schedule.steps}; device {self.device}; autocast {self.amp or 'off (fp32)'}")
+        self.say(format_param_table(self.groups))
+
+    # ---- one optimiser step ------------------------------------------------------------------
+    def train_step(self) -> float:
+        """grad_accum micro-steps (forward, backward), the loss check, the schedule (lr, Muon
+        momentum), clipping and the update. Returns the mean training loss of the step."""
+        cfg, o, device = self.cfg, self.cfg.optim, self.device
+        t0 = time.perf_counter()
+        loss = self._forward_backward()
+        self._check_finite_loss(loss)
+        self.lr_mult = lr_multiplier(self.step, cfg.schedule.steps, cfg.schedule.warmdown_steps)
+        self.momentum = muon_momentum(self.step, o.muon_momentum_start, o.muon_momentum,
+                                      o.muon_momentum_warmup_steps)
+        for opt in self.optimizers.values():
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * self.lr_mult
+                if "momentum" in g:
+                    g["momentum"] = self.momentum
+        sync_sparse_grads(self.model, self.ctx)     # row-sparse tables under DDP; no-op otherwise
+        if o.grad_clip_norm > 0:                    # torch's clip_grad_norm_ unless grads are sparse
+            clip_grad_norm(self.model.parameters(), o.grad_clip_norm)
+        for opt in self.optimizers.values():
+            opt.step()
+        self.model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.step += 1
+        self.tokens += cfg.data.global_batch_tokens
+        self.clock.add(time.perf_counter() - t0, cfg.data.global_batch_tokens)
+        self.last_loss = loss
+        return loss
+
+    def _forward_backward(self) -> float:
+        """Sum of gradients over the micro-steps (DDP all-reduces on the last only); mean loss."""
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            x, y = self.loader.next_batch()
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            with no_sync(self.fwd_model, micro == self.accum - 1):
+                with self.autocast():
+                    loss = self.fwd_model(x, y)
+                (loss / self.accum).backward()
+            loss_sum += loss.detach()
+        return float(all_reduce_mean(loss_sum / self.accum, self.ctx))
+
+    def _check_finite_loss(self, loss: float) -> None:
+        if not math.isfinite(loss):
+            last = ckpt.latest_checkpoint(self.run_dir)
+            raise TngramError(
+                f"non-finite training loss ({loss}) at step {self.step + 1}; stopped before the "
+                f"update. Last good checkpoint: {last if last else 'none (none written yet)'}. "
+                f"Lower the learning rates (optim.matrix_lr, optim.tied_embed_lr, "
+                f"optim.scalar_lr) or check the data.")
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train from self.step to self.stop; returns the summary (also RUN/summary.json)."""
+        cfg = self.cfg
+        progress = Progress(self.stop, self.step, cfg.name, self.ctx.is_main, bar=self.bar,
+                            log_every=cfg.run.log_every)
+        health = LossHealth(cfg.model.vocab_size)
+        self.clock.begin()
+        self.model.train()
+        try:
+            while self.step < self.stop:
+                loss = self.train_step()
+                self._after_step(loss, health, progress)
+                progress.update(loss, self.clock.window_tokens_per_s())
+                if self.should_log():
+                    self.log_row(loss, progress)
+                if self.should_save():
+                    self.save()
+            if self.last_eval is None:   # resumed a run that had already reached `stop`
+                self.last_eval = self.evaluate()
+        finally:
+            progress.close()
+            self.log.close()
+        return self.finish(health)
+
+    def should_validate(self) -> bool:
+        every = self.cfg.run.val_every
+        return self.step == self.stop or (every > 0 and self.step % every == 0)
+
+    def should_log(self) -> bool:
+        return self.should_validate() or self.step % self.cfg.run.log_every == 0
+
+    def should_save(self) -> bool:
+        every = self.cfg.run.checkpoint_every
+        return self.step == self.stop or (every > 0 and self.step % every == 0)
+
+    def _after_step(self, loss: float, health: LossHealth, progress: Progress) -> None:
+        """The loss-health warning, and the adaptive CP-rank pruning at its step."""
+        warning = health.update(self.step, loss)
+        if warning:
+            progress.write(warning) if progress.bar is not None else self.say(warning)
+        if self.prune_at and self.step == self.prune_at:    # tngram.memory.cp_rank
+            from tngram.memory.cp_rank import prune_model
+            t = time.perf_counter()
+            changes = prune_model(self.model, self.optimizers.values())
+            self.clock.add(time.perf_counter() - t)
+            self.sizes = live_sizes(self.model, self.sizes)
+            self.say(f"tngram: step {self.step}: CP rank pruned " + ", ".join(
+                f"{n} {a}->{b}" for n, a, b in changes) + f"; delta params now {self.sizes['delta_params']:,}")
+
+    def evaluate(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return evaluate_bpb(self.model, self.val_tokens, cfg.model.sequence_len, self.luts,
+                            cfg.data.micro_batch_seqs, ddp_rank=self.ctx.ddp_rank,
+                            world_size=self.ctx.world_size, autocast_dtype=self.amp,
                             max_tokens=cfg.data.val_tokens)
 
-    def save(at_step: int) -> None:
-        if not all_true(all(bool(torch.isfinite(p).all()) for p in model.parameters()), ctx):
-            raise TngramError(f"non-finite parameters after step {at_step}; not writing a checkpoint "
-                              f"(the last good one is kept in {run_dir / ckpt.CKPT_DIR})")
+    def log_row(self, loss: float, progress: Progress) -> None:
+        """One metrics row (tokens/s over the steps since the previous row), with validation when due."""
+        row = {"step": self.step, "train_loss": loss, "lr": self.lr_mult * self.cfg.optim.matrix_lr,
+               "lr_multiplier": self.lr_mult, "muon_momentum": self.momentum, "tokens": self.tokens,
+               "tokens_per_s": self.clock.window_tokens_per_s()}
+        self.clock.reset_window()
+        if self.should_validate():
+            self.last_eval = self.evaluate()
+            self.model.train()
+            row.update({"val_loss": self.last_eval["val_loss"], "val_bpb": self.last_eval["val_bpb"]})
+            progress.write(f"step {self.step}/{self.stop}: train {loss:.4f} val "
+                           f"{self.last_eval['val_loss']:.4f} bpb {self.last_eval['val_bpb']:.4f}")
+        self.log.log(row)
+
+    def save(self) -> None:
+        """A checkpoint of this step: every process checks its weights are finite, the main one writes."""
+        ctx = self.ctx
+        if not all_true(all(bool(torch.isfinite(p).all()) for p in self.model.parameters()), ctx):
+            raise TngramError(f"non-finite parameters after step {self.step}; not writing a checkpoint "
+                              f"(the last good one is kept in {self.run_dir / ckpt.CKPT_DIR})")
         if ctx.is_main:
-            ckpt.save_checkpoint(run_dir, at_step, model, optimizers, {
-                "tokens": tokens, "wall_s": wall_prev + time.perf_counter() - t_start,
-                "train_time_s": train_time_prev + train_time, "world_size": ctx.world_size,
-                "loader": loader.state_dict(), "train_loss": last_loss, "config": cfg.to_dict()},
-                keep=cfg.run.keep_checkpoints)
+            ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizers, {
+                "tokens": self.tokens, "wall_s": self.clock.wall(),
+                "train_time_s": self.clock.total_train_time(), "world_size": ctx.world_size,
+                "loader": self.loader.state_dict(), "train_loss": self.last_loss,
+                "config": self.cfg.to_dict()}, keep=self.cfg.run.keep_checkpoints)
         barrier(ctx)
 
-    # ---- loop
-    t_start = time.perf_counter()
-    train_time, session_tokens = 0.0, 0
-    win_time, win_tokens = 0.0, 0
-    last_loss, last_eval = float("nan"), None
-    progress = Progress(stop, step, cfg.name, ctx.is_main, bar=bar, log_every=cfg.run.log_every)
-    health = LossHealth(V)
-    model.train()
-    try:
-        while step < stop:
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                x, y = loader.next_batch()
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
-                with no_sync(fwd_model, micro == accum - 1):
-                    with autocast_ctx():
-                        loss = fwd_model(x, y)
-                    (loss / accum).backward()
-                loss_sum += loss.detach()
-            train_loss = float(all_reduce_mean(loss_sum / accum, ctx))
-            if not math.isfinite(train_loss):
-                last = ckpt.latest_checkpoint(run_dir)
-                raise TngramError(
-                    f"non-finite training loss ({train_loss}) at step {step + 1}; stopped before the "
-                    f"update. Last good checkpoint: {last if last else 'none (none written yet)'}. "
-                    f"Lower the learning rates (optim.matrix_lr, optim.tied_embed_lr, "
-                    f"optim.scalar_lr) or check the data.")
-            mult = lr_multiplier(step, steps, cfg.schedule.warmdown_steps)
-            mom = muon_momentum(step, o.muon_momentum_start, o.muon_momentum, o.muon_momentum_warmup_steps)
-            for opt in optimizers.values():
-                for g in opt.param_groups:
-                    g["lr"] = g["base_lr"] * mult
-                    if "momentum" in g:
-                        g["momentum"] = mom
-            sync_sparse_grads(model, ctx)       # row-sparse tables under DDP; no-op otherwise
-            if o.grad_clip_norm > 0:            # torch's clip_grad_norm_ unless grads are sparse
-                clip_grad_norm(model.parameters(), o.grad_clip_norm)
-            for opt in optimizers.values():
-                opt.step()
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            step += 1
-            tokens += cfg.data.global_batch_tokens
-            session_tokens += cfg.data.global_batch_tokens
-            train_time, win_time = train_time + dt, win_time + dt
-            win_tokens += cfg.data.global_batch_tokens
-            last_loss = train_loss
-            warning = health.update(step, train_loss)
-            if warning:
-                progress.write(warning) if progress.bar is not None else say(warning)
-            if prune_at and step == prune_at:    # adaptive CP rank (tngram.memory.cp_rank)
-                from tngram.memory.cp_rank import prune_model
-                tp = time.perf_counter()
-                changes = prune_model(model, optimizers.values())
-                dp = time.perf_counter() - tp
-                train_time, win_time = train_time + dp, win_time + dp
-                sizes = live_sizes(model, sizes)
-                say(f"tngram: step {step}: CP rank pruned " + ", ".join(
-                    f"{n} {a}->{b}" for n, a, b in changes) + f"; delta params now {sizes['delta_params']:,}")
-            progress.update(train_loss, win_tokens / max(win_time, 1e-9))
-            # ---- log / evaluate / checkpoint
-            is_last = step == stop
-            do_val = is_last or (cfg.run.val_every > 0 and step % cfg.run.val_every == 0)
-            if is_last or do_val or step % cfg.run.log_every == 0:
-                row = {"step": step, "train_loss": train_loss, "lr": mult * o.matrix_lr,
-                       "lr_multiplier": mult, "muon_momentum": mom, "tokens": tokens,
-                       "tokens_per_s": win_tokens / max(win_time, 1e-9)}
-                win_time, win_tokens = 0.0, 0
-                if do_val:
-                    last_eval = evaluate()
-                    model.train()
-                    row.update({"val_loss": last_eval["val_loss"], "val_bpb": last_eval["val_bpb"]})
-                    progress.write(f"step {step}/{stop}: train {train_loss:.4f} val {last_eval['val_loss']:.4f} "
-                                   f"bpb {last_eval['val_bpb']:.4f}")
-                log.log(row)
-            if is_last or (cfg.run.checkpoint_every > 0 and step % cfg.run.checkpoint_every == 0):
-                save(step)
-        if last_eval is None:  # resumed a run that had already reached `stop`
-            last_eval = evaluate()
-    finally:
-        progress.close()
-        log.close()
-
-    # ---- summary
-    total_train_time = train_time_prev + train_time
-    summary = {
-        "recipe": cfg.name, **sizes, "steps": step, "schedule_steps": steps,
-        "train_loss": last_loss if math.isfinite(last_loss) else _last_logged_loss(run_dir),
-        "val_loss": last_eval["val_loss"], "val_bpb": last_eval["val_bpb"],
-        "val_tokens": last_eval["tokens"], "val_bytes": last_eval["bytes"],
-        "tokens": tokens, "tokens_per_s": tokens / max(total_train_time, 1e-9),
-        "train_time_s": total_train_time, "wall_s": wall_prev + time.perf_counter() - t_start,
-        "world_size": ctx.world_size, "grad_accum_steps": accum,
-        "device": str(device), "dtype": str(amp or torch.float32).replace("torch.", ""),
-    }
-    healthy, why = health.verdict()
-    summary.update(healthy=healthy, health_reason=why, health_steps_seen=health.steps)
-    if prune_at:
-        from tngram.memory.cp_rank import cp_ranks
-        summary["cp_ranks"] = cp_ranks(model)
-        summary["prune_at_step"] = prune_at
-    if ctx.is_main:
-        ckpt.save_final_weights(run_dir, model, step)
-        atomic_write_json(run_dir / "summary.json", summary)
-        say(f"tngram: {cfg.name} done: step {step}, train {summary['train_loss']:.4f}, val "
-            f"{summary['val_loss']:.4f} (bpb {summary['val_bpb']:.4f}), "
-            f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.0f} s -> {run_dir}")
-        if not healthy:
-            say(f"tngram: warning: the run is NOT healthy (summary.json healthy: false): {why}")
-    barrier(ctx)
-    return summary
+    def finish(self, health: LossHealth) -> dict[str, Any]:
+        """The summary (RUN/summary.json) and the final weights, written by the main process."""
+        cfg, ctx, ev = self.cfg, self.ctx, self.last_eval
+        total_train_time = self.clock.total_train_time()
+        summary = {
+            "recipe": cfg.name, **self.sizes, "steps": self.step, "schedule_steps": cfg.schedule.steps,
+            "train_loss": (self.last_loss if math.isfinite(self.last_loss)
+                           else _last_logged_loss(self.run_dir)),
+            "val_loss": ev["val_loss"], "val_bpb": ev["val_bpb"],
+            "val_tokens": ev["tokens"], "val_bytes": ev["bytes"],
+            "tokens": self.tokens, "tokens_per_s": self.tokens / max(total_train_time, 1e-9),
+            "train_time_s": total_train_time, "wall_s": self.clock.wall(),
+            "world_size": ctx.world_size, "grad_accum_steps": self.accum,
+            "device": str(self.device), "dtype": str(self.amp or torch.float32).replace("torch.", ""),
+        }
+        healthy, why = health.verdict()
+        summary.update(healthy=healthy, health_reason=why, health_steps_seen=health.steps)
+        if self.prune_at:
+            from tngram.memory.cp_rank import cp_ranks
+            summary["cp_ranks"] = cp_ranks(self.model)
+            summary["prune_at_step"] = self.prune_at
+        if ctx.is_main:
+            ckpt.save_final_weights(self.run_dir, self.model, self.step)
+            atomic_write_json(self.run_dir / "summary.json", summary)
+            self.say(f"tngram: {cfg.name} done: step {self.step}, train {summary['train_loss']:.4f}, val "
+                     f"{summary['val_loss']:.4f} (bpb {summary['val_bpb']:.4f}), "
+                     f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.0f} s -> {self.run_dir}")
+            if not healthy:
+                self.say(f"tngram: warning: the run is NOT healthy (summary.json healthy: false): {why}")
+        barrier(ctx)
+        return summary
 
 
 def _last_logged_loss(run_dir: Path) -> float | None:
