@@ -645,3 +645,29 @@ def test_out_of_memory_is_one_line_naming_what_to_lower(monkeypatch, tmp_path, c
     assert "out of memory" in err
 
 
+
+
+def test_real_ctrl_c_during_data_build_is_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT to a real `tngram data build` while it trains its tokenizer: one line, exit 130, no
+    traceback, and neither the dataset nor its staging folder is left behind."""
+    import signal
+    import subprocess
+    import sys
+    text = small_text(tmp_path / "text")
+    for i in range(8, 40):                      # enough text that the build runs for a while
+        shutil.copyfile(text / f"d{i % 8}.txt", text / f"d{i}.txt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tngram", "data", "build", "--from-text", str(text),
+                             "--vocab-size", "512", "--out", str(tmp_path / "data")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    for line in proc.stdout:                    # wait until the build is under way
+        if "training SentencePiece" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("tngram: interrupted"), err
+    assert not (tmp_path / "data").exists()
+    assert not list(tmp_path.glob(".data.building-*"))

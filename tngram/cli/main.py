@@ -54,10 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from tngram.cli.safety import INTERRUPTED, run_command
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:                # Ctrl-C while the commands load: one line too
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        return 130
     args.argv = list(sys.argv[1:] if argv is None else argv)   # the command line, for results files
-    from tngram.cli.safety import run_command
     return run_command(args.func, args)      # every failure is one line (tngram.cli.safety)
 
 

@@ -23,6 +23,8 @@ from typing import Callable
 from tngram.cli.argtypes import report_error
 from tngram.common import TngramError
 
+INTERRUPTED = ("tngram: interrupted (Ctrl-C); nothing was left half-written (outputs are renamed into place "
+               "only when complete)")
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
 
 
@@ -55,8 +57,7 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
-        print("tngram: interrupted (Ctrl-C); nothing was left half-written (outputs are renamed into "
-              "place only when complete)", file=sys.stderr, flush=True)
+        print(INTERRUPTED, file=sys.stderr, flush=True)
         return 130
     except (TngramError, OSError) as e:  # user/environment errors: one line, exit 2
         print(f"tngram: error: {report_error(e)}", file=sys.stderr, flush=True)

@@ -130,10 +130,13 @@ def _check_only_ours(out: Path) -> None:
     if not out.is_dir():
         return
     own = _own_entries(out)
-    if own is None:
-        return
+    if own is None:       # manifest unreadable (corrupt, a link, a FIFO): only names a build writes
+        own = {"manifest.json", "tokenizer.model", "tokenizer.vocab"}
+    import re
+    shard = re.compile(r"^(train|val)_\d+\.bin$")
     extra = sorted(p.name for p in out.iterdir()
-                   if p.name not in own and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp")))
+                   if p.name not in own and not shard.match(p.name)
+                   and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp")))
     if extra:
         raise TngramError(f"{out} holds files that a dataset build did not write ({', '.join(extra[:5])}"
                           f"{', ...' if len(extra) > 5 else ''}); a rebuild replaces the whole folder: move "

@@ -143,8 +143,10 @@ def write_vocab_file(sp: spm.SentencePieceProcessor, path: str | os.PathLike) ->
 def load_tokenizer(path: str | os.PathLike) -> spm.SentencePieceProcessor:
     """Load a SentencePiece model file (ours or parameter-golf's); TngramError if unreadable."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise MissingFileError(f"tokenizer {path}: file not found")
+    from tngram.safefs import check_regular
+    check_regular(path.resolve())       # a FIFO or device is refused, never waited on
     try:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError) as e:
