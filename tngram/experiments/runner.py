@@ -225,7 +225,8 @@ def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: 
         log = rdir / "worker.log"
         print0(f"[{i}/{total}] {spec.label}: training ({rdir}; output in {log.name})")
         env = {**os.environ, "OMP_NUM_THREADS": job_threads(jobs)}
-        with open(log, "ab") as f:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "ab") as f:        # O_NOFOLLOW: a linked worker.log is refused, never appended to
             code = subprocess.run(launch_command(nproc) + [str(cfg_path), str(rdir)], stdout=f,
                                   stderr=subprocess.STDOUT, env=env).returncode
         where = f"its output is in {log}"
