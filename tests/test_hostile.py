@@ -671,3 +671,47 @@ def test_real_ctrl_c_during_data_build_is_one_line_and_leaves_nothing(tmp_path):
     assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("tngram: interrupted"), err
     assert not (tmp_path / "data").exists()
     assert not list(tmp_path.glob(".data.building-*"))
+
+
+def test_unparsable_run_tokenizer_is_one_line_in_sample_export_and_eval_core(full_run, tmp_path, capsys):
+    """Garbage in RUN/tokenizer.model: its sha256 is not the recorded one, so every command that
+    would use it refuses in one line (before an export folder is written)."""
+    run = copy_run(full_run, tmp_path / "run")
+    (run / "tokenizer.model").write_bytes(b"\x00not a sentencepiece model\xff" * 10)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "core.yaml").write_text("icl_tasks: []\n")
+    for argv in (["sample", str(run), "--prompt", "ka"], ["export", str(run), "--hf", str(tmp_path / "exp")],
+                 ["eval", "core", str(run), "--bundle", str(bundle), "--out", str(tmp_path / "c.json")]):
+        rc, err = cli(argv, capsys)
+        one_line_exit_2(rc, err)
+        assert "tokenizer.model" in err, argv
+    assert not (tmp_path / "exp").exists() and not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("name,content", [("dataset.json", "[1]"), ("dataset.json", '{"fingerprint": 7}'),
+                                          ("config.json", "{\"name\": 5"), ("summary.json", '{"steps": "4"}')])
+def test_reused_experiment_run_with_malformed_records_is_one_line(name, content, full_run, tiny_data, tmp_path):
+    """What `tngram compare` / `experiment` read of a finished run they would reuse: a malformed
+    record is one TngramError naming the file, never a traceback."""
+    from tngram.experiments.runner import check_same_dataset, is_complete
+    from tngram.readback import read_summary_file
+    run = copy_run(full_run, tmp_path / "run")
+    (run / name).write_text(content)
+    cfg = tiny_config(tiny_data, extra=EXTRA)
+    with pytest.raises(TngramError, match=name):
+        check_same_dataset(run, cfg)
+        is_complete(run, cfg)
+        read_summary_file(run / "summary.json", run)
+
+
+@pytest.mark.parametrize("content,needle", [('{"core": null, "tasks": {}}', "core"),
+                                            ('{"core": 0.1, "tasks": {"arc": {"accuracy": 0.5}}}', "tasks.arc"),
+                                            ('{"core": 0.1, "tasks": [1]}', "tasks")])
+def test_report_tables_with_a_malformed_core_json_is_one_line(content, needle, full_run, tmp_path, capsys):
+    run = copy_run(full_run, tmp_path / "run")
+    (run / "eval").mkdir()
+    (run / "eval" / "core.json").write_text(content)
+    rc, err = cli(["report", "tables", str(run), "--out", str(tmp_path / "t")], capsys)
+    one_line_exit_2(rc, err)
+    assert "core.json" in err and needle in err

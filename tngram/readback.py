@@ -186,11 +186,14 @@ def read_core_file(path: str | os.PathLike, root: str | os.PathLike | None = Non
     """An eval/core*.json read back: its "core" a number, its per-task results an object."""
     where = str(path)
     d = load_json(path, root)
-    get(d, "core", "any-number?", where)
+    get(d, "core", "float", where)
     tasks = get(d, "tasks", "dict", where, default={})
     for label, t in tasks.items():
         tw = f"{where}: tasks.{label}"
         if not isinstance(t, dict):
             raise BadRecordError(f"{tw} must be an object, got {_short(t)}")
-        check_numbers(t, ("accuracy", "centered", "n", "random_baseline"), tw)
+        for k in ("accuracy", "centered"):
+            get(t, k, "float", tw)
+        get(t, "n", "int", tw, lo=0)
+        check_numbers(t, ("random_baseline",), tw)
     return d
