@@ -4,8 +4,10 @@
     add_memory(model, TNGramConfig(max_ngram=3, cp_rank=64), layers=(0, 2))
 
 puts TN-gram, Engram or Over-Encoding into an existing decoder-only model (Llama, Qwen2,
-Mistral, GPT-2, GPT-NeoX families, or any model given an explicit layer list); generate() stays
-exact with the KV cache; save_pretrained / from_pretrained round-trip it (see docs/HF.md).
+Mistral, GPT-2, GPT-NeoX families, any family whose decoder layers are `base_model.layers`, or
+any model given an explicit layer list); generate() stays exact with the KV cache;
+save_pretrained / from_pretrained round-trip it; MemoryTrainer / memory_optimizer train it with
+Trainer (see docs/HF.md).
 
 Nothing below `tngram.hf` imports it, and `import tngram` does not import transformers: names
 here load on first use (`__getattr__`), and the transformers patches / Auto-class registrations
@@ -28,6 +30,8 @@ _LAZY = {
     "TngramGPTConfig": "tngram.hf.gpt_model",
     "TngramGPTForCausalLM": "tngram.hf.gpt_model",
     "export_run": "tngram.hf.export",
+    "memory_optimizer": "tngram.hf.trainer",
+    "MemoryTrainer": "tngram.hf.trainer",
 }
 
 # modules imported by register(): each registers its own config/model classes with the Auto
@@ -50,9 +54,9 @@ def register_auto_classes() -> None:
 
 
 def register() -> None:
-    """Teach transformers about tngram (idempotent): models whose config carries a
-    `tngram_memory` entry get their memory rebuilt on construction / from_pretrained,
-    save_pretrained writes that entry for models with a memory, and the modules in
+    """Teach transformers about tngram (idempotent): the model types "tngram_<family>" of
+    models with a memory resolve on demand (tngram.hf.classes), a family class loading such a
+    folder raises instead of dropping the memory, and the modules in
     _REGISTERING_MODULES register their Auto classes. tngram.hf._import_hook runs both parts when
     transformers is imported after tngram; add_memory calls this too."""
     from tngram.hf import attach

@@ -213,8 +213,9 @@ def _check_memory_fields(memory: Any, where: str) -> Any:
         else:
             ok = True
         if not ok:
-            raise TngramError(f"{key} must be a {type(default).__name__} like its default "
-                              f"{default!r}, got {v!r}")
+            tname = type(default).__name__
+            raise TngramError(f"{key} must be {'an' if tname[0] in 'aeiou' else 'a'} {tname} "
+                              f"like its default {default!r}, got {v!r}")
     try:
         return memory_config_from_dict(memory)
     except TngramError as e:

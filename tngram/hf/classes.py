@@ -51,6 +51,28 @@ class TngramModelMixin:
 
             attach_from_spec(self, spec)
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' count; with exclude_embeddings every memory lookup table is left out
+        like an embedding (transformers alone drops only nn.Embedding weights: Engram's tables
+        but not TN-gram's CP factors)."""
+        n = super().num_parameters(only_trainable=only_trainable,
+                                   exclude_embeddings=exclude_embeddings)
+        if not exclude_embeddings:
+            return n
+        from torch import nn
+
+        from tngram.hf.attach import memory_modules
+
+        embedded = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        seen: set[int] = set()
+        for mod in memory_modules(self).values():
+            for p in getattr(mod, "table_parameters", list)():
+                if id(p) in embedded or id(p) in seen or (only_trainable and not p.requires_grad):
+                    continue
+                seen.add(id(p))
+                n -= p.numel()
+        return n
+
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
         from tngram.hf.attach import check_loaded

@@ -1,0 +1,92 @@
+"""Training a model with a memory through transformers' `Trainer`: the optimiser recipe.
+
+`Trainer`'s own optimiser puts `TrainingArguments.weight_decay` on every weight that is not a
+bias or a norm, so it decays the n-gram tables (Engram / Over-Encoding tables, TN-gram CP
+factors) and the memories' gains and conv kernels. A table row is trained only when its n-gram
+occurs; decay shrinks every other row at every step, so rarely seen rows fade (our own trainer
+never decays them, tngram.optim.groups). The recipe here:
+
+    group          params                                          lr             weight decay
+    memory_table   each memory's table_parameters()                table_lr       0
+    memory_control each memory's control_parameters()              args lr        0
+    decay          everything else Trainer would decay             args lr        args.weight_decay
+    no_decay       everything else (biases, norms)                 args lr        0
+
+with the optimiser class and its other settings (betas, eps, `optim=`) taken from the
+TrainingArguments, as Trainer does. Two ways in:
+
+    trainer = MemoryTrainer(model=model, args=args, train_dataset=ds, memory_table_lr=1e-2)
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      optimizers=(memory_optimizer(model, args, table_lr=1e-2), None))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+from tngram.common import TngramError
+from tngram.hf.attach import memory_modules
+
+
+def memory_param_groups_for_trainer(model: nn.Module, args: TrainingArguments,
+                                    table_lr: float | None = None,
+                                    decay_names: set[str] | None = None) -> list[dict[str, Any]]:
+    """The four param groups of the recipe (empty ones left out); trainable parameters only,
+    each once. decay_names: the names Trainer decays (default: Trainer's rule)."""
+    lr = float(args.learning_rate)
+    table_lr = lr if table_lr is None else float(table_lr)
+    if not table_lr > 0:
+        raise TngramError(f"table_lr must be > 0, got {table_lr!r}")
+    if decay_names is None:
+        # Trainer's rule (an instance method that does not read self)
+        decay_names = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    mems = list(memory_modules(model).values())
+    tables = {id(p) for m in mems for p in getattr(m, "table_parameters", list)()}
+    controls = {id(p) for m in mems for p in getattr(m, "control_parameters", list)()}
+    groups: dict[str, dict[str, Any]] = {
+        "memory_table": {"params": [], "lr": table_lr, "weight_decay": 0.0},
+        "memory_control": {"params": [], "lr": lr, "weight_decay": 0.0},
+        "decay": {"params": [], "lr": lr, "weight_decay": float(args.weight_decay)},
+        "no_decay": {"params": [], "lr": lr, "weight_decay": 0.0},
+    }
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        key = ("memory_table" if id(p) in tables else "memory_control" if id(p) in controls
+               else "decay" if name in decay_names else "no_decay")
+        groups[key]["params"].append(p)
+    return [{**g, "group": k} for k, g in groups.items() if g["params"]]
+
+
+def memory_optimizer(model: nn.Module, args: TrainingArguments, table_lr: float | None = None,
+                     decay_names: set[str] | None = None) -> torch.optim.Optimizer:
+    """The optimiser Trainer would build from `args`, with the recipe's groups: pass it as
+    `Trainer(..., optimizers=(memory_optimizer(model, args, table_lr), None))`."""
+    if not memory_modules(model):
+        raise TngramError("memory_optimizer: the model has no n-gram memory (tngram.hf.add_memory)")
+    opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    opt_kwargs = {k: v for k, v in opt_kwargs.items() if k not in ("lr", "weight_decay")}
+    return opt_cls(memory_param_groups_for_trainer(model, args, table_lr, decay_names),
+                   lr=float(args.learning_rate), **opt_kwargs)
+
+
+class MemoryTrainer(Trainer):
+    """`Trainer` whose default optimiser follows the recipe (memory tables and factors without
+    weight decay, at `memory_table_lr`, default the args' learning rate)."""
+
+    def __init__(self, *args: Any, memory_table_lr: float | None = None, **kwargs: Any) -> None:
+        self.memory_table_lr = memory_table_lr
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            self.optimizer = memory_optimizer(opt_model, self.args, self.memory_table_lr,
+                                              set(self.get_decay_parameter_names(opt_model)))
+        return self.optimizer
