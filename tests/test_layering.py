@@ -1,15 +1,56 @@
-"""Layers point one way (DEVELOPERS.md): checked by scanning imports with ast.
+"""Layers point one way: the contracts in .importlinter (import-linter), plus a few rules of our own.
 
-memory never imports model/train/optim/...; the model never imports optim/train; optim never
-imports the model; reporting only reads run folders (never imports train/model).
+The layers, top to bottom (.importlinter is the source of truth; docs/ARCHITECTURE.md, when present,
+draws them): cli <- experiments <- bench <- hf | report <- train <- eval <- optim | data <- model <-
+memory <- kernels <- readback <- safefs | cpu <- common. No library module imports tngram.hf, and no
+package has an import cycle. `import tngram` loads no torch, transformers, matplotlib or scipy.
+Below, by scanning imports with ast: memory never imports model/train/optim/...; the model never
+imports optim/train; optim never imports the model; reporting only reads run folders.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "tngram"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "tngram"
+
+
+def test_import_linter_contracts():
+    """`lint-imports` on .importlinter: layers, tngram.hf on top, no import cycles (imports inside
+    functions count too). A broken contract prints the offending import chain."""
+    pytest.importorskip("importlinter", reason="import-linter is in the dev extra (make test installs it)")
+    r = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                        "sys.exit(lint_imports_command())", str(ROOT / ".importlinter"), "--no-cache",
+                        "--no-logo"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
+
+
+def test_contracts_name_every_package():
+    """Every package and loose module of tngram sits in a layer (a new one must be placed)."""
+    text = (ROOT / ".importlinter").read_text()
+    layers = text.split("layers =", 1)[1].split("ignore_imports", 1)[0]
+    named = {m.strip() for line in layers.splitlines() for m in line.split("|") if m.strip()}
+    have = {f"tngram.{p.name}" for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    have |= {f"tngram.{p.stem}" for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    assert have <= named, sorted(have - named)
+
+
+def test_import_tngram_is_light():
+    """`import tngram` (a fresh process) imports none of the heavy or optional dependencies; the
+    public names load them on first use."""
+    code = ("import sys, json, tngram; heavy = ('torch', 'transformers', 'matplotlib', 'scipy'); "
+            "print(json.dumps([m for m in heavy if m in sys.modules]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
 
 FORBIDDEN = {
     "memory": ("tngram.model", "tngram.train", "tngram.optim", "tngram.data", "tngram.eval",
@@ -46,7 +87,7 @@ def test_import_directions():
 
 
 def test_no_bare_rank_names():
-    """DEVELOPERS.md: never a bare `rank`; write cp_rank or ddp_rank."""
+    """Never a bare `rank`; write cp_rank (tensor rank) or ddp_rank (process)."""
     bad = []
     for f in sorted(PKG.rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):

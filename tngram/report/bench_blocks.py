@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tngram.common import TngramError
-from tngram.report.docblocks import md_row
+from tngram.report.markdown import md_row
 
 STEP_TARGET = 1.10       # mini training step, TN-gram / Engram
 MODULE_SLACK = 1.05      # module time ratio target = 1.05 x the analytic FLOP ratio

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import MissingFileError
-from tngram.report.docblocks import (block_names, current_block, end_marker, begin_marker,  # noqa: F401
-                                      replace_block, snapshot_path)
+from tngram.report.markdown import (block_names, current_block, end_marker, begin_marker,  # noqa: F401
+                                    replace_block, snapshot_path)
 from tngram.report.compare import compare_table
 
 BLOCK = "demo-compare-cpu"

@@ -28,7 +28,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,41 +38,18 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from tngram.common import MissingFileError, TngramError
+from tngram.model.gpt import GPT
 from tngram.readback import BadRecordError, load_json, plain_name
-from tngram.safefs import (check_chain, check_regular, is_link, make_dirs, open_fd, open_read, real_dir,
+from tngram.safefs import (check_regular, is_link, make_dirs, open_fd, open_read, real_dir,
                            remove_tree, write_bytes, write_json)
 
-CKPT_DIR = "checkpoints"
-FINAL_WEIGHTS = "model.safetensors"
+# the run folder's names and the checkpoint listing live in runfiles (below config); kept as names here
+from tngram.train.runfiles import (CKPT_DIR, FINAL_WEIGHTS, checkpoint_step, has_checkpoint,  # noqa: F401
+                                   latest_checkpoint, list_checkpoints)
+from tngram.train.saved import config_from_saved
+
 MANIFEST = "manifest.json"
 CKPT_FILES = ("model.safetensors", "state.safetensors", "meta.json")
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
-
-
-# ---- listing
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Checkpoint folders of a run (renamed into place, so complete when written), oldest first.
-    They are not verified here: see `verify_checkpoint` / `newest_good_checkpoint`."""
-    root = Path(run_dir) / CKPT_DIR
-    check_chain(run_dir, root, include_self=True)      # never a linked checkpoints/ folder
-    if not real_dir(root):
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and real_dir(p)]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    ckpts = list_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
-
-
-def has_checkpoint(run_dir: str | os.PathLike) -> bool:
-    return latest_checkpoint(run_dir) is not None
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(_STEP_RE.match(path.name).group(1))
 
 
 # ---- (de)serialisation helpers
@@ -540,9 +516,6 @@ def load_run_model(run_dir: str | Path, device: str = "cpu",
     Weights come from whichever is newer: the final weights DIR/model.safetensors or the newest
     checkpoint that verifies (a run still going, or interrupted, has only checkpoints).
     """
-    from tngram.model.gpt import GPT
-    from tngram.train.saved import config_from_saved
-
     run_dir = Path(run_dir)
     cfg_dict = read_run_config(run_dir)
     cfg = config_from_saved(cfg_dict, str(run_dir / "config.json"))   # before anything is allocated

@@ -181,7 +181,7 @@ def validate_config(cfg: TrainConfig) -> None:
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
     _check(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
-    from tngram.train.warmstart import TRAINABLE, check_init_from
+    from tngram.train.init_from import TRAINABLE, check_init_from
     _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
     if o.trainable == "memory" and cfg.model.memory is None:
         raise TngramError("optim.trainable=memory needs a model with memory (model.memory is none)")

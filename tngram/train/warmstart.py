@@ -25,8 +25,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tngram.common import TngramError
+from tngram.train.checkpoint import load_run_model
+from tngram.train.init_from import TRAINABLE, check_init_from
 
-TRAINABLE = ("all", "memory")
 HF_MODEL_TYPE = "tngram_gpt"   # model_type of tngram.hf.gpt_model.TngramGPTConfig
 HF_PREFIX = "model."           # TngramGPTForCausalLM keeps our GPT as `.model`
 
@@ -36,30 +37,8 @@ def is_memory_param(name: str) -> bool:
     return name.startswith("embed_memory.") or ".memory." in name
 
 
-def check_init_from(path: str) -> None:
-    """Cheap validation (before any data or model work): DIR exists and holds weights."""
-    d = Path(path)
-    if not (d / "config.json").is_file():
-        raise TngramError(f"run.init_from: {d} is not a run folder or an exported model "
-                          f"(no config.json)")
-    if _weights_file(d) is None:
-        raise TngramError(f"run.init_from: {d} has no weights (no model.safetensors and no "
-                          f"checkpoint)")
-
-
-def _weights_file(d: Path) -> Path | None:
-    from tngram.train.checkpoint import FINAL_WEIGHTS, latest_checkpoint
-
-    if (d / FINAL_WEIGHTS).is_file():
-        return d / FINAL_WEIGHTS
-    ckpt = latest_checkpoint(d)
-    return None if ckpt is None else ckpt / "model.safetensors"
-
-
 def source_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The GPT state dict (our key names) stored in a run folder or an HF export folder."""
-    from tngram.train.checkpoint import load_run_model
-
     d = Path(path)
     check_init_from(str(d))
     cfg = json.loads((d / "config.json").read_text())
