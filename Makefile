@@ -28,6 +28,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tngram compare --preset cpu --out runs/compare-cpu
+	@echo "  (first put tngram on your PATH in this shell:  . $(BIN)/activate)"
 
 # ... and the `hf` and `lmeval` extras (transformers, lm-eval; pinned) so the tngram.hf tests,
 # lm-evaluation-harness on an exported run included, run in CI.

@@ -7,6 +7,7 @@ import json
 import statistics
 import struct
 
+from test_train_support import one_thread, tiny_data  # noqa: F401
 from tngram.experiments.runner import RunClock
 from tngram.report.compare import compare_table
 
@@ -91,3 +92,53 @@ def test_compare_rows_changed_by_set_are_reported_as_what_they_are():
     # folder label and config name stay (finished runs are found again)
     assert raw.label == "raw-s0" and raw.config.name == "mini-raw"
     assert _overridden(specs["raw"], ("optim.matrix_lr=0.02",)).tags["method"] == "raw"
+
+
+def test_compare_ends_with_next_commands_that_parse(tmp_path):
+    import shlex
+    from pathlib import Path
+
+    from tngram.cli.main import build_parser
+    from tngram.experiments.compare import next_steps
+    out = tmp_path / "my compare"                         # a space: the paths are quoted
+    rows = [{"method": "raw", "run_dir": str(out / "runs" / "raw-s0")},
+            {"method": "tngram", "run_dir": str(out / "runs" / "tngram-s0")}]
+    text = next_steps(out, rows, out / "loss_curves.png")
+    cmds = [ln.split("    #")[0].strip() for ln in text.splitlines() if ln.strip().startswith("tngram ")]
+    assert len(cmds) == 2
+    parser = build_parser()
+    for c in cmds:
+        args = parser.parse_args(shlex.split(c)[1:])
+        assert Path(args.run_dir) == out / "runs" / "tngram-s0"
+    assert f"{out / 'report.md'}" in text and "loss_curves.png" in text
+
+
+def test_eval_bpb_differs_from_training_validation_only_by_bf16_autocast(tiny_data, tmp_path, capsys):
+    import torch
+
+    from test_train_support import tiny_config
+    from tngram import load_run
+    from tngram.cli.main import main
+    from tngram.data.bpb import token_byte_luts
+    from tngram.data.build import open_dataset
+    from tngram.data.loader import load_val_tokens
+    from tngram.data.tokenizer import load_tokenizer
+    from tngram.eval.bpb import evaluate_bpb
+    from tngram.train.loop import train
+    cfg = tiny_config(tiny_data, extra=["schedule.steps=3", "run.val_every=0", "run.checkpoint_every=0",
+                                        "run.dtype=bf16"])
+    summary = train(cfg, tmp_path / "run", progress=False)
+    capsys.readouterr()
+    assert main(["eval", "bpb", str(tmp_path / "run"), "--json"]) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert main(["eval", "bpb", str(tmp_path / "run")]) == 0
+    assert "training validated under bf16 autocast" in capsys.readouterr().out
+    # recomputed independently: the summary is the bf16-autocast evaluation, eval bpb the fp32 one
+    model, _ = load_run(tmp_path / "run")
+    info = open_dataset(str(tiny_data))
+    val = load_val_tokens(info.val_files, cfg.model.sequence_len, cfg.model.vocab_size)
+    luts = token_byte_luts(load_tokenizer(info.tokenizer_path), cfg.model.vocab_size)
+    ev = {dt: evaluate_bpb(model, val, cfg.model.sequence_len, luts, 4, autocast_dtype=dt,
+                           max_tokens=cfg.data.val_tokens)["val_loss"] for dt in (None, torch.bfloat16)}
+    assert abs(fp32["val_loss"] - ev[None]) < 1e-9
+    assert abs(summary["val_loss"] - ev[torch.bfloat16]) < 1e-9

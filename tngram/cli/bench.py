@@ -57,6 +57,15 @@ def _threads_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _contention(args: argparse.Namespace) -> int:
+    from tngram.bench import contention
+    res = contention.run(args.recipe, reps=args.reps, warmup=args.warmup, steps=args.steps_per_rep,
+                         competitor_threads=args.competitor_threads)
+    _emit(dict(res, **results_file_fields("bench-contention", getattr(args, "argv", []))),
+          contention.report(res), args)
+    return 0
+
+
 def _step(args: argparse.Namespace) -> int:
     from tngram.bench import step
     _threads(args)
@@ -142,6 +151,20 @@ def add_commands(sub: Any) -> None:
                    help="instead: the share of TN-gram's lookup inside the parallel C ops at 1 thread "
                         "(min of --reps) and the Amdahl speed-ups it implies")
     t.set_defaults(func=_threads_bench)
+
+    ct = bs.add_parser("contention", help="training tokens/s alone and beside a competing 2-thread torch "
+                                          "job, at torch's default threads, 1 thread and the automatic "
+                                          "choice, interleaved (docs/PERFORMANCE.md)")
+    add_json_argument(ct)
+    ct.add_argument("--recipe", default="mini-tngram", metavar="RECIPE", help="recipe whose step is timed "
+                    "(default: mini-tngram)")
+    ct.add_argument("--reps", type=int_range(1), default=5, help="timed repetitions (default: 5)")
+    ct.add_argument("--warmup", type=int_range(0), default=1, help="untimed warm-up repetitions (default: 1)")
+    ct.add_argument("--steps-per-rep", type=int_range(1), default=2, metavar="N",
+                    help="optimiser steps timed per rep (default: 2)")
+    ct.add_argument("--competitor-threads", type=int_range(1, 64), default=2, metavar="N",
+                    help="torch threads of the competing job (default: 2)")
+    ct.set_defaults(func=_contention)
 
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
     common(s, 8, 2)

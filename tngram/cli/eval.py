@@ -219,5 +219,23 @@ def cmd_bpb(args: argparse.Namespace) -> int:
             from tngram.train.rundir import write_result
             write_result(path, res, Path(args.run_dir))        # never through a link in the run
             _show(args, res, f"{'run':<40}{'val_loss':>10}{'val_bpb':>10}{'tokens':>12}\n"
-                  f"{str(args.run_dir):<40}{res['val_loss']:>10.4f}{res['val_bpb']:>10.4f}{res['tokens']:>12}", path)
+                  f"{str(args.run_dir):<40}{res['val_loss']:>10.4f}{res['val_bpb']:>10.4f}{res['tokens']:>12}"
+                  + _autocast_note(Path(args.run_dir), cfg), path)
     return 0
+
+
+def _autocast_note(run_dir: Path, cfg: dict[str, Any]) -> str:
+    """eval bpb runs the forward pass in fp32; a run that trained under bf16 autocast (run.dtype
+    bf16, or auto on CUDA) was validated under it, so its summary's numbers differ in the 4th
+    decimal (bf16 rounding of the matmuls; same tokens, same windows). One line saying so."""
+    from tngram.readback import load_json, read_summary_file
+    dtype = (cfg.get("run") or {}).get("dtype")
+    try:
+        device = load_json(run_dir / "env.json", run_dir).get("device", "cpu")
+        val = float(read_summary_file(run_dir / "summary.json", run_dir)["val_loss"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    if not (dtype == "bf16" or (dtype == "auto" and str(device).startswith("cuda"))):
+        return ""
+    return (f"\nnote: this is an fp32 forward pass; training validated under bf16 autocast "
+            f"(run.dtype={dtype}) and recorded val_loss {val:.4f} in summary.json: the difference is bf16 rounding")

@@ -20,7 +20,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--temperature", type=float_range(0.0), default=0.8, help="softmax temperature; 0 = greedy")
     p.add_argument("--top-k", type=int_range(0), default=50, help="sample among the k most likely tokens; 0 = all")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeds SEED, SEED+1, ...)")
-    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="sampling seed (a 64-bit int)")
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="sampling seed, below 2^63 (default: 0)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="SentencePiece .model to use instead of the run's (older runs without one)")
     add_device_argument(p)

@@ -45,7 +45,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, metavar="D",
                    help="auto | cpu | cuda | cuda:N | mps (same as --set run.device=D; default: the config's, auto)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
+                   help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores, "
+                        "or fewer while other jobs keep the CPUs busy (a note says so; docs/TRAINING.md) "
                         "(same as --set run.threads=N; default: the config's, 0)")
     add_logger_argument(p)
     add_progress_argument(p)

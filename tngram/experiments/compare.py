@@ -45,4 +45,19 @@ def compare_configs(configs: dict[str, TrainConfig], out: Path, seeds: int = 1, 
     report = write_compare_report(out, results)
     print0("\n" + report["table"])
     print0(f"\nreport: {out / 'report.md'}\nresults: {out / 'results.json'}")
+    print0(next_steps(out, results["rows"], report.get("png")))
     return results
+
+
+def next_steps(out: Path, rows: list[dict[str, Any]], png: Path | None) -> str:
+    """What to try after a comparison: sample the last run (a memory run when there is one), read
+    the report and the figure."""
+    import shlex
+    run = shlex.quote(str(rows[-1]["run_dir"])) if rows else shlex.quote(str(out / "runs" / "RUN"))
+    method = rows[-1]["method"] if rows else "last"
+    lines = ["", "next:",
+             f"  tngram sample {run} --prompt \"The history of\"    # text from the {method} run",
+             f"  tngram eval bpb {run}    # its validation loss and bits per byte",
+             f"  the report {shlex.quote(str(out / 'report.md'))}"
+             + (f" and the loss curves {shlex.quote(str(png))}" if png else "")]
+    return "\n".join(lines)

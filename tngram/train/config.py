@@ -58,7 +58,7 @@ class RunConfig:
     dtype: str = "auto"                # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     compile: bool = False
     device: str = "auto"
-    threads: int = 0                   # CPU threads for torch (0: torch's default / OMP_NUM_THREADS)
+    threads: int = 0                   # CPU threads for torch (0: torch's default / OMP_NUM_THREADS; fewer when the CPUs are busy, tngram.cpu)
     log_every: int = 10
     val_every: int = 250               # 0: only at the end
     checkpoint_every: int = 500        # 0: only at the end
