@@ -75,3 +75,20 @@ def test_core_install_imports_and_trains_without_matplotlib_and_scipy(tiny_data,
     assert "| TN-gram |" in res["report"]
     assert "No figure: figures need matplotlib" in res["report"]
     assert "No significance table: " in res["report"] and "tngram[report]" in res["report"]
+
+
+def test_experiment_without_the_report_extra_stops_before_training(tmp_path):
+    code = ("import sys\n"
+            "class B:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {BLOCKED!r}:\n"
+            "            raise ImportError(name)\n"
+            "sys.meta_path.insert(0, B())\n"
+            "from tngram.cli.main import main\n"
+            f"sys.exit(main(['experiment', 'ngram-order', '--out', {str(tmp_path / 'exp')!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("tngram: error: `tngram experiment` figures need matplotlib, which is not "
+                                "installed: pip install 'tngram[report]'")
+    assert not (tmp_path / "exp").exists()

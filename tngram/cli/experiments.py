@@ -118,6 +118,9 @@ def _cmd_experiment(args: Any) -> int:
     from tngram.experiments.common import SCALES
     from tngram.experiments.runner import config_overrides, run_jobs
     from tngram.experiments.sweeps import run_experiment
+    from tngram.common import require_extra
+    require_extra("matplotlib", "report", "`tngram experiment` figures")      # before any training
+    require_extra("scipy", "report", "`tngram experiment` confidence intervals")
     _check(args, SCALES[args.preset])
     ranks = _int_list("--ranks", args.ranks)
     budgets = _int_list("--budgets", args.budgets)
