@@ -653,9 +653,10 @@ def test_real_ctrl_c_during_data_build_is_one_line_and_leaves_nothing(tmp_path):
     import signal
     import subprocess
     import sys
-    text = small_text(tmp_path / "text")
-    for i in range(8, 40):                      # enough text that the build runs for a while
-        shutil.copyfile(text / f"d{i % 8}.txt", text / f"d{i}.txt")
+    from test_train_support import synthetic_documents
+    docs = synthetic_documents(seed=7)
+    text = tmp_path / "docs.jsonl"              # ~11 MB: the tokenizer trains for a few seconds
+    text.write_text("".join(json.dumps({"text": docs[i % len(docs)] + f" n{i}"}) + "\n" for i in range(1500)))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "tngram", "data", "build", "--from-text", str(text),
                              "--vocab-size", "512", "--out", str(tmp_path / "data")], env=env,

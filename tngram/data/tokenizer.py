@@ -118,7 +118,11 @@ def train_tokenizer(
             **spec,
         )
     except RuntimeError as e:
-        raise TngramError(f"SentencePiece training failed for vocab_size {vocab_size} on {n_lines} lines: {e}") from None
+        if "KeyboardInterrupt" in str(e):   # Ctrl-C inside our sentence iterator, wrapped by the C++ side
+            raise KeyboardInterrupt from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TngramError(f"SentencePiece training failed for vocab_size {vocab_size} on {n_lines} lines: "
+                          f"{first}") from None
     proto = writer.getvalue()
     sp = spm.SentencePieceProcessor(model_proto=proto)
     if sp.vocab_size() != vocab_size:
