@@ -23,6 +23,7 @@ from typing import Any, Iterator
 from tngram.common import TngramError, atomic_write_json, print0
 from tngram.readback import load_json, read_summary_file
 from tngram.train.config import TrainConfig
+from tngram.train.signals import ForwardSignals, exit_code, signal_name
 
 
 @dataclass
@@ -163,21 +164,28 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
         todo.append((i, spec, rdir))
     stop = threading.Event()     # set by the first failure: no further run starts
     clock = RunClock(len(todo))
+    signals = ForwardSignals()   # SIGTERM / SIGINT: forwarded to the running children, no new run
 
     def train_one(i: int, spec: RunSpec, rdir: Path) -> str | None:
-        if stop.is_set():
+        if stop.is_set() or signals.signum is not None:
             return None
-        err = _train_one(i, spec, rdir, len(specs), nproc, jobs, clock)
+        err = _train_one(i, spec, rdir, len(specs), nproc, jobs, clock, signals)
         if err:
             stop.set()
         return err
 
-    if jobs > 1 and len(todo) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(max_workers=jobs) as pool:   # threads only wait on the processes
-            errors = list(pool.map(lambda t: train_one(*t), todo))
-    else:
-        errors = [train_one(i, spec, rdir) for i, spec, rdir in todo]
+    with signals:
+        if jobs > 1 and len(todo) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(max_workers=jobs) as pool:   # threads only wait on the processes
+                errors = list(pool.map(lambda t: train_one(*t), todo))
+        else:
+            errors = [train_one(i, spec, rdir) for i, spec, rdir in todo]
+    if signals.signum is not None:   # the children checkpointed; the same command resumes them
+        print(f"tngram: stopped by {signal_name(signals.signum)}; finished runs are kept and "
+              f"interrupted ones resume from their checkpoint: run the same command again "
+              f"(exit {exit_code(signals.signum)})", file=sys.stderr, flush=True)
+        raise SystemExit(exit_code(signals.signum))
     failed = [e for e in errors if e]
     if failed:
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
@@ -214,9 +222,11 @@ class RunClock:
 
 
 def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: int,
-               clock: RunClock | None = None) -> str | None:
+               clock: RunClock | None = None, signals: ForwardSignals | None = None) -> str | None:
     """Train one run in a subprocess; None when it finished, else the error line. With jobs > 1
     its output goes to RUN/worker.log and it gets job_threads(jobs) threads."""
+    run_child = (signals.run_child if signals is not None      # forwards SIGTERM / SIGINT
+                 else lambda cmd, **kw: subprocess.run(cmd, **kw).returncode)
     rdir.mkdir(parents=True, exist_ok=True)
     cfg_path = rdir / "requested_config.json"
     atomic_write_json(cfg_path, spec.config.to_dict())
@@ -227,12 +237,12 @@ def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: 
         env = {**os.environ, "OMP_NUM_THREADS": job_threads(jobs)}
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "ab") as f:        # O_NOFOLLOW: a linked worker.log is refused, never appended to
-            code = subprocess.run(launch_command(nproc) + [str(cfg_path), str(rdir)], stdout=f,
-                                  stderr=subprocess.STDOUT, env=env).returncode
+            code = run_child(launch_command(nproc) + [str(cfg_path), str(rdir)], stdout=f,
+                             stderr=subprocess.STDOUT, env=env)
         where = f"its output is in {log}"
     else:
         print0(f"[{i}/{total}] {spec.label}: training ({rdir})")
-        code = subprocess.run(launch_command(nproc) + [str(cfg_path), str(rdir)]).returncode
+        code = run_child(launch_command(nproc) + [str(cfg_path), str(rdir)])
         where = f"its folder is {rdir}"
     if code != 0:
         return f"run {spec.label} failed (exit {code}); {where}"

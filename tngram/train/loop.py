@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -53,6 +54,7 @@ from tngram.train.health import LossHealth, check_batch_vs_data, check_step_memo
 from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info
 from tngram.train.portable import record_dataset
 from tngram.train.rundir import claim_run_dir, release_run_dir
+from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
 
 # run.* fields that may change between an interrupted run and its resumption
 RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints", "threads")
@@ -113,12 +115,21 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     lock = None
     try:
         lock = _claim(run_dir, cfg, resume, ctx)
-        return Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress).run()
+        trainer = Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress)
+        with StopRequest() as signals:      # SIGTERM / SIGINT: finish the step, checkpoint, stop
+            return trainer.run(signals)
+    except TrainingStopped as stop:
+        stopped = stop
     finally:
         if lock is not None:
             release_run_dir(lock)
         torch.set_num_threads(threads)
         shutdown(ctx)
+    if ctx.is_main:    # the lock is released: the run can be resumed right away
+        print(f"tngram: {cfg.name} stopped by {signal_name(stopped.signum)} after step {stopped.step}; "
+              f"checkpoint {stopped.checkpoint}; to continue, run the same command with --resume "
+              f"(exit {exit_code(stopped.signum)})", file=sys.stderr, flush=True)
+    raise SystemExit(exit_code(stopped.signum))
 
 
 def _choose_threads(ctx: DistContext, default: int) -> None:
@@ -412,8 +423,10 @@ class Trainer:
                 f"optim.scalar_lr) or check the data.")
 
     # ---- the loop ----------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Train from self.step to self.stop; returns the summary (also RUN/summary.json)."""
+    def run(self, signals: StopRequest | None = None) -> dict[str, Any]:
+        """Train from self.step to self.stop; returns the summary (also RUN/summary.json). After
+        a stop signal (tngram.train.signals) the step in progress finishes and is checkpointed,
+        then TrainingStopped is raised."""
         cfg = self.cfg
         progress = Progress(self.stop, self.step, cfg.name, self.ctx.is_main, bar=self.bar,
                             log_every=cfg.run.log_every)
@@ -429,12 +442,28 @@ class Trainer:
                     self.log_row(loss, progress)
                 if self.should_save():
                     self.save()
+                if self.stop_requested(signals):
+                    self.stop_now(signals)
             if self.last_eval is None:   # resumed a run that had already reached `stop`
                 self.last_eval = self.evaluate()
         finally:
             progress.close()
             self.log.close()
         return self.finish(health)
+
+    def stop_requested(self, signals: StopRequest | None) -> bool:
+        """A stop signal reached this process (under DDP: any process, so all stop together)."""
+        got = signals is not None and signals.signum is not None
+        if self.ctx.world_size == 1:
+            return got
+        return not all_true(not got, self.ctx)
+
+    def stop_now(self, signals: StopRequest) -> None:
+        """Checkpoint this step (unless should_save just did) and raise TrainingStopped."""
+        if not self.should_save():
+            self.save()
+        signum = signals.signum or signal.SIGTERM   # a DDP process the signal did not reach
+        raise TrainingStopped(signum, self.step, str(ckpt.latest_checkpoint(self.run_dir)))
 
     def should_validate(self) -> bool:
         every = self.cfg.run.val_every

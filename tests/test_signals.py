@@ -1,0 +1,163 @@
+"""SIGTERM / SIGINT during training (tngram.train.signals, docs/RELIABILITY.md): the step in progress
+finishes, a checkpoint of it is written, the lock is released, one line says how to resume, the
+exit code is 128 + signal; a second signal exits at once. Every interrupted run is resumed and
+compared bit for bit with one uninterrupted run of the same config."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_support import cli_args, losses, one_thread, tiny_config, tiny_data, weights  # noqa: F401
+from tngram.train import checkpoint as ckpt
+from tngram.train.loop import train
+
+EXTRA = ["schedule.steps=6", "schedule.warmdown_steps=2", "run.checkpoint_every=0",
+         "run.keep_checkpoints=10", "run.val_every=0"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TNGRAM_NO_PROGRESS="1")
+PATCHED_TRAIN = """
+import os, signal, sys
+from tngram.train.loop import Trainer
+real = Trainer.train_step
+def train_step(self):
+    loss = real(self)
+    if self.step == {step}:
+        for _ in range({times}):
+            os.kill(os.getpid(), {sig})
+    return loss
+Trainer.train_step = train_step
+from tngram.train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("signals-ref")
+    torch.set_num_threads(1)
+    train(tiny_config(tiny_data, extra=EXTRA), out, progress=False)
+    return out
+
+
+def same_as_reference(ref: Path, run: Path) -> None:
+    assert losses(run) == losses(ref) and sorted(losses(run)) == list(range(1, 7))
+    wa, wb = weights(ref), weights(run)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def resume(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tngram.train", *args, "--resume", "--no-progress"],
+                          env=ENV, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_at_a_random_step_checkpoints_that_step_and_resume_is_identical(sig, reference,
+                                                                              tiny_data, tmp_path):
+    step = random.Random(int(sig)).randint(1, 5)           # 1..5 of 6; fixed per signal
+    run = tmp_path / "run"
+    args = cli_args(tiny_data, "mini-tngram", run, EXTRA)
+    code = PATCHED_TRAIN.format(step=step, times=1, sig=int(sig))
+    stopped = subprocess.run([sys.executable, "-c", code, *args, "--no-progress"], env=ENV,
+                             capture_output=True, text=True, timeout=180)
+    assert stopped.returncode == 128 + sig, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr
+    last = [x for x in stopped.stderr.splitlines() if x.strip()][-1]
+    assert f"stopped by {sig.name} after step {step}" in last and "--resume" in last
+    assert f"step_{step:06d}" in last
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)] == [step]
+    assert not (run / "model.safetensors").exists()
+    again = resume(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "took over the lock" not in again.stdout          # the lock was released on the way out
+    assert f"resumed {run} from step_{step:06d}" in again.stdout
+    same_as_reference(reference, run)
+
+
+def test_second_signal_exits_at_once_and_resume_from_the_last_checkpoint_is_identical(
+        reference, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    extra = EXTRA[:2] + ["run.checkpoint_every=2"] + EXTRA[3:]
+    args = cli_args(tiny_data, "mini-tngram", run, extra)
+    code = PATCHED_TRAIN.format(step=3, times=2, sig=int(signal.SIGTERM))
+    stopped = subprocess.run([sys.executable, "-c", code, *args, "--no-progress"], env=ENV,
+                             capture_output=True, text=True, timeout=180)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert "second SIGTERM: exiting at once" in stopped.stderr
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)] == [2]   # step 3 not saved
+    again = resume(args + ["--set", "run.checkpoint_every=2"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    same_as_reference(reference, run)
+
+
+def test_external_sigint_while_training_then_resume_is_identical(reference, tiny_data, tmp_path):
+    """A real signal from outside, whenever it lands (after step 2 has been reported)."""
+    run = tmp_path / "run"
+    args = cli_args(tiny_data, "mini-tngram", run, EXTRA)
+    proc = subprocess.Popen([sys.executable, "-m", "tngram.train", *args, "--no-progress"], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if "step 2/6" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    err += proc.stderr.readlines()
+    rc = proc.wait(timeout=180)
+    err = "".join(err)
+    if rc == 0:                    # finished before the signal was handled: nothing to resume
+        pytest.skip("the run ended before the signal arrived")
+    assert rc == 130 and "Traceback" not in err, err[-2000:]
+    steps = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)]
+    assert len(steps) == 1 and 2 <= steps[0] <= 6
+    again = resume(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    same_as_reference(reference, run)
+
+
+RUNNER = """
+import json, sys
+from pathlib import Path
+from tngram.experiments.runner import RunSpec, run_all
+from tngram.train.config import TrainConfig
+cfg = TrainConfig.from_dict(json.loads(Path(sys.argv[1]).read_text()))
+run_all([RunSpec("tiny", cfg)], Path(sys.argv[2]))
+"""
+
+
+def test_sigterm_to_the_compare_runner_reaches_its_worker_and_rerun_is_identical(reference, tiny_data,
+                                                                                 tmp_path):
+    """SIGTERM to the parent of a worker subprocess (what `compare` / `experiment` run): the
+    parent forwards it once, the worker checkpoints, both exit 143; running again resumes."""
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(tiny_config(tiny_data, extra=EXTRA).to_dict()))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", textwrap.dedent(RUNNER), str(cfg_file), str(out)]
+    parent = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "runs" / "tiny" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and parent.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGTERM)
+    stdout, stderr = parent.communicate(timeout=180)
+    if parent.returncode == 0:
+        pytest.skip("the run ended before the signal arrived")
+    assert parent.returncode == 143, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert "run the same command again" in stderr.splitlines()[-1]
+    run = out / "runs" / "tiny"
+    assert len(ckpt.list_checkpoints(run)) == 1 and not (run / "summary.json").exists()
+    again = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr[-2000:]
+    same_as_reference(reference, run)
