@@ -15,6 +15,8 @@ the renderer:
 - "bench-threads": the output of `tngram bench threads --json` (views "speed", "candidates",
   "targets");
 - "bench-contention": the output of `tngram bench contention --json` (view "table");
+- "summary": sentences whose numbers are cells of other results files (tngram.report.summary;
+  the summary that opens docs/RESULTS.md);
 - "table": a table stored as it is shown: "columns" (each a header and an optional "fmt") and
   "rows" (one list of raw values per row), see `render_cell`.
 
@@ -36,6 +38,8 @@ from tngram.report.bench_blocks import render_contention, render_threads
 from tngram.report.markdown import (block_names, current_block, provenance, render_cell,  # noqa: F401
                                     render_table, replace_block, results_name, snapshot_path)
 from tngram.report.readme import render_block
+from tngram.report.summary import render_summary
+from tngram.report.summary import resolve as resolve_summary
 
 
 def load_snapshot(doc: Path, name: str) -> dict[str, Any]:
@@ -43,9 +47,12 @@ def load_snapshot(doc: Path, name: str) -> dict[str, Any]:
     if not path.is_file():
         raise MissingFileError(f"{doc}: block {name!r} cites {path}, which is missing")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        snap = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise TngramError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(snap, dict) and snap.get("kind") == "summary":   # its numbers live in other files
+        snap = resolve_summary(snap, path.parent)
+    return snap
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -63,8 +70,10 @@ def render(snap: dict[str, Any], name: str) -> str:
         return render_threads(snap, view) + "\n\n" + provenance(snap, source)
     if kind == "bench-contention":
         return render_contention(snap, view) + "\n\n" + provenance(snap, source)
-    raise TngramError(f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads or "
-                      "bench-contention)")
+    if kind == "summary":
+        return render_summary(snap) + "\n\n" + provenance(snap, source)
+    raise TngramError(f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads, "
+                      "bench-contention or summary)")
 
 
 # --- a whole document ----------------------------------------------------------------------------
