@@ -92,3 +92,16 @@ def test_experiment_without_the_report_extra_stops_before_training(tmp_path):
     assert r.stderr.strip() == ("tngram: error: `tngram experiment` figures need matplotlib, which is not "
                                 "installed: pip install 'tngram[report]'")
     assert not (tmp_path / "exp").exists()
+
+
+def test_readme_extras_table_lists_every_extra_with_its_packages():
+    import re
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| ([^|]+) \|", readme.split("| extra | installs | needed for |", 1)[1].split("\n\n", 1)[0],
+                           flags=re.M))
+    assert set(rows) == set(meta), (sorted(rows), sorted(meta))
+    for extra, reqs in meta.items():
+        names = {re.split(r"[\[<>=!~ ]", r, 1)[0].lower() for r in reqs}
+        listed = {n.strip().lower() for n in rows[extra].split(",")}
+        assert names == listed, (extra, names, listed)
