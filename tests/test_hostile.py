@@ -716,3 +716,16 @@ def test_report_tables_with_a_malformed_core_json_is_one_line(content, needle, f
     rc, err = cli(["report", "tables", str(run), "--out", str(tmp_path / "t")], capsys)
     one_line_exit_2(rc, err)
     assert "core.json" in err and needle in err
+
+
+@pytest.mark.parametrize("recipe", ["mini-raw", "mini-tngram", "mini-engram"])
+def test_model_size_lower_bound_is_below_the_exact_count(recipe, tiny_data):
+    """The quick refusal of an absurd config.json uses a lower bound of the parameter count; it
+    must never exceed the exact count (else a model that fits could be refused)."""
+    from tngram.model.gpt import GPT
+    from tngram.train.recipes import resolve_config
+    from tngram.train.saved import param_lower_bound
+    for cfg in (tiny_config(tiny_data, recipe), resolve_config(recipe, [], str(tiny_data))):
+        with torch.device("meta"):
+            exact = GPT(cfg.model).num_params()
+        assert 0 < param_lower_bound(cfg.model) <= exact

@@ -98,6 +98,12 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
     return cfg
 
 
+def param_lower_bound(m: Any) -> int:
+    """At most the GPT's parameter count: per block the q and output projections (d x d each)
+    and the two MLP matrices (d x mlp_mult*d each), plus the token embedding (V x d)."""
+    return m.n_layer * (2 + 2 * m.mlp_mult) * m.n_embd ** 2 + m.vocab_size * m.n_embd
+
+
 def check_model_fits(cfg: Any, where: str) -> None:
     """The model's weights (counted on the meta device: nothing allocated) must fit the memory
     available; otherwise one line naming the sizes to lower."""
@@ -105,16 +111,20 @@ def check_model_fits(cfg: Any, where: str) -> None:
 
     from tngram.model.gpt import GPT
     from tngram.train.health import available_memory
-    try:
-        with torch.device("meta"):
-            n = GPT(cfg.model).num_params()
-    except (TngramError, ValueError, RuntimeError, TypeError) as e:
-        raise BadRecordError(f"{where}: the model cannot be built ({str(e).splitlines()[0][:160]})") from None
-    need = 4 * n
     have, what = available_memory("cpu")
+    m = cfg.model
+    # a lower bound first (q + out projections, the two MLP matrices, the embedding), so an absurd
+    # size is refused at once; otherwise the exact count of the model built on the meta device
+    n = param_lower_bound(m)
+    if have is None or 4 * n <= have:
+        try:
+            with torch.device("meta"):
+                n = GPT(cfg.model).num_params()
+        except (TngramError, ValueError, RuntimeError, TypeError) as e:
+            raise BadRecordError(f"{where}: the model cannot be built ({str(e).splitlines()[0][:160]})") from None
+    need = 4 * n
     if have is not None and need > have:
-        m = cfg.model
-        raise BadRecordError(f"{where}: the model has {n:,} parameters ({need / 2**30:,.1f} GiB) but only "
+        raise BadRecordError(f"{where}: the model has at least {n:,} parameters ({need / 2**30:,.1f} GiB) but only "
                              f"{have / 2**30:,.1f} GiB {what}; the config's sizes (model.n_layer {m.n_layer}, "
                              f"model.n_embd {m.n_embd}, model.vocab_size {m.vocab_size}, model.memory) are "
                              f"too large for this machine")
