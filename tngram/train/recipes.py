@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from tngram.common import TngramError
-from tngram.model.gpt import GPT, GPTConfig
+from tngram.model.gpt import GPT, GPTConfig, param_counts
 from tngram.train.config import (DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig,
                                  apply_overrides, apply_settings, check_memory_layers_used,
                                  with_schedule_steps)
@@ -105,25 +105,17 @@ def get_recipe(name: str) -> TrainConfig:
     return RECIPES[name]()
 
 
-def raw_counterpart(cfg: TrainConfig) -> TrainConfig:
-    """The same backbone without memory (for delta_params)."""
-    return replace(cfg, model=replace(cfg.model, memory=None))
-
-
 def build_model(recipe_name: str, **model_overrides: Any) -> GPT:
     cfg = get_recipe(recipe_name).model
     return GPT(replace(cfg, **model_overrides) if model_overrides else cfg)
 
 
 def param_summary(cfg: TrainConfig) -> dict[str, Any]:
-    """{"recipe", "total_params", "delta_params", "memory_params"} computed on the meta device."""
-    import torch
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-        raw = GPT(raw_counterpart(cfg).model)
-    total, base = model.num_params(), raw.num_params()
-    return {"recipe": cfg.name, "total_params": total, "delta_params": total - base,
-            "memory_params": model.memory_params()}
+    """{"recipe", "total_params", "delta_params", "memory_params"}: model.gpt.param_counts (meta
+    device, nothing allocated), the same count the trainer prints and writes to summary.json."""
+    n = param_counts(cfg.model)
+    return {"recipe": cfg.name, "total_params": n["total_params"], "delta_params": n["delta_params"],
+            "memory_params": n["memory_params"]}
 
 
 # ---- a run's config: recipe + config file + --data + --steps + --set
