@@ -113,7 +113,8 @@ def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
     if not max_per_task:
         return None
     f = run_dir / "eval" / f"core-max{max_per_task}.json"
-    return float(json.loads(f.read_text())["core"]) if f.is_file() else None
+    from tngram.readback import read_core_file
+    return float(read_core_file(f, run_dir)["core"]) if f.is_file() else None
 
 
 def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[dict[str, Any]]:
@@ -130,7 +131,11 @@ def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[di
         f = run_dir_of(out, s) / "summary.json"
         if not is_complete(run_dir_of(out, s), s.config):
             continue
-        summ = json.loads(f.read_text())
+        from tngram.readback import get, read_summary_file
+        summ = read_summary_file(f, run_dir_of(out, s))      # checked: one line naming a bad field
+        get(summ, "total_params", "int", str(f), lo=0)
+        for k in ("val_loss", "val_bpb", "train_loss"):
+            get(summ, k, "any-number?", str(f), default=None)
         total = int(summ["total_params"])
         delta = total - raw_total.get(s.tags["corpus"], total)
         rows.append({**s.tags, "label": s.label, "seed": s.config.run.seed, "delta_params": delta,
