@@ -135,7 +135,7 @@ def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[di
         summ = read_summary_file(f, run_dir_of(out, s))      # checked: one line naming a bad field
         get(summ, "total_params", "int", str(f), lo=0)
         for k in ("val_loss", "val_bpb", "train_loss"):
-            get(summ, k, "any-number?", str(f), default=None)
+            get(summ, k, "any-number?", str(f))
         total = int(summ["total_params"])
         delta = total - raw_total.get(s.tags["corpus"], total)
         rows.append({**s.tags, "label": s.label, "seed": s.config.run.seed, "delta_params": delta,
