@@ -136,3 +136,25 @@ def test_idle_machine_omp_setting_or_cuda_change_nothing(monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS")
     _choose_threads(SimpleNamespace(device=torch.device("cuda"), is_main=True), 2)
     assert torch.get_num_threads() == 2 and capsys.readouterr().out == ""
+
+
+def test_contention_summary_and_its_docs_table():
+    from tngram.bench.contention import background_note, summarize
+    from tngram.report.bench_blocks import render_contention
+    tps = {"idle:default": [100.0, 120.0, 110.0], "idle:1": [60.0, 66.0, 63.0], "idle:auto": [118.0, 90.0, 112.0],
+           "busy:default": [10.0, 30.0, 20.0], "busy:1": [44.0, 40.0, 48.0], "busy:auto": [41.0, 50.0, 45.0]}
+    med, rel = summarize(tps)
+    assert med == {"idle:default": 110.0, "idle:1": 63.0, "idle:auto": 112.0, "busy:default": 20.0,
+                   "busy:1": 44.0, "busy:auto": 45.0}
+    assert rel["busy:auto"] == 45.0 / 110.0 and rel["idle:default"] == 1.0
+    quiet = {"others_busy": 0.02, "others_niced": 0.0}
+    assert background_note(quiet, quiet) == ""
+    res = {"median_tokens_per_s": med, "vs_idle_default": rel, "auto_chose": {"idle": [2, 2, 2], "busy": [1, 1, 1]},
+           "default_threads": 2, "recipe": "mini-tngram", "steps_per_rep": 2, "tokens_per_step": 4096, "reps": 3,
+           "background": background_note(quiet, {"others_busy": 1.24, "others_niced": 0.0})}
+    table = render_contention(res, "table")
+    assert "| competitor stopped | torch's default (2) | 110 | 1.00 |" in table
+    assert "| | automatic (chose 2) | 112 | 1.02 |" in table
+    assert "| beside a 2-thread torch job | torch's default (2) | 20 | 0.18 |" in table
+    assert "| | automatic (chose 1) | 45 | 0.41 |" in table
+    assert "other jobs at normal priority kept up to 1.2 CPUs busy — not an idle machine" in table

@@ -91,21 +91,27 @@ def run(recipe: str = "mini-tngram", reps: int = 5, warmup: int = 1, steps: int 
         comp.kill()
         comp.wait()
     after = _facts()
-    med = {k: sorted(v)[len(v) // 2] for k, v in tps.items()}
-    idle = med["idle:default"]
+    med, rel = summarize(tps)
     out: dict[str, Any] = {
         "benchmark": "contention", "recipe": recipe, "tokens_per_step": facts["tokens"],
         "steps_per_rep": steps, "reps": reps, "warmup": warmup, "default_threads": default,
         "competitor": f"{competitor_threads}-thread torch job (512x512 fp32 matmuls), nice 0",
         "tokens_per_s": tps, "median_tokens_per_s": med,
         "cpu_s_per_step": {k: sorted(v)[len(v) // 2] for k, v in cpu_s.items()},
-        "vs_idle_default": {k: v / idle for k, v in med.items()},
+        "vs_idle_default": rel,
         "auto_chose": chosen, "facts_before": before, "facts_after": after,
         "machine": machine_info(),
     }
-    out["machine"]["loadavg_before"] = [before["loadavg"]] if before.get("loadavg") is not None else None
+    out["machine"]["loadavg_before"] = [round(before["loadavg"], 2)] if before.get("loadavg") is not None else None
     out["background"] = background_note(before, after)
     return out
+
+
+def summarize(tps: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Median tokens/s per candidate ("condition:policy") and its ratio to idle:default."""
+    import statistics
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    return med, {k: v / med["idle:default"] for k, v in med.items()}
 
 
 def background_note(before: dict[str, Any], after: dict[str, Any]) -> str:

@@ -106,7 +106,7 @@ def render_threads(res: dict[str, Any], view: str) -> str:
 
 # --- `tngram bench contention --json` (kind "bench-contention") ---------------------------------
 
-CONDITION_LABELS = {"idle": "alone", "busy": "beside a 2-thread torch job"}
+CONDITION_LABELS = {"idle": "competitor stopped", "busy": "beside a 2-thread torch job"}
 
 
 def render_contention(res: dict[str, Any], view: str = "") -> str:
@@ -120,7 +120,7 @@ def render_contention(res: dict[str, Any], view: str = "") -> str:
     except KeyError as e:
         raise TngramError(f"bench contention results have no {e.args[0]!r}") from None
     label = {"default": f"torch's default ({default})", "1": "1"}
-    lines = ["| machine | threads | tokens/s | × alone at the default |", "|---|---|---|---|"]
+    lines = ["| condition | threads | tokens/s | × competitor stopped, default threads |", "|---|---|---|---|"]
     for cond in ("idle", "busy"):
         for i, pol in enumerate(("default", "1", "auto")):
             k = f"{cond}:{pol}"
@@ -129,7 +129,8 @@ def render_contention(res: dict[str, Any], view: str = "") -> str:
             lines.append(md_row([CONDITION_LABELS[cond] if i == 0 else "", name, f"{med[k]:,.0f}",
                                  f"{rel[k]:.2f}"]))
     bg = res.get("background")
-    lines += ["", f"{res['recipe']}, {res['steps_per_rep']} optimiser steps of {res['tokens_per_step']:,} "
+    n = res["steps_per_rep"]
+    lines += ["", f"{res['recipe']}, {n} optimiser step{'s' if n > 1 else ''} of {res['tokens_per_step']:,} "
               f"tokens per rep, median of {res['reps']} reps, all six candidates interleaved in one process. "
               + (f"Also running: {bg} — not an idle machine." if bg else "Nothing else was running.")]
     return "\n".join(lines)
