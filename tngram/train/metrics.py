@@ -20,12 +20,14 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tngram.cpu import eta_seconds, fmt_duration
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -198,16 +200,27 @@ def check_logger(logger: str) -> None:
             raise TngramError(f"--logger {logger} needs the {need[1]} package: pip install 'tngram[{need[1]}]'")
 
 
+def progress_line(desc: str, step: int, total: int, loss: float, tokens_per_s: float,
+                  elapsed_s: float, eta_s: float) -> str:
+    """One plain progress line, e.g. "mini-tngram: step 40/200 loss 5.1234 9,868 tokens/s,
+    1 min 05 s elapsed, ETA 4 min 20 s" (durations as tngram.cpu.fmt_duration; ETA "?" when
+    unknown)."""
+    return (f"{desc}: step {step}/{total} loss {loss:.4f} {tokens_per_s:,.0f} tokens/s, "
+            f"{fmt_duration(elapsed_s)} elapsed, ETA {fmt_duration(eta_s)}")
+
+
 class Progress:
     """Progress on the main process; silent elsewhere. With `bar` (a terminal): a tqdm bar (loss,
-    tokens/s, ETA). Without (batch jobs, CI, nohup, --no-progress): one plain line on stderr every
-    `log_every` steps and at the last step."""
+    tokens/s; tqdm's [elapsed<remaining]). Without (batch jobs, CI, nohup, --no-progress): one
+    plain line on stderr every `log_every` steps and at the last step, with the elapsed time of
+    this session and the ETA at its mean step rate (`progress_line`)."""
 
     def __init__(self, total: int, initial: int, desc: str, enabled: bool, bar: bool = True,
                  log_every: int = 10) -> None:
         self.bar = None
         self.plain = enabled and not bar
         self.total, self.step, self.desc, self.log_every = total, initial, desc, max(1, log_every)
+        self.initial, self.t0 = initial, time.monotonic()
         if enabled and bar:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step",
@@ -219,7 +232,9 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)
         elif self.plain and (self.step % self.log_every == 0 or self.step == self.total):
-            print(f"{self.desc}: step {self.step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tokens/s",
+            elapsed = time.monotonic() - self.t0
+            eta = eta_seconds(self.step - self.initial, self.total - self.initial, elapsed)
+            print(progress_line(self.desc, self.step, self.total, loss, tokens_per_s, elapsed, eta),
                   file=sys.stderr, flush=True)
 
     def write(self, text: str) -> None:
