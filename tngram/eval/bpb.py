@@ -44,8 +44,11 @@ def eval_windows(n_tokens: int, seq_len: int, max_tokens: int | None = None) -> 
 def evaluate_bpb(model: Callable[..., Tensor], val_tokens: Tensor, seq_len: int, luts: Any,
                  batch_seqs: int, ddp_rank: int = 0, world_size: int = 1,
                  autocast_dtype: torch.dtype | None = None,
-                 max_tokens: int | None = None) -> dict[str, float | int]:
+                 max_tokens: int | None = None, lockstep: bool = False) -> dict[str, float | int]:
     """{"val_loss", "val_bpb", "tokens", "bytes"} over the first max_tokens targets (None: all).
+
+    lockstep: every process makes the same number of forward calls (a sharded FSDP model's
+    forward is collective); a process with fewer windows repeats window 0 and discards it.
 
     val_tokens: 1-D int tensor (the validation stream); luts: (base_bytes, has_leading_space,
     is_boundary) from tngram.data.bpb.token_byte_luts. Every process must call this (collective).
@@ -82,6 +85,13 @@ def evaluate_bpb(model: Callable[..., Tensor], val_tokens: Tensor, seq_len: int,
         nats += per_token.double().sum()
         n_targets += y.numel()
         n_bytes += target_bytes(x, y, luts).to(device=device, dtype=torch.int64).sum()
+    if lockstep and world_size > 1:
+        calls = lambda r: -(-(n_windows * (r + 1) // world_size - n_windows * r // world_size)  # noqa: E731
+                            // batch_seqs)
+        x0 = val_tokens[:seq_len].to(device=device, dtype=torch.int64).view(1, seq_len)
+        for _ in range(max(calls(r) for r in range(world_size)) - calls(ddp_rank)):
+            with ctx:
+                model(x0, x0, reduction="none")
     if world_size > 1:
         for t in (nats, n_targets, n_bytes):
             dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -98,6 +98,9 @@ class Muon(torch.optim.Optimizer):
             if not params:
                 continue
             lr, mu = group["lr"], group["momentum"]
+            if _sharded(params[0]):      # FSDP2 (tngram.train.fsdp): gather, orthogonalise, keep the shard
+                self._step_sharded(group)
+                continue
             total = sum(p.numel() for p in params)
             updates = torch.zeros(total, dtype=torch.bfloat16, device=params[0].device)
             offset = 0
@@ -125,3 +128,30 @@ class Muon(torch.optim.Optimizer):
                 p.add_(u, alpha=-lr)
                 offset += n
         return loss
+
+    def _step_sharded(self, group: dict) -> None:
+        """One group of DTensor (FSDP2-sharded) matrices: the momentum buffer stays the local
+        shard; the Nesterov update is all-gathered (full_tensor), orthogonalised on every process
+        (the same bf16 result everywhere) and only the local shard is applied. Same numbers as
+        the unsharded step up to the gradients' reduction order."""
+        from torch.distributed.tensor import distribute_tensor
+        lr, mu = group["lr"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g)
+            buf = state["momentum_buffer"]
+            buf.mul_(mu).add_(g)
+            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            full = zeropower_newton_schulz(u.full_tensor(), steps=group["ns_steps"])
+            full = (full * muon_scale(full.shape)).to(dtype=p.dtype)
+            p.add_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None),
+                   alpha=-lr)
+
+
+def _sharded(p: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)

@@ -64,6 +64,9 @@ class RunConfig:
     checkpoint_every: int = 500        # 0: only at the end
     keep_checkpoints: int = 2
     init_from: str | None = None       # run folder or `tngram export --hf` folder to start from
+    # multi-process training: "ddp" (replicas) | "fsdp" (FSDP2 shards, tngram.train.fsdp);
+    # config.json omits it when "ddp"
+    parallel: str = "ddp"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,8 +82,11 @@ class TrainConfig:
         optim = asdict(self.optim)
         if optim["memory_update"] == "dense":   # written only when set: older runs' configs match
             del optim["memory_update"]
+        run = asdict(self.run)
+        if run["parallel"] == "ddp":
+            del run["parallel"]
         return {"name": self.name, "model": self.model.to_dict(), "optim": optim,
-                "schedule": asdict(self.schedule), "data": asdict(self.data), "run": asdict(self.run)}
+                "schedule": asdict(self.schedule), "data": asdict(self.data), "run": run}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
@@ -161,6 +167,10 @@ def validate_config(cfg: TrainConfig) -> None:
     _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
     _check(o.memory_update in ("dense", "sparse", "rowwise"), "optim.memory_update",
            "one of dense, sparse, rowwise", o.memory_update)
+    _check(r.parallel in ("ddp", "fsdp"), "run.parallel", "ddp or fsdp", r.parallel)
+    if r.parallel == "fsdp" and o.memory_update != "dense":
+        raise TngramError("run.parallel=fsdp needs optim.memory_update=dense (FSDP reduce-scatters "
+                          "dense gradients only); use run.parallel=ddp for sparse/rowwise tables")
     _check(o.muon_momentum_warmup_steps >= 0, "optim.muon_momentum_warmup_steps", ">= 0",
            o.muon_momentum_warmup_steps)
     _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)

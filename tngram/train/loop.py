@@ -42,6 +42,7 @@ from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
+from tngram.train.fsdp import checkpoint_views, gather_for_save, local_parameters, shard_model
 from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
@@ -57,7 +58,8 @@ from tngram.train.rundir import claim_run_dir, release_run_dir
 from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
 
 # run.* fields that may change between an interrupted run and its resumption
-RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints", "threads")
+RESUMABLE_RUN_FIELDS = ("log_every", "val_every", "checkpoint_every", "keep_checkpoints", "threads",
+                        "parallel")
 
 
 def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
@@ -310,6 +312,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         model = self.model = GPT(cfg.model).to(device)
         apply_warmstart(model, cfg.run.init_from, o.trainable)
+        # run.parallel=fsdp with > 1 process: blocks and memories sharded (tngram.train.fsdp)
+        self.sharded = shard_model(model, cfg.run.parallel, ctx)
         self.groups = build_param_groups(model, o)
         # optim.memory_update sparse/rowwise: the tables get row-sparse gradients and their own
         # optimiser (tngram.optim.memory_update); "dense" leaves `groups` as they are
@@ -334,7 +338,8 @@ class Trainer:
 
     def _load(self, latest: Path) -> None:
         """Weights, optimiser moments, loader position, RNG, step, tokens and times of `latest`."""
-        meta = ckpt.load_checkpoint(latest, self.model, self.optimizers)
+        meta = ckpt.load_checkpoint(latest, *checkpoint_views(self.model, self.optimizers,
+                                                              self.sharded))
         self.loader.load_state_dict(meta["loader"])
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.clock = StepClock(meta["train_time_s"], meta["wall_s"])
@@ -350,7 +355,7 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=amp)) if amp is not None
                          else nullcontext)
         fwd = torch.compile(self.model, dynamic=False) if self.cfg.run.compile else self.model
-        self.fwd_model = wrap_ddp(fwd, self.ctx)
+        self.fwd_model = fwd if self.sharded else wrap_ddp(fwd, self.ctx)
 
     def _write_records(self, logger: str) -> None:
         """config.json, the dataset record, env.json, the metrics log; then the run's header."""
@@ -495,7 +500,7 @@ class Trainer:
         return evaluate_bpb(self.model, self.val_tokens, cfg.model.sequence_len, self.luts,
                             cfg.data.micro_batch_seqs, ddp_rank=self.ctx.ddp_rank,
                             world_size=self.ctx.world_size, autocast_dtype=self.amp,
-                            max_tokens=cfg.data.val_tokens)
+                            max_tokens=cfg.data.val_tokens, lockstep=self.sharded)
 
     def log_row(self, loss: float, progress: Progress) -> None:
         """One metrics row (tokens/s over the steps since the previous row), with validation when due."""
@@ -514,11 +519,12 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint of this step: every process checks its weights are finite, the main one writes."""
         ctx = self.ctx
-        if not all_true(all(bool(torch.isfinite(p).all()) for p in self.model.parameters()), ctx):
+        if not all_true(all(bool(torch.isfinite(p).all()) for p in local_parameters(self.model)), ctx):
             raise TngramError(f"non-finite parameters after step {self.step}; not writing a checkpoint "
                               f"(the last good one is kept in {self.run_dir / ckpt.CKPT_DIR})")
+        model, optimizers = gather_for_save(self.model, self.optimizers, self.sharded)  # FSDP: full
         if ctx.is_main:
-            ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizers, {
+            ckpt.save_checkpoint(self.run_dir, self.step, model, optimizers, {
                 "tokens": self.tokens, "wall_s": self.clock.wall(),
                 "train_time_s": self.clock.total_train_time(), "world_size": ctx.world_size,
                 "loader": self.loader.state_dict(), "train_loss": self.last_loss,
@@ -546,8 +552,9 @@ class Trainer:
             from tngram.memory.cp_rank import cp_ranks
             summary["cp_ranks"] = cp_ranks(self.model)
             summary["prune_at_step"] = self.prune_at
+        final_model = gather_for_save(self.model, {}, self.sharded)[0]   # FSDP: full tensors
         if ctx.is_main:
-            ckpt.save_final_weights(self.run_dir, self.model, self.step)
+            ckpt.save_final_weights(self.run_dir, final_model, self.step)
             atomic_write_json(self.run_dir / "summary.json", summary)
             self.say(f"tngram: {cfg.name} done: step {self.step}, train {summary['train_loss']:.4f}, val "
                      f"{summary['val_loss']:.4f} (bpb {summary['val_bpb']:.4f}), "

@@ -1,0 +1,180 @@
+"""FSDP2 (`run.parallel = "fsdp"`): every block, memories included, sharded with fully_shard.
+
+    fully_shard(block) for each block (its Engram / TN-gram memory shards with it; an
+    Over-Encoding embedding memory gets its own unit), then fully_shard(model) for the rest
+    (token embedding = tied head, final norm, skip weights).
+
+Each parameter becomes a DTensor sharded on dim 0 over the processes (uneven shards padded by
+FSDP); forward/backward all-gather one unit at a time and reduce-scatter (average) the
+gradients, so a process holds 1/world_size of the weights, gradients and optimiser state.
+
+Optimisers: Adam runs on the DTensor shards as they are (torch.optim supports DTensor). Muon
+(`tngram.optim.muon.Muon`) keeps its momentum buffer as the local shard and all-gathers the
+Nesterov update of a matrix before Newton-Schulz (the orthogonalisation needs the whole matrix),
+then applies only the local rows; every process orthogonalises every matrix (the same bf16
+result on each; no round-robin), a documented choice trading compute for no extra collective.
+
+Checkpoints (resume at any world size, also 1 process without FSDP): the sharded weights and
+optimiser state are gathered to full tensors with DTensor.full_tensor() (every process takes
+part, in parameter order) and written in the usual single-file format (tngram.train.checkpoint);
+on resume the full tensors are read by every process and each keeps its own shard
+(distribute_tensor with the parameter's own mesh and placements, no communication). This is
+torch.distributed.checkpoint's "full state dict" mode done by hand, so the files stay readable
+by `tngram eval/export`; a sharded dcp.save is not used (a model must fit one host's memory
+when its checkpoint is written).
+
+Not combined with optim.memory_update sparse/rowwise (FSDP reduce-scatters dense gradients only):
+use run.parallel=ddp for those. With one process FSDP is not applied (the same single-process run).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from tngram.common import TngramError
+
+PARALLEL = ("ddp", "fsdp")
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def apply_fsdp(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
+    """Shard `model` in place (blocks, embedding memory, root) over `world_size` processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if any(getattr(m, "sparse_grad", False) for m in model.modules()):
+        raise TngramError("run.parallel=fsdp cannot train row-sparse tables "
+                          "(optim.memory_update sparse/rowwise); use run.parallel=ddp or "
+                          "optim.memory_update=dense")
+    mesh = init_device_mesh(device.type, (world_size,))
+    units = list(getattr(model, "blocks", []))
+    emb = getattr(model, "embed_memory", None)
+    if emb is not None:
+        units.append(emb)
+    if not units:   # any other model (e.g. a transformers model): its decoder layers
+        units = [m for m in model.modules() if m.__class__.__name__.endswith("DecoderLayer")]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full(t: Any) -> Any:
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+class FullStateModel:
+    """What tngram.train.checkpoint needs of a model, with full (unsharded) tensors:
+    state_dict() gathers (collective: call on every process), load_state_dict() keeps each
+    process's shard. Everything else is forwarded to the model."""
+
+    def __init__(self, model: nn.Module, gathered: dict[str, Tensor] | None = None) -> None:
+        self._model, self._sd = model, gathered
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        if self._sd is None:
+            self._sd = {k: _full(v).detach() for k, v in self._model.state_dict().items()}
+        return self._sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> Any:
+        own = self._model.state_dict()
+        if strict and set(own) != set(sd):
+            raise TngramError(f"checkpoint does not fit the sharded model: "
+                              f"{sorted(set(own) ^ set(sd))[:5]}")
+        for k, t in own.items():
+            src = sd[k].to(device=t.device, dtype=t.dtype)
+            if _is_dtensor(t):
+                t.to_local().copy_(_shard_like(src, t).to_local())
+            else:
+                t.copy_(src)
+        return None
+
+
+def _shard_like(full: Tensor, like: Any) -> Any:
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+class FullStateOptimizer:
+    """An optimiser whose state_dict() has full tensors (collective) and whose load_state_dict()
+    takes full tensors and keeps each process's shard of those that shard like their parameter."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self._opt = opt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._opt, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self._opt.state_dict()
+        return {"state": {i: {k: _full(v) for k, v in st.items()} for i, st in sd["state"].items()},
+                "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        params = [p for g in self._opt.param_groups for p in g["params"]]
+        state = {}
+        for i, st in sd["state"].items():
+            p = params[int(i)]
+            state[i] = {k: (_shard_like(v.to(p.device), p) if torch.is_tensor(v) and _is_dtensor(p)
+                            and tuple(v.shape) == tuple(p.shape) else v) for k, v in st.items()}
+        self._opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def checkpoint_views(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
+                     sharded: bool) -> tuple[Any, dict[str, Any]]:
+    """(model, optimizers) as tngram.train.checkpoint should see them: unchanged unless sharded;
+    then full-state views (their state_dict() gathers: call on every process, in the same order)."""
+    if not sharded:
+        return model, optimizers
+    return FullStateModel(model), {k: FullStateOptimizer(o) for k, o in optimizers.items()}
+
+
+def gather_for_save(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
+                    sharded: bool) -> tuple[Any, dict[str, Any]]:
+    """As checkpoint_views, with the gathers already done (every process must call this; only the
+    main process then writes)."""
+    if not sharded:
+        return model, optimizers
+    m = FullStateModel(model)
+    m.state_dict()
+    opts = {}
+    for k, o in optimizers.items():
+        full = FullStateOptimizer(o).state_dict()
+        opts[k] = _Frozen(full)
+    return m, opts
+
+
+class _Frozen:
+    def __init__(self, sd: dict[str, Any]) -> None:
+        self._sd = sd
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._sd
+
+
+def local_parameters(model: nn.Module) -> Iterator[Tensor]:
+    """Each parameter's local data (the shard under FSDP): for finiteness checks without gathers."""
+    for p in model.parameters():
+        yield p.to_local() if _is_dtensor(p) else p
+
+
+def shard_model(model: nn.Module, parallel: str, ctx: Any) -> bool:
+    """Apply FSDP2 when run.parallel is "fsdp" and there is more than one process (ctx: the
+    trainer's DistContext); returns whether the model is now sharded."""
+    if parallel not in PARALLEL:
+        raise TngramError(f"run.parallel must be one of {PARALLEL}, got {parallel!r}")
+    if parallel != "fsdp" or ctx.world_size == 1:
+        return False
+    apply_fsdp(model, ctx.device, ctx.world_size)
+    return True
