@@ -57,3 +57,30 @@ def test_lm_eval_hf_model_on_a_local_task(tiny_data, tmp_path, monkeypatch):
     acc = res["results"]["tngram_tiny_mc"]["acc,none"]
     sp = spm.SentencePieceProcessor(model_file=str(tiny_data / "tokenizer.model"))
     assert acc == pytest.approx(independent_accuracy(model, sp))
+
+
+def test_lm_eval_generate_until_left_padded_batches(tiny_data, tmp_path, monkeypatch):
+    """lm-eval's generate_until batches prompts with left padding: every answer equals greedy
+    decoding of its prompt alone with our GPT (argmax over full recomputation)."""
+    import sentencepiece as spm
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, model = tiny_run(tmp_path / "runs", "mini-engram", tiny_data)
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    lm = HFLM(pretrained=str(tmp_path / "hf"), batch_size=3, device="cpu", dtype="float32",
+              add_bos_token=True)
+    prompts = ["Kalo mine ru ta", "Zen", "Galmon ber si de an"]
+    gen = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    reqs = [Instance(request_type="generate_until", doc={}, arguments=(p, gen), idx=i)
+            for i, p in enumerate(prompts)]
+    answers = lm.generate_until(reqs)
+    sp = spm.SentencePieceProcessor(model_file=str(tiny_data / "tokenizer.model"))
+    for p, got in zip(prompts, answers):
+        seq = torch.tensor([[1] + sp.encode(p)])
+        with torch.no_grad():
+            for _ in range(6):
+                seq = torch.cat([seq, model(seq)[:, -1:].argmax(-1)], dim=1)
+        new = seq[0, len(sp.encode(p)) + 1:].tolist()
+        assert got == lm.tokenizer.decode(new, skip_special_tokens=True), (p, got)

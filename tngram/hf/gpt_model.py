@@ -8,10 +8,14 @@
                              and values AND each memory's n-gram window and conv state, so
                              generate() with the cache computes exactly what full recomputation does
 
-The forward is our GPT's forward, unchanged: logits equal ours bit for bit on the same device and
-dtype. Limits (clear errors, not silent differences): `inputs_embeds` (the memory needs ids), left
-or inner padding in `attention_mask` (our GPT has no padding mask; trailing right padding is fine,
-causality makes it irrelevant), and cropping the cache (assisted decoding).
+Without padding the forward is our GPT's forward, unchanged: logits equal ours bit for bit on the
+same device and dtype. With padding in `attention_mask` (left-padded batches: pipelines, lm-eval
+generate_until) or when hidden states / attentions are asked for, `padded_hidden` runs the same
+blocks with per-row positions (pads do not count), pad keys masked out and the memories' `valid`
+mask (pads enter neither n-gram windows nor conv state): each row computes what it computes alone,
+up to the rounding of a masked attention. The head is the input embedding (tied, 30·tanh softcap).
+Limits (clear errors, not silent differences): `inputs_embeds` (the memory needs ids) and cropping
+the cache (assisted decoding).
 
 `register()` makes AutoConfig / AutoModelForCausalLM resolve "tngram_gpt" without
 trust_remote_code; tngram.hf calls it on import.
@@ -19,16 +23,19 @@ trust_remote_code; tngram.hf calls it on import.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tngram.common import TngramError
-from tngram.model.gpt import GPT, GPTConfig
+from tngram.memory.ngrams import check_ids_in_forward
+from tngram.model.gpt import GPT, GPTConfig, apply_rope, rms_norm, rope_tables
 
 MODEL_TYPE = "tngram_gpt"
 
@@ -49,7 +56,7 @@ class TngramGPTConfig(PreTrainedConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     pad_token_id: int | None = 0
-    tie_word_embeddings: bool = False     # the head reuses tok_emb functionally: no lm_head tensor
+    tie_word_embeddings: bool = True      # the head is tok_emb (softcapped): no lm_head tensor
     use_cache: bool = True
 
     @classmethod
@@ -138,19 +145,115 @@ class TngramGPTCache(Cache):
 
 # ---- the model
 
-def _check_attention_mask(mask: Tensor | None, total_len: int) -> None:
-    """Accept None, all-ones, or trailing (right) padding; refuse left / inner padding."""
-    if mask is None or mask.dim() != 2:
-        return
-    m = mask.to(torch.bool)
-    if bool(m.all()):
-        return
-    # a zero followed later by a one = left or inner padding
-    seen_zero = torch.cummax((~m).to(torch.int8), dim=1).values.bool()
-    if bool((seen_zero & m).any()):
-        raise TngramError("tngram_gpt does not support left or inner padding (attention_mask has 0 "
-                          "before a 1): our GPT has no padding mask. Generate one prompt at a time, "
-                          "or pad on the right for scoring")
+def _attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, cache: dict | None, mask: Tensor,
+               want_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """tngram.model.gpt.Attention.forward with a boolean (B, 1, T, past + T) mask and per-row
+    rope tables cos/sin (B, 1, T, E/2); optionally also returns the attention weights."""
+    B, T, D = x.shape
+    q = attn.c_q(x).view(B, T, attn.n_head, attn.head_dim).transpose(1, 2)
+    k = attn.c_k(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
+    v = attn.c_v(x).view(B, T, attn.n_kv_head, attn.head_dim).transpose(1, 2)
+    q, k = rms_norm(q), rms_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = q * attn.q_gain.to(q.dtype).view(1, -1, 1, 1)
+    if cache is not None and "k" in cache:
+        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+    if cache is not None:
+        cache["k"], cache["v"] = k, v
+    if not want_weights:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=attn.n_kv_head != attn.n_head)
+        return attn.proj(y.transpose(1, 2).reshape(B, T, D)), None
+    rep = attn.n_head // attn.n_kv_head
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(attn.head_dim)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    y = weights @ v
+    return attn.proj(y.transpose(1, 2).reshape(B, T, D)), weights
+
+
+def padded_hidden(gpt: GPT, ids: Tensor, cache: dict | None, mask: Tensor | None,
+                  want_hidden: bool = False, want_attn: bool = False
+                  ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
+    """GPT.hidden with a 2-D padding mask: (final hidden states, hidden states per layer or None,
+    attention weights per layer or None).
+
+    mask: (B, past + T) or (B, T) of 1 = token, 0 = padding (None: no padding). A row's
+    positions count its tokens only, pad keys are masked out (a pad query sees itself only, so
+    no row of the softmax is empty), and the memories get the `valid` mask. The cache dict is
+    GPT.hidden's plus "valid" (B, past + T) and "rowpos" (B,): tokens seen per row."""
+    cfg = gpt.config
+    if ids.dim() != 2:
+        raise TngramError(f"input_ids must have shape (B, T), got {tuple(ids.shape)}")
+    B, T = ids.shape
+    dev = ids.device
+    past = 0 if cache is None else cache.get("pos", 0)
+    check_ids_in_forward(ids, cfg.vocab_size)
+    if mask is None:
+        new_valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    else:
+        if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] not in (T, past + T):
+            raise TngramError(f"attention_mask of shape {tuple(mask.shape)} does not match "
+                              f"input_ids {(B, T)} after {past} cached tokens")
+        new_valid = mask[:, -T:].to(device=dev, dtype=torch.bool)
+    old_valid = (torch.ones(B, past, dtype=torch.bool, device=dev) if cache is None or "valid" not in cache
+                 else cache["valid"])
+    keys_valid = torch.cat([old_valid, new_valid], dim=1)                          # (B, past + T)
+    rowpos = (torch.full((B,), past, dtype=torch.long, device=dev) if cache is None or "rowpos" not in cache
+              else cache["rowpos"])
+    positions = (rowpos[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)    # (B, T)
+    top = int(positions.max()) + 1 if T else 0
+    if top > cfg.sequence_len:
+        raise TngramError(f"sequence length {top} exceeds the model's sequence_len {cfg.sequence_len}")
+    cos, sin = rope_tables(max(top, 1), cfg.n_embd // cfg.n_head, cfg.rope_base, dev)
+    cos, sin = cos[positions][:, None], sin[positions][:, None]                    # (B, 1, T, E/2)
+    q_abs = past + torch.arange(T, device=dev)
+    k_abs = torch.arange(past + T, device=dev)
+    causal = k_abs[None, :] <= q_abs[:, None]                                      # (T, past + T)
+    attn_mask = (causal[None] & keys_valid[:, None, :]) | (k_abs[None, None, :] == q_abs[None, :, None])
+    attn_mask = attn_mask[:, None]                                                 # (B, 1, T, past + T)
+    valid = None if bool(new_valid.all()) else new_valid
+    caches = [None] * cfg.n_layer if cache is None else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
+    x = gpt.tok_emb(ids)
+    if gpt.embed_memory is not None:
+        x = (gpt.embed_memory(x, ids, valid=valid) if cache is None
+             else gpt.embed_memory(x, ids, cache=cache.setdefault("embed_memory", {}), valid=valid))
+    x = rms_norm(x)
+    x0 = x
+    hidden: list[Tensor] = [x0]
+    attns: list[Tensor] = []
+
+    def block(i: int, x: Tensor) -> Tensor:
+        blk, c = gpt.blocks[i], caches[i]
+        mix = blk.resid_mix.to(x.dtype)
+        x = mix[0] * x + mix[1] * x0
+        if blk.memory is not None:
+            x = x + (blk.memory(x, ids, valid=valid) if c is None
+                     else blk.memory(x, ids, cache=c.setdefault("memory", {}), valid=valid))
+        y, w = _attention(blk.attn, rms_norm(x), cos, sin, None if c is None else c.setdefault("attn", {}),
+                          attn_mask, want_attn)
+        if w is not None:
+            attns.append(w)
+        x = x + blk.attn_scale.to(x.dtype) * y
+        x = x + blk.mlp_scale.to(x.dtype) * blk.mlp(rms_norm(x))
+        hidden.append(x)
+        return x
+
+    skips = []
+    for i in range(gpt.n_enc):
+        x = block(i, x)
+        skips.append(x)
+    for j in range(cfg.n_layer - gpt.n_enc):
+        if skips:
+            x = x + gpt.skip_weights[j].to(x.dtype) * skips.pop()
+        x = block(gpt.n_enc + j, x)
+    if cache is not None:
+        cache["pos"] = past + T
+        cache["valid"] = keys_valid
+        cache["rowpos"] = rowpos + new_valid.long().sum(1)
+    out = rms_norm(x)
+    hidden[-1] = out
+    return out, (tuple(hidden) if want_hidden else None), (tuple(attns) if want_attn else None)
 
 
 class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
@@ -162,6 +265,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_sdpa = True
 
     def __init__(self, config: TngramGPTConfig) -> None:
+        config.tie_word_embeddings = True     # folders exported before said False; the head is tied
         super().__init__(config)
         self.model = GPT(config.gpt_config())
         if config.cp_ranks:               # a pruned (adaptive-rank) run: build at its final ranks
@@ -183,8 +287,8 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: torch.nn.Module) -> None:
         self.model.tok_emb = value
 
-    def get_output_embeddings(self) -> None:
-        return None                   # the head is tok_emb (functional tie, 30·tanh softcap)
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.tok_emb     # the head is tok_emb (tied; logits 30·tanh(h Eᵀ / 30))
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> "TngramGPTForCausalLM":
@@ -230,8 +334,10 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 past_key_values: TngramGPTCache | None = None, labels: Tensor | None = None,
                 use_cache: bool | None = None, inputs_embeds: Tensor | None = None,
-                logits_to_keep: int | Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
-        """Logits (B, T, V) of our GPT; labels (B, T) give the mean next-token loss (HF shift)."""
+                logits_to_keep: int | Tensor = 0, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """Logits (B, T, V) of our GPT; labels (B, T) give the mean next-token loss (HF shift).
+        hidden_states: (embedding, block 1, ..., final normed output); attentions per block."""
         if inputs_embeds is not None or input_ids is None:
             raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
                               "inputs_embeds is unsupported")
@@ -243,16 +349,24 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             past_key_values = None    # an empty cache of another type: replace it with ours
         if use_cache and past_key_values is None:
             past_key_values = TngramGPTCache()
-        past = 0 if past_key_values is None else past_key_values.get_seq_length()
-        _check_attention_mask(attention_mask, past + input_ids.shape[1])
-        h = self.model.hidden(input_ids, None if past_key_values is None else past_key_values.state)
+        state = None if past_key_values is None else past_key_values.state
+        want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None
+                           else output_hidden_states)
+        want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        padded = mask is not None and not bool(mask.all())
+        hidden = attns = None
+        if padded or want_hidden or want_attn or (state is not None and "valid" in state):
+            h, hidden, attns = padded_hidden(self.model, input_ids, state, mask, want_hidden, want_attn)
+        else:
+            h = self.model.hidden(input_ids, state)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
         logits = self.model.logits(h)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden, attentions=attns,
                                       past_key_values=past_key_values if use_cache else None)
 
 

@@ -58,7 +58,7 @@ def build_fast_tokenizer(sp_model: str | os.PathLike):
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids["bos"])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"],
-        unk_token=SPECIAL["unk"], pad_token=SPECIAL["pad"], padding_side="right",
+        unk_token=SPECIAL["unk"], pad_token=SPECIAL["pad"], padding_side="left",
         add_bos_token=True, clean_up_tokenization_spaces=False)
 
 
