@@ -729,3 +729,11 @@ def test_model_size_lower_bound_is_below_the_exact_count(recipe, tiny_data):
         with torch.device("meta"):
             exact = GPT(cfg.model).num_params()
         assert 0 < param_lower_bound(cfg.model) <= exact
+
+
+def test_fifo_as_lock_file_is_refused_without_blocking(half_run, tiny_data, tmp_path, capsys):
+    run = copy_run(half_run, tmp_path / "run")
+    os.mkfifo(run / LOCK_FILE)
+    rc, err = cli(["train", *cli_args(tiny_data, "mini-tngram", run, EXTRA), "--resume"], capsys)
+    one_line_exit_2(rc, err)
+    assert "not a regular file" in err

@@ -116,6 +116,14 @@ def open_fd(path: StrPath, root: StrPath | None = None) -> int:
     if root is not None:
         check_chain(root, path)
     try:
+        st = os.lstat(path)             # before opening: opening some devices has side effects
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: missing") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise _link_error(path, root)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError(f"{path} is {_kind(st.st_mode)}, not a regular file; refusing to read it")
+    try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise MissingFileError(f"{path}: missing") from None
@@ -124,16 +132,19 @@ def open_fd(path: StrPath, root: StrPath | None = None) -> int:
             raise _link_error(path, root) from None
         raise
     try:
-        st = os.fstat(fd)
+        st = os.fstat(fd)              # (swapped since the lstat: checked again on what was opened)
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                    else "a device or socket")
-            raise UnsafePathError(f"{path} is {kind}, not a regular file; refusing to read it")
+            raise UnsafePathError(f"{path} is {_kind(st.st_mode)}, not a regular file; refusing to read it")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device or socket")
 
 
 def check_regular(path: StrPath, root: StrPath | None = None) -> Path:

@@ -89,6 +89,12 @@ class RunLock:
         file; a lock file with other hard links (a `cp -al` copy of the run) is first replaced by
         a file of its own, so the other copy's lock file is never written."""
         for _ in range(20):
+            try:
+                pre = os.lstat(path)       # before opening: a device or FIFO is never opened
+            except FileNotFoundError:
+                pre = None
+            if pre is not None and not stat.S_ISREG(pre.st_mode) and not stat.S_ISLNK(pre.st_mode):
+                raise TngramError(f"{path} is not a regular file; remove it (it was not written by tngram)")
             fd = self._open_one(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
                 self._flock(fd, path)
