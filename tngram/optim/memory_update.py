@@ -5,9 +5,10 @@ Adam on the whole table, as before, bit for bit: a dense gradient and two moment
 every entry read and written every step. The two others give the tables a row-sparse gradient
 (`tngram.kernels.sparse_rows`: only the touched rows) and update only those rows:
 
-    sparse   torch.optim.SparseAdam: lazy Adam. A row's moments and weights change only at
-             steps where the row has a gradient; the bias correction counts the table's steps
-             (torch's semantics). State: 2 floats per entry (8 bytes per table parameter).
+    sparse   LazyAdam (below): torch.optim.SparseAdam's lazy Adam. A row's moments and weights
+             change only at steps where the row has a gradient; the bias correction counts the
+             table's steps (torch's semantics). State: 2 floats per entry (8 bytes per table
+             parameter). Same numbers as torch.optim.SparseAdam, 2-4x faster on CPU (tested).
     rowwise  RowwiseAdam (below): lazy like "sparse", first moment per entry, but ONE second
              moment per table row (the mean of the squared gradient over the row), as the
              row-wise Adagrad/Adam of large embedding trainers (FBGEMM, PBG). State: 4 + 4/width
@@ -114,6 +115,70 @@ class RowwiseAdam(torch.optim.Optimizer):
         return loss
 
 
+class LazyAdam(torch.optim.Optimizer):
+    """torch.optim.SparseAdam's lazy Adam, written with index_select / index_copy_ / index_add_ on
+    the touched rows (torch's goes through sparse_mask and sparse additions; measured 2-4x
+    slower here, docs/LOG.md). Same state (step, exp_avg, exp_avg_sq), same formula: for each
+    touched row at the table's step t,
+        m <- b1 m + (1 - b1) g ; v <- b2 v + (1 - b2) g^2
+        w <- w - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
+    Sparse (COO) or dense gradients (a dense one touches every row)."""
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"LazyAdam needs lr >= 0, eps >= 0, betas in [0, 1); got {lr}, "
+                             f"{eps}, {betas}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                rows, vals = _rows_and_values(p)
+                if vals.numel() == 0:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = state["step"]
+                width = p.shape[-1]
+                m_all = state["exp_avg"].view(-1, width)
+                v_all = state["exp_avg_sq"].view(-1, width)
+                m = m_all if rows is None else m_all.index_select(0, rows)
+                v = v_all if rows is None else v_all.index_select(0, rows)
+                m.mul_(b1).add_(vals, alpha=1 - b1)
+                v.mul_(b2).addcmul_(vals, vals, value=1 - b2)
+                upd = (m / v.sqrt().add_(eps)).mul_(-lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t))
+                if rows is None:
+                    p.view(-1, width).add_(upd)
+                else:
+                    m_all.index_copy_(0, rows, m)
+                    v_all.index_copy_(0, rows, v)
+                    p.view(-1, width).index_add_(0, rows, upd)
+        return loss
+
+
+def _rows_and_values(p: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(flat row ids or None for all rows, (rows, width) gradient values) of p.grad."""
+    width = p.shape[-1]
+    if not p.grad.is_sparse:
+        return None, p.grad.reshape(-1, width)
+    g = p.grad.coalesce()
+    ind, vals = g.indices(), g.values().reshape(-1, width)
+    return (ind[0] if ind.shape[0] == 1 else _flat_rows(ind, p.shape[:-1])), vals
+
+
 def _flat_rows(ind: Tensor, lead: torch.Size | tuple[int, ...]) -> Tensor:
     """Row-major flat row ids from the (k, nnz) indices of a sparse tensor with k sparse dims."""
     rows = ind[0].clone()
@@ -129,7 +194,7 @@ def setup_memory_update(model: nn.Module, groups: list[dict], mode: str, betas: 
     groups: tngram.optim.groups.build_param_groups(...). "dense": (None, groups) unchanged and the
     model untouched. "sparse" / "rowwise": the memory tables leave their group (whose other
     parameters stay), the modules switch to row-sparse gradients, and the tables get
-    torch.optim.SparseAdam / RowwiseAdam with the group's lr (each group dict keeps names, group,
+    LazyAdam / RowwiseAdam with the group's lr (each group dict keeps names, group,
     base_lr, so the trainer's schedule treats it like any other).
     """
     if mode not in MEMORY_UPDATES:
@@ -150,7 +215,7 @@ def setup_memory_update(model: nn.Module, groups: list[dict], mode: str, betas: 
     if not table_groups:
         return None, rest
     if mode == "sparse":
-        return torch.optim.SparseAdam(table_groups, betas=betas, eps=eps), rest
+        return LazyAdam(table_groups, betas=betas, eps=eps), rest
     return RowwiseAdam(table_groups, betas=betas, eps=eps), rest
 
 
@@ -191,5 +256,5 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer, params: Iterable[Tensor] |
     return total
 
 
-__all__ = ["MEMORY_UPDATES", "RowwiseAdam", "clip_grad_norm", "optimizer_state_bytes",
+__all__ = ["MEMORY_UPDATES", "LazyAdam", "RowwiseAdam", "clip_grad_norm", "optimizer_state_bytes",
            "set_sparse_grads", "setup_memory_update"]
