@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tngram.kernels import c_unavailable_reason, ngram_row_index
+from tngram.kernels import c_unavailable_reason, kernel_policy, ngram_row_index
 from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.tngram import TNGram, TNGramConfig
 
@@ -79,14 +79,10 @@ def test_bf16_output_and_gradient_equal_the_cast_fp32_path(use_norm, with_scales
 def _module_run(mod: TNGram, h: torch.Tensor, ids: torch.Tensor, bf16_out: bool):
     mod.zero_grad(set_to_none=True)
     h = h.detach().clone().requires_grad_()
-    old = TNGram.bf16_lookup_output
-    TNGram.bf16_lookup_output = bf16_out
-    try:
+    with kernel_policy(bf16_lookup_output=bf16_out):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = mod(h, ids)
         (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-    finally:
-        TNGram.bf16_lookup_output = old
     return y.detach(), h.grad, {n: p.grad.clone() for n, p in mod.named_parameters()}
 
 
@@ -126,13 +122,9 @@ def test_gpt_training_step_under_bf16_autocast_is_bit_identical():
     out = {}
     for flag in (True, False):
         model.zero_grad(set_to_none=True)
-        TNGram.bf16_lookup_output = flag
-        try:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x, y)
-            loss.backward()
-        finally:
-            TNGram.bf16_lookup_output = True
+        with kernel_policy(bf16_lookup_output=flag), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
         out[flag] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                      if p.grad is not None})
     assert torch.equal(out[True][0], out[False][0])

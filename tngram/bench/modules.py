@@ -27,7 +27,6 @@ branch, Over-Encoding's projection), plus elementwise estimates: the gate/conv ~
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -38,27 +37,21 @@ from torch import Tensor, nn
 
 from tngram.bench.common import (fmt_ms, fmt_si, interleaved, machine_info, matmul_peak,
                                  peak_rss_delta_subprocess, vm_hwm_bytes, vm_rss_bytes)
+from tngram.kernels import kernel_policy
 
 D_MODEL, VOCAB = 512, 1024
 CANDIDATES = ("none", "engram", "tngram", "tngram-torch", "tngram-ref", "oe")
-TN_IMPL = {"tngram": "auto", "tngram-torch": "torch"}        # forced TNGRAM_LOOKUP_IMPL per candidate
+TN_IMPL = {"tngram": "auto", "tngram-torch": "torch"}        # lookup kernel per candidate
 
 
 @contextmanager
 def _impl(name: str) -> Iterator[None]:
-    """Run with TNGRAM_LOOKUP_IMPL set for the TN-gram candidates (restored afterwards)."""
+    """Run the TN-gram candidates with their lookup kernel (tngram.kernels.kernel_policy)."""
     if name not in TN_IMPL:
         yield
         return
-    old = os.environ.get("TNGRAM_LOOKUP_IMPL")
-    os.environ["TNGRAM_LOOKUP_IMPL"] = TN_IMPL[name]
-    try:
+    with kernel_policy(lookup_impl=TN_IMPL[name]):
         yield
-    finally:
-        if old is None:
-            os.environ.pop("TNGRAM_LOOKUP_IMPL", None)
-        else:
-            os.environ["TNGRAM_LOOKUP_IMPL"] = old
 
 
 def build(name: str) -> nn.Module | None:

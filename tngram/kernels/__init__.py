@@ -9,7 +9,8 @@ backward, any device and dtype). A compiled kernel is used only after its first-
 against the plain torch computation passed in this process (`choice.py`); otherwise "auto" warns
 once and runs the torch path. "torch", "c" and "triton" force one; "triton" also runs on CPU
 tensors under the Triton interpreter (TRITON_INTERPRET=1).
-The environment variable TNGRAM_LOOKUP_IMPL (auto | torch | c | triton) overrides "auto".
+The environment variable TNGRAM_LOOKUP_IMPL (auto | torch | c | triton) overrides "auto", and so
+does `kernel_policy(lookup_impl=...)` (`policy.py`: the one place for kernel and dtype choices).
 
 torch.compile: the C and Triton kernels are torch.library custom ops (opaque to dynamo, with
 fake implementations), the choice is a traced constant, and the torch path becomes plain torch
@@ -25,6 +26,8 @@ from torch import Tensor
 from tngram.kernels.choice import (IMPL_FNS, IMPLS, choose_impl, forced_impl, reset_choices,
                                    resolved_impl, self_check, self_check_results,
                                    triton_available)
+from tngram.kernels.policy import (KernelPolicy, current_policy, kernel_policy, lookup_out_dtype,
+                                   lookup_output_for)
 from tngram.kernels.sparse_rows import compact_rows
 from tngram.kernels.tngram_c import c_supported, c_unavailable_reason
 from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, absorption_weights,
@@ -51,8 +54,10 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     B, T, n_cols = ngrams.shape
     if n_cols != N:
         raise ValueError(f"ngrams have {n_cols} columns, factors have N = {N}")
-    if impl == "auto":
-        impl = choose_impl(factors.device.type, str(factors.dtype))
+    if impl == "auto":           # the policy's choice, else TNGRAM_LOOKUP_IMPL, else the self-checked kernel
+        impl = current_policy().lookup_impl or "auto"
+        if impl == "auto":
+            impl = choose_impl(factors.device.type, str(factors.dtype))
     idx = ngram_row_index(ngrams, V)                                     # (M, N)
     if sparse_grad:       # the kernel sees (N, U'/N, R): the touched rows only, ids remapped
         sub, idx = compact_rows(factors, idx, blocks=N)
@@ -80,4 +85,5 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
 __all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "c_unavailable_reason",
            "choose_impl", "clear_workspaces", "forced_impl", "fused_lookup", "ngram_row_index",
            "plain_lookup", "reset_choices", "resolved_impl", "self_check", "self_check_results",
-           "triton_available"]
+           "triton_available", "KernelPolicy", "current_policy", "kernel_policy",
+           "lookup_out_dtype", "lookup_output_for"]

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tngram.kernels.policy import current_policy
+
 GATE_CLAMP = 1e-6  # epsilon inside the signed square root (paper App. D, reference)
-FUSE_KV_MIN_ROWS = 64  # fuse the K and V matmuls only from this many rows (B*T); see keys_values
 
 
 def signed_sqrt_gate(alpha: Tensor) -> Tensor:
@@ -116,8 +117,6 @@ class GatedFusion(nn.Module):
         self.norm_h = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
         self.norm_k = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
         self.conv = ShortConv(d_model, hc_mult, kernel_size, dilation, zero_init=zero_init_conv)
-        self.fuse_kv = True  # one K/V matmul when hc_mult == 1 (not a parameter; benchmarks flip it)
-        self.fuse_kv_min_rows = FUSE_KV_MIN_ROWS
 
     def control_parameters(self) -> list[nn.Parameter]:
         """Gains and per-channel kernels (Adam at the scalar lr); the K/V projections are
@@ -127,14 +126,15 @@ class GatedFusion(nn.Module):
     def keys_values(self, e: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (B, T, M, D) and the shared value (B, T, 1, D) from e (B, T, E).
 
-        With one branch (hc_mult == 1) and `fuse_kv`, K and V are one matmul against the
-        concatenated [W_K; W_V] (2D x E): e is read once, and the backward forms dL/de with one
-        matmul instead of two plus an add. Same parameters, same numbers up to summation order.
-        Only from `fuse_kv_min_rows` (64) rows of e: the concatenation copies both weights on
-        every call, which at decode time (1 row per step) cost more than the saved matmul
-        (tngram bench decode, docs/PERFORMANCE.md "Decode").
+        With one branch (hc_mult == 1) and the kernel policy's `fuse_kv` (tngram.kernels.policy),
+        K and V are one matmul against the concatenated [W_K; W_V] (2D x E): e is read once, and
+        the backward forms dL/de with one matmul instead of two plus an add. Same parameters,
+        same numbers up to summation order. Only from `fuse_kv_min_rows` (64) rows of e: the
+        concatenation copies both weights on every call, which at decode time (1 row per step)
+        cost more than the saved matmul (tngram bench decode, docs/PERFORMANCE.md "Decode").
         """
-        if self.hc_mult == 1 and self.fuse_kv and e[..., 0].numel() >= self.fuse_kv_min_rows:
+        policy = current_policy()
+        if self.hc_mult == 1 and policy.fuse_kv and e[..., 0].numel() >= policy.fuse_kv_min_rows:
             kp, vp = self.key_proj[0], self.value_proj
             w = torch.cat([kp.weight, vp.weight], dim=0)                    # (2D, E)
             b = None if kp.bias is None else torch.cat([kp.bias, vp.bias])  # (2D,)

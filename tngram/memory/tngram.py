@@ -16,6 +16,9 @@ at 1 and log-scales at 0 (s_n = 1).
 
 The lookup runs fused by default (`fused=True`, tngram.kernels: same equations, a hand-written
 backward, see docs/PERFORMANCE.md); `fused=False` runs the plain-autograd reference of cp.py.
+Which kernel runs and the dtype e is written in are the kernel policy's (tngram.kernels.policy;
+the environment variable TNGRAM_LOOKUP_IMPL forces a kernel); whether the forward checks ids
+against the vocabulary is TNGRAM_CHECK_IDS's (tngram.memory.ngrams). Neither changes a number.
 
 Ablations (paper Fig. 4 right): use_norm=False drops RMSNorm (e_n = s_n b_n); learn_scales=False
 fixes s_n = 1 (no parameter); use_absorption=False removes w entirely, so each lower order uses
@@ -31,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.kernels import fused_lookup
+from tngram.kernels import fused_lookup, lookup_out_dtype, lookup_output_for
 from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
@@ -154,20 +157,7 @@ class TNGramConfig(MemoryConfig):
         return n
 
 
-def _autocast_on(h: Tensor) -> bool:
-    try:
-        return bool(torch.is_autocast_enabled(h.device.type))
-    except TypeError:          # older torch: no device argument
-        return bool(torch.is_autocast_enabled())
-
-
-def _cpu_bf16_autocast(h: Tensor) -> bool:
-    return (h.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
-
-
 class TNGram(MemoryModule, nn.Module):
-    bf16_lookup_output = True   # class switch (not a parameter): tests/benchmarks compare both paths
     # True: the factors get a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
     # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
     sparse_grad = False
@@ -268,12 +258,8 @@ class TNGram(MemoryModule, nn.Module):
                               f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}")
         ids, P = extend_with_history(input_ids, cache, self.config.max_ngram, self.config.pad_id,
                                      valid)
-        # Under CPU bf16 autocast e's only consumer is the K/V matmul, which casts it to bf16:
-        # the C kernel writes bf16 directly (bit-identical, no fp32 e; docs/PERFORMANCE.md)
-        lowp = torch.bfloat16 if (self.bf16_lookup_output and _cpu_bf16_autocast(h)) else None
-        e = self.memory_vector(ids, out_dtype=lowp)[:, P:]
-        if (lowp is None or e.dtype != lowp) and (h.dtype == e.dtype or _autocast_on(h)):
-            e = e.to(h.dtype)       # (bf16/fp16 h without autocast: e stays in the weights' dtype, as Engram's)
+        lowp = lookup_out_dtype(h)              # dtype policy: tngram.kernels.policy
+        e = lookup_output_for(self.memory_vector(ids, out_dtype=lowp)[:, P:], h, lowp)
         if self.config.is_variant():
             e = self.variant_input(e, ids, P)
         return self.fusion(h, e, cache, valid)

@@ -1,0 +1,86 @@
+"""Kernel and dtype policy: the one place that decides how a memory's forward runs, not what it
+computes. Every setting gives the same numbers (bit-identical, or equal up to summation order for
+fuse_kv); the defaults are the fastest measured (docs/PERFORMANCE.md), and benchmarks and tests
+change them only through `kernel_policy(...)`, never by setting attributes on modules.
+
+    lookup_impl          "auto" | "torch" | "c" | "triton": the TN-gram lookup kernel
+                         (tngram.kernels.fused_lookup). Default: the environment variable
+                         TNGRAM_LOOKUP_IMPL, else "auto" (a compiled kernel after its self-check).
+    bf16_lookup_output   under CPU bf16 autocast the lookup writes e in bf16 directly (e's only
+                         consumer is the K/V matmul, which autocast runs in bf16 anyway): no fp32
+                         copy of e. Default True.
+    fuse_kv              with one hyper-connection branch, K and V are one matmul against
+                         [W_K; W_V] (tngram.memory.gating.GatedFusion.keys_values) ...
+    fuse_kv_min_rows     ... from this many rows of e on (default 64; below it, as at decode time,
+                         the weight concatenation costs more than the saved matmul).
+
+Environment variables read elsewhere that change what runs: TNGRAM_CHECK_IDS
+(tngram.memory.ngrams.check_ids_in_forward: whether the forward checks ids against the
+vocabulary); both are listed in docs/TRAINING.md "Environment variables".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+FUSE_KV_MIN_ROWS = 64
+LOOKUP_IMPLS = ("auto", "torch", "c", "triton")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    lookup_impl: str | None = None      # None: TNGRAM_LOOKUP_IMPL or "auto" (kernels.choice)
+    bf16_lookup_output: bool = True
+    fuse_kv: bool = True
+    fuse_kv_min_rows: int = FUSE_KV_MIN_ROWS
+
+
+_current = KernelPolicy()
+
+
+def current_policy() -> KernelPolicy:
+    return _current
+
+
+@contextmanager
+def kernel_policy(**changes: object) -> Iterator[KernelPolicy]:
+    """Within the block, the policy with `changes` applied (e.g. kernel_policy(fuse_kv=False))."""
+    global _current
+    if changes.get("lookup_impl") not in (None, *LOOKUP_IMPLS):
+        raise ValueError(f"lookup_impl must be one of {LOOKUP_IMPLS}, got {changes['lookup_impl']!r}")
+    old = _current
+    _current = replace(old, **changes)
+    try:
+        yield _current
+    finally:
+        _current = old
+
+
+def autocast_on(h: Tensor) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(h.device.type))
+    except TypeError:          # older torch: no device argument
+        return bool(torch.is_autocast_enabled())
+
+
+def lookup_out_dtype(h: Tensor) -> torch.dtype | None:
+    """The dtype a lookup feeding hidden states `h` may write e in: bf16 under CPU bf16 autocast
+    (with bf16_lookup_output), else None (the factors' dtype)."""
+    if (_current.bf16_lookup_output and h.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+        return torch.bfloat16
+    return None
+
+
+def lookup_output_for(e: Tensor, h: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    """e as the K/V stage takes it: kept when the lookup already wrote `out_dtype`; cast to h's
+    dtype when h has e's dtype or autocast is on; otherwise (bf16/fp16 h without autocast) left in
+    the weights' dtype, as Engram's table rows are."""
+    if (out_dtype is None or e.dtype != out_dtype) and (h.dtype == e.dtype or autocast_on(h)):
+        return e.to(h.dtype)
+    return e
