@@ -142,3 +142,13 @@ def test_eval_bpb_differs_from_training_validation_only_by_bf16_autocast(tiny_da
                            max_tokens=cfg.data.val_tokens)["val_loss"] for dt in (None, torch.bfloat16)}
     assert abs(fp32["val_loss"] - ev[None]) < 1e-9
     assert abs(summary["val_loss"] - ev[torch.bfloat16]) < 1e-9
+
+
+def test_experiment_tables_show_no_spread_for_one_seed():
+    from tngram.experiments.sweeps import _table
+    from tngram.report.runs import fmt_pm
+    assert fmt_pm(3.5, 0.0, 1) == "3.5000" and fmt_pm(3.5, 0.01234, 3) == "3.5000 ± 0.0123"
+    assert fmt_pm(-0.5, 0.2, 2, "+.2f") == "-0.50 ± 0.20"
+    series = {"tngram": [(3.0, 3.5, 0.0), (5.0, 3.4, 0.0)]}
+    assert "±" not in _table(series, "N", seeds=1)
+    assert "| 3 | 3.5000 ± 0.0000 |" in _table(series, "N", seeds=2)

@@ -32,7 +32,7 @@ from tngram.common import TngramError, atomic_write_text, print0
 from tngram.experiments.common import (SCALES, base_recipe, default_nproc, resolve_data, with_data,
                                        with_memory, with_seed, with_steps)
 from tngram.experiments.runner import RunSpec, run_all
-from tngram.report.runs import mean_std
+from tngram.report.runs import fmt_pm, mean_std
 from tngram.train.config import TrainConfig
 
 FIXED_RANKS = (32, 64, 128, 256, 352, 512, 704)
@@ -219,7 +219,7 @@ def report_body(rows: list[dict[str, Any]]) -> tuple[str, dict[str, list[tuple[f
         rs = by_r[R]
         loss, dp, tm = (mean_std([x[k] for x in rs]) for k in ("val_loss", "delta_params", "train_time_s"))
         stats[R] = (loss, dp, tm, len(rs))
-        lines.append(f"| {R} | {len(rs)} | {dp[0] / 1e6:.2f}M | {loss[0]:.4f} ± {loss[1]:.4f} | {tm[0]:.0f} |")
+        lines.append(f"| {R} | {len(rs)} | {dp[0] / 1e6:.2f}M | {fmt_pm(*loss, len(rs))} | {tm[0]:.0f} |")
     series: dict[str, list[tuple[float, float, float]]] = {
         "fixed R": [(s[1][0] / 1e6, s[0][0], s[0][1]) for _, s in sorted(stats.items())]}
     if adapt:

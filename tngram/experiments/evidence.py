@@ -264,7 +264,8 @@ def dense(out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None
         loss = mean_std([r["val_loss"] for r in rows if r["method"] == k])
         p, f = param_summary(c)["total_params"], train_flops_per_token(c)
         lines.append(f"| {k} | {c.model.n_embd} | {c.model.n_layer} | {c.model.mlp_mult} | {p / 1e6:.2f}M | "
-                     f"{f / 1e6:.1f}M | {loss[0]:.4f} ± {loss[1]:.4f} |")
+        from tngram.report.runs import fmt_pm
+                     f"{f / 1e6:.1f}M | {fmt_pm(*loss, seeds)} |")
         group = k.split("-")[0] if not k.startswith("dense") else "-".join(k.split("-")[:2])
         by_params.setdefault(group, []).append((p / 1e6, *loss))
         by_flops.setdefault(group, []).append((f / 1e6, *loss))

@@ -24,7 +24,7 @@ from typing import Any
 from tngram.common import TngramError, atomic_write_text, print0
 from tngram.experiments.common import SCALES, base_recipe, resolve_data, with_data, with_seed, with_steps
 from tngram.experiments.runner import RunSpec, run_all, run_dir_of
-from tngram.report.runs import mean_std
+from tngram.report.runs import fmt_pm, mean_std
 
 MEMORIES = ("tngram", "engram")
 
@@ -74,9 +74,10 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
         r0 = by[m, "scratch", seeds[0]]
         table.append({"memory": m, "scratch": scm, "scratch_std": scs, "frozen": frm, "frozen_std": frs,
                       "recovered_pct": rm, "recovered_pct_std": rs})
-        lines.append(f"| {m} | {scm:.4f} ± {scs:.4f} | {frm:.4f} ± {frs:.4f} | {rm:.0f} ± {rs:.0f} % | "
+        n = len(seeds)
+        lines.append(f"| {m} | {fmt_pm(scm, scs, n)} | {fmt_pm(frm, frs, n)} | {fmt_pm(rm, rs, n, '.0f')} % | "
                      f"{r0['total_params']:,} / {r0['memory_params']:,} |")
-    body = (f"Frozen raw model (val loss): {raw[0]:.4f} ± {raw[1]:.4f}; {len(seeds)} seed(s).\n\n"
+    body = (f"Frozen raw model (val loss): {fmt_pm(*raw, len(seeds))}; {len(seeds)} seed(s).\n\n"
             + "\n".join(lines) + "\n\ngain recovered = (raw − frozen+memory) / (raw − scratch), per seed, "
             "then mean ± std. The frozen runs' models saw twice the training tokens (raw pretraining + "
             "the memory phase, same data order).")

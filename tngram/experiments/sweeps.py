@@ -33,7 +33,7 @@ from tngram.experiments.common import (SCALES, base_recipe, default_nproc, resol
                                        with_memory, with_seed, with_steps)
 from tngram.experiments.runner import RunSpec, run_all
 from tngram.report.plots import bar_plot, xy_plot
-from tngram.report.runs import mean_std
+from tngram.report.runs import fmt_pm, mean_std
 from tngram.train.recipes import param_summary
 
 
@@ -65,13 +65,14 @@ def _series(rows: list[dict[str, Any]], group: str, x: str, y: str) -> dict[str,
     return {g: [(xv, *mean_std(ys)) for xv, ys in pts.items()] for g, pts in out.items()}
 
 
-def _table(series: dict[str, list[tuple[float, float, float]]], xname: str) -> str:
+def _table(series: dict[str, list[tuple[float, float, float]]], xname: str, seeds: int = 2) -> str:
+    """Mean ± std per x and series (the mean alone with one seed)."""
     xs = sorted({x for pts in series.values() for x, _, _ in pts})
     lines = [f"| {xname} | " + " | ".join(series) + " |", "|---|" + "---|" * len(series)]
     for x in xs:
         cells = []
         for pts in series.values():
-            hit = [f"{m:.4f} ± {s:.4f}" for xv, m, s in pts if xv == x]
+            hit = [fmt_pm(m, s, seeds) for xv, m, s in pts if xv == x]
             cells.append(hit[0] if hit else "–")
         lines.append(f"| {x:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -194,8 +195,8 @@ def _exp_ngram_order(out, scale, seeds, data, steps, nproc):
             f"val loss vs N (raw GPT {raw[0]:.4f})",
             panels=[{"series": params, "xlabel": "max n-gram order N", "ylabel": "Δparams (M)", "title": "Δparams vs N"}])
     return _write(out, "ngram-order", rows, ["method", "N", "seed", "delta_params", "train_loss", "val_loss", "val_bpb"],
-                  f"Validation loss vs maximum order N (raw GPT: {raw[0]:.4f} ± {raw[1]:.4f}).\n\n"
-                  + _table(loss, "N") + "\n\nΔparams (M):\n\n" + _table(params, "N"), data_dir)
+                  f"Validation loss vs maximum order N (raw GPT: {fmt_pm(*raw, seeds)}).\n\n"
+                  + _table(loss, "N", seeds) + "\n\nΔparams (M):\n\n" + _table(params, "N", seeds), data_dir)
 
 
 def _exp_capacity(out, scale, seeds, data, steps, nproc):
@@ -208,7 +209,7 @@ def _exp_capacity(out, scale, seeds, data, steps, nproc):
             "Engram heads {1,2,4,8,16} vs TN-gram CP rank")
     return _write(out, "capacity", rows, ["method", "heads", "cp_rank", "seed", "delta_params", "val_loss", "val_bpb"],
                   "Validation loss vs Δparams: Engram scaled by hash heads, TN-gram by CP rank.\n\n"
-                  + _table(loss, "Δparams (M)"), data_dir)
+                  + _table(loss, "Δparams (M)", seeds), data_dir)
 
 
 def _exp_vocab(out, scale, seeds, data, steps, nproc):
@@ -221,7 +222,8 @@ def _exp_vocab(out, scale, seeds, data, steps, nproc):
         rs = [r for r in rows if r["method"] == m]
         tr = mean_std([100 * (raw_tr - r["train_loss"]) / raw_tr for r in rs])
         va = mean_std([100 * (raw_va - r["val_loss"]) / raw_va for r in rs])
-        lines.append(f"| {m} | {rs[0]['delta_params'] / 1e6:.2f}M | {tr[0]:.2f} ± {tr[1]:.2f} | {va[0]:.2f} ± {va[1]:.2f} |")
+        lines.append(f"| {m} | {rs[0]['delta_params'] / 1e6:.2f}M | {fmt_pm(*tr, len(rs), '.2f')} | "
+                     f"{fmt_pm(*va, len(rs), '.2f')} |")
         groups["train loss"][m], groups["val loss"][m] = tr, va
     bar_plot(groups, out / "vocab.png", "loss reduction vs raw GPT (%)", "vocabulary 8192")
     return _write(out, "vocab", rows, ["method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb"],
@@ -234,7 +236,7 @@ def _exp_ablation(out, scale, seeds, data, steps, nproc):
     loss = _series(rows, "variant", "N", "val_loss")
     xy_plot(loss, out / "ablation.png", "max n-gram order N", "val loss (nats/token)", "TN-gram ablations")
     return _write(out, "ablation", rows, ["variant", "N", "seed", "delta_params", "val_loss", "val_bpb"],
-                  "TN-gram component ablations (validation loss).\n\n" + _table(loss, "N"), data_dir)
+                  "TN-gram component ablations (validation loss).\n\n" + _table(loss, "N", seeds), data_dir)
 
 
 def _exp_tiny_table(out, scale, seeds, data, steps, nproc):
@@ -245,7 +247,7 @@ def _exp_tiny_table(out, scale, seeds, data, steps, nproc):
         rs = [r for r in rows if r["variant"] == v]
         m, s = mean_std([r["val_loss"] for r in rs])
         series[v] = [(float(i), m, s)]
-        lines.append(f"| {v} | {rs[0]['delta_params'] / 1e6:.2f}M | {m:.4f} ± {s:.4f} | "
+        lines.append(f"| {v} | {rs[0]['delta_params'] / 1e6:.2f}M | {fmt_pm(m, s, len(rs))} | "
                      f"{mean_std([r['val_bpb'] for r in rs])[0]:.4f} |")
     xy_plot(series, out / "tiny-table.png", "variant", "val loss (nats/token)", "does the gain need table capacity?")
     return _write(out, "tiny-table", rows, ["variant", "seed", "delta_params", "val_loss", "val_bpb"],

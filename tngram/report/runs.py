@@ -48,6 +48,12 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
+def fmt_pm(mean: float, std: float, n: int, spec: str = ".4f") -> str:
+    """"mean ± std", or the mean alone when it is of one value (n < 2: there is no spread to
+    show, and "± 0.0000" would read as a measured one)."""
+    return f"{mean:{spec}}" if n < 2 else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
+
+
 def fmt_mean_std(values: list[float], digits: int = 4) -> str:
     m, s = mean_std(values)
     if math.isnan(m):
