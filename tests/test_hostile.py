@@ -737,3 +737,20 @@ def test_fifo_as_lock_file_is_refused_without_blocking(half_run, tiny_data, tmp_
     rc, err = cli(["train", *cli_args(tiny_data, "mini-tngram", run, EXTRA), "--resume"], capsys)
     one_line_exit_2(rc, err)
     assert "not a regular file" in err
+
+
+def test_experiment_worker_log_as_symlink_is_never_appended_to(tiny_data, victim, tmp_path, monkeypatch):
+    """`--jobs 2` sends a run's output to RUN/worker.log: a link planted there is refused (O_NOFOLLOW)
+    before the worker starts, and its target keeps its bytes."""
+    import subprocess
+
+    from tngram.experiments import runner
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: started.append(a))
+    rdir = tmp_path / "runs" / "x"
+    rdir.mkdir(parents=True)
+    (rdir / "worker.log").symlink_to(victim)
+    before = victim.read_bytes()
+    with pytest.raises(OSError):
+        runner._train_one(1, runner.RunSpec("x", tiny_config(tiny_data, extra=EXTRA)), rdir, 1, 1, 2)
+    assert victim.read_bytes() == before and not started
