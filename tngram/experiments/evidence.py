@@ -106,7 +106,8 @@ def corpora(out: Path, scale: str = "cpu", seeds: int = 5, data: str | None = No
 def log_trend(tokens: list[float], gaps: list[float], at: float = PAPER_TOKENS) -> dict[str, float]:
     """Least squares gap = a + b·log10(tokens) over all (budget, seed) points: slope b with its
     95% CI, and the fit at `at` with a 95% prediction interval (t with n − 2 df). nan if n < 3."""
-    from scipy.stats import t as student_t
+    from tngram.common import require_extra
+    student_t = require_extra("scipy.stats", "report", "confidence intervals").t
 
     x, y = np.log10(np.asarray(tokens, float)), np.asarray(gaps, float)
     n = x.size
@@ -263,8 +264,8 @@ def dense(out: Path, scale: str = "cpu", seeds: int = 1, data: str | None = None
     for k, c in variants.items():
         loss = mean_std([r["val_loss"] for r in rows if r["method"] == k])
         p, f = param_summary(c)["total_params"], train_flops_per_token(c)
-        lines.append(f"| {k} | {c.model.n_embd} | {c.model.n_layer} | {c.model.mlp_mult} | {p / 1e6:.2f}M | "
         from tngram.report.runs import fmt_pm
+        lines.append(f"| {k} | {c.model.n_embd} | {c.model.n_layer} | {c.model.mlp_mult} | {p / 1e6:.2f}M | "
                      f"{f / 1e6:.1f}M | {fmt_pm(*loss, seeds)} |")
         group = k.split("-")[0] if not k.startswith("dense") else "-".join(k.split("-")[:2])
         by_params.setdefault(group, []).append((p / 1e6, *loss))
