@@ -1,4 +1,4 @@
-"""`tngram bench modules|step|data|decode`: performance measurements.
+"""`tngram bench modules|step|vocab|data|decode`: performance measurements.
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
@@ -73,6 +73,18 @@ def _step(args: argparse.Namespace) -> int:
                    reps=args.reps, warmup=args.warmup, dtypes=tuple(args.dtype),
                    paper_batch=args.paper_batch, profile=args.profile, compile=args.compile)
     _emit(res, step.report(res), args)
+    return 0
+
+
+def _vocab(args: argparse.Namespace) -> int:
+    from tngram.bench import vocab
+    _threads(args)
+    res = vocab.run(tuple(args.vocabs), reps=args.reps, warmup=args.warmup,
+                    updates=tuple(args.updates), max_gb=args.max_gb, peak=not args.no_peak,
+                    threads=args.threads or 1, large_reps=args.large_reps,
+                    say=(lambda *a: None) if args.json else print)
+    _emit(dict(res, **results_file_fields("bench-vocab", getattr(args, "argv", []))),
+          vocab.report(res), args)
     return 0
 
 
@@ -175,6 +187,21 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
     s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
     s.set_defaults(func=_step)
+
+    v = bs.add_parser("vocab", help="training step vs vocabulary size (1k-128k): raw, Engram, TN-gram "
+                                    "x optim.memory_update dense/sparse/rowwise; optimiser-state "
+                                    "bytes per table parameter, peak RSS")
+    common(v, 5, 1)
+    v.add_argument("--vocabs", nargs="+", type=int_range(2), default=[1024, 8192, 32768, 131072],
+                   metavar="V", help="vocabulary sizes (default: 1024 8192 32768 131072)")
+    v.add_argument("--updates", nargs="+", choices=("dense", "sparse", "rowwise"),
+                   default=["dense", "sparse", "rowwise"], help="table update options to time")
+    v.add_argument("--max-gb", type=float, default=8.0, metavar="GB",
+                   help="memory budget of one interleaved group (weights + grads + state, estimated)")
+    v.add_argument("--large-reps", type=int_range(1), default=3, metavar="N",
+                   help="timed repetitions at V >= 65536 (a step takes tens of seconds there)")
+    v.add_argument("--no-peak", action="store_true", help="skip the peak-RSS subprocess runs")
+    v.set_defaults(func=_vocab)
 
     tr = bs.add_parser("trainer", help="where a real training run's time goes (data, forward, backward, "
                                        "optimisers, eval, checkpoints); --gap: TN-gram's step gap to "

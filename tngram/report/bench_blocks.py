@@ -134,3 +134,76 @@ def render_contention(res: dict[str, Any], view: str = "") -> str:
               f"tokens per rep, median of {res['reps']} reps, all six candidates interleaved in one process. "
               + (f"Also running: {bg} — not an idle machine." if bg else "Nothing else was running.")]
     return "\n".join(lines)
+
+
+# --- `tngram bench vocab --json` (kind "bench-vocab") -------------------------------------------
+
+VOCAB_GOALS = {"overhead": 1.5, "step128k": 1.3, "rowwise_bytes": 5.0}
+
+
+def _vocab_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        return list(res["rows"])
+    except KeyError:
+        raise TngramError("bench vocab results have no 'rows'") from None
+
+
+def vocab_table(res: dict[str, Any]) -> str:
+    """Every candidate: V, table parameters, step median (min) ms, x raw, the memory's overhead
+    over the raw step of the same V, optimiser-state bytes per table parameter, peak RSS."""
+    lines = ["| V | model | update | table params | step ms, median (min) | × raw | overhead ms | "
+             "state B / table param | peak MB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in _vocab_rows(res):
+        sb, pk = r.get("state_bytes_per_table_param"), r.get("peak_rss_delta_bytes")
+        raw = r["model"] == "raw"
+        lines.append(md_row([
+            f"{r['vocab']:,}", r["model"], "" if raw else r["update"],
+            "" if raw else f"{r['table_params'] / 1e6:,.1f} M",
+            f"{r['step']['median_s'] * 1e3:,.0f} ({r['step']['min_s'] * 1e3:,.0f})",
+            f"{r['ratio_to_raw']:.2f}", "" if raw else f"{r['overhead_s'] * 1e3:+,.0f}",
+            "" if sb is None else f"{sb:.2f}", "" if pk is None else f"{pk / 1e6:,.0f}"]))
+    skipped = res.get("skipped") or []
+    lines += ["", f"One optimiser step of {res['batch']} × {res['seq']} random tokens, {res['dtype']} "
+              f"autocast, {res['threads']} thread, the mini backbone with vocabulary V; the candidates "
+              f"of one V interleaved in one process, median (min) of {res['reps']} timed reps "
+              f"({res.get('large_reps', res['reps'])} at V ≥ 65,536) after {res['warmup']} warm-up. "
+              "Overhead = step − raw step of the same V (median); peak MB = peak RSS increase of two "
+              "steps in a fresh process (gradients, optimiser state, activations; not the weights)"
+              + (f", measured up to V = {res['peak_max_vocab']:,}" if res.get("peak_max_vocab") else "")
+              + "." + (" Not run: " + "; ".join(skipped) + "." if skipped else "")]
+    return "\n".join(lines)
+
+
+def vocab_goals(res: dict[str, Any]) -> str:
+    """The issue's goals against the measured numbers (median; min in brackets)."""
+    g = res.get("goals", {})
+    lines = ["| goal | target | measured, median (min) | met (median) |", "|---|---|---|---|"]
+
+    def row(label: str, key: str, target: float) -> None:
+        if key not in g:
+            lines.append(md_row([label, f"≤ {target:g}", "not run", ""]))
+            return
+        mn = g.get(key + " (min)")
+        lines.append(md_row([label, f"≤ {target:g}", f"{g[key]:.2f}" + (f" ({mn:.2f})" if mn is not None else ""),
+                             "yes" if g[key] <= target else "no"]))
+    for m, name in (("engram", "Engram"), ("tngram", "TN-gram")):
+        for u in ("dense", "sparse", "rowwise"):
+            row(f"{name} {u}: overhead at V = 32k / at 1k", f"{m}/{u} overhead 32k / 1k",
+                VOCAB_GOALS["overhead"])
+    for u in ("dense", "sparse", "rowwise"):
+        row(f"TN-gram {u}: step / raw step at V = 128k", f"tngram/{u} step / raw at 128k",
+            VOCAB_GOALS["step128k"])
+    for m, name in (("engram", "Engram"), ("tngram", "TN-gram")):
+        key = f"{m}/rowwise max state bytes per table param"
+        if key in g:
+            lines.append(md_row([f"{name} rowwise: optimiser state per table parameter",
+                                 "≤ 5 B", f"{g[key]:.2f} B", "yes" if g[key] <= 5 else "no"]))
+    return "\n".join(lines)
+
+
+def render_vocab(res: dict[str, Any], view: str) -> str:
+    views = {"table": vocab_table, "goals": vocab_goals}
+    if view not in views:
+        raise TngramError(f"bench-vocab block view {view!r}: expected one of {', '.join(views)} "
+                          "(block name FILE:VIEW)")
+    return views[view](res)

@@ -15,6 +15,7 @@ the renderer:
 - "bench-threads": the output of `tngram bench threads --json` (views "speed", "candidates",
   "targets");
 - "bench-contention": the output of `tngram bench contention --json` (view "table");
+- "bench-vocab": the output of `tngram bench vocab --json` (views "table", "goals");
 - "summary": sentences whose numbers are cells of other results files (tngram.report.summary;
   the summary that opens docs/RESULTS.md);
 - "table": a table stored as it is shown: "columns" (each a header and an optional "fmt") and
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import MissingFileError, TngramError
-from tngram.report.bench_blocks import render_contention, render_threads
+from tngram.report.bench_blocks import render_contention, render_threads, render_vocab
 # the Markdown pieces (render_cell and render_table also importable from here, as before)
 from tngram.report.markdown import (block_names, current_block, provenance, render_cell,  # noqa: F401
                                     render_table, replace_block, results_name, snapshot_path)
@@ -70,10 +71,12 @@ def render(snap: dict[str, Any], name: str) -> str:
         return render_threads(snap, view) + "\n\n" + provenance(snap, source)
     if kind == "bench-contention":
         return render_contention(snap, view) + "\n\n" + provenance(snap, source)
+    if kind == "bench-vocab":
+        return render_vocab(snap, view) + "\n\n" + provenance(snap, source)
     if kind == "summary":
         return render_summary(snap) + "\n\n" + provenance(snap, source)
     raise TngramError(f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads, "
-                      "bench-contention or summary)")
+                      "bench-contention, bench-vocab or summary)")
 
 
 # --- a whole document ----------------------------------------------------------------------------
