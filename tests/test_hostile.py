@@ -754,3 +754,29 @@ def test_experiment_worker_log_as_symlink_is_never_appended_to(tiny_data, victim
     with pytest.raises(OSError):
         runner._train_one(1, runner.RunSpec("x", tiny_config(tiny_data, extra=EXTRA)), rdir, 1, 1, 2)
     assert victim.read_bytes() == before and not started
+
+
+def test_real_out_of_memory_under_an_address_space_limit_is_one_line(tiny_data, tmp_path):
+    """`ulimit -v` (RLIMIT_AS) 1.5 GiB: a tiny training run fits (checked first: otherwise this
+    machine's torch alone needs more and the test is skipped); the same run with a 256x larger
+    micro-batch runs out of memory inside the step and says so in one line, exit 2."""
+    import resource
+    import subprocess
+    import sys
+    limit = 1500 << 20
+
+    def run(micro: int, out: str) -> subprocess.CompletedProcess:
+        extra = EXTRA + ["schedule.steps=2", f"data.micro_batch_seqs={micro}",
+                         f"data.global_batch_tokens={micro * 64}"]
+        return subprocess.run([sys.executable, "-m", "tngram", "train",
+                               *cli_args(tiny_data, "mini-raw", tmp_path / out, extra)],
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    small = run(4, "small")
+    if small.returncode != 0:
+        pytest.skip(f"a tiny run does not fit in 1.5 GiB of address space here: {small.stderr[-200:]}")
+    big = run(1024, "big")
+    lines = [x for x in big.stderr.strip().splitlines() if x.strip()]
+    assert big.returncode == 2 and "Traceback" not in big.stderr, big.stderr[-2000:]
+    assert lines[-1].startswith("tngram: error: out of memory") and "micro_batch_seqs" in lines[-1]
