@@ -152,3 +152,16 @@ def test_experiment_tables_show_no_spread_for_one_seed():
     series = {"tngram": [(3.0, 3.5, 0.0), (5.0, 3.4, 0.0)]}
     assert "±" not in _table(series, "N", seeds=1)
     assert "| 3 | 3.5000 ± 0.0000 |" in _table(series, "N", seeds=2)
+
+
+def test_a_run_made_before_the_memory_naming_still_resumes(tiny_data, tmp_path):
+    from test_train_support import tiny_config
+    from tngram.train.loop import train
+    sets = ["model.memory.kind=tngram", "model.memory_layers=1", "model.memory.cp_rank=16",
+            "model.memory.max_ngram=3", "run.val_every=0", "run.checkpoint_every=2"]
+    old = tiny_config(tiny_data, "mini-raw", extra=sets + ["name=mini-raw"])    # as named before
+    train(old, tmp_path / "run", max_steps=2, progress=False)
+    new = tiny_config(tiny_data, "mini-raw", extra=sets)
+    assert new.name == "mini-raw+memory=tngram"
+    s = train(new, tmp_path / "run", resume=True, progress=False)
+    assert s["steps"] == 8

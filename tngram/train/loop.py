@@ -178,6 +178,8 @@ def _check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> N
     for d in (saved, new):
         for k in RESUMABLE_RUN_FIELDS:
             d.get("run", {}).pop(k, None)
+    if str(new.get("name")).startswith(f"{saved.get('name')}+memory="):
+        new["name"] = saved.get("name")   # a run made before resolve_config named memory changes
     if saved != new:
         diffs = [f"{sec}.{k}" for sec in new if isinstance(new[sec], dict)
                  for k in set(new[sec]) | set(saved.get(sec, {}))
