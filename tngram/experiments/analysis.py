@@ -89,9 +89,12 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
     paired = paired_differences(rows, results["runs"], list(seen_by_order))
     if paired:
         results["tngram_minus_engram"] = paired
+        from tngram.report.runs import fmt_pm
+        npairs = len({r.get("seed") for r in rows if r["method"] == "tngram"}
+                     & {r.get("seed") for r in rows if r["method"] == "engram"})
         body += ("\n\nTN-gram − Engram, paired by seed (mean ± std over seeds; negative = TN-gram better):\n\n"
                  "| order | seen | unseen |\n|---|---|---|\n" + "\n".join(
-                     f"| {n} | {d['seen'][0]:+.4f} ± {d['seen'][1]:.4f} | {d['unseen'][0]:+.4f} ± {d['unseen'][1]:.4f} |"
+                     f"| {n} | {fmt_pm(*d['seen'], npairs, '+.4f')} | {fmt_pm(*d['unseen'], npairs, '+.4f')} |"
                      for n, d in paired.items()))
     atomic_write_json(out / "unseen.json", results)
     atomic_write_text(out / "report.md", f"# tngram experiment unseen\n\nData: `{data_dir}`\n\n{body}\n")
