@@ -232,21 +232,24 @@ def test_fifo_in_place_of_a_run_file_is_refused_not_waited_on(name, full_run, tm
 
 
 def test_dataset_rebuild_never_deletes_user_files_or_a_run_kept_inside(tmp_path, capsys):
+    """A changed input rebuilds the dataset; the user's file, a run folder and a link kept in the
+    dataset folder come through with every byte (the link still a link), and no old copy is left."""
     from tngram.data.build import build_from_text
     text = small_text(tmp_path / "text")
     data = build_from_text([text], tmp_path / "data", vocab_size=300, progress=False)
+    old_fp = json.loads((data / "manifest.json").read_text())["fingerprint"]
     (data / "notes.md").write_text("my notes")
     (data / "runs" / "r1").mkdir(parents=True)
     (data / "runs" / "r1" / "config.json").write_text("{}")
-    before = tree_digest(data)
+    (data / "elsewhere").symlink_to(tmp_path / "text")
+    user = {k: v for k, v in tree_digest(data).items() if k.split("/")[0] in ("notes.md", "runs", "elsewhere")}
     small_text(text, " changed")                                 # a changed input: a rebuild
-    with pytest.raises(TngramError, match="notes.md, runs"):
-        build_from_text([text], data, vocab_size=300, progress=False)
-    assert tree_digest(data) == before
-    shutil.rmtree(data / "runs")
-    (data / "notes.md").unlink()
-    build_from_text([text], data, vocab_size=300, progress=False)   # only its own files: rebuilt
-    assert json.loads((data / "manifest.json").read_text())["bytes"]["train"] > 0
+    build_from_text([text], data, vocab_size=300, progress=False)
+    assert "kept 3 entries" in capsys.readouterr().out
+    assert json.loads((data / "manifest.json").read_text())["fingerprint"] != old_fp
+    after = tree_digest(data)
+    assert {k: after.get(k) for k in user} == user
+    assert not list(tmp_path.glob(".data.old-*")) + list(tmp_path.glob(".data.building-*"))   # none left
 
 
 def test_safefs_primitives(tmp_path, victim):

@@ -124,23 +124,19 @@ def _own_entries(out: Path) -> set[str] | None:
     return names
 
 
-def _check_only_ours(out: Path) -> None:
-    """A rebuild replaces the whole folder, so it must hold only what a build wrote: anything else
-    (the user's files, a run folder kept there) is refused with one line, never deleted."""
+def _user_entries(out: Path) -> list[str]:
+    """The names in dataset folder `out` that no build wrote (the user's files, a run folder kept
+    there): a rebuild carries them into the new folder, never deletes them."""
     if not out.is_dir():
-        return
+        return []
     own = _own_entries(out)
     if own is None:       # manifest unreadable (corrupt, a link, a FIFO): only names a build writes
         own = {"manifest.json", "tokenizer.model", "tokenizer.vocab"}
     import re
     shard = re.compile(r"^(train|val)_\d+\.bin$")
-    extra = sorted(p.name for p in out.iterdir()
-                   if p.name not in own and not shard.match(p.name)
-                   and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp")))
-    if extra:
-        raise TngramError(f"{out} holds files that a dataset build did not write ({', '.join(extra[:5])}"
-                          f"{', ...' if len(extra) > 5 else ''}); a rebuild replaces the whole folder: move "
-                          f"them elsewhere or build into another --out")
+    return sorted(p.name for p in out.iterdir()
+                  if p.name not in own and not shard.match(p.name)
+                  and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp")))
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:
@@ -184,7 +180,12 @@ def _locked(out: Path) -> Iterator[None]:
 
 
 def _swap_in(staging: Path, out: Path) -> None:
+    """Replace `out` by the finished `staging` folder; entries of the old folder that no build wrote
+    (user files, a run folder kept there) are moved into the new one, and the old folder is
+    removed only when nothing but the old build's own files is left in it (else it is kept, hidden,
+    and named)."""
     if out.exists():
+        keep = _user_entries(out)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
         try:
@@ -192,8 +193,22 @@ def _swap_in(staging: Path, out: Path) -> None:
         except BaseException:
             os.replace(old, out)
             raise
+        left = []
+        for name in keep:          # renames within one filesystem: links are moved, never followed
+            try:
+                if os.path.lexists(out / name):
+                    raise FileExistsError(name)
+                os.replace(old / name, out / name)
+            except OSError:
+                left.append(name)
+        if left:
+            raise TngramError(f"rebuilt {out}, but could not carry {', '.join(left[:5])} over from the old "
+                              f"folder: they are kept in {old}; move them back by hand")
+        if keep:
+            print0(f"kept {len(keep)} entr{'y' if len(keep) == 1 else 'ies'} that no build wrote "
+                   f"({', '.join(keep[:5])}{', ...' if len(keep) > 5 else ''}) in the rebuilt {out}")
         from tngram.safefs import remove_tree
-        remove_tree(old)     # held only our files (_check_only_ours); links inside are not followed
+        remove_tree(old)     # only the old build's own files are left; links inside are not followed
     else:
         os.replace(staging, out)
 
@@ -278,7 +293,6 @@ def _build(
             print0(f"dataset {out} is up to date (fingerprint {fingerprint[:12]}); nothing to do")
             return out
         _check_replaceable(out)
-        _check_only_ours(out)
         t_start = time.perf_counter()
         for stale in out.parent.glob(f".{out.name}.building-*"):  # left by a killed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
