@@ -123,18 +123,19 @@ def test_idle_machine_omp_setting_or_cuda_change_nothing(monkeypatch, capsys):
     import torch
 
     from tngram.train.loop import _choose_threads
-    cpu = SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    cpu = SimpleNamespace(device=torch.device("cpu"), is_main=True, world_size=1)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     _fake_facts(monkeypatch, 0.1)             # idle
     torch.set_num_threads(2)
-    _choose_threads(cpu, 2)
+    watch = _choose_threads(cpu, 2)
+    assert watch is not None and watch.threads == 2 and not watch.done    # watching for a later job
     assert torch.get_num_threads() == 2
     _fake_facts(monkeypatch, 2.0)             # busy, but the user set OMP_NUM_THREADS
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    _choose_threads(cpu, 2)
+    assert _choose_threads(cpu, 2) is None          # the user chose: no watch either
     assert torch.get_num_threads() == 2
     monkeypatch.delenv("OMP_NUM_THREADS")
-    _choose_threads(SimpleNamespace(device=torch.device("cuda"), is_main=True), 2)
+    assert _choose_threads(SimpleNamespace(device=torch.device("cuda"), is_main=True, world_size=1), 2) is None
     assert torch.get_num_threads() == 2 and capsys.readouterr().out == ""
 
 
@@ -158,3 +159,59 @@ def test_contention_summary_and_its_docs_table():
     assert "| beside a 2-thread torch job | torch's default (2) | 20 | 0.18 |" in table
     assert "| | automatic (chose 1) | 45 | 0.41 |" in table
     assert "other jobs at normal priority kept up to 1.2 CPUs busy — not an idle machine" in table
+
+
+def test_step_watch_backs_off_once_when_steps_collapse_beside_busy_jobs():
+    from tngram.cpu import StepWatch
+    busy = CpuFacts(affinity=2, others_busy=2.0)
+    calls = []
+
+    def facts():
+        calls.append(1)
+        return busy
+
+    w = StepWatch(2, window=4, factor=2.0, facts=facts)
+    assert [w.add(s) for s in (0.5, 0.3, 0.3, 0.31)] == [None] * 4       # first window: best 0.31 (median)
+    assert [w.add(s) for s in (0.5, 0.55, 0.6, 0.58)] == [None] * 4      # 0.58 < 2 x 0.31: no sample
+    assert calls == [] and w.best == 0.31
+    out = [w.add(s) for s in (3.0, 2.9, 3.1, 3.2)]                      # median 3.1 >= 2 x 0.31
+    assert out[:3] == [None] * 3 and out[3].threads == 1 and len(calls) == 1
+    assert w.last == 3.1 and w.add(5.0) is None and w.done               # once only
+
+
+def test_step_watch_leaves_a_slow_but_unshared_machine_alone():
+    from tngram.cpu import StepWatch
+    w = StepWatch(2, window=2, factor=2.0, facts=lambda: CpuFacts(affinity=2, others_busy=0.1))
+    for s in (0.3, 0.3, 1.0, 1.0, 1.0, 1.0):
+        assert w.add(s) is None
+    assert not w.done and w.best == 0.3
+    assert StepWatch(1).done          # one thread: nothing to back off to
+
+
+def test_trainer_backs_off_when_its_watch_says_so(tiny_data, tmp_path, monkeypatch, capsys):
+    import torch
+
+    import tngram.train.loop as loop
+    from test_train_support import tiny_config
+    from tngram.cpu import StepWatch, ThreadChoice
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _fake_facts(monkeypatch, 0.0)               # idle at start: 2 threads and a watch
+    seen = []
+
+    class Watch(StepWatch):                     # collapses after the 2nd step
+        def add(self, seconds):
+            seen.append(torch.get_num_threads())
+            if len(seen) == 2:
+                self.best, self.last = 0.1, 0.5
+                return ThreadChoice(1, 2, True, "the CPUs are busy (test): training with 1 thread instead of 2")
+            return None
+
+    monkeypatch.setattr(loop, "StepWatch", Watch)
+    torch.set_num_threads(2)
+    loop.train(tiny_config(tiny_data, extra=["schedule.steps=4", "run.val_every=0", "run.checkpoint_every=0"]),
+               tmp_path / "run", progress=False)
+    assert seen == [2, 2, 1, 1]                 # steps 3 and 4 ran with 1 thread
+    out = capsys.readouterr().out
+    assert ("tngram: note: step 2: steps took 0.50 s (median of 10), 5.0x the best 0.10 s; the CPUs are "
+            "busy (test): continuing with 1 thread instead of 2") in out
+    assert torch.get_num_threads() == 2         # restored after the run

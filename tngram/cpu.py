@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BUSY_CPUS = 0.5        # other jobs keeping at least this many CPUs busy make the machine "busy"
@@ -152,6 +153,43 @@ def auto_threads(default: int, sample_s: float = 0.3) -> ThreadChoice:
     if default <= 1:
         return ThreadChoice(max(1, default), max(1, default), False, "")
     return choose_threads(read_cpu_facts(sample_s), default)
+
+
+class StepWatch:
+    """Backing off mid-run, for a job that starts after the run did: feed each optimiser step's
+    wall time. Every `window` steps the window's median is compared with the best window median
+    so far; when it is at least `factor` times slower (the steps collapsed) and other jobs keep
+    the CPUs busy now (a fresh `facts()` sample), `add` returns the choose_threads decision, once;
+    then it stops watching. Slow steps on a machine nobody else uses change nothing."""
+
+    def __init__(self, threads: int, window: int = 10, factor: float = 2.0,
+                 facts: Callable[[], CpuFacts] | None = None) -> None:
+        self.threads, self.window, self.factor = threads, window, factor
+        self.facts = facts or read_cpu_facts
+        self.buf: list[float] = []
+        self.best: float | None = None
+        self.last: float | None = None
+        self.done = threads <= 1
+
+    def add(self, seconds: float) -> ThreadChoice | None:
+        if self.done:
+            return None
+        self.buf.append(seconds)
+        if len(self.buf) < self.window:
+            return None
+        med = sorted(self.buf)[len(self.buf) // 2]
+        self.buf.clear()
+        self.last = med
+        if self.best is None or med < self.best:
+            self.best = med
+            return None
+        if med < self.factor * self.best:
+            return None
+        choice = choose_threads(self.facts(), self.threads)
+        if not choice.changed:
+            return None
+        self.done = True
+        return choice
 
 
 # --- time -----------------------------------------------------------------------------------------

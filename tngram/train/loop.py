@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from tngram.common import TngramError, atomic_write_json
+from tngram.cpu import StepWatch
 from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
@@ -110,14 +111,16 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     check_step_memory(cfg)                     # before the folder exists or anything is allocated
     ctx = init_distributed(cfg.run.device)
     threads = torch.get_num_threads()
+    watch = None
     if cfg.run.threads > 0:
         torch.set_num_threads(cfg.run.threads)
     else:
-        _choose_threads(ctx, threads)
+        watch = _choose_threads(ctx, threads)
     lock = None
     try:
         lock = _claim(run_dir, cfg, resume, ctx)
         trainer = Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress)
+        trainer.watch = watch
         with StopRequest() as signals:      # SIGTERM / SIGINT: finish the step, checkpoint, stop
             return trainer.run(signals)
     except TrainingStopped as stop:
@@ -134,20 +137,23 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
     raise SystemExit(exit_code(stopped.signum))
 
 
-def _choose_threads(ctx: DistContext, default: int) -> None:
+def _choose_threads(ctx: DistContext, default: int) -> StepWatch | None:
     """run.threads 0 on CPU without OMP_NUM_THREADS: keep torch's default unless other jobs keep
     the CPUs busy or a quota caps them (tngram.cpu.choose_threads); say so in one line when the
-    count changes. On an idle machine nothing changes."""
+    count changes. On an idle machine nothing changes. Returns the step-time watch that backs off
+    later if a job starts during the run (one process, more than 1 thread), else None."""
     import os
 
     from tngram.cpu import auto_threads
     if ctx.device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
-        return
+        return None
     choice = auto_threads(default)
     if choice.changed:
         torch.set_num_threads(choice.threads)
         if ctx.is_main:
             print(f"tngram: note: {choice.reason}", flush=True)
+    n = torch.get_num_threads()
+    return StepWatch(n) if ctx.world_size == 1 and n > 1 else None
 
 
 def _claim(run_dir: Path, cfg: TrainConfig, resume: bool, ctx: DistContext):
@@ -247,6 +253,8 @@ class Trainer:
     """One run on one process, in the order it happens: `__init__` sets up (resume checks, data,
     model, optimisers, records), `train_step()` is one optimiser step, `run()` is the loop (a step,
     then log / validate / checkpoint when their predicate says so) and the summary."""
+
+    watch: StepWatch | None = None    # set by train() when the thread count is automatic
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, ctx: DistContext, resume: bool,
                  max_steps: int | None, logger: str = "none", bar: bool = True) -> None:
@@ -442,7 +450,10 @@ class Trainer:
         self.model.train()
         try:
             while self.step < self.stop:
+                t_step = time.perf_counter()
                 loss = self.train_step()
+                if self.watch is not None:
+                    self._watch_threads(time.perf_counter() - t_step, progress)
                 self._after_step(loss, health, progress)
                 progress.update(loss, self.clock.window_tokens_per_s())
                 if self.should_log():
@@ -457,6 +468,18 @@ class Trainer:
             progress.close()
             self.log.close()
         return self.finish(health)
+
+    def _watch_threads(self, seconds: float, progress: Progress) -> None:
+        """Fewer threads once the steps collapse beside a job that started after the run
+        (tngram.cpu.StepWatch); one line says so."""
+        choice = self.watch.add(seconds)
+        if choice is None:
+            return
+        torch.set_num_threads(choice.threads)
+        msg = (f"tngram: note: step {self.step}: steps took {self.watch.last:.2f} s (median of "
+               f"{self.watch.window}), {self.watch.last / self.watch.best:.1f}x the best {self.watch.best:.2f} s; "
+               + choice.reason.replace("training with", "continuing with"))
+        progress.write(msg) if progress.bar is not None else self.say(msg)
 
     def stop_requested(self, signals: StopRequest | None) -> bool:
         """A stop signal reached this process (under DDP: any process, so all stop together)."""
