@@ -276,3 +276,38 @@ def test_sparse_lookup_training_moves_only_touched_rows(tiny_data, tmp_path):
     key = next(k for k in w if k.endswith("memory.table.weight"))
     changed = (w[key] != init[key]).any(1)
     assert 0 < int(changed.sum()) < changed.numel() // 2
+
+
+def test_hf_model_memory_gets_sparse_grads_and_the_param_group_helper_still_splits():
+    """tngram.hf: a memory on a transformers model, set_sparse_grads, the HF param-group helper
+    (memory_param_groups) feeding LazyAdam (tables) and AdamW (the rest): the table gradient is
+    row-sparse with the dense gradient's values, and a few steps lower the loss."""
+    pytest.importorskip("transformers")
+    from hf_tiny import VOCAB, tiny_model
+    from tngram.hf import add_memory
+    from tngram.optim.groups import memory_param_groups
+    cfg = TNGramConfig(max_ngram=3, cp_rank=8, zero_init_value=False, zero_init_conv=False)
+    dense = add_memory(tiny_model("llama", seed=0).train(), cfg, layers=[1])
+    model = add_memory(tiny_model("llama", seed=0).train(), cfg, layers=[1])
+    tables = set_sparse_grads(model)
+    groups = memory_param_groups(model, table_lr=0.05)
+    assert [g["group"] for g in groups] == ["memory_table", "rest"]
+    assert {id(p) for p in groups[0]["params"]} == {id(p) for p in tables}
+    ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    dense(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()
+    dense_tables = [p for n, p in dense.named_parameters() if n.endswith("factors")]
+    assert tables[0].grad.is_sparse
+    torch.testing.assert_close(tables[0].grad.to_dense(), dense_tables[0].grad, rtol=1e-6, atol=1e-7)
+    model.zero_grad(set_to_none=True)
+    opts = [LazyAdam(groups[0]["params"], lr=groups[0]["lr"]), torch.optim.AdamW(groups[1]["params"], lr=1e-2)]
+    first = None
+    for _ in range(5):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        clip_grad_norm(model.parameters(), 1.0)
+        for o in opts:
+            o.step()
+        model.zero_grad(set_to_none=True)
+        first = float(loss.detach()) if first is None else first
+    assert float(loss.detach()) < first - 0.05
