@@ -60,10 +60,10 @@ def resume(args: list[str]) -> subprocess.CompletedProcess:
                           env=ENV, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM])   # SIGINT: test_external_sigint_... below
 def test_signal_at_a_random_step_checkpoints_that_step_and_resume_is_identical(sig, reference,
                                                                               tiny_data, tmp_path):
-    step = random.Random(int(sig)).randint(1, 5)           # 1..5 of 6; fixed per signal
+    step = random.Random().randint(1, 5)                   # 1..5 of 6, a new one each run
     run = tmp_path / "run"
     args = cli_args(tiny_data, "mini-tngram", run, EXTRA)
     code = PATCHED_TRAIN.format(step=step, times=1, sig=int(sig))
