@@ -223,7 +223,7 @@ def test_tuned_accepts_the_printed_setting_names(tmp_path, capsys):
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and words in err[0] and not (tmp_path / "o").exists()
     assert main(["experiment", "vocab", "--tuned", "engram-lr4", "--out", str(tmp_path / "o")]) == 2
-    assert "corpora and data-scaling" in capsys.readouterr().err
+    assert "corpora, data-scaling and pareto" in capsys.readouterr().err
 
 
 def test_data_scaling_trains_each_memory_at_its_tuned_setting(tmp_path, monkeypatch):
