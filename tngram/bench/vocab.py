@@ -24,6 +24,8 @@ table parameter.
 from __future__ import annotations
 
 import gc
+import statistics
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, Callable
@@ -123,15 +125,20 @@ def peak_step_bytes(model: str, vocab: int, update: str, threads: int = 1) -> in
 def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1,
         updates: tuple[str, ...] = UPDATES, models: tuple[str, ...] = ("engram", "tngram"),
         max_gb: float = 8.0, peak: bool = True, threads: int = 1, large_reps: int = 3,
-        peak_max_vocab: int = 32768, say: Callable[[str], None] = print) -> dict[str, Any]:
+        peak_max_vocab: int = 32768, large_updates: tuple[str, ...] | None = None,
+        say: Callable[[str], None] = print) -> dict[str, Any]:
     """Time every candidate (module docstring); V >= 65536 runs `large_reps` reps (a step takes
-    tens of seconds there) and peak RSS is measured up to `peak_max_vocab`."""
+    tens of seconds there) and only `large_updates` (default: all), and peak RSS is measured up
+    to `peak_max_vocab`. Each step's wall time and CPU time (time.process_time: with one thread,
+    the step's own work, without the time it waited for a core on a busy machine) are kept;
+    overheads and ratios are computed from both."""
     torch.set_num_threads(threads)
     load_before = machine_info()["loadavg"]
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for V in vocabs:
-        cands = [("raw", "dense")] + [(m, u) for m in models for u in updates]
+        ups = updates if (V < 65536 or large_updates is None) else large_updates
+        cands = [("raw", "dense")] + [(m, u) for m in models for u in ups]
         est = {c: estimate_bytes(c[0], V, c[1]) for c in cands}
         cap = max_gb * 1e9
         groups: list[list[tuple[str, str]]] = []
@@ -152,21 +159,28 @@ def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1
                 key = f"{m}/{u}"
                 steps[key], facts[key] = build(m, V, u)
             say(f"bench vocab: V={V} group {gi + 1}/{len(groups)}: {', '.join(steps)}")
-            times = interleaved(steps, reps if V < 65536 else large_reps, warmup)
+            cpu: dict[str, list[float]] = {k: [] for k in steps}
+            n_reps = reps if V < 65536 else large_reps
+            times = interleaved({k: _cpu_timed(fn, cpu[k]) for k, fn in steps.items()}, n_reps, warmup)
+            cpu = {k: v[warmup:] for k, v in cpu.items()}
             raw, raw_min = times["raw/dense"].median, times["raw/dense"].best
+            raw_cpu = statistics.median(cpu["raw/dense"])
             for key, t in times.items():
                 f = facts[key]
                 if key == "raw/dense" and gi > 0:
                     continue
                 row = {k: v for k, v in f.items() if not k.startswith("_")}
+                c = statistics.median(cpu[key])
+                row.update(step_cpu_s=c, overhead_cpu_s=c - raw_cpu if key != "raw/dense" else 0.0,
+                           ratio_to_raw_cpu=c / raw_cpu, raw_step_cpu_s=raw_cpu)
                 row.update(step=t.to_dict(), overhead_s=t.median - raw if key != "raw/dense" else 0.0,
                            overhead_min_s=t.best - raw_min if key != "raw/dense" else 0.0,
                            raw_step_s=raw, ratio_to_raw=t.median / raw,
                            ratio_to_raw_min=t.best / raw_min,
                            state_bytes_per_table_param=_state_bytes_per_table_param(f))
                 rows.append(row)
-                say(f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} overhead "
-                    f"{row['overhead_s'] * 1e3:8.1f} ms  state/table param "
+                say(f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} cpu {c * 1e3:9.1f} ms, overhead "
+                    f"{row['overhead_s'] * 1e3:8.1f} ms (cpu {row['overhead_cpu_s'] * 1e3:8.1f}) state/table param "
                     f"{row['state_bytes_per_table_param']}")
             del steps, facts, times
             gc.collect()
@@ -189,6 +203,14 @@ def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1
     return res
 
 
+def _cpu_timed(fn: Callable[[], None], sink: list[float]) -> Callable[[], None]:
+    def wrapped() -> None:
+        c0 = time.process_time()
+        fn()
+        sink.append(time.process_time() - c0)
+    return wrapped
+
+
 def _row(res: dict[str, Any], model: str, update: str, V: int) -> dict[str, Any] | None:
     return next((r for r in res["rows"] if r["model"] == model and r["update"] == update
                  and r["vocab"] == V), None)
@@ -204,11 +226,14 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
                 out[f"{m}/{u} overhead 32k / 1k"] = b["overhead_s"] / a["overhead_s"]
             if a and b and a["overhead_min_s"] > 0:
                 out[f"{m}/{u} overhead 32k / 1k (min)"] = b["overhead_min_s"] / a["overhead_min_s"]
+            if a and b and a["overhead_cpu_s"] > 0:
+                out[f"{m}/{u} overhead 32k / 1k (cpu)"] = b["overhead_cpu_s"] / a["overhead_cpu_s"]
         for u in UPDATES:
             r = _row(res, m, u, 131072)
             if r:
                 out[f"{m}/{u} step / raw at 128k"] = r["ratio_to_raw"]
                 out[f"{m}/{u} step / raw at 128k (min)"] = r["ratio_to_raw_min"]
+                out[f"{m}/{u} step / raw at 128k (cpu)"] = r["ratio_to_raw_cpu"]
     for r in res["rows"]:
         if r["update"] == "rowwise" and r["state_bytes_per_table_param"] is not None:
             key = f"{r['model']}/rowwise max state bytes per table param"
