@@ -271,9 +271,8 @@ def write_results_files(out: Path) -> None:
     """OUT/results/*.json: the tables as docs/results files (copy them there to publish; `tngram
     report doc` renders them into README/RESULTS blocks)."""
     import sys
-    import tngram
     from tngram.train.metrics import git_info
-    g = git_info(Path(tngram.__file__).resolve().parent)
+    g = git_info(Path(__file__).resolve().parent)
     commit = (g["commit"] or "unknown")[:12] + (" (uncommitted changes)" if g["dirty"] else "")
     bench = json.loads((out / "pareto.json").read_text()).get("bench", {})
     m = bench.get("machine", {})
