@@ -247,14 +247,15 @@ def report(res: dict[str, Any]) -> str:
              f"autocast, {res['threads']} thread(s), median of {res['reps']} interleaved reps",
              f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> "
              f"{mc['loadavg']}", "",
-             f"{'model/update':16s} {'V':>7s} {'table params':>13s} {'step ms':>10s} {'x raw':>6s} "
-             f"{'overhead ms':>12s} {'state B/param':>13s} {'peak MB':>9s}"]
+             f"{'model/update':16s} {'V':>7s} {'table params':>13s} {'wall ms':>10s} {'cpu ms':>9s} "
+             f"{'x raw':>6s} {'overhead cpu ms':>15s} {'state B/param':>13s} {'peak MB':>9s}"]
     for r in res["rows"]:
         sb = r["state_bytes_per_table_param"]
         pk = r.get("peak_rss_delta_bytes")
         lines.append(f"{r['model'] + '/' + r['update']:16s} {r['vocab']:7d} {r['table_params']:13,d} "
-                     f"{r['step']['median_s'] * 1e3:10.1f} {r['ratio_to_raw']:6.2f} "
-                     f"{r['overhead_s'] * 1e3:12.1f} {'-' if sb is None else f'{sb:.2f}':>13s} "
+                     f"{r['step']['median_s'] * 1e3:10.1f} {r['step_cpu_s'] * 1e3:9.1f} "
+                     f"{r['ratio_to_raw_cpu']:6.2f} {r['overhead_cpu_s'] * 1e3:15.1f} "
+                     f"{'-' if sb is None else f'{sb:.2f}':>13s} "
                      f"{'-' if pk is None else f'{pk / 1e6:.0f}':>9s}")
     if res["skipped"]:
         lines += ["", "not run: " + "; ".join(res["skipped"])]

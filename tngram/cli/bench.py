@@ -82,6 +82,8 @@ def _vocab(args: argparse.Namespace) -> int:
     res = vocab.run(tuple(args.vocabs), reps=args.reps, warmup=args.warmup,
                     updates=tuple(args.updates), max_gb=args.max_gb, peak=not args.no_peak,
                     threads=args.threads or 1, large_reps=args.large_reps,
+                    peak_max_vocab=args.peak_max_vocab,
+                    large_updates=tuple(args.large_updates) if args.large_updates else None,
                     say=(lambda *a: None) if args.json else print)
     _emit(dict(res, **results_file_fields("bench-vocab", getattr(args, "argv", []))),
           vocab.report(res), args)
@@ -200,6 +202,10 @@ def add_commands(sub: Any) -> None:
                    help="memory budget of one interleaved group (weights + grads + state, estimated)")
     v.add_argument("--large-reps", type=int_range(1), default=3, metavar="N",
                    help="timed repetitions at V >= 65536 (a step takes tens of seconds there)")
+    v.add_argument("--large-updates", nargs="+", choices=("dense", "sparse", "rowwise"), default=None,
+                   help="table update options timed at V >= 65536 (default: --updates)")
+    v.add_argument("--peak-max-vocab", type=int_range(2), default=32768, metavar="V",
+                   help="measure peak RSS up to this vocabulary (default 32768)")
     v.add_argument("--no-peak", action="store_true", help="skip the peak-RSS subprocess runs")
     v.set_defaults(func=_vocab)
 
