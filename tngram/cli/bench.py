@@ -1,4 +1,4 @@
-"""`tngram bench modules|step|vocab|data|decode`: performance measurements.
+"""`tngram bench modules|threads|step|trainer|vocab|data|decode|contention`: performance measurements.
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
