@@ -96,6 +96,14 @@ def test_memory_settings_are_applied_together():
         apply_overrides(cfg, ["model.memory.pad_id=64"])     # the vocabulary check
 
 
+def test_reshape_step_is_declared_by_the_memory():
+    assert TNGramConfig(prune_at_step=3).reshape_step() == 3 and TNGramConfig().reshape_step() == 0
+    assert EngramConfig().reshape_step() == 0 and OverEncodingConfig().reshape_step() == 0
+    cfg = TrainConfig(name="t", model=GPTConfig(vocab_size=64, memory=TNGramConfig()))
+    with pytest.raises(TngramError, match=r"model.memory.prune_at_step > 0 .*memory_update=dense"):
+        apply_overrides(cfg, ["model.memory.prune_at_step=3", "optim.memory_update=sparse"])
+
+
 def test_register_memory_refuses_non_memories():
     from tngram.memory import register_memory
     with pytest.raises(TngramError, match="MemoryConfig"):

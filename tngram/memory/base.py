@@ -43,6 +43,9 @@ class MemoryConfig:
 
     kind: ClassVar[str] = ""
     injection: ClassVar[str] = "block"
+    # the int field holding the optimiser step after which the module changes its parameter
+    # shapes (0 there: never), e.g. TN-gram's adaptive CP rank; "" when the memory never does
+    reshape_step_field: ClassVar[str] = ""
     # field name -> (lo, hi) for int fields; unnamed ints are in [0, INT_MAX]
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {}
     positive_floats: ClassVar[frozenset[str]] = frozenset()
@@ -76,6 +79,11 @@ class MemoryConfig:
 
     def check_fields(self) -> None:
         """Checks that involve several fields or non-numeric ones (override)."""
+
+    def reshape_step(self) -> int:
+        """The step after which the module changes its parameter shapes (0: never). The trainer
+        refuses what cannot follow a reshape (DDP, row-sparse table optimisers)."""
+        return int(getattr(self, self.reshape_step_field)) if self.reshape_step_field else 0
 
     def check_vocab(self, vocab_size: int) -> None:
         """Checks that need the vocabulary size (override; call super first)."""

@@ -80,6 +80,7 @@ class TNGramConfig(MemoryConfig):
 
     kind: ClassVar[str] = "tngram"
     injection: ClassVar[str] = "block"
+    reshape_step_field: ClassVar[str] = "prune_at_step"     # adaptive CP rank (cp_rank.py)
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
         "max_ngram": (1, 32), "cp_rank": (1, INT_MAX), "min_cp_rank": (1, INT_MAX),
         "kernel_size": (1, 256), "dilation": (1, 1024), "hc_mult": (1, 64),

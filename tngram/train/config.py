@@ -195,9 +195,10 @@ def validate_config(cfg: TrainConfig) -> None:
     _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
     if o.trainable == "memory" and cfg.model.memory is None:
         raise TngramError("optim.trainable=memory needs a model with memory (model.memory is none)")
-    if o.memory_update != "dense" and getattr(cfg.model.memory, "prune_at_step", 0):
+    if o.memory_update != "dense" and cfg.model.memory is not None and cfg.model.memory.reshape_step():
         raise TngramError("optim.memory_update sparse/rowwise cannot be combined with "
-                          "model.memory.prune_at_step > 0 (pruning reshapes the dense Adam state); "
+                          f"model.memory.{cfg.model.memory.reshape_step_field} > 0 (reshaping "
+                          "the memory's parameters needs the dense Adam state); "
                           "use optim.memory_update=dense")
     if r.init_from is not None:
         check_init_from(r.init_from)

@@ -79,13 +79,16 @@ def live_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _prune_at_step(cfg: TrainConfig, world_size: int) -> int:
-    """The adaptive CP-rank pruning step of the memory config (0: none), checked."""
-    at = int(getattr(cfg.model.memory, "prune_at_step", 0) or 0)
+    """The step after which the memory reshapes its parameters (TN-gram's adaptive CP rank
+    pruning; 0: never), checked against the schedule and the process count."""
+    mem = cfg.model.memory
+    at = mem.reshape_step() if mem is not None else 0
+    key = f"model.memory.{mem.reshape_step_field}" if at else ""
     if at and at >= cfg.schedule.steps:
-        raise TngramError(f"model.memory.prune_at_step ({at}) must be < schedule.steps "
+        raise TngramError(f"{key} ({at}) must be < schedule.steps "
                           f"({cfg.schedule.steps}); 0 switches pruning off")
     if at and world_size > 1:
-        raise TngramError("model.memory.prune_at_step > 0 (adaptive CP rank) runs in one process only; "
+        raise TngramError(f"{key} > 0 (adaptive CP rank) runs in one process only; "
                           "DDP cannot change parameter shapes mid-run")
     return at
 
