@@ -215,3 +215,14 @@ def test_trainer_backs_off_when_its_watch_says_so(tiny_data, tmp_path, monkeypat
     assert ("tngram: note: step 2: steps took 0.50 s (median of 10), 5.0x the best 0.10 s; the CPUs are "
             "busy (test): continuing with 1 thread instead of 2") in out
     assert torch.get_num_threads() == 2         # restored after the run
+
+
+def test_read_cpu_facts_on_this_machine():
+    import os
+
+    from tngram.cpu import read_cpu_facts
+    f = read_cpu_facts(0.05)
+    assert f.affinity == len(os.sched_getaffinity(0)) and f.sample_s == 0.05
+    # busy CPUs are a share of the machine's CPUs over the sample (our own sleep excluded)
+    assert 0.0 <= f.others_busy <= (os.cpu_count() or 1) + 0.5
+    assert 0.0 <= f.others_niced <= (os.cpu_count() or 1) + 0.5
