@@ -85,6 +85,26 @@ def test_default_zero_init_memory_is_a_no_op_at_start():
         assert torch.equal(plain(x).logits, model(x).logits)
 
 
+def test_over_encoding_initial_effect():
+    """docs/HF.md: with average=True (default) Over-Encoding changes the outputs from the start;
+    with average=False and the zero-init projection it starts as an exact no-op."""
+    from tngram.memory.overencoding import OverEncodingConfig
+
+    x = prompt(2, 8)
+    plain = tiny_model("llama")
+    with torch.no_grad():
+        ref = plain(x).logits
+        moved = add_memory(tiny_model("llama"), OverEncodingConfig(max_ngram=3))(x).logits
+        same = add_memory(tiny_model("llama"), OverEncodingConfig(max_ngram=3, average=False))(x).logits
+    assert (moved - ref).abs().max() > 0.05 and torch.equal(same, ref)
+
+
+def test_generate_inputs_embeds_gets_our_message():
+    model = with_memory("llama", "tngram")
+    with pytest.raises(TngramError, match=r"generate\(inputs_embeds=...\) is not supported"):
+        model.generate(inputs_embeds=torch.zeros(1, 3, 32), max_new_tokens=2)
+
+
 def test_inputs_embeds_only_is_refused():
     model = with_memory("llama", "tngram")
     emb = model.get_input_embeddings()(prompt())

@@ -50,7 +50,8 @@ from tngram.model.gpt import memory_seed as _memory_seed
 
 MEMORY_ATTR = "ngram_memory"     # child name of the memory module (decoder layer or base model)
 SPEC_KEYS = ("memory", "layers", "layers_attr", "memory_seed", "vocab_size")
-_CALL_ARGS = ("input_ids", "attention_mask", "past_key_values", "use_cache")
+_CALL_ARGS = ("input_ids", "attention_mask", "past_key_values", "cache", "use_cache")
+CACHE_NAMES = ("cache", "past_key_values")   # transformers >= 5.24 calls it `cache`
 
 
 class _State:
@@ -327,7 +328,8 @@ def _install_call_hooks(module: nn.Module, state: _State) -> None:
     model, and the top model too: some heads, e.g. OPT's, call an inner decoder directly)."""
     module._tngram_state = state
     module._tngram_call = dict(_call_positions(type(module)))
-    module._tngram_takes_cache = "past_key_values" in inspect.signature(type(module).forward).parameters
+    params = inspect.signature(type(module).forward).parameters
+    module._tngram_cache_name = next((n for n in CACHE_NAMES if n in params), None)
     state.handles.append(module.register_forward_pre_hook(_base_pre_hook, with_kwargs=True))
     state.handles.append(module.register_forward_hook(_base_post_hook, always_call=True))
 
@@ -350,7 +352,7 @@ def remove_memory(model: nn.Module) -> nn.Module:
         if getattr(m, "_tngram_state", None) is state:
             del m._tngram_state
             m.__dict__.pop("_tngram_call", None)
-            m.__dict__.pop("_tngram_takes_cache", None)
+            m.__dict__.pop("_tngram_cache_name", None)
             if MEMORY_ATTR in m._modules:
                 del m._modules[MEMORY_ATTR]
     model.__dict__.pop("prepare_inputs_for_generation", None)
@@ -412,22 +414,25 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     check_ids_in_forward(ids, vocab)
     changed = False
     cache = _call_arg(base, args, kwargs, "past_key_values")
+    if cache is None:
+        cache = _call_arg(base, args, kwargs, "cache")
     use_cache = _call_arg(base, args, kwargs, "use_cache")
     if use_cache is None:
         use_cache = getattr(base.config, "use_cache", False)
     if cache is None and use_cache and not (base.training and getattr(base, "gradient_checkpointing", False)):
         # the model would create its cache after this hook and the memory state would be lost
-        if not base._tngram_takes_cache:
+        name = base._tngram_cache_name
+        if name is None:
             raise TngramError(f"{type(base).__name__}.forward takes no past_key_values; call it "
                               "with use_cache=False")
         from transformers import DynamicCache
 
         cache = DynamicCache(config=base.config)
-        pos = base._tngram_call.get("past_key_values")
+        pos = base._tngram_call.get(name)
         if pos is not None and pos < len(args):   # passed positionally (as None)
             args = (*args[:pos], cache, *args[pos + 1:])
         else:
-            kwargs = {**kwargs, "past_key_values": cache}
+            kwargs = {**kwargs, name: cache}
         changed = True
     states = None
     if cache is not None:

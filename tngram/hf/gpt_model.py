@@ -38,13 +38,16 @@ from tngram.memory.ngrams import check_ids_in_forward
 from tngram.model.gpt import GPT, GPTConfig, apply_rope, rms_norm, rope_tables
 
 MODEL_TYPE = "tngram_gpt"
+# the cache's name in model outputs and generate's model inputs: `cache` from transformers 5.24
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) \
+    else "past_key_values"
 
 
 class TngramGPTConfig(PreTrainedConfig):
     """HF config of our GPT. `gpt` is the full GPTConfig dict; the other fields are derived."""
 
     model_type = MODEL_TYPE
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     gpt: dict | None = None
     cp_ranks: list | None = None          # TN-gram modules' CP ranks after adaptive pruning (model order)
@@ -320,19 +323,22 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
                     own[name].data = buf.to(device=own[name].device)
 
     def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values: Any = None,
+                                      cache: Any = None,
                                       attention_mask: Tensor | None = None, inputs_embeds: Any = None,
                                       use_cache: bool | None = None, **kwargs: Any) -> dict[str, Any]:
         """Feed only the tokens the cache has not seen (all of them without a cache)."""
         if inputs_embeds is not None:
             raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
                               "inputs_embeds is unsupported")
+        past_key_values = cache if past_key_values is None else past_key_values
         if past_key_values is not None and past_key_values.get_seq_length() > 0:
             input_ids = input_ids[:, past_key_values.get_seq_length():]
-        return {"input_ids": input_ids, "past_key_values": past_key_values,
+        return {"input_ids": input_ids, _CACHE_FIELD: past_key_values,
                 "attention_mask": attention_mask, "use_cache": use_cache}
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 past_key_values: TngramGPTCache | None = None, labels: Tensor | None = None,
+                cache: TngramGPTCache | None = None,
                 use_cache: bool | None = None, inputs_embeds: Tensor | None = None,
                 logits_to_keep: int | Tensor = 0, output_hidden_states: bool | None = None,
                 output_attentions: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
@@ -342,6 +348,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
                               "inputs_embeds is unsupported")
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        past_key_values = cache if past_key_values is None else past_key_values   # >= 5.24: `cache`
         if past_key_values is not None and not isinstance(past_key_values, TngramGPTCache):
             if past_key_values.get_seq_length() > 0:
                 raise TngramError(f"tngram_gpt needs its own TngramGPTCache, got "
@@ -367,7 +374,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden, attentions=attns,
-                                      past_key_values=past_key_values if use_cache else None)
+                                      **{_CACHE_FIELD: past_key_values if use_cache else None})
 
 
 _REGISTERED = False
