@@ -256,3 +256,21 @@ def test_nothing_below_the_integration_imports_it():
                 bad += [f"{f.relative_to(pkg.parent)}: {n}" for n in names
                         if n.startswith(("tngram.hf", "transformers"))]
     assert not bad, bad
+
+
+def test_transformers_version_is_in_the_supported_range():
+    """The hf extra is a range; `make test` runs these tests at both ends (Makefile TF_LOWEST /
+    TF_NEWEST) and names the version it expects for the lowest run."""
+    import os
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["hf"]
+    spec = next(SpecifierSet(r[len("transformers"):]) for r in extra if r.startswith("transformers"))
+    assert Version(transformers.__version__) in spec, (transformers.__version__, str(spec))
+    expect = os.environ.get("TNGRAM_EXPECT_TRANSFORMERS")
+    if expect:
+        assert transformers.__version__ == expect

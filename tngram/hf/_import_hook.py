@@ -4,15 +4,16 @@
 `sys.meta_path` finder that waits for two modules and runs a callback right after each executes:
 
     transformers.modeling_utils  ->  tngram.hf.attach.install_transformers_patches()
-                                     (PreTrainedModel.post_init rebuilds memories from a config's
-                                     `tngram_memory`; save_pretrained writes it)
+                                     (the Auto classes resolve the model types
+                                     "tngram_<family>" of saved memory models; a family class
+                                     loading such a folder raises instead of dropping the memory)
     transformers                 ->  tngram.hf.register_auto_classes()
                                      (modules listed in tngram.hf register their Auto classes)
 
 Modules already imported get their callback at once. Waiting for modeling_utils (not the top
 package) keeps `import transformers` itself as cheap as without tngram. This is what makes
 `AutoModelForCausalLM.from_pretrained(dir)` rebuild a saved memory model after `import tngram`,
-without trust_remote_code.
+without trust_remote_code (without tngram, transformers refuses the unknown model type).
 """
 
 from __future__ import annotations

@@ -42,13 +42,12 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.hf.cache_state import check_and_advance, memory_states
-from tngram.hf.classes import CONFIG_KEY, TngramConfigMixin, TngramModelMixin, base_class
+from tngram.hf.classes import CONFIG_KEY, MEMORY_ATTR, TngramConfigMixin, TngramModelMixin, base_class
 from tngram.hf.families import find_decoder_layers
 from tngram.memory import memory_config_classes, memory_config_from_dict, memory_config_to_dict
 from tngram.memory.ngrams import check_ids_in_forward
 from tngram.model.gpt import memory_seed as _memory_seed
 
-MEMORY_ATTR = "ngram_memory"     # child name of the memory module (decoder layer or base model)
 SPEC_KEYS = ("memory", "layers", "layers_attr", "memory_seed", "vocab_size")
 _CALL_ARGS = ("input_ids", "attention_mask", "past_key_values", "cache", "use_cache")
 CACHE_NAMES = ("cache", "past_key_values")   # transformers >= 5.24 calls it `cache`
@@ -581,3 +580,8 @@ def install_transformers_patches() -> None:
 
     from_pretrained._tngram_patched = True
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+# the memory classes (tngram.hf.classes) build and check through these two
+TngramModelMixin._tngram_build = attach_from_spec   # type: ignore[assignment]
+TngramModelMixin._tngram_check = check_loaded       # type: ignore[assignment]

@@ -21,12 +21,14 @@ weights match the spec (tngram.hf.attach.check_loaded).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from tngram.common import TngramError
 
 PREFIX = "tngram_"
 CONFIG_KEY = "tngram_memory"
+MEMORY_ATTR = "ngram_memory"     # child name of the memory module (decoder layer or base model)
 
 _LOCK = threading.RLock()
 _CONFIGS: dict[type, type] = {}      # base config class -> memory config class
@@ -41,15 +43,20 @@ class TngramConfigMixin:
 
 
 class TngramModelMixin:
-    """Builds the memory of `config.tngram_memory` after the family's __init__; checks loads."""
+    """Builds the memory of `config.tngram_memory` after the family's __init__; checks loads.
+
+    The building and the checks are tngram.hf.attach's `attach_from_spec` / `check_loaded`,
+    which attach installs here when it is imported (it imports this module, never the other way
+    round; every memory class is made through attach)."""
+
+    _tngram_build: Callable[[Any, dict], None]
+    _tngram_check: Callable[[Any, dict, Any], None]
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         spec = getattr(config, CONFIG_KEY, None)
         if spec is not None:
-            from tngram.hf.attach import attach_from_spec
-
-            attach_from_spec(self, spec)
+            self._tngram_build(spec)
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' count; with exclude_embeddings every memory lookup table is left out
@@ -61,11 +68,11 @@ class TngramModelMixin:
             return n
         from torch import nn
 
-        from tngram.hf.attach import memory_modules
-
         embedded = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         seen: set[int] = set()
-        for mod in memory_modules(self).values():
+        for name, mod in self.named_modules():
+            if not name.endswith(MEMORY_ATTR):
+                continue
             for p in getattr(mod, "table_parameters", list)():
                 if id(p) in embedded or id(p) in seen or (only_trainable and not p.requires_grad):
                     continue
@@ -75,11 +82,9 @@ class TngramModelMixin:
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
-        from tngram.hf.attach import check_loaded
-
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        check_loaded(model, info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        model._tngram_check(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
         return (model, info) if want_info else model
 
 
