@@ -3,7 +3,8 @@
 For each V in `vocabs` the mini backbone (`mini-raw`, `mini-engram`, `mini-tngram` recipes with
 model.vocab_size = V; Engram's table budget 5 V per head and TN-gram's V x R factors grow with it)
 runs one optimiser step of one micro-batch (8 x 256 random tokens, bf16 autocast on CPU): forward,
-backward, Muon for matrices, Adam for the rest, and for the memory tables each
+backward, a gradient-norm clip call (as with optim.grad_clip_norm > 0; threshold never reached),
+Muon for matrices, Adam for the rest, and for the memory tables each
 `optim.memory_update` option ("dense" Adam, "sparse" lazy SparseAdam, "rowwise" RowwiseAdam) -
 the trainer's optimiser set-up (`tngram.optim.memory_update.setup_memory_update`). The candidates
 of one V are timed interleaved in this process (medians of `reps` after `warmup` untimed steps);
@@ -76,7 +77,9 @@ def build(model: str, vocab: int, update: str, batch: int = 8, seq: int = 256,
         with ctx():
             loss = net(x, y)
         loss.backward()
-        clip_grad_norm(params, 1e9)          # the trainer's clip call (never clips here)
+        # the trainer's call when optim.grad_clip_norm > 0 (the recipes' default is 0, no call):
+        # a full-gradient norm, so a dense table pays one extra pass; never clips here
+        clip_grad_norm(params, 1e9)
         for opt in opts:
             opt.step()
         net.zero_grad(set_to_none=True)
