@@ -352,6 +352,7 @@ def remove_memory(model: nn.Module) -> nn.Module:
             del m._tngram_state
             m.__dict__.pop("_tngram_call", None)
             m.__dict__.pop("_tngram_cache_name", None)
+            m.__dict__.pop("_tngram_replay", None)
             if MEMORY_ATTR in m._modules:
                 del m._modules[MEMORY_ATTR]
     model.__dict__.pop("prepare_inputs_for_generation", None)
@@ -418,8 +419,9 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     use_cache = _call_arg(base, args, kwargs, "use_cache")
     if use_cache is None:
         use_cache = getattr(base.config, "use_cache", False)
-    if cache is None and use_cache and not (base.training and getattr(base, "gradient_checkpointing", False)):
+    if cache is None and use_cache and not base.training:
         # the model would create its cache after this hook and the memory state would be lost
+        # (not in training: no decoding follows, and activation checkpointing drops the cache)
         name = base._tngram_cache_name
         if name is None:
             raise TngramError(f"{type(base).__name__}.forward takes no past_key_values; call it "
@@ -458,8 +460,20 @@ def _context(module: nn.Module) -> dict[str, Any]:
     return ctx
 
 
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 def _layer_pre_hook(key: str, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    ctx = _context(layer)
+    ctx = layer._tngram_state.ctx
+    if ctx is None and "_tngram_replay" in layer.__dict__ and _in_backward():
+        # activation checkpointing that wraps the layer's __call__ (transformers < 5.23)
+        # recomputes it in backward, after the model's forward: replay that forward's ids
+        ctx = layer.__dict__["_tngram_replay"]
+    else:
+        ctx = _context(layer)
+        if layer.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            layer._tngram_replay = {"ids": ctx["ids"], "valid": ctx["valid"], "states": None}
     h = args[0] if args else kwargs["hidden_states"]
     ids = ctx["ids"]
     if h.shape[:2] != ids.shape:
