@@ -185,7 +185,7 @@ def tiny_auto(family: str):
 
 
 @pytest.mark.parametrize("family", AUTO_FAMILIES)
-def test_families_with_a_layers_list_need_no_layers_attr(family):
+def test_families_with_a_layers_list_need_no_layers_attr(family, tmp_path):
     model = add_memory(tiny_auto(family), MEMORIES["engram"], layers=(0, 2), memory_seed=1)
     assert memory_spec(model)["layers_attr"] == "layers"
     assert set(n for n in dict(model.named_modules()) if n.endswith("ngram_memory")) == \
@@ -197,6 +197,11 @@ def test_families_with_a_layers_list_need_no_layers_attr(family):
         plain = tiny_auto(family)(x).logits
         assert not torch.equal(model(x).logits, plain)      # the memory is in the forward
     assert torch.equal(cached, full)
+    model.save_pretrained(tmp_path)                          # every family the docs name reloads
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.model_type == f"tngram_{family}"
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "mixtral"])
