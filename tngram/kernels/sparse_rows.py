@@ -61,8 +61,20 @@ def sparse_row_grad(rows: Tensor, values: Tensor, shape: torch.Size | tuple[int,
         return torch.sparse_coo_tensor(idx, values, tuple(shape), is_coalesced=True)
 
 
-@torch.compiler.disable
+_COMPACT_ROWS_EAGER = None
+
+
 def compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, Tensor]:
+    """`_compact_rows` kept out of torch.compile graphs. The `torch.compiler.disable` wrapper is
+    made on first use, not at import: it imports torch._dynamo (and its triton probe), which
+    `import tngram.kernels` must not pay for."""
+    global _COMPACT_ROWS_EAGER
+    if _COMPACT_ROWS_EAGER is None:
+        _COMPACT_ROWS_EAGER = torch.compiler.disable(_compact_rows)
+    return _COMPACT_ROWS_EAGER(table, ids, blocks)
+
+
+def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, Tensor]:
     """(sub (blocks * U_b, W), inv like ids) with sub[inv] == table.reshape(-1, W)[ids]; the gradient
     that reaches `table` through `sub` is sparse (the U distinct rows only).
 
