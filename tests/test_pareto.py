@@ -156,7 +156,14 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
                         "tngram-88": {"step_ms": 120.0, "decode_ms_per_token": 1.4},
                         "engram-1800": {"step_ms": 160.0, "decode_ms_per_token": 1.6},
                         "tngram-176": {"step_ms": 130.0, "decode_ms_per_token": 1.5}}}
+    (tmp_path / "tuning").mkdir()
+    (tmp_path / "tuning" / "tuning.json").write_text(json.dumps({
+        "corpus": "literature", "best": {"oe": 2.0, "longcat": 2.0},
+        "rows": [{"factor": 1.0, "val_loss": 4.0}, {"factor": 2.0, "val_loss": 3.9},
+                 {"factor": 1.0, "val_loss": 4.2}, {"factor": 2.0, "val_loss": 3.7}]}))
     write_report(tmp_path, specs, factors, bench=bench)
+    tune = json.loads((tmp_path / "results" / "pareto-tuning-oe.json").read_text())
+    assert tune["rows"] == [["× 1", 2, [4.0, 4.2]], ["× 2 (chosen)", 2, [3.9, 3.7]]]
     data = json.loads((tmp_path / "pareto.json").read_text())
     assert len(data["rows"]) == 4              # the lr x3 TN-gram folder is another config: not counted
     t = data["tables"]["default"]

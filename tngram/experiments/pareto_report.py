@@ -294,4 +294,16 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
         files[f"pareto-{c}"] = _table_file(t["points"], POINT_COLUMNS, meta)
         files[f"pareto-{c}-best-params"] = _table_file(t["best_params"], BEST_P_COLUMNS, meta)
         files[f"pareto-{c}-best-step"] = _table_file(t["best_step"], BEST_S_COLUMNS, meta)
+    tuning = out / "tuning" / "tuning.json"
+    if tuning.is_file():
+        tj = json.loads(tuning.read_text())
+        by: dict[float, list[float]] = {}
+        for r in tj["rows"]:
+            by.setdefault(float(r["factor"]), []).append(float(r["val_loss"]))
+        best = float(tj["best"]["oe"])
+        rows = [[f"× {f:g}" + (" (chosen)" if f == best else ""), len(v), v] for f, v in sorted(by.items())]
+        files["pareto-tuning-oe"] = _table_file(rows, [{"header": "Over-Encoding table lr (× recipe)"},
+                                                       {"header": "seeds"}, {"header": "val loss", "fmt": "mean_std:.4f"}],
+                                                {"command": command, "commit": commit, "machine": machine,
+                                                 "source": str(tuning), "corpus": tj.get("corpus")})
     return files
