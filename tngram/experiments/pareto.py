@@ -11,6 +11,10 @@ Each family is swept over its size knob across one common Δparams range (at `mi
               trains at Over-Encoding's tuned factor (one tuning per fusion rule, not per preset)
     dense     the raw GPT grown wider (n_embd): "spend it on the backbone instead"; no table, the
               recipe's learning rates (not tuned)
+    tngram-lean / -sum / -shared / -hybrid
+              TN-gram variants beyond the paper (`VARIANTS`: no RMSNorm and no absorption; orders
+              summed before one K/V; factors shared by both memory layers; R 88 plus Engram-style
+              hashed orders 2..5 sized by `hash_budget`); TN-gram's table lr, the hybrid Engram's
     raw       the raw GPT (Δparams 0), the reference point
 
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
@@ -35,7 +39,10 @@ from tngram.experiments.common import SCALES, base_recipe, default_nproc, with_d
 
 TUNING_CORPUS = "literature"
 # Engram / TN-gram: the committed `tngram experiment tuning --corpora literature` choice
-TUNED_DEFAULT = {"engram": 4.0, "tngram": 2.0}
+TUNED_DEFAULT = {"engram": 4.0, "tngram": 2.0,
+                 # the variants were screened on literature at TN-gram's factor; the hybrid, whose
+                 # tables are mostly Engram-style rows, did better at Engram's (docs/LOG.md)
+                 "tngram-lean": 2.0, "tngram-sum": 2.0, "tngram-shared": 2.0, "tngram-hybrid": 4.0}
 LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)     # the grid tried for a family tuned here
 TUNE_SEEDS = 2
 
@@ -47,9 +54,23 @@ SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "oe": ("oe", "table_rows", (8500, 16800, 33697, 67400, 94000)),
     "longcat": ("oe", "table_rows", (9000, 18000, 36000, 72000, 100000)),
     "dense": ("raw", "n_embd", (224, 304, 400, 560, 640)),
+    # TN-gram variants beyond the paper (docs/TRAINING.md, "TN-gram variants beyond the paper")
+    "tngram-lean": ("tngram", "cp_rank", (88, 176, 352, 704, 976)),
+    "tngram-sum": ("tngram", "cp_rank", (100, 200, 400, 808, 1120)),
+    "tngram-shared": ("tngram", "cp_rank", (196, 392, 770, 1550, 2130)),
+    "tngram-hybrid": ("tngram", "hash_budget", (64, 1050, 3100, 7300, 10600)),
 }
 FAMILIES = ("raw", *SIZES)
 LONGCAT = {"max_ngram": 4, "n_slices": 4, "average": True}   # LongCat-Flash's n-gram embedding settings
+# memory-field settings of each variant family, applied before its size knob
+VARIANTS: dict[str, dict[str, Any]] = {
+    "longcat": LONGCAT,
+    "tngram-lean": {"use_norm": False, "use_absorption": False},     # the ablation winners
+    "tngram-sum": {"order_combine": "sum"},                          # one R-wide K/V input
+    "tngram-shared": {"order_combine": "sum", "share_factors": True},  # one A_1..A_N for both layers
+    # TN-gram R 88 + Engram-style hashed orders 2..5 (the literature screen's closest to Engram)
+    "tngram-hybrid": {"cp_rank": 88, "hash_orders": (2, 3, 4, 5), "hash_embed": 128},
+}
 
 
 def family_config(family: str, size: int | None, cfg_of: dict[str, Any]) -> Any:
@@ -60,8 +81,8 @@ def family_config(family: str, size: int | None, cfg_of: dict[str, Any]) -> Any:
     cfg = cfg_of[method]
     if family == "dense":
         return replace(cfg, model=replace(cfg.model, n_embd=int(size)))
-    if family == "longcat":
-        cfg = with_memory(cfg, **LONGCAT)
+    if family in VARIANTS:
+        cfg = with_memory(cfg, **VARIANTS[family])
     if knob == "table_budget":
         return with_memory(cfg, table_budget=(int(size),) * (cfg.model.memory.max_ngram - 1))
     return with_memory(cfg, **{knob: int(size)})
@@ -146,7 +167,7 @@ def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, fa
             sizes = VOCAB_SIZES if corpus == VOCAB_CORPUS else {f: SIZES[f][2][:n_sizes] for f in SIZES}
             points = [(f, None) for f in families if f == "raw"]
             points += [(f, sizes[f][i]) for i in range(max(map(len, sizes.values())))
-                       for f in families if f != "raw" and i < len(sizes[f])]
+                       for f in families if f != "raw" and f in sizes and i < len(sizes[f])]
             for fam, size in points:
                 cfg = family_config(fam, size, bases[corpus])
                 if fam in factors:
@@ -203,19 +224,25 @@ def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
 
 
 def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
-    """OUT/bench.json: training-step and decode time of every (family, size), one torch thread,
-    interleaved in this process (`bench_points`); measured once and reused while it covers every
-    point (all corpora share the vocabulary, so one timing serves every corpus)."""
+    """OUT/bench.json: training-step and decode time of every (family, size) with a finished run, one
+    torch thread, interleaved in this process (`bench_points`); measured once and reused while it
+    covers every such point, else measured again for all of them (one process, so the times stay
+    comparable). Points are keyed by family and size, not corpus: `default@8192` points share keys
+    with V 1024 ones only where family and size agree, so time that setting in its own OUT."""
     import torch
     from tngram.experiments.pareto_report import bench_points, point_key
+    from tngram.experiments.runner import run_dir_of
     path = out / "bench.json"
     cfgs = {}
-    for s in specs:
-        cfgs.setdefault(point_key(s.tags["family"], s.tags["size"]), s.config)
+    for s in specs:      # the points on the map: those with a finished run
+        if (run_dir_of(out, s) / "summary.json").is_file():
+            cfgs.setdefault(point_key(s.tags["family"], s.tags["size"]), s.config)
     if path.is_file():
         have = json.loads(path.read_text())
         if set(cfgs) <= set(have.get("points", {})):
             return have
+    if not cfgs:
+        return {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -27,7 +27,9 @@ Point = tuple[float, float]   # (cost, loss)
 PARAM_CAPS_M = (1.5, 3.0, 5.0, 10.0, 13.0)
 STEP_CAPS_X = (1.25, 1.5, 2.0, 3.0, 5.0)
 LABELS = {"raw": "raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding",
-          "longcat": "Over-Encoding (LongCat n4 k4)", "dense": "dense (wider GPT)"}
+          "longcat": "Over-Encoding (LongCat n4 k4)", "dense": "dense (wider GPT)",
+          "tngram-lean": "TN-gram lean", "tngram-sum": "TN-gram sum-K/V", "tngram-shared": "TN-gram shared",
+          "tngram-hybrid": "TN-gram + hashed"}
 
 
 def pareto_front(points: Sequence[Point]) -> list[int]:
