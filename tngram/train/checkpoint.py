@@ -42,7 +42,6 @@ from tngram.model.gpt import GPT
 from tngram.readback import BadRecordError, load_json, plain_name
 from tngram.safefs import (check_regular, is_link, make_dirs, open_fd, open_read, real_dir,
                            remove_tree, write_bytes, write_json)
-
 # the run folder's names and the checkpoint listing live in runfiles (below config); kept as names here
 from tngram.train.runfiles import (CKPT_DIR, FINAL_WEIGHTS, checkpoint_step, has_checkpoint,  # noqa: F401
                                    latest_checkpoint, list_checkpoints)
@@ -336,11 +335,6 @@ def _load_json(file: Path) -> Any:
         raise
     except OSError as e:
         raise TngramError(f"{file}: corrupt or truncated JSON ({_short(e)})") from None
-
-
-def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The meta.json of checkpoint folder `path` (step, tokens, times, loader state, config)."""
-    return _load_json(Path(path) / "meta.json")
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
