@@ -77,7 +77,12 @@ def test_optimizer_state_bytes_equal_what_the_trainer_optimisers_hold(recipe, me
         opt.step()
     held = sum(t.numel() * t.element_size() for opt in opts for st in opt.state.values()
                for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-    assert optimizer_state_bytes(cfg)["total"] == held
+    got = optimizer_state_bytes(cfg)
+    assert got["total"] == held
+    # the memory's share = what the same backbone without the memory holds less
+    bare = replace(cfg, model=replace(cfg.model, memory=None))
+    assert got["memory"] == held - optimizer_state_bytes(bare)["total"]
+    assert (got["memory"] > 0) == (cfg.model.memory is not None)
 
 
 def test_sizes_span_one_common_delta_params_range():

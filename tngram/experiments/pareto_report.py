@@ -60,14 +60,15 @@ def optimizer_state_bytes(cfg: Any) -> dict[str, int]:
     with torch.device("meta"):
         model = GPT(cfg.model)
     per = {"adam": 8, "muon": 4}
-    mem_names = {n for n, _ in model.named_parameters() if ".memory" in n or n.startswith("memory")
-                 or "memories" in n or "input_memory" in n}
+    mods = [b.memory for b in model.blocks if b.memory is not None] + \
+        ([model.embed_memory] if model.embed_memory is not None else [])
+    mem_ids = {id(p) for m in mods for p in m.parameters()}      # shared factors count once (a set)
     total = memory = 0
     for g in build_param_groups(model, cfg.optim):
-        for n, p in zip(g["names"], g["params"]):
+        for p in g["params"]:
             b = per[g["optimizer"]] * p.numel()
             total += b
-            memory += b if n in mem_names else 0
+            memory += b if id(p) in mem_ids else 0
     return {"total": total, "memory": memory}
 
 
@@ -165,7 +166,8 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
         t = bench.get("points", {}).get(point_key(p["family"], p["size"]), {})
         p["step_ms"], p["decode_ms_per_token"] = t.get("step_ms"), t.get("decode_ms_per_token")
         p["loss"] = statistics.fmean(p["val_loss"])
-    return sorted(pts.values(), key=lambda p: (p["corpus"], p["family"], p["delta_params"]))
+    order = {f: i for i, f in enumerate(LABELS)}
+    return sorted(pts.values(), key=lambda p: (p["corpus"], order.get(p["family"], len(order)), p["delta_params"]))
 
 
 def name_of(p: dict[str, Any]) -> str:
@@ -226,6 +228,8 @@ def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path 
         return None
     from tngram.report.runs import mean_std
     pts = [p for p in points if p["corpus"] == corpus and p["family"] != "raw"]
+    if not pts:
+        return None
     by_p: dict[str, list] = {}
     by_s: dict[str, list] = {}
     for p in pts:
