@@ -22,8 +22,7 @@ The hooks trace under torch.compile(fullgraph=True): the call's argument positio
 up once per class, and the token-id range is read only outside compilation
 (tngram.memory.ngrams.check_ids_in_forward, as in our GPT).
 
-Per-call context lives on the model between the pre-hook and the end of the forward: one
-forward at a time per model (not thread-safe).
+Per-call context lives on the model from the pre-hook to the forward's end: one forward at a time.
 """
 
 from __future__ import annotations
