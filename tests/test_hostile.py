@@ -660,17 +660,22 @@ def test_real_ctrl_c_during_data_build_is_one_line_and_leaves_nothing(tmp_path):
     docs = synthetic_documents(seed=7)
     text = tmp_path / "docs.jsonl"              # ~11 MB: the tokenizer trains for a few seconds
     text.write_text("".join(json.dumps({"text": docs[i % len(docs)] + f" n{i}"}) + "\n" for i in range(1500)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # a clean environment: no torchrun variables another test may have left (print0 would go quiet)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "tngram", "data", "build", "--from-text", str(text),
                              "--vocab-size", "512", "--out", str(tmp_path / "data")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # under way = its staging folder exists (seen on the file system, not through a pipe the
+    # reader may be slow to drain); then the signal lands inside the build
     deadline = time.time() + 120
-    for line in proc.stdout:                    # wait until the build is under way
-        if "training SentencePiece" in line or time.time() > deadline:
-            break
+    while proc.poll() is None and not list(tmp_path.glob(".data.building-*")) and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert proc.poll() is None, f"the build ended before the signal: {proc.communicate()}"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("tngram: interrupted"), err
     assert not (tmp_path / "data").exists()
