@@ -204,3 +204,10 @@ def test_large_vocabulary_setting_rides_with_the_default_corpus(monkeypatch):
     assert {s.config.model.vocab_size for s in specs} == {8192}
     engram = next(s for s in specs if s.tags["family"] == "engram")
     assert engram.config.model.memory.table_budget == (5 * 8192,) * 4     # the recipe's 5 V rows per head
+
+
+def test_timing_keys_tell_vocabularies_apart():
+    from tngram.experiments.pareto_report import point_key
+    assert point_key("tngram", 352, "default") == point_key("tngram", 352, "literature") == "tngram-352"
+    assert point_key("tngram", 352, "default@8192") == "tngram-352@8192"
+    assert point_key("raw", None, "default@8192") == "raw@8192"

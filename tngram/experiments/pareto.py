@@ -227,8 +227,8 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
     """OUT/bench.json: training-step and decode time of every (family, size) with a finished run, one
     torch thread, interleaved in this process (`bench_points`); measured once and reused while it
     covers every such point, else measured again for all of them (one process, so the times stay
-    comparable). Points are keyed by family and size, not corpus: `default@8192` points share keys
-    with V 1024 ones only where family and size agree, so time that setting in its own OUT."""
+    comparable). Points are keyed by family, size and vocabulary (`point_key`), not by corpus: the
+    step does not depend on the text, so one timing serves every corpus of one vocabulary."""
     import torch
     from tngram.experiments.pareto_report import bench_points, point_key
     from tngram.experiments.runner import run_dir_of
@@ -236,7 +236,7 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
     cfgs = {}
     for s in specs:      # the points on the map: those with a finished run
         if (run_dir_of(out, s) / "summary.json").is_file():
-            cfgs.setdefault(point_key(s.tags["family"], s.tags["size"]), s.config)
+            cfgs.setdefault(point_key(s.tags["family"], s.tags["size"], s.tags["corpus"]), s.config)
     if path.is_file():
         have = json.loads(path.read_text())
         if set(cfgs) <= set(have.get("points", {})):

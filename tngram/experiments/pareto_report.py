@@ -72,8 +72,11 @@ def optimizer_state_bytes(cfg: Any) -> dict[str, int]:
     return {"total": total, "memory": memory}
 
 
-def point_key(family: str, size: Any) -> str:
-    return family if size is None else f"{family}-{size}"
+def point_key(family: str, size: Any, corpus: str = "") -> str:
+    """The timing key of a point: family and size, plus "@V" for a corpus tokenised with another
+    vocabulary ("default@8192"): the step depends on the vocabulary, not on the text."""
+    key = family if size is None else f"{family}-{size}"
+    return key + ("@" + corpus.partition("@")[2] if "@" in corpus else "")
 
 
 def bench_points(cfgs: dict[str, Any], reps: int = 5, warmup: int = 1, decode_tokens: int = 32) -> dict[str, Any]:
@@ -163,7 +166,7 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
         p["val_bpb"].append(r["val_bpb"])
         p["seeds"].append(r["seed"])
     for p in pts.values():
-        t = bench.get("points", {}).get(point_key(p["family"], p["size"]), {})
+        t = bench.get("points", {}).get(point_key(p["family"], p["size"], p["corpus"]), {})
         p["step_ms"], p["decode_ms_per_token"] = t.get("step_ms"), t.get("decode_ms_per_token")
         p["loss"] = statistics.fmean(p["val_loss"])
     order = {f: i for i, f in enumerate(LABELS)}
