@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from tngram.common import MissingFileError, TngramError
+from tngram.common import atomic_output as common_atomic_output
 
 StrPath = str | os.PathLike
 
@@ -186,20 +187,8 @@ def atomic_output(path: StrPath, root: StrPath | None = None) -> Iterator[IO[byt
     path = Path(path)
     if root is not None:
         make_dirs(root, path.parent)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with common_atomic_output(path) as f:     # temp file + fsync + rename (tngram.common)
+        yield f
 
 
 def _umask() -> int:
