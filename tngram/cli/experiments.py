@@ -75,14 +75,14 @@ def add_commands(sub: Any) -> None:
                    help="pareto only: also score every finished run on the offline CORE bundle with "
                         "--max-per-task N (`tngram eval build-bundle` first; the `eval` extra)")
     p.add_argument("--report-only", action="store_true",
-                   help="pareto only: write the map from the runs finished so far; train nothing "
+                   help="pareto / table-update only: write the map / table from the runs finished so far; train nothing "
                         "(the step/decode timing still runs once if OUT/bench.json is missing)")
     p.add_argument("--ranks", default=None, metavar="R1,R2,...",
                    help="adaptive-rank only: fixed CP ranks to train, comma-separated (default 32,...,704)")
     p.add_argument("--corpora", default=None, metavar="NAME,...",
-                   help="corpora / data-scaling / pareto / dense / tuning only: built-in corpora (`tngram data "
+                   help="corpora / data-scaling / pareto / table-update / dense / tuning only: built-in corpora (`tngram data "
                         "build --corpus`), comma-separated (default: default,literature,code for corpora and "
-                        "pareto, code-large for data-scaling)")
+                        "pareto and table-update, code-large for data-scaling)")
     p.set_defaults(func=_cmd_experiment)
 
 

@@ -133,7 +133,7 @@ def _vocab(scale: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
     return [(m, m, {}, {}) for m in ("raw", "engram", "tngram")]
 
 
-DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 2, "pareto": 3}
+DEFAULT_SEEDS = {"corpora": 5, "data-scaling": 3, "adaptive-rank": 3, "tuning": 2, "pareto": 3, "table-update": 3}
 
 
 def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None = None, data: str | None = None,
@@ -149,15 +149,21 @@ def run_experiment(name: str, out: Path, scale: str = "cpu", seeds: int | None =
     if tuned is not None and name not in ("corpora", "data-scaling", "pareto"):
         raise TngramError(f"--tuned applies to the corpora, data-scaling and pareto experiments only, not {name!r}")
     seeds = seeds or DEFAULT_SEEDS.get(name, 1)
-    if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning", "pareto"):
-        raise TngramError(f"--corpora applies to the corpora, data-scaling, dense, tuning and pareto experiments "
-                          f"only, not {name!r}")
+    if corpora is not None and name not in ("corpora", "data-scaling", "dense", "tuning", "pareto", "table-update"):
+        raise TngramError(f"--corpora applies to the corpora, data-scaling, dense, tuning, pareto and table-update "
+                          f"experiments only, not {name!r}")
     if name == "pareto":
         from tngram.experiments.pareto import pareto
         return pareto(out, scale, seeds, data, steps, nproc, corpora=corpora,
                       tuned=None if tuned is None else str(tuned), train=not report_only, core_max=core_max)
+    if name == "table-update":
+        if core_max or data:
+            raise TngramError("table-update trains on built-in corpora (--corpora); --data and --core-max do not apply")
+        from tngram.experiments.table_update import table_update
+        return table_update(out, scale, seeds, steps, nproc, corpora=corpora, train=not report_only)
     if report_only or core_max:
-        raise TngramError(f"--report-only and --core-max apply to the pareto experiment only, not {name!r}")
+        raise TngramError(f"--report-only applies to the pareto and table-update experiments and --core-max "
+                          f"to pareto only, not {name!r}")
     if name in ("corpora", "data-scaling", "dense", "tuning"):
         from tngram.experiments import evidence
         if name == "data-scaling":
@@ -292,4 +298,5 @@ EXPERIMENTS: dict[str, Callable[..., Path]] = {
     "dense": lambda *a: run_experiment("dense", *a),
     "tuning": lambda *a: run_experiment("tuning", *a),
     "pareto": lambda *a: run_experiment("pareto", *a),
+    "table-update": lambda *a: run_experiment("table-update", *a),
 }
