@@ -62,8 +62,37 @@ def apply_fsdp(model: nn.Module, device: torch.device, world_size: int) -> nn.Mo
         units = [m for m in model.modules() if m.__class__.__name__.endswith("DecoderLayer")]
     for unit in units:
         fully_shard(unit, mesh=mesh)
+        # after fully_shard, prepended: runs before FSDP's own pre-forward hook
+        unit.register_forward_pre_hook(_split_repeated_inputs, prepend=True, with_kwargs=True)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _split_repeated_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Give every repeat of an input tensor but the last its own view (a ViewBackward node), so
+    that gradients are summed in the order of the unsharded model.
+
+    FSDP2 passes all of a unit's grad-requiring inputs through one autograd Function (its
+    post-backward hook), whose backward hands their gradients on together, in argument order.
+    GPT passes the normalised embedding x0 to the first block as both `x` and `x0`; x0 is also
+    every other block's `x0` (and the tied embedding is the only parameter upstream of it). In
+    the unsharded model the block's later use (x0) reaches the shared tensor first, then x; through
+    FSDP's Function x came first, so the (>= 3-term) float sum at x0 was associated differently
+    and the tied embedding's gradient differed in the last bits (3.7e-9 on the tiny test model),
+    which Muon's bf16 Newton-Schulz amplified (3.9e-4 relative loss after 20 steps). With a
+    view, the earlier arguments' gradients pass through their own node, which runs after the
+    Function, so each block's gradient parts arrive in reverse argument order, as they do
+    unsharded when a module uses its arguments in order (tngram's Block does): the 2-process
+    run then equals the 1-process run bitwise (tests/test_dist_fsdp.py)."""
+    if not torch.is_grad_enabled():
+        return args, kwargs
+    items = list(args) + list(kwargs.values())
+    last = {id(t): i for i, t in enumerate(items) if torch.is_tensor(t) and t.requires_grad}
+    if len(last) == sum(1 for t in items if torch.is_tensor(t) and t.requires_grad):
+        return args, kwargs                     # no tensor passed twice: nothing to reorder
+    out = [t.view_as(t) if torch.is_tensor(t) and t.requires_grad and last[id(t)] != i else t
+           for i, t in enumerate(items)]
+    return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):]))
 
 
 def _full(t: Any) -> Any:
