@@ -27,7 +27,7 @@ is torch's own call when there are none), and under DDP `tngram.train.dist.sync_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -50,86 +50,33 @@ def set_sparse_grads(model: nn.Module, on: bool = True) -> list[nn.Parameter]:
     return memory_table_params(model) if on else []
 
 
-class RowwiseAdam(torch.optim.Optimizer):
-    """Lazy Adam with one second moment per row (see module docstring). Rows are the last
-    dimension's vectors: a (V, W) table has V rows, TN-gram's (N, V, R) factors N*V rows.
-
-    For each touched row i with gradient g_i (W entries), at the table's step t:
-        m_i <- b1 m_i + (1 - b1) g_i                      (W floats)
-        v_i <- b2 v_i + (1 - b2) mean(g_i^2)              (1 float)
-        w_i <- w_i - lr / (1 - b1^t) * m_i / (sqrt(v_i / (1 - b2^t)) + eps)
-    Untouched rows keep weights and state. Takes sparse (COO) or dense gradients; a dense
-    gradient touches every row. State: step (int), exp_avg (like the parameter),
-    exp_avg_sq_row (rows,) fp32.
-    """
+class _LazyRowAdam(torch.optim.Optimizer):
+    """What LazyAdam and RowwiseAdam share: the argument checks, the closure, the loop over the
+    parameters with a gradient, the touched rows (`_rows_and_values`), the step count, and the
+    gather / scatter of the touched rows' moments and weights. A subclass says which moments it
+    keeps (`_init_state`, `_moments`) and how one step changes the touched rows (`_row_update`).
+    Rows are the last dimension's vectors: a (V, W) table has V rows, (N, V, R) N*V rows."""
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"RowwiseAdam needs lr >= 0, eps >= 0, betas in [0, 1); got {lr}, "
-                             f"{eps}, {betas}")
+            raise ValueError(f"{type(self).__name__} needs lr >= 0, eps >= 0, betas in [0, 1); "
+                             f"got {lr}, {eps}, {betas}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                width = p.shape[-1]
-                flat = p.view(-1, width)
-                if p.grad.is_sparse:
-                    g = p.grad.coalesce()
-                    if g._nnz() == 0:
-                        continue
-                    ind, vals = g.indices(), g.values().reshape(-1, width)
-                    rows = ind[0] if ind.shape[0] == 1 else _flat_rows(ind, p.shape[:-1])
-                else:
-                    rows, vals = None, p.grad.reshape(-1, width)
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq_row"] = torch.zeros(flat.shape[0], dtype=torch.float32,
-                                                          device=p.device)
-                state["step"] += 1
-                t = state["step"]
-                m_all, v_all = state["exp_avg"].view(-1, width), state["exp_avg_sq_row"]
-                m = m_all if rows is None else m_all.index_select(0, rows)
-                v = v_all if rows is None else v_all.index_select(0, rows)
-                m.mul_(b1).add_(vals, alpha=1 - b1)
-                v.mul_(b2).add_(vals.float().square().mean(1), alpha=1 - b2)
-                denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-                upd = (m / denom.to(m.dtype).unsqueeze(1)).mul_(-lr / (1 - b1 ** t))
-                if rows is None:
-                    flat.add_(upd)
-                else:
-                    m_all.index_copy_(0, rows, m)
-                    v_all.index_copy_(0, rows, v)
-                    flat.index_add_(0, rows, upd)
-        return loss
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        """Add the zero moments of `p` to its (new) state, after "step"."""
+        raise NotImplementedError
 
+    def _moments(self, p: Tensor, state: dict) -> tuple[Tensor, Tensor]:
+        """(first, second) moments as views with one row per table row (index_select-able)."""
+        raise NotImplementedError
 
-class LazyAdam(torch.optim.Optimizer):
-    """torch.optim.SparseAdam's lazy Adam, written with index_select / index_copy_ / index_add_ on
-    the touched rows (torch's goes through sparse_mask and sparse additions; measured 2-4x
-    slower here, docs/LOG.md). Same state (step, exp_avg, exp_avg_sq), same formula: for each
-    touched row at the table's step t,
-        m <- b1 m + (1 - b1) g ; v <- b2 v + (1 - b2) g^2
-        w <- w - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
-    Sparse (COO) or dense gradients (a dense one touches every row)."""
-
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"LazyAdam needs lr >= 0, eps >= 0, betas in [0, 1); got {lr}, "
-                             f"{eps}, {betas}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+    def _row_update(self, m: Tensor, v: Tensor, vals: Tensor, t: int, lr: float, b1: float,
+                    b2: float, eps: float) -> Tensor:
+        """Update the touched rows' moments m, v in place from their gradient rows `vals` at the
+        table's step t; return the rows' weight change."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -148,25 +95,73 @@ class LazyAdam(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self._init_state(p, state)
                 state["step"] += 1
-                t = state["step"]
-                width = p.shape[-1]
-                m_all = state["exp_avg"].view(-1, width)
-                v_all = state["exp_avg_sq"].view(-1, width)
+                m_all, v_all = self._moments(p, state)
                 m = m_all if rows is None else m_all.index_select(0, rows)
                 v = v_all if rows is None else v_all.index_select(0, rows)
-                m.mul_(b1).add_(vals, alpha=1 - b1)
-                v.mul_(b2).addcmul_(vals, vals, value=1 - b2)
-                upd = (m / v.sqrt().add_(eps)).mul_(-lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t))
+                upd = self._row_update(m, v, vals, state["step"], lr, b1, b2, eps)
+                flat = p.view(-1, p.shape[-1])
                 if rows is None:
-                    p.view(-1, width).add_(upd)
+                    flat.add_(upd)
                 else:
                     m_all.index_copy_(0, rows, m)
                     v_all.index_copy_(0, rows, v)
-                    p.view(-1, width).index_add_(0, rows, upd)
+                    flat.index_add_(0, rows, upd)
         return loss
+
+
+class RowwiseAdam(_LazyRowAdam):
+    """Lazy Adam with one second moment per row (see module docstring). Rows are the last
+    dimension's vectors: a (V, W) table has V rows, TN-gram's (N, V, R) factors N*V rows.
+
+    For each touched row i with gradient g_i (W entries), at the table's step t:
+        m_i <- b1 m_i + (1 - b1) g_i                      (W floats)
+        v_i <- b2 v_i + (1 - b2) mean(g_i^2)              (1 float)
+        w_i <- w_i - lr / (1 - b1^t) * m_i / (sqrt(v_i / (1 - b2^t)) + eps)
+    Untouched rows keep weights and state. Takes sparse (COO) or dense gradients; a dense
+    gradient touches every row. State: step (int), exp_avg (like the parameter),
+    exp_avg_sq_row (rows,) fp32 (`param_state_bytes` counts it).
+    """
+
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq_row"] = torch.zeros(p.numel() // p.shape[-1], dtype=torch.float32,
+                                              device=p.device)
+
+    def _moments(self, p: Tensor, state: dict) -> tuple[Tensor, Tensor]:
+        return state["exp_avg"].view(-1, p.shape[-1]), state["exp_avg_sq_row"]
+
+    def _row_update(self, m: Tensor, v: Tensor, vals: Tensor, t: int, lr: float, b1: float,
+                    b2: float, eps: float) -> Tensor:
+        m.mul_(b1).add_(vals, alpha=1 - b1)
+        v.mul_(b2).add_(vals.float().square().mean(1), alpha=1 - b2)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+        return (m / denom.to(m.dtype).unsqueeze(1)).mul_(-lr / (1 - b1 ** t))
+
+
+class LazyAdam(_LazyRowAdam):
+    """torch.optim.SparseAdam's lazy Adam, written with index_select / index_copy_ / index_add_ on
+    the touched rows (torch's goes through sparse_mask and sparse additions; measured 2-4x
+    slower here, docs/LOG.md). Same state (step, exp_avg, exp_avg_sq), same formula: for each
+    touched row at the table's step t,
+        m <- b1 m + (1 - b1) g ; v <- b2 v + (1 - b2) g^2
+        w <- w - lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
+    Sparse (COO) or dense gradients (a dense one touches every row)."""
+
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _moments(self, p: Tensor, state: dict) -> tuple[Tensor, Tensor]:
+        width = p.shape[-1]
+        return state["exp_avg"].view(-1, width), state["exp_avg_sq"].view(-1, width)
+
+    def _row_update(self, m: Tensor, v: Tensor, vals: Tensor, t: int, lr: float, b1: float,
+                    b2: float, eps: float) -> Tensor:
+        m.mul_(b1).add_(vals, alpha=1 - b1)
+        v.mul_(b2).addcmul_(vals, vals, value=1 - b2)
+        return (m / v.sqrt().add_(eps)).mul_(-lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t))
 
 
 def _rows_and_values(p: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -256,5 +251,37 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer, params: Iterable[Tensor] |
     return total
 
 
-__all__ = ["MEMORY_UPDATES", "LazyAdam", "RowwiseAdam", "clip_grad_norm", "optimizer_state_bytes",
-           "set_sparse_grads", "setup_memory_update"]
+STATE_BYTES_PER_PARAM = {"adam": 8, "muon": 4}   # fp32 moments: Adam exp_avg + exp_avg_sq, Muon momentum
+
+
+def param_state_bytes(optimizer: str, shape: Sequence[int], memory_update: str = "dense",
+                      table: bool = False) -> int:
+    """Bytes of optimiser state the trainer allocates for one fp32 parameter tensor of `shape`:
+    the rule `tngram plan` and `tngram experiment pareto` count by (tests/test_memory_update.py
+    checks it against the state tensors real optimiser steps allocate).
+
+    optimizer: the tensor's group optimiser ("adam" | "muon", tngram.optim.groups); table: it is
+    a memory table (`memory_table_params`), whose state follows `memory_update`:
+        dense    torch.optim.Adam like the rest of its group: exp_avg + exp_avg_sq, 8 B per entry
+        sparse   LazyAdam: exp_avg + exp_avg_sq, 8 B per entry
+        rowwise  RowwiseAdam: exp_avg (4 B per entry) + exp_avg_sq_row (4 B per row of width
+                 shape[-1]), i.e. 4 + 4/width B per entry
+    Not a table, or dense: Adam 8 B, Muon 4 B per entry. Step counters are not counted (an int
+    for LazyAdam/RowwiseAdam; a 4-byte 0-d tensor per parameter tensor for torch's Adam).
+    """
+    if memory_update not in MEMORY_UPDATES:
+        raise TngramError(f"optim.memory_update must be one of {MEMORY_UPDATES}, got {memory_update!r}")
+    numel = math.prod(shape)
+    if table and memory_update == "rowwise":
+        width = shape[-1]
+        return 4 * numel + (4 * (numel // width) if width else 0)
+    if table and memory_update == "sparse":
+        return 8 * numel
+    if optimizer not in STATE_BYTES_PER_PARAM:
+        raise TngramError(f"param_state_bytes: optimizer must be one of {tuple(STATE_BYTES_PER_PARAM)}, "
+                          f"got {optimizer!r}")
+    return STATE_BYTES_PER_PARAM[optimizer] * numel
+
+
+__all__ = ["MEMORY_UPDATES", "STATE_BYTES_PER_PARAM", "LazyAdam", "RowwiseAdam", "clip_grad_norm",
+           "optimizer_state_bytes", "param_state_bytes", "set_sparse_grads", "setup_memory_update"]
