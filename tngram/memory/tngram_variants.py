@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
 
 ORDER_COMBINES = ("concat", "sum")
@@ -54,6 +55,10 @@ class HashedOrders(nn.Module):
     """The hybrid's hashed table: for each order n in `hash_orders` and head j, row
     z_{n,j}(t) = (XOR_{k<n} x_{t-k} m_k) mod p_{n,j} of one table (Engram's hash, §2.2, on the raw
     ids), rows concatenated over (order, head): (B, T, N) n-grams -> (B, T, |orders| * E)."""
+
+    # True: the table gets a row-sparse gradient (tngram.kernels.sparse_rows), as Engram's; set on
+    # the instance by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
+    sparse_grad = False
 
     def __init__(self, cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]) -> None:
         super().__init__()
@@ -85,6 +90,9 @@ class HashedOrders(nn.Module):
     def forward(self, ngrams: Tensor) -> Tensor:
         rows = self.rows(ngrams)
         B, T, _ = rows.shape
+        if self.sparse_grad and torch.is_grad_enabled():   # same values, row-sparse table gradient
+            sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
+            return torch.index_select(sub, 0, inv).view(B, T, self.width)
         return torch.index_select(self.table.weight, 0, rows.reshape(-1)).view(B, T, self.width)
 
     def extra_repr(self) -> str:
