@@ -8,8 +8,14 @@ the T x T attention probabilities; CPU and GPU use fused attention kernels that 
 output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
 
   weights fp32 4P, gradients fp32 4P, DDP gradient buckets 4P (G > 1 only),
-  Adam state 8 x (Adam params: embeddings, memory tables/factors, scalars), Muon momentum
-  4 x (matrix params)                                        -> static bytes
+  Adam state 8 x (Adam params: embeddings, scalars), Muon momentum 4 x (matrix params),
+  memory tables/factors by optim.memory_update (tngram.optim.memory_update.param_state_bytes):
+  dense (the default) and sparse 8 x, rowwise 4 + 4/width x (width = a table's row length:
+  Engram head_dim, Over-Encoding slice width, TN-gram cp_rank)   -> static bytes
+  (--set optim.memory_update=rowwise plans the recipe with it. Under sparse/rowwise the tables
+  are also left out of DDP's buckets, which then hold 4 x the other params; their gradients are
+  row-sparse, the rows a micro-batch read, but the gradients line counts them dense, an upper
+  bound.)
   activations per sequence: traced in fp32 or (bf16) with the model cast to bf16, which is
   what autocast saves for the matmul inputs (its fp32 norms make the real figure a little
   higher: see the margin)
@@ -36,6 +42,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from tngram.cli.common import add_set_argument
 
 GIB = 2**30
 
@@ -84,13 +92,31 @@ def activation_bytes(model_cfg: Any, seqs: int = 1, dtype: str = "bf16",
     return {"total": sum(parts.values()), "per_part": parts}
 
 
+def state_bytes(model: nn.Module, optim_cfg: Any) -> dict[str, int]:
+    """Optimiser state of `model` (meta device is fine) as the trainer allocates it under
+    `optim_cfg` ({"adam_state", "muon_state", "memory_table_state", "memory_table_params"}):
+    the memory tables under optim.memory_update, the rest under their group's optimiser."""
+    from tngram.optim.groups import build_param_groups, memory_table_params
+    from tngram.optim.memory_update import param_state_bytes
+    tables = {id(p) for p in memory_table_params(model)}
+    out = {"adam_state": 0, "muon_state": 0, "memory_table_state": 0, "memory_table_params": 0}
+    for g in build_param_groups(model, optim_cfg):
+        for p in g["params"]:
+            table = id(p) in tables
+            b = param_state_bytes(g["optimizer"], p.shape, optim_cfg.memory_update, table)
+            out["memory_table_state" if table else f"{g['optimizer']}_state"] += b
+            out["memory_table_params"] += p.numel() if table else 0
+    return out
+
+
 def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: float = 0.35,
-         peak_tflops: float = 312.0, margin: float = 0.1) -> dict[str, Any]:
+         peak_tflops: float = 312.0, margin: float = 0.1,
+         overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     from tngram.bench.step import matmul_params
     from tngram.common import TngramError
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
-    from tngram.train.recipes import get_recipe
+    from tngram.train.recipes import get_recipe, resolve_config
 
     if gpus < 1:
         raise TngramError(f"--gpus must be >= 1, got {gpus}")
@@ -98,7 +124,7 @@ def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: fl
         raise TngramError(f"--gpu-mem must be > 1 (GB per GPU), got {gpu_mem_gb}")
     if not 0 < mfu <= 1:
         raise TngramError(f"--mfu must lie in (0, 1], got {mfu}")
-    cfg = get_recipe(recipe)
+    cfg = resolve_config(recipe, list(overrides)) if overrides else get_recipe(recipe)
     m = cfg.model
     with torch.device("meta"):
         model = GPT(m)
@@ -106,8 +132,11 @@ def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: fl
     groups = build_param_groups(model, cfg.optim)
     adam_p = sum(p.numel() for g in groups if g["optimizer"] == "adam" for p in g["params"])
     muon_p = sum(p.numel() for g in groups if g["optimizer"] == "muon" for p in g["params"])
-    static = {"weights": 4 * P, "gradients": 4 * P, "ddp_buckets": 4 * P if gpus > 1 else 0,
-              "adam_state": 8 * adam_p, "muon_state": 4 * muon_p}
+    st = state_bytes(model, cfg.optim)
+    bucketed = P - (st["memory_table_params"] if cfg.optim.memory_update != "dense" else 0)
+    static = {"weights": 4 * P, "gradients": 4 * P, "ddp_buckets": 4 * bucketed if gpus > 1 else 0,
+              "adam_state": st["adam_state"], "muon_state": st["muon_state"],
+              "memory_table_state": st["memory_table_state"]}
     static_total = sum(static.values())
     act = activation_bytes(m, 1, dtype)
     per_seq = act["total"]
@@ -134,7 +163,9 @@ def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: fl
     step_s = flops / (gpus * peak_tflops * 1e12 * mfu)
     return {"recipe": recipe, "gpus": gpus, "gpu_mem_gb": gpu_mem_gb, "dtype": dtype,
             "params": P, "memory_params": model.memory_params(), "adam_params": adam_p,
-            "muon_params": muon_p, "static_bytes": static, "static_total_bytes": static_total,
+            "muon_params": muon_p, "memory_table_params": st["memory_table_params"],
+            "memory_update": cfg.optim.memory_update, "static_bytes": static,
+            "static_total_bytes": static_total,
             "usable_bytes": usable, "margin": margin,
             "global_batch_tokens": cfg.data.global_batch_tokens, "seqs_per_step": seqs_per_step,
             "seqs_per_gpu_per_step": need, "recipe_micro_batch_seqs": cfg.data.micro_batch_seqs,
@@ -154,7 +185,8 @@ def report(r: dict[str, Any]) -> str:
              f"Muon {r['muon_params']:,})",
              f"per GPU static   {g(r['static_total_bytes'])} = weights {g(st['weights'])} + grads "
              f"{g(st['gradients'])} + DDP buckets {g(st['ddp_buckets'])} + Adam {g(st['adam_state'])} "
-             f"+ Muon {g(st['muon_state'])}",
+             f"+ Muon {g(st['muon_state'])} + memory tables {g(st['memory_table_state'])} "
+             f"({r['memory_table_params']:,} params, optim.memory_update={r['memory_update']})",
              f"usable for activations {g(max(0.0, r['usable_bytes']))} ({r['margin']:.0%} margin, 1 GiB "
              f"CUDA context/workspaces)",
              f"global batch     {r['global_batch_tokens']:,} tokens = {r['seqs_per_step']} sequences; "
@@ -184,11 +216,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOP utilisation")
     p.add_argument("--peak-tflops", type=float, default=312.0,
                    help="peak per GPU in TFLOP/s (default 312: A100 bf16 dense)")
+    add_set_argument(p, help="override one config key of the recipe, as for `tngram train` "
+                     "(repeatable), e.g. --set optim.memory_update=rowwise: the memory tables' "
+                     "optimiser state drops from 8 to 4 + 4/width bytes per parameter")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    r = plan(args.recipe, args.gpus, args.gpu_mem, args.dtype, args.mfu, args.peak_tflops)
+    r = plan(args.recipe, args.gpus, args.gpu_mem, args.dtype, args.mfu, args.peak_tflops,
+             overrides=args.overrides)
     print(json.dumps(r, indent=1) if args.json else report(r))
     return 0

@@ -3,7 +3,8 @@
 Pure pieces (tested against brute force in tests/test_pareto.py):
     pareto_front(points)      indices of the points no other point beats on both cost and loss
     best_under(points, cap)   the lowest-loss point whose cost is ≤ cap
-    optimizer_state_bytes     what Adam (2 fp32 moments) and Muon (1 fp32 momentum) hold per parameter
+    optimizer_state_bytes     what Adam (2 fp32 moments), Muon (1 fp32 momentum) and the memory tables'
+                              optimiser (optim.memory_update) hold
 
 Timing (`bench_points`): one training step (forward, backward, Adam + Muon; the trainer's micro-batches
 and accumulation, bf16 autocast as the mini recipes) and greedy decode per token with the KV/memory
@@ -51,22 +52,25 @@ def best_under(points: Sequence[Point], cap: float) -> int | None:
 
 
 def optimizer_state_bytes(cfg: Any) -> dict[str, int]:
-    """Bytes of optimiser state the trainer keeps for `cfg`'s model: Adam holds two fp32 moments per
-    parameter, Muon one fp32 momentum buffer (tngram.optim.muon); "memory" counts the memory's own
-    parameters (tables/factors and its K/V, gate, conv, scales)."""
+    """Bytes of optimiser state the trainer keeps for `cfg`'s model, by the rule of
+    tngram.optim.memory_update.param_state_bytes (the one `tngram plan` counts by): Adam holds two
+    fp32 moments per parameter, Muon one fp32 momentum buffer (tngram.optim.muon), and the memory
+    tables follow cfg.optim.memory_update (rowwise: 4 + 4/width B per parameter). "memory" counts
+    the memory's own parameters (tables/factors and its K/V, gate, conv, scales)."""
     import torch
     from tngram.model.gpt import GPT
-    from tngram.optim.groups import build_param_groups
+    from tngram.optim.groups import build_param_groups, memory_table_params
+    from tngram.optim.memory_update import param_state_bytes
     with torch.device("meta"):
         model = GPT(cfg.model)
-    per = {"adam": 8, "muon": 4}
+    tables = {id(p) for p in memory_table_params(model)}
     mods = [b.memory for b in model.blocks if b.memory is not None] + \
         ([model.embed_memory] if model.embed_memory is not None else [])
     mem_ids = {id(p) for m in mods for p in m.parameters()}      # shared factors count once (a set)
     total = memory = 0
     for g in build_param_groups(model, cfg.optim):
         for p in g["params"]:
-            b = per[g["optimizer"]] * p.numel()
+            b = param_state_bytes(g["optimizer"], p.shape, cfg.optim.memory_update, id(p) in tables)
             total += b
             memory += b if id(p) in mem_ids else 0
     return {"total": total, "memory": memory}
