@@ -181,7 +181,8 @@ def report(r: dict[str, Any]) -> str:
     g = lambda b: f"{b / 1e9:.2f} GB"   # noqa: E731
     st = r["static_bytes"]
     lines = [f"tngram plan {r['recipe']}: {r['gpus']} GPU(s) x {r['gpu_mem_gb']:g} GB, {r['dtype']}",
-             f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam {r['adam_params']:,}, "
+             f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam "
+             f"{r['adam_params'] - r['memory_table_params']:,} + memory tables {r['memory_table_params']:,}, "
              f"Muon {r['muon_params']:,})",
              f"per GPU static   {g(r['static_total_bytes'])} = weights {g(st['weights'])} + grads "
              f"{g(st['gradients'])} + DDP buckets {g(st['ddp_buckets'])} + Adam {g(st['adam_state'])} "
