@@ -9,7 +9,7 @@ output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
 
   weights fp32 4P, gradients fp32 4P, DDP gradient buckets 4P (G > 1 only),
   Adam state 8 x (Adam params: embeddings, scalars), Muon momentum 4 x (matrix params),
-  memory tables/factors by optim.memory_update (tngram.optim.memory_update.param_state_bytes):
+  memory tables/factors by optim.memory_update (what the trainer's table optimiser allocates):
   dense (the default) and sparse 8 x, rowwise 4 + 4/width x (width = a table's row length:
   Engram head_dim, Over-Encoding slice width, TN-gram cp_rank)   -> static bytes
   (--set optim.memory_update=rowwise plans the recipe with it. Under sparse/rowwise the tables
