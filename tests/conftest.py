@@ -13,3 +13,24 @@ def fresh_lookup_choice(monkeypatch):
     monkeypatch.setattr(choice, "SELF_CHECKS", {})
     monkeypatch.delenv("TNGRAM_LOOKUP_IMPL", raising=False)
     return monkeypatch
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored(request):
+    """Every test leaves SIGINT/SIGTERM handlers as it found them (a process that inherits an
+    ignored SIGINT passes it on across exec: a later test's child would ignore Ctrl-C). A test that
+    changes one fails here, naming the handler, and the handler is put back for the next test."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    changed = {s: signal.getsignal(s) for s in before if signal.getsignal(s) is not before[s]}
+    for s in changed:
+        if before[s] is not None:
+            signal.signal(s, before[s])
+    if changed:
+        pytest.fail("left signal handlers changed: " + ", ".join(
+            f"{signal.Signals(s).name} {before[s]!r} -> {h!r}" for s, h in changed.items()), pytrace=False)

@@ -149,3 +149,19 @@ def test_errors_and_config():
         OverEncodingConfig(max_ngram=5, n_slices=4).build(d_model=8, vocab_size=20)     # 8 // 16 = 0
     with pytest.raises(TypeError, match="kind"):
         OverEncodingConfig(kind="engram")    # kind is a class attribute, not a field
+
+
+@pytest.mark.parametrize("scale", ["mini", "paper-l9"])
+def test_longcat_recipe_is_over_encoding_at_longcat_settings_and_tngram_size(scale):
+    """`*-oe-longcat`: orders 2..4, 4 slices per order, averaged fusion (LongCat-Flash's n-gram
+    embedding), and the slice-table rows chosen so Δparams is within 0.2% of the TN-gram recipe's."""
+    from tngram.memory.overencoding import OverEncodingConfig
+    from tngram.train.recipes import get_recipe, param_summary
+    cfg = get_recipe(f"{scale}-oe-longcat")
+    mem = cfg.model.memory
+    assert isinstance(mem, OverEncodingConfig)
+    assert (mem.max_ngram, mem.n_slices, mem.average) == (4, 4, True)
+    assert cfg.model.memory_layers == get_recipe(f"{scale}-oe").model.memory_layers
+    lc = param_summary(cfg)["delta_params"]
+    tn = param_summary(get_recipe(f"{scale}-tngram"))["delta_params"]
+    assert abs(lc - tn) / tn < 0.002

@@ -36,6 +36,7 @@ from typing import Any
 
 from tngram.common import TngramError, atomic_write_json, atomic_write_text, print0
 from tngram.experiments.common import SCALES, base_recipe, default_nproc, with_data, with_memory, with_seed, with_steps
+from tngram.train.recipes import LONGCAT  # LongCat-Flash's n-gram embedding settings (the *-oe-longcat recipes)
 
 TUNING_CORPUS = "literature"
 # Engram / TN-gram: the committed `tngram experiment tuning --corpora literature` choice
@@ -61,7 +62,6 @@ SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "tngram-hybrid": ("tngram", "hash_budget", (64, 1050, 3100, 7300, 10600)),
 }
 FAMILIES = ("raw", *SIZES)
-LONGCAT = {"max_ngram": 4, "n_slices": 4, "average": True}   # LongCat-Flash's n-gram embedding settings
 # memory-field settings of each variant family, applied before its size knob
 VARIANTS: dict[str, dict[str, Any]] = {
     "longcat": LONGCAT,

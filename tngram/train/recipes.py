@@ -12,6 +12,9 @@ n_embed_per_ngram = d_model, kernel 3 with dilation N (the paper's conv). TN-gra
 R = 1024 (L9) / 1800 (L18). Padding id 0 (SentencePiece <pad>, never in the data).
 Over-Encoding (a third baseline, not in the paper's tables): orders 2..5, 2 slices per order, the
 slice-table modulus chosen so its Δparams equals TN-gram's (36,380 rows at L9, 33,697 at mini).
+`*-oe-longcat`: Over-Encoding at LongCat-Flash's published n-gram embedding settings (orders 2..4,
+4 slices per order, averaged fusion), rows chosen the same way (36,954 at L9: Δ 18,888,912 vs
+TN-gram's 18,888,712; 36,000 at mini: Δ 4,336,800 vs 4,329,544, the pareto map's LongCat point).
 
 `mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed; docs/RESULTS.md the comparison).
 """
@@ -43,9 +46,16 @@ def _tngram(cp_rank: int, max_ngram: int = 5, **kw: Any):
     return TNGramConfig(max_ngram=max_ngram, cp_rank=cp_rank, pad_id=0, kernel_size=3, **kw)
 
 
-def _oe(table_rows: int, max_ngram: int = 5, **kw: Any):
+def _oe(table_rows: int, max_ngram: int = 5, n_slices: int = 2, **kw: Any):
     from tngram.memory.overencoding import OverEncodingConfig
-    return OverEncodingConfig(max_ngram=max_ngram, n_slices=2, table_rows=table_rows, pad_id=0, **kw)
+    return OverEncodingConfig(max_ngram=max_ngram, n_slices=n_slices, table_rows=table_rows, pad_id=0, **kw)
+
+
+LONGCAT = {"max_ngram": 4, "n_slices": 4, "average": True}   # LongCat-Flash's n-gram embedding settings
+
+
+def _longcat(table_rows: int):
+    return _oe(table_rows, **LONGCAT)
 
 
 # ---- backbones
@@ -82,6 +92,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "paper-l9-engram": lambda: _paper_l9(_engram(512, 1024, heads=8), "paper-l9-engram"),
     "paper-l9-tngram": lambda: _paper_l9(_tngram(1024), "paper-l9-tngram"),
     "paper-l9-oe": lambda: _paper_l9(_oe(36_380), "paper-l9-oe"),
+    "paper-l9-oe-longcat": lambda: _paper_l9(_longcat(36_954), "paper-l9-oe-longcat"),
     "paper-l18-raw": lambda: _paper_l18(None, "paper-l18-raw"),
     "paper-l18-engram": lambda: _paper_l18(_engram(1024, 1024, heads=8), "paper-l18-engram"),
     "paper-l18-tngram": lambda: _paper_l18(_tngram(1800), "paper-l18-tngram"),
@@ -92,6 +103,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-tngram-lean": lambda: _mini(_tngram(352, use_norm=False, use_absorption=False),
                                       "mini-tngram-lean"),
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
+    "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
 }
 
 
