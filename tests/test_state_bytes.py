@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from test_train_support import tiny_data  # noqa: F401 (fixture)
 from tngram.common import TngramError
 from tngram.model.gpt import GPT
 from tngram.optim.groups import build_param_groups, memory_table_params
@@ -172,3 +173,38 @@ def test_hybrid_hashed_table_gets_the_touched_rows_of_the_dense_gradient():
         g = ps.grad.coalesce()
         assert g.indices().shape[1] < ps.shape[0]                # not every row
         assert torch.equal(g.to_dense(), pd.grad) and pd.grad.abs().sum() > 0
+
+
+@pytest.mark.dist
+def test_hybrid_rowwise_two_processes_equal_one(tiny_data, tmp_path):  # noqa: F811
+    """The hybrid's hashed table under DDP with optim.memory_update=rowwise: its sparse rows are
+    all-gathered like the factors' (a dense gradient there made sync_sparse_grads refuse the run);
+    2 gloo processes equal 1 with doubled accumulation, as tests/test_dist_memory.py."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_train_support import cli_args, losses, single_thread, tiny_config, weights
+    from tngram.train.loop import train
+    extra = ["schedule.steps=3", "schedule.warmdown_steps=1", "run.val_every=0", "run.checkpoint_every=0",
+             "optim.memory_update=rowwise", "model.memory.hash_orders=[2]", "model.memory.hash_heads=2",
+             "model.memory.hash_embed=16"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    with single_thread():
+        train(tiny_config(tiny_data, "mini-tngram", extra), single)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tngram.train", *cli_args(tiny_data, "mini-tngram", ddp, extra)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ddp / "summary.json").read_text())["world_size"] == 2
+    l1, l2 = losses(single), losses(ddp)
+    assert sorted(l1) == sorted(l2) == [1, 2, 3]
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5, abs=0), step
+    w1, w2 = weights(single), weights(ddp)
+    hashed = [k for k in w1 if k.endswith("hashed.table.weight")]
+    assert hashed
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
