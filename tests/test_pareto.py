@@ -211,3 +211,9 @@ def test_timing_keys_tell_vocabularies_apart():
     assert point_key("tngram", 352, "default") == point_key("tngram", 352, "literature") == "tngram-352"
     assert point_key("tngram", 352, "default@8192") == "tngram-352@8192"
     assert point_key("raw", None, "default@8192") == "raw@8192"
+
+
+def test_figure_front_is_the_non_dominated_staircase():
+    from tngram.experiments.pareto_report import _front_xy
+    # (3, 2.5) is dominated by (2, 2); (5, 1) by (4, 1) (equal loss, higher cost)
+    assert _front_xy([(3, 2.5), (1, 3), (4, 1), (2, 2), (5, 1)]) == [(1, 3), (2, 2), (4, 1)]

@@ -246,9 +246,16 @@ def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path 
             by_s.setdefault(LABELS[p["family"]], []).append((p["step_ms"], m, s))
     raw = next((p for p in points if p["corpus"] == corpus and p["family"] == "raw"), None)
     title = f"{corpus}: val loss vs Δparams" + (f" (raw GPT {raw['loss']:.4f})" if raw else "")
-    return xy_plot(by_p, png, "Δparams (M)", "val loss (nats/token)", title,
+    front_p = _front_xy([(p["delta_params"] / 1e6, p["loss"]) for p in pts])
+    front_s = _front_xy([(p["step_ms"], p["loss"]) for p in pts if p["step_ms"] is not None])
+    return xy_plot(by_p, png, "Δparams (M)", "val loss (nats/token)", title, front=front_p,
                    panels=[{"series": by_s, "xlabel": "training step (ms, 1 thread)", "ylabel": "val loss (nats/token)",
-                            "title": f"{corpus}: val loss vs step time"}] if by_s else None)
+                            "title": f"{corpus}: val loss vs step time", "front": front_s}] if by_s else None)
+
+
+def _front_xy(points: list[Point]) -> list[Point]:
+    """The Pareto-front points (ascending cost) of the memory families, for the figures' staircase."""
+    return [points[i] for i in pareto_front(points)]
 
 
 def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None,

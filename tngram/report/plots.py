@@ -63,20 +63,26 @@ def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
 
 
 def xy_plot(series: dict[str, list[tuple[float, float, float]]], out_png: str | Path, xlabel: str,
-            ylabel: str, title: str = "", panels: list[dict[str, Any]] | None = None) -> Path:
+            ylabel: str, title: str = "", panels: list[dict[str, Any]] | None = None,
+            front: list[tuple[float, float]] | None = None) -> Path:
     """Mean ± std error bars per series: series[name] = [(x, mean, std), ...]. Optional extra panels
-    (each {"series", "xlabel", "ylabel", "title"}) are drawn to the right."""
+    (each {"series", "xlabel", "ylabel", "title"}, optionally "front") are drawn to the right.
+    `front` / a panel's "front": [(x, y), ...] in ascending x, drawn as a dashed staircase."""
     plt = _plt()
-    all_panels = [{"series": series, "xlabel": xlabel, "ylabel": ylabel, "title": title}] + (panels or [])
+    all_panels = [{"series": series, "xlabel": xlabel, "ylabel": ylabel, "title": title, "front": front}] + (panels or [])
     fig, axes = plt.subplots(1, len(all_panels), figsize=(5.5 * len(all_panels), 4), squeeze=False)
     for ax, p in zip(axes[0], all_panels):
         for name, pts in p["series"].items():
             pts = sorted(pts)
             ax.errorbar([x for x, _, _ in pts], [m for _, m, _ in pts], yerr=[s for _, _, s in pts],
                         marker="o", capsize=3, label=name)
+        if p.get("front"):      # [(x, y), ...] in ascending x: drawn as a dashed staircase
+            fx, fy = zip(*p["front"])
+            ax.step(fx, fy, where="post", color="black", linestyle="--", linewidth=1, zorder=0,
+                    label=p.get("front_label", "Pareto front"))
         ax.set(xlabel=p["xlabel"], ylabel=p["ylabel"], title=p.get("title", ""))
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     return _save(plt, fig, out_png)
 
 
