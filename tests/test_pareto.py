@@ -217,3 +217,16 @@ def test_figure_front_is_the_non_dominated_staircase():
     from tngram.experiments.pareto_report import _front_xy
     # (3, 2.5) is dominated by (2, 2); (5, 1) by (4, 1) (equal loss, higher cost)
     assert _front_xy([(3, 2.5), (1, 3), (4, 1), (2, 2), (5, 1)]) == [(1, 3), (2, 2), (4, 1)]
+
+
+def test_cross_corpus_table_has_a_column_per_corpus_and_a_row_per_budget():
+    from tngram.experiments.pareto_report import cross_corpus
+    tables = {"default": {"best_params": [["≤ 1.5M", "TN-gram (88)", 1.08e6, [3.44, 3.46]],
+                                          ["≤ 3M", "Engram (1800)", 2.2e6, [3.37]]]},
+              "code": {"best_params": [["≤ 3M", "Engram (1800)", 2.2e6, [2.10]]]},
+              "literature": {"best_params": []}}
+    cols, rows = cross_corpus(tables, "best_params")
+    assert [c["header"] for c in cols] == ["Δparams budget", "default", "code"]   # no empty corpus
+    assert rows == [["≤ 1.5M", "TN-gram (88) (3.4500)", None],
+                    ["≤ 3M", "Engram (1800) (3.3700)", "Engram (1800) (2.1000)"]]
+    assert cross_corpus({"default": tables["default"]}, "best_params") is None

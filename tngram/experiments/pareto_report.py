@@ -228,6 +228,19 @@ BEST_S_COLUMNS = [{"header": "step-time budget"}, {"header": "best"}, {"header":
                   {"header": "Δparams", "fmt": "params"}, {"header": "val loss", "fmt": "mean_std:.4f"}]
 
 
+def cross_corpus(tables: dict[str, dict[str, Any]], kind: str) -> tuple[list[dict[str, str]], list[list[Any]]] | None:
+    """One table across corpora: a row per budget of `kind` ("best_params" / "best_step"), a
+    column per corpus holding "best (val loss)"; None with fewer than two corpora."""
+    corpora = [c for c, t in tables.items() if t[kind]]
+    if len(corpora) < 2:
+        return None
+    budgets = list(dict.fromkeys(r[0] for c in corpora for r in tables[c][kind]))
+    cells = {(c, r[0]): f"{r[1]} ({statistics.fmean(r[-1]):.4f})" for c in corpora for r in tables[c][kind]}
+    columns = [{"header": "Δparams budget" if kind == "best_params" else "step-time budget"}]
+    columns += [{"header": c} for c in corpora]
+    return columns, [[b] + [cells.get((c, b)) for c in corpora] for b in budgets]
+
+
 def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path | None:
     try:
         from tngram.report.plots import xy_plot
@@ -314,6 +327,11 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
         files[f"pareto-{c}"] = _table_file(t["points"], POINT_COLUMNS, meta)
         files[f"pareto-{c}-best-params"] = _table_file(t["best_params"], BEST_P_COLUMNS, meta)
         files[f"pareto-{c}-best-step"] = _table_file(t["best_step"], BEST_S_COLUMNS, meta)
+    meta = {"command": command, "commit": commit, "machine": machine, "source": str(out / "pareto.json")}
+    for kind in ("best_params", "best_step"):
+        cross = cross_corpus(data["tables"], kind)
+        if cross is not None:
+            files[f"pareto-{kind.replace('_', '-')}"] = _table_file(cross[1], cross[0], meta)
     tuning = out / "tuning" / "tuning.json"
     if tuning.is_file():
         tj = json.loads(tuning.read_text())
