@@ -30,6 +30,7 @@ import torch
 
 from test_train_support import (cli_args, losses, single_thread, tiny_config, tiny_data,  # noqa: F401
                                 weights)
+from tngram.common import TngramError
 from tngram.train import checkpoint as ckpt
 from tngram.train.loop import train
 
@@ -88,19 +89,92 @@ def test_fsdp_two_processes_match_one(single_run, fsdp_run):
     assert json.loads((fsdp_run / "config.json").read_text())["run"]["parallel"] == "fsdp"
 
 
-def test_fsdp_checkpoint_resumes_in_one_process(single_run, tiny_data, tmp_path):
-    """Saved by 2 processes at step SAVE_AT, continued by 1: the uninterrupted run's numbers."""
-    single, _ = single_run
-    run = tmp_path / "fsdp"
+@pytest.fixture(scope="module")
+def fsdp_stopped(tiny_data, tmp_path_factory):
+    """2 processes stopped after step SAVE_AT: one sharded (DCP) checkpoint."""
+    run = tmp_path_factory.mktemp("fsdp-stopped") / "run"
     proc = torchrun(["-m", "tngram.train", *cli_args(tiny_data, "mini-tngram", run, EXTRA),
                      "--stop-after", str(SAVE_AT)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(run)) == SAVE_AT
-    assert ckpt.read_checkpoint_meta(ckpt.latest_checkpoint(run))["world_size"] == 2
+    return run
+
+
+def test_fsdp_checkpoint_is_sharded_through_dcp(fsdp_stopped, single_run):
+    """One file of DCP shards per process, listed in the manifest; the gathered weights beside
+    them are the 1-process run's weights at that step; a changed or added shard is refused."""
+    single, _ = single_run
+    c = ckpt.latest_checkpoint(fsdp_stopped)
+    assert ckpt.checkpoint_step(c) == SAVE_AT and ckpt.is_sharded_checkpoint(c)
+    meta = ckpt.read_checkpoint_meta(c)
+    assert meta["world_size"] == 2 and meta["format"] == "sharded"
+    shards = sorted(p.name for p in (c / ckpt.DCP_DIR).iterdir())
+    assert len(shards) == 2 and all(n.endswith(".safetensors") for n in shards)
+    manifest = json.loads((c / ckpt.MANIFEST).read_text())
+    assert sorted(manifest["shards"]) == shards
+    assert ckpt.verify_checkpoint(c) is None
+    # each file holds that process's rows: the two row counts of a sharded matrix add up
+    from safetensors import safe_open
+    rows = []
+    for n in shards:
+        with safe_open(str(c / ckpt.DCP_DIR / n), "pt") as f:
+            rows.append(f.get_slice("model/tok_emb.weight").get_shape()[0])
+    w1 = weights(single, SAVE_AT)
+    assert sum(rows) == w1["tok_emb.weight"].shape[0] and min(rows) > 0
+    wc = weights(fsdp_stopped, SAVE_AT)
+    for k in w1:
+        torch.testing.assert_close(wc[k], w1[k], rtol=0, atol=TOL, msg=k)
+
+
+def test_fsdp_checkpoint_with_a_bad_shard_is_refused(fsdp_stopped, tiny_data, tmp_path, capsys):
+    """A flipped bit in a shard, an added file in dcp/ or a missing manifest: the checkpoint does
+    not verify, and resuming says so in one line per checkpoint and refuses."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_stopped, run)
+    c = ckpt.latest_checkpoint(run)
+    extra = c / ckpt.DCP_DIR / "extra.safetensors"
+    extra.write_bytes(b"x")
+    assert ckpt.verify_checkpoint(c) == f"{ckpt.DCP_DIR}/extra.safetensors is not in the manifest"
+    extra.unlink()
+    shard = sorted((c / ckpt.DCP_DIR).iterdir())[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    reason = f"{ckpt.DCP_DIR}/{shard.name} does not match its sha256 in the manifest (corrupt)"
+    assert ckpt.verify_checkpoint(c) == reason
+    with single_thread(), pytest.raises(TngramError, match="none of its 1 checkpoint"):
+        train(tiny_config(tiny_data, extra=EXTRA), run, resume=True)
+    assert f"skipping checkpoint {c.name}: {reason}" in capsys.readouterr().out
+    (c / ckpt.MANIFEST).unlink()
+    assert ckpt.verify_checkpoint(c) == "manifest.json is missing (a sharded checkpoint is always written with one)"
+
+
+def test_fsdp_checkpoint_resumes_in_one_process(single_run, fsdp_stopped, tiny_data, tmp_path):
+    """Sharded (DCP) checkpoint of 2 processes at step SAVE_AT, continued by 1 (full tensors read
+    from the shards): the uninterrupted 1-process run's numbers."""
+    import shutil
+    single, _ = single_run
+    run = tmp_path / "fsdp"
+    shutil.copytree(fsdp_stopped, run)
     with single_thread():
         s = train(tiny_config(tiny_data, extra=EXTRA), run, resume=True)
     assert s["steps"] == STEPS and s["world_size"] == 1
     assert_same_run(run, single)
+
+
+def test_fsdp_checkpoint_resumes_in_two_processes_from_shards(single_run, fsdp_stopped, tiny_data,
+                                                              tmp_path):
+    """The same sharded checkpoint continued by 2 processes (each reads its own rows)."""
+    import shutil
+    single, _ = single_run
+    run = tmp_path / "fsdp"
+    shutil.copytree(fsdp_stopped, run)
+    proc = torchrun(["-m", "tngram.train", *cli_args(tiny_data, "mini-tngram", run, EXTRA), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert_same_run(run, single)
+    # its later checkpoints are sharded too, the final weights gathered
+    assert ckpt.is_sharded_checkpoint(ckpt.latest_checkpoint(run))
 
 
 def test_fsdp_checkpoint_resumes_in_two_processes(single_run, tiny_data, tmp_path):

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,7 @@ from tngram.train.saved import config_from_saved
 
 MANIFEST = "manifest.json"
 CKPT_FILES = ("model.safetensors", "state.safetensors", "meta.json")
+DCP_DIR = "dcp"     # a sharded checkpoint's torch.distributed.checkpoint files (FSDP, > 1 process)
 
 
 # ---- (de)serialisation helpers
@@ -194,6 +196,173 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
     return final
 
 
+# ---- sharded checkpoints (FSDP2 with > 1 process): torch.distributed.checkpoint
+
+def sharded_temp(run_dir: str | os.PathLike, step: int) -> Path:
+    """The temporary folder of a sharded checkpoint: one name every process can compute."""
+    return Path(run_dir) / CKPT_DIR / f".tmp-step_{step:06d}-sharded"
+
+
+def begin_sharded_checkpoint(run_dir: str | os.PathLike, step: int, needed: int) -> Path:
+    """(Main process, before the shards are written) check the free space for `needed` bytes and
+    create the empty temporary folder with its dcp/ inside."""
+    root = make_dirs(run_dir, Path(run_dir) / CKPT_DIR)    # a linked checkpoints/ is refused
+    check_free_space(root, needed, f"checkpoint step_{step:06d}")
+    tmp = sharded_temp(run_dir, step)
+    try:
+        if os.path.lexists(tmp):
+            remove_tree(tmp) or os.unlink(tmp)
+        tmp.mkdir()
+        (tmp / DCP_DIR).mkdir()
+    except OSError as e:
+        remove_tree(tmp)
+        raise TngramError(f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}") from None
+    return tmp
+
+
+def write_shards(tmp: Path, tensors: dict[str, Any]) -> None:
+    """(Every process, collective) this process's part of `tensors` into tmp/dcp/ through
+    torch.distributed.checkpoint: DTensors as their local shards, plain tensors (equal on every
+    process) once. The storage is DCP's safetensors writer (HuggingFaceStorageWriter with
+    save_distributed: one file per process, each shard's offsets as JSON in the file's header),
+    so reading needs no pickle (DCP's default FileSystemReader unpickles its .metadata file)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    try:
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR), save_distributed=True))
+    except Exception as e:     # DCP raises every process's failure on every process
+        text = _short(e)
+        if "No space left" in str(e) or "Disk quota" in str(e):
+            raise DiskFull(f"disk full while writing the shards of checkpoint {tmp.name} ({text}); "
+                           f"the previous checkpoints are intact, free some space and --resume") from None
+        raise TngramError(f"cannot write the shards of checkpoint {tmp}: {text}") from None
+
+
+def finish_sharded_checkpoint(run_dir: str | os.PathLike, step: int, full_model: dict[str, torch.Tensor],
+                              optimizers_info: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
+    """(Main process, after every process wrote its shards) add the gathered weights (for
+    `tngram eval/export` and every other reader of model.safetensors), the RNG state and
+    meta.json, then the manifest (sizes and sha256 of these and of every file in dcp/) last;
+    rename the folder into place and delete all but the newest `keep` checkpoints."""
+    root = Path(run_dir) / CKPT_DIR
+    final, tmp = root / f"step_{step:06d}", sharded_temp(run_dir, step)
+    blobs = {
+        "model.safetensors": save({k: _cpu(v) for k, v in full_model.items()}, metadata={"step": str(step)}),
+        "state.safetensors": save(rng_tensors(), metadata={"step": str(step)}),
+        "meta.json": (json.dumps({**meta, "step": step, "format": "sharded", "optimizers": optimizers_info},
+                                 indent=1) + "\n").encode(),
+    }
+    try:
+        shards = {f.name: {"size": f.stat().st_size, "sha256": _file_sha256(f)}
+                  for f in sorted((tmp / DCP_DIR).iterdir())}
+        check_free_space(root, sum(len(b) for b in blobs.values()) + 4096, f"checkpoint step_{step:06d}")
+        manifest = {"step": step, "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
+                    "shards": shards}
+        for name, data in blobs.items():
+            _write_file(tmp / name, data)
+        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
+        _fsync_dir(tmp / DCP_DIR)
+        _fsync_dir(tmp)
+        if os.path.lexists(final):
+            remove_tree(final) or os.unlink(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except (OSError, TngramError) as e:
+        remove_tree(tmp)
+        if isinstance(e, TngramError):
+            raise
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"disk full while writing checkpoint step_{step:06d} to {root}; the torn copy "
+                           f"was removed and the previous checkpoints are intact; free some space and "
+                           f"--resume") from None
+        raise TngramError(f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}") from None
+    for old in list_checkpoints(run_dir)[:-keep]:
+        remove_tree(old, run_dir)
+    remove_torn_temps(run_dir)
+    return final
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether checkpoint folder `path` holds DCP shards (written by FSDP with > 1 process)."""
+    return real_dir(Path(path) / DCP_DIR)
+
+
+def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
+                            optimizers: dict[str, torch.optim.Optimizer] | None = None,
+                            restore_rng_state: bool = True) -> dict[str, Any]:
+    """Restore weights, optimisers and RNG from a sharded checkpoint at any world size: the model
+    and optimiser state may be FSDP-sharded (DTensors: each process reads the rows of its shard)
+    or not (1 process, no process group: full tensors). torch.distributed.checkpoint reshards;
+    the optimiser state's shapes and dtypes come from the shards' headers. Returns meta.json.
+    Collective when a process group exists."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    path = Path(path)
+    where = path / DCP_DIR
+    meta = _load_json(path / "meta.json")
+    reader = HuggingFaceStorageReader(str(where))
+    try:
+        md = reader.read_metadata().state_dict_metadata
+        shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in md.items()}
+    except Exception as e:
+        raise TngramError(f"{where}: corrupt sharded checkpoint ({_short(e)})") from None
+    own = model.state_dict()
+    template: dict[str, Any] = {}
+    for k, v in own.items():
+        got = shapes.get(f"model/{k}", (None,))[0]
+        if got != tuple(v.shape):
+            raise TngramError(f"{where}: the weights do not fit the model: {k} has shape {got}, the model "
+                              f"needs {tuple(v.shape)}; was it written by another config?")
+        template[f"model/{k}"] = v
+    extra = [k for k in shapes if k.startswith("model/") and k[len("model/"):] not in own]
+    if extra:
+        raise TngramError(f"{where}: the weights do not fit the model: unexpected {extra[:5]}")
+    for name, opt in (optimizers or {}).items():
+        if name not in meta.get("optimizers", {}):
+            raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
+        params = [p for g in opt.param_groups for p in g["params"]]
+        prefix = f"optim/{name}/"
+        for key, (shape, dtype) in shapes.items():
+            if not key.startswith(prefix):
+                continue
+            try:
+                p = params[int(key[len(prefix):].split("/", 1)[0])]
+            except (ValueError, IndexError):
+                raise TngramError(f"{where}: optimiser {name!r} state {key} does not fit this model") from None
+            # a state shaped like its parameter is sharded like it (a DTensor under FSDP)
+            template[key] = (torch.zeros_like(p, dtype=dtype) if shape == tuple(p.shape)
+                             else torch.zeros(shape, dtype=dtype, device=p.device))
+    single = not (dist.is_available() and dist.is_initialized())
+    try:
+        with warnings.catch_warnings():   # DCP warns that no_dist means one process: it does
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=reader, no_dist=single)
+    except Exception as e:
+        raise TngramError(f"{where}: cannot read the sharded checkpoint ({_short(e)})") from None
+    for k, v in template.items():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise TngramError(f"{where}: non-finite values in {k} (corrupt); move {path.name} away to "
+                              f"resume from an older checkpoint")
+    model.load_state_dict({k: template[f"model/{k}"] for k in own}, strict=True)
+    for name, opt in (optimizers or {}).items():
+        try:
+            optimizer_from_flat(name, opt, template, meta["optimizers"][name])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise TngramError(f"{where}: optimiser {name!r} state does not fit this model ({_short(e)})") from None
+    if optimizers and restore_rng_state:
+        state = _load_tensors(path / "state.safetensors")
+        if "rng/torch_cpu" not in state:
+            raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
+        try:
+            restore_rng(state)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise TngramError(f"{path / 'state.safetensors'}: the RNG state is corrupt ({_short(e)}); move "
+                              f"{path.name} away to resume from an older checkpoint") from None
+    return meta
+
+
 def remove_torn_temps(run_dir: str | os.PathLike) -> list[Path]:
     """Delete temporary files/folders that a killed or failed writer left in a run folder:
     checkpoints/.tmp-step_* and the `.NAME.*.tmp` files of atomic writes (in DIR and DIR/eval).
@@ -239,22 +408,34 @@ def _file_sha256(path: Path) -> str:
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """None if the checkpoint folder verifies, else the reason (one short phrase naming the file).
 
-    With manifest.json: every listed file exists with the recorded size and sha256. Older
-    checkpoints without a manifest are accepted if meta.json parses and both safetensors
-    headers read (their payloads cannot be checked)."""
+    With manifest.json: every listed file exists with the recorded size and sha256; a sharded
+    checkpoint's manifest also lists its dcp/ files ("shards"), and dcp/ must hold exactly those
+    (the shard reader reads every file there). Older checkpoints without a manifest are accepted
+    if meta.json parses and both safetensors headers read (their payloads cannot be checked)."""
     path = Path(path)
     mpath = path / MANIFEST
     if os.path.lexists(mpath):
         try:
-            files = load_json(mpath, limit=1 << 20)["files"]
+            manifest = load_json(mpath, limit=1 << 20)
+            files, shards = manifest["files"], manifest.get("shards", {})
             assert isinstance(files, dict) and set(files) >= set(CKPT_FILES)
-            assert all(isinstance(r, dict) for r in files.values())
-            for name in files:
+            assert isinstance(shards, dict)
+            assert all(isinstance(r, dict) for r in [*files.values(), *shards.values()])
+            for name in [*files, *shards]:
                 plain_name(name, str(mpath), "a file name")
         except (OSError, ValueError, KeyError, TypeError, AssertionError):
             return f"{MANIFEST} is corrupt"
-        for name, rec in files.items():
-            f = path / name
+        checks = [(path / n, n, r) for n, r in files.items()]
+        if "shards" in manifest or os.path.lexists(path / DCP_DIR):
+            folder = path / DCP_DIR
+            if is_link(folder) or not real_dir(folder):
+                return f"{DCP_DIR}/ is missing or not a folder"
+            present = set(os.listdir(folder))
+            if present != set(shards):
+                odd = sorted(present ^ set(shards))[0]
+                return (f"{DCP_DIR}/{odd} is " + ("not in the manifest" if odd in present else "missing"))
+            checks += [(folder / n, f"{DCP_DIR}/{n}", r) for n, r in shards.items()]
+        for f, name, rec in checks:
             try:
                 size = os.fstat(fd := open_fd(f)).st_size
                 os.close(fd)
@@ -265,6 +446,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
             if _file_sha256(f) != rec.get("sha256"):
                 return f"{name} does not match its sha256 in the manifest (corrupt)"
         return None
+    if os.path.lexists(path / DCP_DIR):
+        return f"{MANIFEST} is missing (a sharded checkpoint is always written with one)"
     for name in CKPT_FILES:
         if not os.path.lexists(path / name):
             return f"{name} is missing (no {MANIFEST}: an incomplete or older checkpoint)"

@@ -43,7 +43,8 @@ from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
-from tngram.train.fsdp import checkpoint_views, gather_for_save, local_parameters, shard_model
+from tngram.train.fsdp import (checkpoint_views, gather_for_save, local_parameters,
+                               save_sharded_checkpoint, shard_model)
 from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
@@ -351,8 +352,11 @@ class Trainer:
 
     def _load(self, latest: Path) -> None:
         """Weights, optimiser moments, loader position, RNG, step, tokens and times of `latest`."""
-        meta = ckpt.load_checkpoint(latest, *checkpoint_views(self.model, self.optimizers,
-                                                              self.sharded))
+        if ckpt.is_sharded_checkpoint(latest):   # FSDP's DCP shards, resharded to this world size
+            meta = ckpt.load_sharded_checkpoint(latest, self.model, self.optimizers)
+        else:
+            meta = ckpt.load_checkpoint(latest, *checkpoint_views(self.model, self.optimizers,
+                                                                  self.sharded))
         self.loader.load_state_dict(meta["loader"])
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.clock = StepClock(meta["train_time_s"], meta["wall_s"])
@@ -550,13 +554,16 @@ class Trainer:
         if not all_true(all(bool(torch.isfinite(p).all()) for p in local_parameters(self.model)), ctx):
             raise TngramError(f"non-finite parameters after step {self.step}; not writing a checkpoint "
                               f"(the last good one is kept in {self.run_dir / ckpt.CKPT_DIR})")
-        model, optimizers = gather_for_save(self.model, self.optimizers, self.sharded)  # FSDP: full
-        if ctx.is_main:
-            ckpt.save_checkpoint(self.run_dir, self.step, model, optimizers, {
-                "tokens": self.tokens, "wall_s": self.clock.wall(),
+        meta = {"tokens": self.tokens, "wall_s": self.clock.wall(),
                 "train_time_s": self.clock.total_train_time(), "world_size": ctx.world_size,
                 "loader": self.loader.state_dict(), "train_loss": self.last_loss,
-                "config": self.cfg.to_dict()}, keep=self.cfg.run.keep_checkpoints)
+                "config": self.cfg.to_dict()}
+        if self.sharded:    # FSDP: every process writes its shards through DCP (tngram.train.fsdp)
+            save_sharded_checkpoint(self.run_dir, self.step, self.model, self.optimizers, meta,
+                                    self.cfg.run.keep_checkpoints, ctx)
+        elif ctx.is_main:
+            ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizers, meta,
+                                 keep=self.cfg.run.keep_checkpoints)
         barrier(ctx)
 
     def finish(self, health: LossHealth) -> dict[str, Any]:
