@@ -32,6 +32,7 @@ from test_train_support import (cli_args, losses, single_thread, tiny_config, ti
                                 weights)
 from tngram.common import TngramError
 from tngram.train import checkpoint as ckpt
+from tngram.train import sharded_checkpoint as shckpt
 from tngram.train.loop import train
 
 pytestmark = pytest.mark.dist
@@ -104,7 +105,7 @@ def test_fsdp_checkpoint_is_sharded_through_dcp(fsdp_stopped, single_run):
     them are the 1-process run's weights at that step; a changed or added shard is refused."""
     single, _ = single_run
     c = ckpt.latest_checkpoint(fsdp_stopped)
-    assert ckpt.checkpoint_step(c) == SAVE_AT and ckpt.is_sharded_checkpoint(c)
+    assert ckpt.checkpoint_step(c) == SAVE_AT and shckpt.is_sharded_checkpoint(c)
     meta = ckpt.read_checkpoint_meta(c)
     assert meta["world_size"] == 2 and meta["format"] == "sharded"
     shards = sorted(p.name for p in (c / ckpt.DCP_DIR).iterdir())
@@ -174,7 +175,7 @@ def test_fsdp_checkpoint_resumes_in_two_processes_from_shards(single_run, fsdp_s
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert_same_run(run, single)
     # its later checkpoints are sharded too, the final weights gathered
-    assert ckpt.is_sharded_checkpoint(ckpt.latest_checkpoint(run))
+    assert shckpt.is_sharded_checkpoint(ckpt.latest_checkpoint(run))
 
 
 def test_fsdp_checkpoint_resumes_in_two_processes(single_run, tiny_data, tmp_path):

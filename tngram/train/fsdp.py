@@ -192,66 +192,6 @@ class _Frozen:
         return self._sd
 
 
-def sharded_state(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What a sharded checkpoint writes through torch.distributed.checkpoint: the tensors
-    ("model/NAME", "optim/OPT/IDX/KEY": DTensor shards, or plain tensors equal on every process
-    such as Adam's step count) and each optimiser's JSON-able rest (param groups, non-tensor state;
-    for meta.json). The names are those of the gathered format (tngram.train.checkpoint)."""
-    tensors: dict[str, Any] = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
-    info: dict[str, Any] = {}
-    for name, opt in optimizers.items():
-        sd = opt.state_dict()
-        plain: dict[str, dict[str, Any]] = {}
-        for idx, st in sd["state"].items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"optim/{name}/{idx}/{k}"] = v.detach()
-                else:
-                    plain.setdefault(str(idx), {})[k] = v
-        info[name] = {"param_groups": sd["param_groups"], "plain_state": plain}
-    return tensors, info
-
-
-def save_sharded_checkpoint(run_dir: Any, step: int, model: nn.Module,
-                            optimizers: dict[str, torch.optim.Optimizer], meta: dict[str, Any],
-                            keep: int, ctx: Any) -> None:
-    """A checkpoint of a sharded model (every process calls this; ctx: the trainer's DistContext).
-
-    Every process writes its own shards of the weights and optimiser state through
-    torch.distributed.checkpoint into one temporary folder; the main process adds the gathered
-    weights (model.safetensors, for every reader of weights), the RNG state, meta.json and the
-    manifest, then renames the folder into place (tngram.train.checkpoint). A failure on any
-    process is raised on every process (one line), and the previous checkpoints stay intact."""
-    from tngram.train import checkpoint as ckpt
-    from tngram.train.dist import broadcast_str
-
-    def agreed(fn: Any) -> Any:          # run fn on the main process; its error on every process
-        out, err, exc = None, None, None
-        if ctx.is_main:
-            try:
-                out = fn()
-            except TngramError as e:
-                err, exc = str(e), e
-        err = broadcast_str(err, ctx)
-        if err is not None:
-            raise exc if exc is not None else TngramError(err)
-        return out
-
-    full = FullStateModel(model).state_dict()            # collective: the weights for readers
-    tensors, info = sharded_state(model, optimizers)
-    needed = sum(v.numel() * v.element_size() for v in [*tensors.values(), *full.values()]) + 65536
-    agreed(lambda: ckpt.begin_sharded_checkpoint(run_dir, step, needed))
-    try:
-        ckpt.write_shards(ckpt.sharded_temp(run_dir, step), tensors)   # collective
-    except TngramError:
-        if ctx.is_main:
-            from tngram.safefs import remove_tree
-            remove_tree(ckpt.sharded_temp(run_dir, step))
-        raise
-    agreed(lambda: ckpt.finish_sharded_checkpoint(run_dir, step, full, info, meta, keep))
-
-
 def local_parameters(model: nn.Module) -> Iterator[Tensor]:
     """Each parameter's local data (the shard under FSDP): for finiteness checks without gathers."""
     for p in model.parameters():

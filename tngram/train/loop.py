@@ -43,8 +43,8 @@ from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
-from tngram.train.fsdp import (checkpoint_views, gather_for_save, local_parameters,
-                               save_sharded_checkpoint, shard_model)
+from tngram.train.fsdp import gather_for_save, local_parameters, shard_model
+from tngram.train.sharded_checkpoint import load_step_checkpoint, save_step_checkpoint
 from tngram.train.warmstart import apply_warmstart
 from tngram.optim.muon import Muon
 from tngram.optim.schedules import lr_multiplier, muon_momentum
@@ -352,11 +352,7 @@ class Trainer:
 
     def _load(self, latest: Path) -> None:
         """Weights, optimiser moments, loader position, RNG, step, tokens and times of `latest`."""
-        if ckpt.is_sharded_checkpoint(latest):   # FSDP's DCP shards, resharded to this world size
-            meta = ckpt.load_sharded_checkpoint(latest, self.model, self.optimizers)
-        else:
-            meta = ckpt.load_checkpoint(latest, *checkpoint_views(self.model, self.optimizers,
-                                                                  self.sharded))
+        meta = load_step_checkpoint(latest, self.model, self.optimizers, self.sharded)  # any world size
         self.loader.load_state_dict(meta["loader"])
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.clock = StepClock(meta["train_time_s"], meta["wall_s"])
@@ -549,7 +545,8 @@ class Trainer:
         self.log.log(row)
 
     def save(self) -> None:
-        """A checkpoint of this step: every process checks its weights are finite, the main one writes."""
+        """A checkpoint of this step: every process checks its weights are finite; the main one writes
+        (FSDP-sharded: every process writes its shards through DCP, tngram.train.sharded_checkpoint)."""
         ctx = self.ctx
         if not all_true(all(bool(torch.isfinite(p).all()) for p in local_parameters(self.model)), ctx):
             raise TngramError(f"non-finite parameters after step {self.step}; not writing a checkpoint "
@@ -558,12 +555,8 @@ class Trainer:
                 "train_time_s": self.clock.total_train_time(), "world_size": ctx.world_size,
                 "loader": self.loader.state_dict(), "train_loss": self.last_loss,
                 "config": self.cfg.to_dict()}
-        if self.sharded:    # FSDP: every process writes its shards through DCP (tngram.train.fsdp)
-            save_sharded_checkpoint(self.run_dir, self.step, self.model, self.optimizers, meta,
-                                    self.cfg.run.keep_checkpoints, ctx)
-        elif ctx.is_main:
-            ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizers, meta,
-                                 keep=self.cfg.run.keep_checkpoints)
+        save_step_checkpoint(self.run_dir, self.step, self.model, self.optimizers, meta,  # FSDP: DCP shards
+                             self.cfg.run.keep_checkpoints, ctx, self.sharded)
         barrier(ctx)
 
     def finish(self, health: LossHealth) -> dict[str, Any]:
