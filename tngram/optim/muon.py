@@ -133,7 +133,7 @@ class Muon(torch.optim.Optimizer):
         """One group of DTensor (FSDP2-sharded) matrices: the momentum buffer stays the local
         shard; the Nesterov update is all-gathered (full_tensor), orthogonalised on every process
         (the same bf16 result everywhere) and only the local shard is applied. Same numbers as
-        the unsharded step up to the gradients' reduction order."""
+        the unsharded step given the same gradients (FSDP's are bitwise those of 1 process)."""
         from torch.distributed.tensor import distribute_tensor
         lr, mu = group["lr"], group["momentum"]
         for p in group["params"]:

@@ -11,6 +11,10 @@ Layout of a run folder:
         manifest.json                  size and sha256 of the three files above, written last
     DIR/model.safetensors              final weights (metadata: step), written at the end
 
+An FSDP-sharded run (> 1 process) writes its checkpoints through torch.distributed.checkpoint
+instead: the same folder plus dcp/ (each process's shards; tngram.train.sharded_checkpoint),
+state.safetensors then holds only the RNG state, and the manifest lists the dcp/ files too.
+
 A checkpoint is written into a hidden temporary folder (every file fsync'ed, manifest.json
 last) and renamed to step_NNNNNN only when complete, so a process killed at any moment leaves
 either the previous set of checkpoints or the new one; leftover temporary folders are removed

@@ -14,14 +14,17 @@ Nesterov update of a matrix before Newton-Schulz (the orthogonalisation needs th
 then applies only the local rows; every process orthogonalises every matrix (the same bf16
 result on each; no round-robin), a documented choice trading compute for no extra collective.
 
-Checkpoints (resume at any world size, also 1 process without FSDP): the sharded weights and
-optimiser state are gathered to full tensors with DTensor.full_tensor() (every process takes
-part, in parameter order) and written in the usual single-file format (tngram.train.checkpoint);
-on resume the full tensors are read by every process and each keeps its own shard
-(distribute_tensor with the parameter's own mesh and placements, no communication). This is
-torch.distributed.checkpoint's "full state dict" mode done by hand, so the files stay readable
-by `tngram eval/export`; a sharded dcp.save is not used (a model must fit one host's memory
-when its checkpoint is written).
+Gradients equal those of 1 process bitwise (tests/test_dist_fsdp.py, 20 steps): a unit's
+repeated input tensor gets its own view node so the gradient sum at it keeps the unsharded
+order (`_split_repeated_inputs`).
+
+Checkpoints (resume at any world size, also 1 process without FSDP): each process writes its
+shards through torch.distributed.checkpoint (tngram.train.sharded_checkpoint; the weights are
+also gathered into the checkpoint's model.safetensors for readers). A checkpoint in the usual
+full-tensor format (written by 1 process) is read into the shards by the views below: every
+process reads the full tensors and keeps its own shard (distribute_tensor with the parameter's
+own mesh and placements, no communication). The final weights are gathered with
+DTensor.full_tensor() (every process takes part, in parameter order).
 
 Not combined with optim.memory_update sparse/rowwise (FSDP reduce-scatters dense gradients only):
 use run.parallel=ddp for those. With one process FSDP is not applied (the same single-process run).
