@@ -10,9 +10,11 @@ from step 2 on (FSDP2's post-backward Function summed the first block's x and x0
 in another order) and Muon's bf16 Newton-Schulz amplified it: relative loss difference 2.7e-7 at
 step 4, 8.4e-5 at 6, 5.2e-4 at 20 (same config, warmdown 3). Tolerances here: 1e-6 relative loss,
 1e-6 absolute weight (as tests/test_dist_ddp.py; the old difference fails them from step 5).
-Checkpoints are gathered to full tensors (tngram.train.checkpoint's usual files): saved by 2
-processes at step 5 and continued by 1, or saved by 1 and continued by 2, the run equals the
-uninterrupted 1-process run to the same tolerances (measured: bitwise). A memory attached to a
+Checkpoints of 2 processes go through torch.distributed.checkpoint (tngram.train.sharded_checkpoint:
+one file of shards per process, listed in the manifest, the gathered weights beside them): saved
+by 2 processes at step 5 and continued by 1 or by 2, or saved by 1 (the usual full-tensor files)
+and continued by 2, the run equals the uninterrupted 1-process run to the same tolerances
+(measured: bitwise); a changed or added shard is refused. A memory attached to a
 transformers model (tngram.hf) trains under fully_shard: 2 processes equal 1 within 1e-6 over 4
 AdamW steps.
 """
