@@ -80,7 +80,7 @@ def _timers() -> Iterator[dict[str, list[float]]]:
     wrap(Muon, "step", "muon")
     wrap(torch.nn.Module, "zero_grad", "zero_grad")
     wrap(loop, "evaluate_bpb", "eval", eval_flag=True)
-    wrap(ckpt, "save_checkpoint", "checkpoint")
+    wrap(loop, "save_step_checkpoint", "checkpoint")      # the loop's call (usual files or FSDP shards)
     wrap(ckpt, "save_final_weights", "final_weights")
     wrap(MetricsLog, "log", "log")
     wrap(Progress, "update", "progress")
