@@ -663,9 +663,10 @@ def test_real_ctrl_c_during_data_build_is_one_line_and_leaves_nothing(tmp_path):
     # a clean environment: no torchrun variables another test may have left (print0 would go quiet)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # the child starts with SIGINT at its default, as from a shell: in the full suite the pytest
-    # process was seen with SIGINT ignored (left so by an earlier test, not yet identified), and an
-    # ignored signal is inherited across exec, so the build ran to the end
+    # the child starts with SIGINT at its default, as from an interactive shell: a pytest started
+    # in the background of a non-interactive shell (`cmd &`, as CI scripts and job runners do)
+    # inherits SIGINT ignored, an ignored signal is inherited across exec, and the build would run
+    # to the end (no test changes the handlers: conftest's _signal_handlers_restored checks it)
     proc = subprocess.Popen([sys.executable, "-m", "tngram", "data", "build", "--from-text", str(text),
                              "--vocab-size", "512", "--out", str(tmp_path / "data")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
