@@ -383,20 +383,31 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         for name, opt in optimizers.items():
             if name not in meta.get("optimizers", {}):
                 raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
-            try:
-                optimizer_from_flat(name, opt, state, meta["optimizers"][name])
-            except (KeyError, ValueError, TypeError, RuntimeError) as e:
-                raise TngramError(f"{path / 'state.safetensors'}: optimiser {name!r} state does not fit "
-                                  f"this model ({_short(e)})") from None
+            load_optimizer_checked(path / "state.safetensors", name, opt, state, meta["optimizers"][name])
         if restore_rng_state:
-            if "rng/torch_cpu" not in state:
-                raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
-            try:
-                restore_rng(state)
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise TngramError(f"{path / 'state.safetensors'}: the RNG state is corrupt ({_short(e)}); move "
-                                  f"{path.name} away to resume from an older checkpoint") from None
+            restore_rng_checked(path, state)
     return meta
+
+
+def load_optimizer_checked(where: Path | str, name: str, opt: torch.optim.Optimizer,
+                           tensors: dict[str, torch.Tensor], layout: Any) -> None:
+    """`optimizer_from_flat`, any failure one line naming `where` (state that does not fit)."""
+    try:
+        optimizer_from_flat(name, opt, tensors, layout)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise TngramError(f"{where}: optimiser {name!r} state does not fit this model ({_short(e)})") from None
+
+
+def restore_rng_checked(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """`restore_rng` from checkpoint folder `path`'s state.safetensors tensors, one line if absent
+    or corrupt."""
+    if "rng/torch_cpu" not in state:
+        raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
+    try:
+        restore_rng(state)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise TngramError(f"{path / 'state.safetensors'}: the RNG state is corrupt ({_short(e)}); move "
+                          f"{path.name} away to resume from an older checkpoint") from None
 
 
 def load_weights(model: nn.Module, file: str | os.PathLike,

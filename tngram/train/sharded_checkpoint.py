@@ -43,8 +43,8 @@ from tngram.safefs import make_dirs, real_dir, remove_tree
 from tngram.train.checkpoint import (CKPT_DIR, DCP_DIR, MANIFEST, DiskFull, _cpu, _file_sha256,
                                      _fsync_dir, _load_json, _load_tensors, _sha256, _short,
                                      _write_file, check_free_space, list_checkpoints,
-                                     load_checkpoint, optimizer_from_flat, remove_torn_temps,
-                                     restore_rng, rng_tensors, save_checkpoint)
+                                     load_checkpoint, load_optimizer_checked, remove_torn_temps,
+                                     restore_rng_checked, rng_tensors, save_checkpoint)
 from tngram.train.fsdp import FullStateModel, checkpoint_views
 
 
@@ -275,17 +275,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
                               f"resume from an older checkpoint")
     model.load_state_dict({k: template[f"model/{k}"] for k in own}, strict=True)
     for name, opt in (optimizers or {}).items():
-        try:
-            optimizer_from_flat(name, opt, template, meta["optimizers"][name])
-        except (KeyError, ValueError, TypeError, RuntimeError) as e:
-            raise TngramError(f"{where}: optimiser {name!r} state does not fit this model ({_short(e)})") from None
+        load_optimizer_checked(where, name, opt, template, meta["optimizers"][name])
     if optimizers and restore_rng_state:
-        state = _load_tensors(path / "state.safetensors")
-        if "rng/torch_cpu" not in state:
-            raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
-        try:
-            restore_rng(state)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise TngramError(f"{path / 'state.safetensors'}: the RNG state is corrupt ({_short(e)}); move "
-                              f"{path.name} away to resume from an older checkpoint") from None
+        restore_rng_checked(path, _load_tensors(path / "state.safetensors"))
     return meta
