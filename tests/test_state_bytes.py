@@ -33,14 +33,14 @@ FAMILIES = {"engram": {"table_budget": (7, 7, 7, 7), "n_embed_per_ngram": 32},
             "oe": {"table_rows": 11}}
 
 
-def _cfg(family: str, mode: str):  # noqa: ANN202
+def _cfg(family: str, mode: str, catchup: bool = False):  # noqa: ANN202
     from tngram.experiments.common import base_recipe
     cfg = base_recipe("mini", family.split("-")[0])
     m = cfg.model
     mem = replace(m.memory, **FAMILIES[family])
     return replace(cfg, model=replace(m, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, vocab_size=64,
                                       sequence_len=16, memory_layers=(0, 1), memory=mem),
-                   optim=replace(cfg.optim, memory_update=mode))
+                   optim=replace(cfg.optim, memory_update=mode, memory_catchup=catchup))
 
 
 def _width(cfg, p_shape) -> int:  # noqa: ANN001
@@ -60,7 +60,8 @@ def _held(cfg) -> dict[str, int]:  # noqa: ANN001
     model = GPT(cfg.model)
     o = cfg.optim
     groups = build_param_groups(model, o)
-    table_opt, rest = setup_memory_update(model, groups, o.memory_update, (o.beta1, o.beta2), o.adam_eps)
+    table_opt, rest = setup_memory_update(model, groups, o.memory_update, (o.beta1, o.beta2), o.adam_eps,
+                                          o.memory_catchup)
     opts = [torch.optim.Adam([g for g in rest if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2),
                              eps=o.adam_eps),
             Muon([g for g in rest if g["optimizer"] == "muon"], lr=o.matrix_lr, momentum=o.muon_momentum,
@@ -82,17 +83,23 @@ def _held(cfg) -> dict[str, int]:  # noqa: ANN001
     if table_opt is not None:                 # its step counter is an int: every tensor is state
         assert set(table_opt.state) == set(tables)
         out["tables"] += optimizer_state_bytes(table_opt, tables)
+        # catch-up's lr history grows with the steps, not the table: not counted per parameter
+        out["tables"] -= sum(st["lr_history"].numel() * 8 for st in table_opt.state.values()
+                             if "lr_history" in st)
     out["table_params"] = sum(p.numel() for p in tables)
+    out["rows"] = sum(p.numel() // _width(cfg, p.shape) for p in tables)
     out["by_config"] = sum(4 * p.numel() + 4 * p.numel() // _width(cfg, p.shape) for p in tables)
     return out
 
 
-@pytest.mark.parametrize("mode", MEMORY_UPDATES)
+@pytest.mark.parametrize("mode", list(MEMORY_UPDATES) + ["sparse+catchup", "rowwise+catchup"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_plan_and_pareto_count_the_state_real_optimiser_steps_allocate(family, mode):
     from tngram.cli.plan import state_bytes
     from tngram.experiments.pareto_report import optimizer_state_bytes as pareto_bytes
-    cfg = _cfg(family, mode)
+    mode, _, catchup = mode.partition("+")
+    cfg = _cfg(family, mode, bool(catchup))
+    last = 4 * _held(cfg)["rows"] if catchup else 0     # catch-up: + the last step of each row (int32)
     held = _held(cfg)
     with torch.device("meta"):
         planned = state_bytes(GPT(cfg.model), cfg.optim)
@@ -101,9 +108,9 @@ def test_plan_and_pareto_count_the_state_real_optimiser_steps_allocate(family, m
     assert planned["memory_table_params"] == held["table_params"]
     assert pareto_bytes(cfg)["total"] == held["tables"] + held["rest"]
     if mode == "rowwise":   # 4 + 4/width B per table parameter, width from the config
-        assert held["tables"] == held["by_config"] < 8 * held["table_params"]
+        assert held["tables"] == held["by_config"] + last < 8 * held["table_params"]
     else:                   # dense Adam and LazyAdam: two fp32 moments
-        assert held["tables"] == 8 * held["table_params"]
+        assert held["tables"] == 8 * held["table_params"] + last
 
 
 def test_plan_cli_takes_memory_update_and_moves_only_the_table_state(capsys):

@@ -24,16 +24,18 @@ def specs(monkeypatch):
 def test_dense_runs_are_the_pareto_runs_and_twins_change_only_the_update(specs):
     factors = {**TUNED_DEFAULT, "oe": 2.0, "longcat": 2.0}
     pareto = {s.label: s for s in specs_for(["default"], "mini", 2, 3, factors)}
-    assert len(specs) == 2 * 2 * 3          # seeds x memories x (dense, sparse, rowwise)
+    # seeds x memories x (dense, sparse, rowwise, sparse+catchup, rowwise+catchup)
+    assert len(specs) == 2 * 2 * 5
     for s in specs:
-        base = s.label.replace("-sparse", "").replace("-rowwise", "")
+        base = s.label.replace("-catchup", "").replace("-sparse", "").replace("-rowwise", "")
         assert base in pareto                # the dense twin is a pareto point, same folder name
         want = pareto[base].config.to_dict()
         got = s.config.to_dict()
         if s.tags["update"] == "dense":
             assert got == want
         else:
-            assert got["optim"].pop("memory_update") == s.tags["update"]
+            assert got["optim"].pop("memory_update") == s.tags["update"].split("+")[0]
+            assert got["optim"].pop("memory_catchup", False) == s.tags["update"].endswith("+catchup")
             assert got == want
     assert {(s.tags["family"], s.tags["size"]) for s in specs} == {("engram", 3800), ("tngram", 352)}
 

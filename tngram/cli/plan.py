@@ -103,7 +103,8 @@ def state_bytes(model: nn.Module, optim_cfg: Any) -> dict[str, int]:
     for g in build_param_groups(model, optim_cfg):
         for p in g["params"]:
             table = id(p) in tables
-            b = param_state_bytes(g["optimizer"], p.shape, optim_cfg.memory_update, table)
+            b = param_state_bytes(g["optimizer"], p.shape, optim_cfg.memory_update, table,
+                                  optim_cfg.memory_catchup)
             out["memory_table_state" if table else f"{g['optimizer']}_state"] += b
             out["memory_table_params"] += p.numel() if table else 0
     return out

@@ -70,7 +70,8 @@ def optimizer_state_bytes(cfg: Any) -> dict[str, int]:
     total = memory = 0
     for g in build_param_groups(model, cfg.optim):
         for p in g["params"]:
-            b = param_state_bytes(g["optimizer"], p.shape, cfg.optim.memory_update, id(p) in tables)
+            b = param_state_bytes(g["optimizer"], p.shape, cfg.optim.memory_update, id(p) in tables,
+                                  cfg.optim.memory_catchup)
             total += b
             memory += b if id(p) in mem_ids else 0
     return {"total": total, "memory": memory}

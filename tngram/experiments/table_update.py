@@ -3,7 +3,8 @@
 For each corpus, seed and memory (Engram at table_budget 3800, TN-gram at cp_rank 352: the pareto
 map's recipe-size points, each at its tuned table lr), one run per update option. The `dense` run is
 exactly the pareto run of the same point (same label, same config), so pointing --out at a pareto
-folder reuses those runs; `sparse` / `rowwise` change only `optim.memory_update`. Pairs share the
+folder reuses those runs; `sparse` / `rowwise` change only `optim.memory_update`, and their
+`+catchup` twins also set `optim.memory_catchup` (the missed steps' moves added in closed form). Pairs share the
 seed (initialisation and data order) and corpus; the report gives, per corpus and memory, the
 paired difference (option − dense) of validation loss with its 95% t interval
 (tngram.report.stats). The goal stated for the options: within 0.005 nats of dense.
@@ -18,7 +19,9 @@ from typing import Any
 from tngram.common import atomic_write_json, atomic_write_text, print0
 
 POINTS = {"engram": 3800, "tngram": 352}    # pareto's recipe-size points (table_budget, cp_rank)
-UPDATES = ("sparse", "rowwise")
+# option name -> (optim.memory_update, optim.memory_catchup)
+UPDATES = {"sparse": ("sparse", False), "rowwise": ("rowwise", False),
+           "sparse+catchup": ("sparse", True), "rowwise+catchup": ("rowwise", True)}
 GOAL_NATS = 0.005
 
 
@@ -31,10 +34,11 @@ def specs(corpora: list[str], prefix: str, seeds: int, steps: int | None, factor
     out = []
     for s in dense:
         out.append(replace(s, tags={**s.tags, "update": "dense"}))
-        for u in UPDATES:
-            cfg = replace(s.config, optim=replace(s.config.optim, memory_update=u))
+        for u, (mode, catchup) in UPDATES.items():
+            cfg = replace(s.config, optim=replace(s.config.optim, memory_update=mode, memory_catchup=catchup))
             label = s.label.rsplit("-s", 1)
-            out.append(replace(s, label=f"{label[0]}-{u}-s{label[1]}", config=cfg, tags={**s.tags, "update": u}))
+            name = u.replace("+", "-")
+            out.append(replace(s, label=f"{label[0]}-{name}-s{label[1]}", config=cfg, tags={**s.tags, "update": u}))
     return out
 
 

@@ -35,6 +35,9 @@ class OptimConfig:
     # memory tables: "dense" Adam | "sparse" lazy Adam on touched rows | "rowwise" one second
     # moment per row (tngram.optim.memory_update); config.json omits it when "dense"
     memory_update: str = "dense"
+    # sparse/rowwise only: add, when a row is read again, the moves dense Adam would have made on it
+    # in the steps it was not read (closed form; tngram.optim.memory_update). Omitted when false
+    memory_catchup: bool = False
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -82,6 +85,8 @@ class TrainConfig:
         optim = asdict(self.optim)
         if optim["memory_update"] == "dense":   # written only when set: older runs' configs match
             del optim["memory_update"]
+        if not optim["memory_catchup"]:
+            del optim["memory_catchup"]
         run = asdict(self.run)
         if run["parallel"] == "ddp":
             del run["parallel"]
@@ -167,6 +172,10 @@ def validate_config(cfg: TrainConfig) -> None:
     _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
     _check(o.memory_update in ("dense", "sparse", "rowwise"), "optim.memory_update",
            "one of dense, sparse, rowwise", o.memory_update)
+    _check(isinstance(o.memory_catchup, bool), "optim.memory_catchup", "true or false", o.memory_catchup)
+    if o.memory_catchup and o.memory_update == "dense":
+        raise TngramError("optim.memory_catchup=true needs optim.memory_update=sparse or rowwise "
+                          "(dense Adam moves every row at every step already)")
     _check(r.parallel in ("ddp", "fsdp"), "run.parallel", "ddp or fsdp", r.parallel)
     if r.parallel == "fsdp" and o.memory_update != "dense":
         raise TngramError("run.parallel=fsdp needs optim.memory_update=dense (FSDP reduce-scatters "

@@ -42,7 +42,7 @@ from tngram.cpu import StepWatch
 from tngram.eval.bpb import evaluate_bpb
 from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
-from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
+from tngram.optim.memory_update import clip_grad_norm, settle_tables, settled_tables, setup_memory_update
 from tngram.train.fsdp import gather_for_save, local_parameters, shard_model
 from tngram.train.sharded_checkpoint import load_step_checkpoint, save_step_checkpoint
 from tngram.train.warmstart import apply_warmstart
@@ -120,7 +120,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
         torch.set_num_threads(cfg.run.threads)
     else:
         watch = _choose_threads(ctx, threads)
-    lock = None
+    lock = trainer = None
     try:
         lock = _claim(run_dir, cfg, resume, ctx)
         trainer = Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress)
@@ -133,6 +133,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
         if lock is not None:
             release_run_dir(lock)
         torch.set_num_threads(threads)
+        if trainer is not None:
+            trainer.drop_ddp()
         shutdown(ctx)
     if ctx.is_main:    # the lock is released: the run can be resumed right away
         print(f"tngram: {cfg.name} stopped by {signal_name(stopped.signum)} after step {stopped.step}; "
@@ -332,7 +334,7 @@ class Trainer:
         # optim.memory_update sparse/rowwise: the tables get row-sparse gradients and their own
         # optimiser (tngram.optim.memory_update); "dense" leaves `groups` as they are
         table_opt, rest = setup_memory_update(model, self.groups, o.memory_update,
-                                              (o.beta1, o.beta2), o.adam_eps)
+                                              (o.beta1, o.beta2), o.adam_eps, o.memory_catchup)
         muon_groups = [g for g in rest if g["optimizer"] == "muon"]
         adam_groups = [g for g in rest if g["optimizer"] == "adam"]
         self.optimizers: dict[str, torch.optim.Optimizer] = {
@@ -523,12 +525,25 @@ class Trainer:
             self.say(f"tngram: step {self.step}: CP rank pruned " + ", ".join(
                 f"{n} {a}->{b}" for n, a, b in changes) + f"; delta params now {self.sizes['delta_params']:,}")
 
+    def drop_ddp(self) -> None:
+        """Free the DDP wrapper while the process group is still registered. Otherwise its
+        Reducer can hold the last reference to the gloo group, whose destructor then joins the
+        gloo worker thread with the GIL held while that thread waits for the GIL to free a
+        finished collective's tensor: an intermittent hang at exit (pytorch/pytorch#56297)."""
+        if self.ctx.distributed and not self.sharded and getattr(self, "fwd_model", None) is not None:
+            self.fwd_model = None
+            import gc
+            gc.collect()      # DDP's hooks hold it in reference cycles
+
     def evaluate(self) -> dict[str, Any]:
+        """Validation loss and BPB; table rows owed moves (optim.memory_catchup) are settled for it
+        and restored after, so training continues bit for bit."""
         cfg = self.cfg
-        return evaluate_bpb(self.model, self.val_tokens, cfg.model.sequence_len, self.luts,
-                            cfg.data.micro_batch_seqs, ddp_rank=self.ctx.ddp_rank,
-                            world_size=self.ctx.world_size, autocast_dtype=self.amp,
-                            max_tokens=cfg.data.val_tokens, lockstep=self.sharded)
+        with settled_tables(self.optimizers.values()):
+            return evaluate_bpb(self.model, self.val_tokens, cfg.model.sequence_len, self.luts,
+                                cfg.data.micro_batch_seqs, ddp_rank=self.ctx.ddp_rank,
+                                world_size=self.ctx.world_size, autocast_dtype=self.amp,
+                                max_tokens=cfg.data.val_tokens, lockstep=self.sharded)
 
     def log_row(self, loss: float, progress: Progress) -> None:
         """One metrics row (tokens/s over the steps since the previous row), with validation when due."""
@@ -580,6 +595,7 @@ class Trainer:
             from tngram.memory.cp_rank import cp_ranks
             summary["cp_ranks"] = cp_ranks(self.model)
             summary["prune_at_step"] = self.prune_at
+        settle_tables(self.optimizers.values())    # optim.memory_catchup: rows owed moves get them
         final_model = gather_for_save(self.model, {}, self.sharded)[0]   # FSDP: full tensors
         if ctx.is_main:
             ckpt.save_final_weights(self.run_dir, final_model, self.step)
