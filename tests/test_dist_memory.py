@@ -1,6 +1,7 @@
 """Row-sparse memory updates under DDP: 2 gloo processes == 1 process with doubled accumulation.
 
-As tests/test_dist_ddp.py, with optim.memory_update=sparse (Engram) and rowwise (TN-gram): the
+As tests/test_dist_ddp.py, with optim.memory_update=sparse (Engram) and rowwise with catch-up
+(TN-gram; its per-row state is the same on every process, as the rows are): the
 tables are left out of DDP and their sparse gradients all-gathered by
 tngram.train.dist.sync_sparse_grads (rows summed over processes, divided by 2), which equals
 accumulating the two micro-batches' gradients in one process up to the order of the float sums.
@@ -27,9 +28,10 @@ EXTRA = ["schedule.steps=5", "schedule.warmdown_steps=2", "run.val_every=0",
          "run.checkpoint_every=0", "optim.grad_clip_norm=0.5"]
 
 
-@pytest.mark.parametrize("recipe, mode", [("mini-engram", "sparse"), ("mini-tngram", "rowwise")])
+@pytest.mark.parametrize("recipe, mode", [("mini-engram", "sparse"), ("mini-tngram", "rowwise+catchup")])
 def test_sparse_tables_two_processes_equal_one(tiny_data, tmp_path, recipe, mode):
-    extra = EXTRA + [f"optim.memory_update={mode}"]
+    mode, _, catchup = mode.partition("+")
+    extra = EXTRA + [f"optim.memory_update={mode}"] + (["optim.memory_catchup=true"] if catchup else [])
     single = tmp_path / "single"
     with single_thread():
         train(tiny_config(tiny_data, recipe, extra), single)

@@ -5,7 +5,8 @@ model.vocab_size = V; Engram's table budget 5 V per head and TN-gram's V x R fac
 runs one optimiser step of one micro-batch (8 x 256 random tokens, bf16 autocast on CPU): forward,
 backward, a gradient-norm clip call (as with optim.grad_clip_norm > 0; threshold never reached),
 Muon for matrices, Adam for the rest, and for the memory tables each
-`optim.memory_update` option ("dense" Adam, "sparse" lazy SparseAdam, "rowwise" RowwiseAdam) -
+`optim.memory_update` option ("dense" Adam, "sparse" lazy SparseAdam, "rowwise" RowwiseAdam; and
+"sparse+catchup" / "rowwise+catchup" with optim.memory_catchup) -
 the trainer's optimiser set-up (`tngram.optim.memory_update.setup_memory_update`). The candidates
 of one V are timed interleaved in this process (medians of `reps` after `warmup` untimed steps);
 the raw model is timed in the same rounds, so "overhead" = memory step - raw step of the same V.
@@ -38,6 +39,8 @@ from tngram.bench.common import fmt_ms, interleaved, machine_info, peak_rss_delt
 DEFAULT_VOCABS = (1024, 8192, 32768, 131072)
 MODELS = ("raw", "engram", "tngram")
 UPDATES = ("dense", "sparse", "rowwise")
+# also accepted: "sparse+catchup" / "rowwise+catchup" (optim.memory_catchup with that update)
+UPDATE_CHOICES = UPDATES + ("sparse+catchup", "rowwise+catchup")
 
 
 def _config(model: str, vocab: int):  # noqa: ANN202
@@ -59,7 +62,8 @@ def build(model: str, vocab: int, update: str, batch: int = 8, seq: int = 256,
     torch.manual_seed(cfg.run.seed)
     net = GPT(cfg.model)
     groups = build_param_groups(net, o)
-    table_opt, rest = setup_memory_update(net, groups, update, (o.beta1, o.beta2), o.adam_eps)
+    mode, _, catchup = update.partition("+")
+    table_opt, rest = setup_memory_update(net, groups, mode, (o.beta1, o.beta2), o.adam_eps, bool(catchup))
     opts: list[torch.optim.Optimizer] = [torch.optim.Adam(
         [g for g in rest if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2), eps=o.adam_eps)]
     muon = [g for g in rest if g["optimizer"] == "muon"]
@@ -109,7 +113,7 @@ def estimate_bytes(model: str, vocab: int, update: str) -> int:
         from tngram.optim.groups import memory_table_params
         t = sum(p.numel() for p in memory_table_params(net))
     rest = net.num_params() - t
-    table_state = {"dense": 8 + 4, "sparse": 8, "rowwise": 4.2}[update]   # + dense grad for dense
+    table_state = {"dense": 8 + 4, "sparse": 8, "rowwise": 4.2}[update.partition("+")[0]]   # + dense grad for dense
     return int(4 * rest * 3 + 4 * t + table_state * t)
 
 

@@ -12,6 +12,10 @@ from typing import Any
 
 from tngram.cli.argtypes import int_range
 
+# optim.memory_update options, "+catchup" with optim.memory_catchup (tngram.bench.vocab.UPDATE_CHOICES;
+# spelled out here so that building the parser does not import torch)
+TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchup")
+
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -196,13 +200,13 @@ def add_commands(sub: Any) -> None:
     common(v, 5, 1)
     v.add_argument("--vocabs", nargs="+", type=int_range(2), default=[1024, 8192, 32768, 131072],
                    metavar="V", help="vocabulary sizes (default: 1024 8192 32768 131072)")
-    v.add_argument("--updates", nargs="+", choices=("dense", "sparse", "rowwise"),
+    v.add_argument("--updates", nargs="+", choices=TABLE_UPDATES,
                    default=["dense", "sparse", "rowwise"], help="table update options to time")
     v.add_argument("--max-gb", type=float, default=8.0, metavar="GB",
                    help="memory budget of one interleaved group (weights + grads + state, estimated)")
     v.add_argument("--large-reps", type=int_range(1), default=3, metavar="N",
                    help="timed repetitions at V >= 65536 (a step takes tens of seconds there)")
-    v.add_argument("--large-updates", nargs="+", choices=("dense", "sparse", "rowwise"), default=None,
+    v.add_argument("--large-updates", nargs="+", choices=TABLE_UPDATES, default=None,
                    help="table update options timed at V >= 65536 (default: --updates)")
     v.add_argument("--peak-max-vocab", type=int_range(2), default=32768, metavar="V",
                    help="measure peak RSS up to this vocabulary (default 32768)")
