@@ -227,7 +227,7 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
     """The issue's goals, from the measured rows (None where a needed row did not run)."""
     out: dict[str, Any] = {}
     for m in ("engram", "tngram"):
-        for u in UPDATES:
+        for u in UPDATE_CHOICES:
             a, b = _row(res, m, u, 1024), _row(res, m, u, 32768)
             if a and b and a["overhead_s"] > 0:
                 out[f"{m}/{u} overhead 32k / 1k"] = b["overhead_s"] / a["overhead_s"]
@@ -235,7 +235,7 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
                 out[f"{m}/{u} overhead 32k / 1k (min)"] = b["overhead_min_s"] / a["overhead_min_s"]
             if a and b and a["overhead_cpu_s"] > 0:
                 out[f"{m}/{u} overhead 32k / 1k (cpu)"] = b["overhead_cpu_s"] / a["overhead_cpu_s"]
-        for u in UPDATES:
+        for u in UPDATE_CHOICES:
             r = _row(res, m, u, 131072)
             if r:
                 out[f"{m}/{u} step / raw at 128k"] = r["ratio_to_raw"]
