@@ -58,3 +58,32 @@ def test_two_gloo_processes_equal_single_process(tiny_data, tmp_path):
     init = GPT(cfg.model).state_dict()
     assert max(float((w1[k] - init[k]).abs().max()) for k in w1) > 1e-2
     assert l1[6] < l1[1] - 0.5
+
+
+def test_release_ddp_frees_the_wrapper_while_the_group_lives(tmp_path):
+    """The exit-hang fix (tngram.train.dist.release_ddp): the DDP wrapper is gone (its Reducer
+    freed) when release_ddp returns, i.e. before `shutdown` destroys the process group, even with
+    the cycle collector off. A 1-process gloo group stands in for torchrun's; the context claims
+    2 processes so that the release runs."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tngram.train.dist import DistContext, release_ddp
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        holder = SimpleNamespace(fwd_model=DDP(model))
+        holder.fwd_model(torch.randn(3, 4)).sum().backward()       # the Reducer has worked
+        gc.disable()                      # freed now, not at some later collection
+        try:
+            ref = weakref.ref(holder.fwd_model)
+            release_ddp(holder, DistContext(0, 0, 2, torch.device("cpu"), "gloo", owns_group=False))
+            assert holder.fwd_model is None and ref() is None
+        finally:
+            gc.enable()
+    finally:
+        dist.destroy_process_group()

@@ -139,6 +139,18 @@ def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
     return DDP(model, device_ids=ids, broadcast_buffers=False)
 
 
+def release_ddp(holder: Any, ctx: DistContext, attr: str = "fwd_model") -> None:
+    """Drop `holder.attr` (the DDP-wrapped model) and collect it while the process group is still
+    registered; call before `shutdown`. Otherwise the wrapper's Reducer can hold the last reference
+    to the gloo group, whose destructor then joins gloo's worker thread with the GIL held while
+    that thread waits for the GIL to free a finished collective's tensor: an intermittent hang at
+    exit (pytorch/pytorch#56297; docs/LOG.md 2026-11-25, third sitting)."""
+    if ctx.distributed and getattr(holder, attr, None) is not None:
+        setattr(holder, attr, None)
+        import gc
+        gc.collect()      # torch 2.13 frees it by reference count alone; this covers any cycle
+
+
 def sparse_grad_params(model: nn.Module) -> list[nn.Parameter]:
     """The table parameters whose modules produce row-sparse gradients (optim.memory_update
     sparse / rowwise), in a fixed order (the same on every process)."""

@@ -52,9 +52,9 @@ from tngram.train import checkpoint as ckpt
 from tngram.train.config import TrainConfig, validate_config
 from tngram.train.dist import (DistContext, all_reduce_mean, all_true, barrier, broadcast_str,
                                grad_accum_steps, init_distributed, no_sync, shutdown,
-                               sync_sparse_grads, wrap_ddp)
+                               release_ddp, sync_sparse_grads, wrap_ddp)
 from tngram.train.health import LossHealth, check_batch_vs_data, check_step_memory
-from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info
+from tngram.train.metrics import MetricsLog, Progress, check_logger, env_info, last_logged_loss
 from tngram.train.portable import record_dataset
 from tngram.train.rundir import claim_run_dir, release_run_dir
 from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
@@ -134,7 +134,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False,
             release_run_dir(lock)
         torch.set_num_threads(threads)
         if trainer is not None:
-            trainer.drop_ddp()
+            release_ddp(trainer, ctx)    # the DDP wrapper goes before the process group
         shutdown(ctx)
     if ctx.is_main:    # the lock is released: the run can be resumed right away
         print(f"tngram: {cfg.name} stopped by {signal_name(stopped.signum)} after step {stopped.step}; "
@@ -525,19 +525,8 @@ class Trainer:
             self.say(f"tngram: step {self.step}: CP rank pruned " + ", ".join(
                 f"{n} {a}->{b}" for n, a, b in changes) + f"; delta params now {self.sizes['delta_params']:,}")
 
-    def drop_ddp(self) -> None:
-        """Free the DDP wrapper while the process group is still registered. Otherwise its
-        Reducer can hold the last reference to the gloo group, whose destructor then joins the
-        gloo worker thread with the GIL held while that thread waits for the GIL to free a
-        finished collective's tensor: an intermittent hang at exit (pytorch/pytorch#56297)."""
-        if self.ctx.distributed and not self.sharded and getattr(self, "fwd_model", None) is not None:
-            self.fwd_model = None
-            import gc
-            gc.collect()      # DDP's hooks hold it in reference cycles
-
     def evaluate(self) -> dict[str, Any]:
-        """Validation loss and BPB; table rows owed moves (optim.memory_catchup) are settled for it
-        and restored after, so training continues bit for bit."""
+        """Val loss and BPB; rows owed moves (optim.memory_catchup) settled for it, then restored."""
         cfg = self.cfg
         with settled_tables(self.optimizers.values()):
             return evaluate_bpb(self.model, self.val_tokens, cfg.model.sequence_len, self.luts,
@@ -581,7 +570,7 @@ class Trainer:
         summary = {
             "recipe": cfg.name, **self.sizes, "steps": self.step, "schedule_steps": cfg.schedule.steps,
             "train_loss": (self.last_loss if math.isfinite(self.last_loss)
-                           else _last_logged_loss(self.run_dir)),
+                           else last_logged_loss(self.run_dir)),
             "val_loss": ev["val_loss"], "val_bpb": ev["val_bpb"],
             "val_tokens": ev["tokens"], "val_bytes": ev["bytes"],
             "tokens": self.tokens, "tokens_per_s": self.tokens / max(total_train_time, 1e-9),
@@ -608,8 +597,3 @@ class Trainer:
         barrier(ctx)
         return summary
 
-
-def _last_logged_loss(run_dir: Path) -> float | None:
-    from tngram.train.metrics import read_metrics
-    rows = [r for r in read_metrics(run_dir) if "train_loss" in r]
-    return rows[-1]["train_loss"] if rows else None

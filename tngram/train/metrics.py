@@ -89,6 +89,12 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def last_logged_loss(run_dir: str | os.PathLike) -> float | None:
+    """The train loss of the last row of RUN/metrics.jsonl that has one (None without)."""
+    rows = [r for r in read_metrics(run_dir) if "train_loss" in r]
+    return rows[-1]["train_loss"] if rows else None
+
+
 def parse_row(line: bytes) -> dict[str, Any] | None:
     """One metrics row: a JSON object whose "step" is an int >= 0; None for anything else."""
     try:
