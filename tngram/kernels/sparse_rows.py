@@ -27,8 +27,29 @@ last dimension: the gradient has len(shape) - 1 sparse dimensions and one dense 
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+# id(table) -> hook(rows): called before compact_rows reads those rows of that table with gradients
+# on (optim.memory_catchup brings the rows up to date first; tngram.optim.memory_update). Kept
+# here, not on the parameter, so that a model still pickles and deep-copies as before.
+_READ_HOOKS: dict[int, Callable[[Tensor], None]] = {}
+
+
+def set_read_hook(table: Tensor, hook: Callable[[Tensor], None] | None) -> None:
+    """Run `hook(rows)` (rows: sorted distinct flat row ids, under no_grad) each time
+    `compact_rows` is about to read rows of `table` while gradients are on; None removes it.
+    One hook per table; it goes with the table."""
+    key = id(table)
+    if hook is None:
+        _READ_HOOKS.pop(key, None)
+        return
+    if key not in _READ_HOOKS:
+        weakref.finalize(table, _READ_HOOKS.pop, key, None)
+    _READ_HOOKS[key] = hook
 
 
 class _CompactRows(torch.autograd.Function):
@@ -88,6 +109,10 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
     n_rows = table.numel() // W
     block = n_rows // blocks
     uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)      # sorted: grouped by block
+    hook = _READ_HOOKS.get(id(table)) if _READ_HOOKS else None
+    if hook is not None and torch.is_grad_enabled():
+        with torch.no_grad():
+            hook(uniq)
     if blocks == 1:
         pos = torch.arange(uniq.numel(), device=ids.device)
         return _CompactRows.apply(table, uniq, uniq, pos), inv
@@ -101,4 +126,4 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
     return _CompactRows.apply(table, uniq, src, pos), pos[inv]
 
 
-__all__ = ["compact_rows", "sparse_row_grad"]
+__all__ = ["compact_rows", "set_read_hook", "sparse_row_grad"]

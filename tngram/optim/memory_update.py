@@ -23,7 +23,10 @@ a while therefore learns an order of magnitude slower than under dense Adam. Wit
 optimiser keeps each row's last step s and the table's lr history; when the row is read again at
 step t it first adds, in closed form, the moves dense Adam would have made at steps s+1..t-1
 (moments decayed by b1^j, b2^j; each step's lr and bias correction from the history), decays the
-moments by b1^(t-1-s), b2^(t-1-s), then takes its usual step. That is dense Adam's arithmetic
+moments by b1^(t-1-s), b2^(t-1-s), then takes its usual step. The rows are brought up to date when
+they are READ, before the forward (a read hook in tngram.kernels.sparse_rows.compact_rows), so the
+forward sees what dense Adam's forward would; a row read by another DDP process only gets the
+same arithmetic at the update (bit for bit the same adds). That is dense Adam's arithmetic
 evaluated lazily, exact when eps = 0: eps (1e-8, against sqrt(v) of 1e-4 and more) is left out of
 the missed moves, so that their factor depends on the row only through s and is computed once
 per distinct s. Moves below r^j < 1e-12 of the first are dropped when r < 1. Rows still owed moves are settled for evaluation (`settled`, weights restored after)
@@ -41,7 +44,9 @@ is torch's own call when there are none), and under DDP `tngram.train.dist.sync_
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 
@@ -49,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.kernels.sparse_rows import set_read_hook
 from tngram.optim.groups import memory_table_params
 
 MEMORY_UPDATES = ("dense", "sparse", "rowwise")
@@ -80,6 +86,12 @@ class _LazyRowAdam(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__} needs lr >= 0, eps >= 0, betas in [0, 1); "
                              f"got {lr}, {eps}, {betas}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, catchup=catchup))
+        self._settled_depth = 0
+        me = weakref.ref(self)
+        for group in self.param_groups:
+            if group["catchup"]:
+                for p in group["params"]:
+                    set_read_hook(p, functools.partial(_settle_on_read, me, weakref.ref(p)))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the catch-up state keeps its dtypes: torch casts every floating
@@ -173,9 +185,9 @@ class _LazyRowAdam(torch.optim.Optimizer):
             r = rows[a:a + n]
             m, v = m_all.index_select(0, r), v_all.index_select(0, r)
             missed = self._catch_up(m, v, last.index_select(0, r), t - 1, state["lr_history"], b1, b2, eps)
+            if missed is not None:       # a separate add: the same bits as when settled on read
+                flat.index_add_(0, r, missed)
             upd = self._row_update(m, v, vals[a:a + n], t, lr, b1, b2, eps)
-            if missed is not None:
-                upd.add_(missed)
             m_all.index_copy_(0, r, m)
             v_all.index_copy_(0, r, v)
             last.index_fill_(0, r, t)
@@ -192,8 +204,8 @@ class _LazyRowAdam(torch.optim.Optimizer):
         # the factor depends on the row only through its last step: compute it once per distinct one
         starts, which = torch.unique(s, return_inverse=True)
         n_missed = torch.where(starts > 0, upto - starts, torch.zeros_like(starts))       # (U,)
-        horizon = _horizon(b1, b2)
-        J = int(n_missed.max()) if horizon is None else min(int(n_missed.max()), horizon)
+        horizon = _horizon(b1, b2)       # a fixed length: the same sums whichever rows come along
+        J = int(n_missed.max()) if horizon is None else horizon
         j = torch.arange(1, J + 1, dtype=torch.int64, device=s.device)                    # (J,)
         u = starts.unsqueeze(1) + j.unsqueeze(0)                      # (U, J) the missed step ids
         valid = j.unsqueeze(0) <= n_missed.unsqueeze(1)
@@ -241,6 +253,7 @@ class _LazyRowAdam(torch.optim.Optimizer):
         """Inside: the tables' weights with every row's owed moves applied (for evaluation);
         after: the weights exactly as before, state untouched. No-op without catch-up."""
         saved = []
+        self._settled_depth += 1         # rows read meanwhile are not settled again (read hook)
         with torch.no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
@@ -252,12 +265,47 @@ class _LazyRowAdam(torch.optim.Optimizer):
         try:
             yield
         finally:
+            self._settled_depth -= 1
             with torch.no_grad():
                 for p, w in saved:
                     p.copy_(w)
 
+    def settle_rows(self, p: Tensor, rows: Tensor) -> None:
+        """Bring `rows` (flat ids) of p up to the table's current step before they are read: add
+        their owed moves, decay their moments, mark them current. The next step then owes them
+        nothing, so the forward reads what dense Adam's forward would read (the read hook)."""
+        state = self.state.get(p)
+        if not state or "last_step" not in state or self._settled_depth:
+            return
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        (b1, b2), eps = group["betas"], group["eps"]
+        t, last = state["step"], state["last_step"]
+        m_all, v_all = self._moments(p, state)
+        flat = p.view(-1, p.shape[-1])
+        n = max(1, _ROW_CHUNK_ELEMS // max(1, p.shape[-1]))
+        for a in range(0, rows.numel(), n):
+            r = rows[a:a + n]
+            lr_ = last.index_select(0, r)
+            m, v = m_all.index_select(0, r), v_all.index_select(0, r)
+            missed = self._catch_up(m, v, lr_, t, state["lr_history"], b1, b2, eps)
+            if missed is None:
+                continue
+            flat.index_add_(0, r, missed)
+            m_all.index_copy_(0, r, m)
+            v_all.index_copy_(0, r, v)
+            seen = r[lr_ > 0]
+            last.index_fill_(0, seen, t)
+
 
 _EXACT_STATE = ("last_step", "lr_history")    # catch-up state, restored with its own dtype
+
+
+def _settle_on_read(opt_ref: Callable, p_ref: Callable, rows: Tensor) -> None:
+    """The read hook of a catch-up table (tngram.kernels.sparse_rows.set_read_hook); holds the
+    optimiser and the table weakly."""
+    opt, p = opt_ref(), p_ref()
+    if opt is not None and p is not None:
+        opt.settle_rows(p, rows)
 
 
 def _record_lr(state: dict, lr: float) -> None:
