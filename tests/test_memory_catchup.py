@@ -213,3 +213,26 @@ def test_training_with_catchup_follows_dense_adam(name):
     # the tables did move (so the comparison is not between two untouched tables)
     assert float((tables[0].detach() - tiny(MEMORIES[name]).double().state_dict()[
         next(k for k, p in lazy.named_parameters() if p is tables[0])]).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["sparse", "rowwise"])
+def test_settling_at_read_and_at_the_update_give_the_same_bits(rowwise):
+    """Under DDP a row read by one process only is settled there before the forward and on the
+    others at the update; the replicas must stay bitwise equal. Two copies of a table get the same
+    gradients; one settles each step's rows first (as the read hook does), the other does not."""
+    schedule = _schedule(40)
+    copies = []
+    for read_first in (True, False):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(ROWS, WIDTH))
+        opt = (RowwiseAdam if rowwise else LazyAdam)([p], lr=0.05, betas=(0.9, 0.95), eps=1e-8, catchup=True)
+        copies.append((p, opt, read_first))
+    for t, rows in enumerate(schedule, 1):
+        for p, opt, read_first in copies:
+            if read_first:
+                opt.settle_rows(p, torch.tensor(rows))
+            p.grad = sparse_row_grad(torch.tensor(rows), _grad(rows, t).float(), p.shape)
+            opt.param_groups[0]["lr"] = _lr(t)
+            opt.step()
+        assert torch.equal(copies[0][0], copies[1][0]), t
+    assert torch.equal(copies[0][1].state[copies[0][0]]["exp_avg"], copies[1][1].state[copies[1][0]]["exp_avg"])

@@ -272,6 +272,7 @@ class _LazyRowAdam(torch.optim.Optimizer):
                 for p, w in saved:
                     p.copy_(w)
 
+    @torch.no_grad()
     def settle_rows(self, p: Tensor, rows: Tensor) -> None:
         """Bring `rows` (flat ids) of p up to the table's current step before they are read: add
         their owed moves, decay their moments, mark them current. The next step then owes them
