@@ -103,6 +103,20 @@ def test_sizes_span_one_common_delta_params_range():
             assert abs(delta - target) / target < tol, (fam, size, delta)
 
 
+def test_hsum_sizes_are_the_largest_budgets_within_engrams_delta():
+    """Each `tngram-hsum` size pairs with the Engram size at the same index: its Δparams is <= Engram's,
+    and one more hash row per head (budget + 1) would exceed it, so no size leaves parameters unused."""
+    from tngram.experiments.common import base_recipe, with_memory
+    from tngram.train.recipes import param_summary
+    bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
+    raw_total = param_summary(bases["raw"])["total_params"]
+    delta = lambda cfg: param_summary(cfg)["total_params"] - raw_total  # noqa: E731
+    for e_size, h_size in zip(P.SIZES["engram"][2], P.SIZES["tngram-hsum"][2]):
+        engram = delta(P.family_config("engram", e_size, bases))
+        cfg = P.family_config("tngram-hsum", h_size, bases)
+        assert delta(cfg) <= engram < delta(with_memory(cfg, hash_budget=h_size + 1)), (e_size, h_size)
+
+
 def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
     from tngram.experiments.common import base_recipe
     from tngram.experiments.evidence import table_lr
@@ -116,7 +130,7 @@ def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
     for s in specs:
         fam = s.tags["family"]
         want = {"engram": 4.0, "tngram": 2.0, "oe": 0.5, "longcat": 0.5, "tngram-lean": 2.0, "tngram-sum": 2.0,
-                "tngram-shared": 2.0, "tngram-hybrid": 4.0}.get(fam)
+                "tngram-shared": 2.0, "tngram-hybrid": 4.0, "tngram-hsum": 4.0}.get(fam)
         if want is not None:
             assert table_lr(s.config) == pytest.approx(recipe_lr * want)
         else:

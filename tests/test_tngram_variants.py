@@ -27,6 +27,8 @@ VARIANTS = {
     "kv_rank": dict(kv_rank=5),
     "hybrid": dict(hash_orders=(3, 4), hash_heads=2, hash_embed=6, hash_budget=17),
     "share": dict(share_factors=True),
+    # the pareto family tngram-hsum: orders summed in rank space, then hashed orders beside them
+    "hybrid_sum": dict(order_combine="sum", hash_orders=(2, 3, 4), hash_heads=2, hash_embed=6, hash_budget=17),
     "all": dict(order_combine="sum", kv_rank=5, share_factors=True, hash_orders=(4,),
                 hash_heads=2, hash_embed=4, hash_budget=11, use_norm=False),
 }
@@ -117,7 +119,7 @@ def brute_kv_input(m, ids: list[int], t: int) -> torch.Tensor:
     return e
 
 
-@pytest.mark.parametrize("name", ["lean", "sum", "kv_rank", "hybrid", "all"])
+@pytest.mark.parametrize("name", ["lean", "sum", "kv_rank", "hybrid", "hybrid_sum", "all"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_output_equals_brute_force(name, fused):
     m = make(fused=fused, **VARIANTS[name])
@@ -295,7 +297,7 @@ def test_lean_recipe_is_the_ablation_winners():
 
 # ---- Hugging Face add_memory ----------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["lean", "sum", "kv_rank", "hybrid", "share", "all"])
+@pytest.mark.parametrize("name", ["lean", "sum", "kv_rank", "hybrid", "hybrid_sum", "share", "all"])
 def test_hf_add_memory_causal_and_cached_generation(name):
     pytest.importorskip("transformers")
     import sys

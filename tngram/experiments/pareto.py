@@ -43,7 +43,8 @@ TUNING_CORPUS = "literature"
 TUNED_DEFAULT = {"engram": 4.0, "tngram": 2.0,
                  # the variants were screened on literature at TN-gram's factor; the hybrid, whose
                  # tables are mostly Engram-style rows, did better at Engram's (docs/LOG.md)
-                 "tngram-lean": 2.0, "tngram-sum": 2.0, "tngram-shared": 2.0, "tngram-hybrid": 4.0}
+                 "tngram-lean": 2.0, "tngram-sum": 2.0, "tngram-shared": 2.0, "tngram-hybrid": 4.0,
+                 "tngram-hsum": 4.0}
 LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)     # the grid tried for a family tuned here
 TUNE_SEEDS = 2
 
@@ -60,6 +61,9 @@ SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "tngram-sum": ("tngram", "cp_rank", (100, 200, 400, 808, 1120)),
     "tngram-shared": ("tngram", "cp_rank", (196, 392, 770, 1550, 2130)),
     "tngram-hybrid": ("tngram", "hash_budget", (64, 1050, 3100, 7300, 10600)),
+    # each size the largest hash_budget whose Δparams is <= Engram's at the same index
+    # (tests/test_pareto.py), so every point pairs with an Engram point at no more parameters
+    "tngram-hsum": ("tngram", "hash_budget", (139, 1493, 3929, 9127, 13177)),
 }
 FAMILIES = ("raw", *SIZES)
 # memory-field settings of each variant family, applied before its size knob
@@ -70,6 +74,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tngram-shared": {"order_combine": "sum", "share_factors": True},  # one A_1..A_N for both layers
     # TN-gram R 88 + Engram-style hashed orders 2..5 (the literature screen's closest to Engram)
     "tngram-hybrid": {"cp_rank": 88, "hash_orders": (2, 3, 4, 5), "hash_embed": 128},
+    # TN-gram R 64 with the orders summed + hashed orders 2..5 at 104 wide: K/V read 64 + 4 * 104 =
+    # 480 features (Engram's 512), chosen on the literature screen (docs/LOG.md)
+    "tngram-hsum": {"cp_rank": 64, "order_combine": "sum", "hash_orders": (2, 3, 4, 5), "hash_embed": 104},
 }
 
 

@@ -30,7 +30,7 @@ STEP_CAPS_X = (1.25, 1.5, 2.0, 3.0, 5.0)
 LABELS = {"raw": "raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding",
           "longcat": "Over-Encoding (LongCat n4 k4)", "dense": "dense (wider GPT)",
           "tngram-lean": "TN-gram lean", "tngram-sum": "TN-gram sum-K/V", "tngram-shared": "TN-gram shared",
-          "tngram-hybrid": "TN-gram + hashed"}
+          "tngram-hybrid": "TN-gram + hashed", "tngram-hsum": "TN-gram sum + hashed"}
 
 
 def pareto_front(points: Sequence[Point]) -> list[int]:
