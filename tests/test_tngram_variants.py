@@ -295,6 +295,20 @@ def test_lean_recipe_is_the_ablation_winners():
                                              | {"use_norm": False, "use_absorption": False}}}
 
 
+def test_hsum_recipe_is_the_pareto_point_it_names():
+    """`mini-tngram-hsum` is the config the pareto map trains as tngram-hsum at its 4.3 M size (table
+    lr x4), apart from its name, and its Δparams is <= mini-engram's."""
+    from tngram.experiments import pareto as P
+    from tngram.experiments.common import base_recipe
+    from tngram.train.recipes import get_recipe, param_summary
+    bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
+    point = P.with_table_lr(P.family_config("tngram-hsum", 3929, bases), P.TUNED_DEFAULT["tngram-hsum"])
+    recipe = get_recipe("mini-tngram-hsum")
+    assert replace(recipe, name=point.name).to_dict() == point.to_dict()
+    assert recipe.optim.memory_table_lr == pytest.approx(4 * 0.05)     # x4 the recipe table lr 0.05
+    assert param_summary(recipe)["delta_params"] <= param_summary(get_recipe("mini-engram"))["delta_params"]
+
+
 # ---- Hugging Face add_memory ----------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["lean", "sum", "kv_rank", "hybrid", "hybrid_sum", "share", "all"])

@@ -87,6 +87,10 @@ def _mini(memory: Any, name: str) -> TrainConfig:
         run=RunConfig(dtype="bf16", log_every=10, val_every=0, checkpoint_every=100))
 
 
+def _hsum(cfg: TrainConfig) -> TrainConfig:
+    return replace(cfg, optim=replace(cfg.optim, memory_table_lr=0.2))
+
+
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "paper-l9-raw": lambda: _paper_l9(None, "paper-l9-raw"),
     "paper-l9-engram": lambda: _paper_l9(_engram(512, 1024, heads=8), "paper-l9-engram"),
@@ -102,6 +106,10 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     # the ablation winners (docs/RESULTS.md Fig. 4 right): no RMSNorm, no absorption
     "mini-tngram-lean": lambda: _mini(_tngram(352, use_norm=False, use_absorption=False),
                                       "mini-tngram-lean"),
+    # TN-gram R 64, orders summed, + Engram-style hashed orders 2..5 (104 wide), Δparams <= mini-engram's,
+    # at Engram's tuned table lr (x4): the pareto family tngram-hsum at its 4.3 M point
+    "mini-tngram-hsum": lambda: _hsum(_mini(_tngram(64, order_combine="sum", hash_orders=(2, 3, 4, 5),
+                                                    hash_embed=104, hash_budget=3929), "mini-tngram-hsum")),
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
 }
