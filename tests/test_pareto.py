@@ -125,7 +125,8 @@ def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
     assert (lc.kind, lc.max_ngram, lc.n_slices, lc.average, lc.table_rows) == ("oe", 4, 4, True, 36000)
     monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
     specs = P.specs_for(["default"], "mini", 2, None, {**P.TUNED_DEFAULT, "oe": 0.5, "longcat": 0.5})
-    assert len({s.label for s in specs}) == len(specs) == 2 * (1 + 5 * len(P.SIZES))
+    # the map (2 seeds) + the confirmation's seeds 2..CONFIRM_SEEDS-1 of its two points
+    assert len({s.label for s in specs}) == len(specs) == 2 * (1 + 5 * len(P.SIZES)) + 2 * (P.CONFIRM_SEEDS - 2)
     recipe_lr = table_lr(bases["engram"])
     for s in specs:
         fam = s.tags["family"]
@@ -244,3 +245,48 @@ def test_cross_corpus_table_has_a_column_per_corpus_and_a_row_per_budget():
     assert rows == [["≤ 1.5M", "TN-gram (88) (3.4500)", None],
                     ["≤ 3M", "Engram (1800) (3.3700)", "Engram (1800) (2.1000)"]]
     assert cross_corpus({"default": tables["default"]}, "best_params") is None
+
+
+def test_confirmation_adds_seeds_of_its_two_points_outside_the_map(monkeypatch):
+    """specs_for(seeds=3): seeds 3 and 4 of Engram and tngram-hsum at size index 2 on every corpus but
+    the vocabulary setting, tagged confirm; the map's points (aggregate) never count them."""
+    from tngram.experiments.pareto_report import aggregate
+    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if "@" in corpus else 1024))
+    specs = P.specs_for(["default", "code", P.VOCAB_CORPUS], "mini", 3, None, dict(P.TUNED_DEFAULT, oe=2.0))
+    extra = [s for s in specs if s.tags.get("confirm")]
+    assert sorted((s.tags["corpus"], s.tags["family"], s.tags["size"], s.config.run.seed) for s in extra) == sorted(
+        (c, f, P.SIZES[f][2][2], 1337 + k) for c in ("default", "code") for f in ("engram", "tngram-hsum") for k in (3, 4))
+    twin = next(s for s in specs if s.label == "code-tngram-hsum-hash_budget3929-s0")
+    e3 = next(s for s in extra if s.label == "code-tngram-hsum-hash_budget3929-s3")
+    assert e3.config.to_dict() == P.with_seed(twin.config, 3).to_dict()    # same point, seed 1337 + 3
+    rows = [{**s.tags, "seed": s.config.run.seed, "delta_params": 1, "opt_state_bytes": {}, "val_loss": 1.0,
+             "val_bpb": 0.5} for s in specs if s.tags["family"] == "tngram-hsum" and s.tags["corpus"] == "code"]
+    pts = aggregate(rows, {})
+    assert [sorted(p["seeds"]) for p in pts if p["size"] == 3929] == [[1337, 1338, 1339]]
+
+
+def test_paired_rows_against_a_hand_computation():
+    """Three seeds of tngram-hsum and Engram at matched sizes: the mean difference, its 95% t interval
+    (t_{0.975, 2} = 4.302652729911275, tabulated), wins/losses, the Δparams and step ratios, and the
+    verdict, which needs the interval below 0 AND Δparams and step <= Engram's."""
+    from tngram.experiments.pareto_report import paired_rows
+    sizes = {"engram": (700, 1800), "tngram-hsum": (139, 1493)}
+    e = {1337: 3.40, 1338: 3.42, 1339: 3.45}
+    h = {1337: 3.38, 1338: 3.402, 1339: 3.428}          # differences -0.02, -0.018, -0.022
+    rows = [{"corpus": "code", "family": "engram", "size": 1800, "seed": s, "val_loss": v, "delta_params": 2000}
+            for s, v in e.items()]
+    rows += [{"corpus": "code", "family": "tngram-hsum", "size": 1493, "seed": s, "val_loss": v, "delta_params": 1990}
+             for s, v in h.items()]
+    rows += [{"corpus": "code", "family": "tngram-hsum", "size": 139, "seed": 1337, "val_loss": 3.5, "delta_params": 999}]
+    bench = {"points": {"engram-1800": {"step_ms": 200.0}, "tngram-hsum-1493": {"step_ms": 198.0}}}
+    [row] = paired_rows(rows, bench, sizes)            # size 139 has no Engram 700 twin: no row
+    mean, sd = -0.02, 0.002                             # of (-0.02, -0.018, -0.022)
+    half = 4.302652729911275 * sd / 3 ** 0.5
+    assert row[:6] == ["code", "TN-gram sum + hashed", "1493 vs 1800", pytest.approx(0.995), pytest.approx(0.99), 3]
+    assert row[6] == pytest.approx(3.42333333333) and row[7] == pytest.approx(mean)
+    assert row[8] == pytest.approx([mean - half, mean + half]) and row[9] == "3/0" and row[10] == "yes"
+    bench["points"]["tngram-hsum-1493"]["step_ms"] = 201.0          # slower than Engram: no longer beats it
+    assert paired_rows(rows, bench, sizes)[0][10] == "no"
+    bench["points"]["tngram-hsum-1493"]["step_ms"] = 198.0
+    rows[-2]["val_loss"] = 3.46                         # differences -0.02, -0.018, +0.01: interval holds 0
+    assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", "no"]

@@ -66,6 +66,11 @@ SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "tngram-hsum": ("tngram", "hash_budget", (139, 1493, 3929, 9127, 13177)),
 }
 FAMILIES = ("raw", *SIZES)
+# the confirmation (docs/RESULTS.md): the variant chosen on the literature screen against Engram at
+# the same size index (its Δparams <= Engram's), CONFIRM_SEEDS seeds on every corpus; the seeds
+# beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
+CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_index": 2}
+CONFIRM_SEEDS = 5
 # memory-field settings of each variant family, applied before its size knob
 VARIANTS: dict[str, dict[str, Any]] = {
     "longcat": LONGCAT,
@@ -182,6 +187,25 @@ def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, fa
                 label = f"{corpus}-{fam}" + ("" if size is None else f"-{SIZES[fam][1]}{size}") + f"-s{s}"
                 specs.append(RunSpec(label, with_seed(replace(cfg, name=f"pareto-{fam}"), s),
                                      {"corpus": corpus, "family": fam, "size": size, "seed_index": s}))
+    return specs + confirm_specs(corpora, bases, seeds, factors, families)
+
+
+def confirm_specs(corpora: list[str], bases: dict[str, Any], seeds: int, factors: dict[str, float],
+                  families: tuple[str, ...] = FAMILIES) -> list[Any]:
+    """Seeds `seeds`..CONFIRM_SEEDS-1 of CONFIRM's two points on every corpus but the vocabulary
+    setting (tags["confirm"] = True); none when `seeds` >= CONFIRM_SEEDS or a family is left out."""
+    from tngram.experiments.runner import RunSpec
+    i = CONFIRM["size_index"]
+    fams = [f for f in (CONFIRM["baseline"], CONFIRM["family"]) if f in families]
+    specs = []
+    for s in range(seeds, CONFIRM_SEEDS if len(fams) == 2 else seeds):
+        for corpus in (c for c in corpora if c != VOCAB_CORPUS):
+            for fam in fams:
+                size = SIZES[fam][2][i]
+                cfg = with_table_lr(family_config(fam, size, bases[corpus]), factors.get(fam, 1.0))
+                specs.append(RunSpec(f"{corpus}-{fam}-{SIZES[fam][1]}{size}-s{s}",
+                                     with_seed(replace(cfg, name=f"pareto-{fam}"), s),
+                                     {"corpus": corpus, "family": fam, "size": size, "seed_index": s, "confirm": True}))
     return specs
 
 
@@ -211,7 +235,8 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
     if core_max:
         core_once(out, specs, core_max)
     from tngram.experiments.pareto_report import write_report
-    return write_report(out, specs, factors, bench=bench_once(out, specs), core_max=core_max)
+    return write_report(out, specs, factors, bench=bench_once(out, specs), core_max=core_max,
+                        sizes={f: v[2] for f, v in SIZES.items()})
 
 
 def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:

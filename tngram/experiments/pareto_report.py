@@ -161,6 +161,8 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
     """One point per (corpus, family, size): losses per seed, Δparams, timing."""
     pts: dict[tuple, dict[str, Any]] = {}
     for r in rows:
+        if r.get("confirm"):
+            continue        # the confirmation's extra seeds feed paired_rows only
         key = (r["corpus"], r["family"], r["size"])
         p = pts.setdefault(key, {"corpus": r["corpus"], "family": r["family"], "size": r["size"],
                                  "delta_params": r["delta_params"], "opt_state_bytes": r["opt_state_bytes"],
@@ -176,6 +178,50 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
         p["loss"] = statistics.fmean(p["val_loss"])
     order = {f: i for i, f in enumerate(LABELS)}
     return sorted(pts.values(), key=lambda p: (p["corpus"], order.get(p["family"], len(order)), p["delta_params"]))
+
+
+# TN-gram families compared with Engram at the same size index, paired by seed (paired_rows)
+PAIRED_FAMILIES = ("tngram", "tngram-lean", "tngram-hybrid", "tngram-hsum")
+
+
+def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple]) -> list[list[Any]]:
+    """One row per (corpus, family in PAIRED_FAMILIES, size index) with a finished Engram twin: the
+    family's val loss minus Engram's at the same size index (`sizes`: family -> its sizes), paired
+    by seed over every seed both have (the confirmation's extra seeds included): n, Engram's mean,
+    mean difference with its 95% t interval, wins/losses, and Δparams and step time as ratios to
+    Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0."""
+    from tngram.report.stats import paired_stats
+    loss = {(r["corpus"], r["family"], r["size"], r["seed"]): r for r in rows}
+    steps = bench.get("points", {})
+    out = []
+    for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        for fam in PAIRED_FAMILIES:
+            for i, size in enumerate(sizes.get(fam, ())):
+                e_size = sizes["engram"][i] if i < len(sizes.get("engram", ())) else None
+                seeds = sorted({k[3] for k in loss if k[:3] == (corpus, fam, size)}
+                               & {k[3] for k in loss if k[:3] == (corpus, "engram", e_size)})
+                if not seeds:
+                    continue
+                a = [loss[(corpus, fam, size, s)] for s in seeds]
+                b = [loss[(corpus, "engram", e_size, s)] for s in seeds]
+                st = paired_stats([x["val_loss"] - y["val_loss"] for x, y in zip(a, b)])
+                ta = steps.get(point_key(fam, size, corpus), {}).get("step_ms")
+                tb = steps.get(point_key("engram", e_size, corpus), {}).get("step_ms")
+                p_ratio = a[0]["delta_params"] / b[0]["delta_params"]
+                t_ratio = ta / tb if ta and tb else None
+                beats = (p_ratio <= 1 and t_ratio is not None and t_ratio <= 1 and st.n > 1 and st.ci_high < 0)
+                out.append([corpus, LABELS[fam], f"{size} vs {e_size}", p_ratio, t_ratio, st.n,
+                            statistics.fmean(y["val_loss"] for y in b), st.mean,
+                            None if st.n < 2 else [st.ci_low, st.ci_high], f"{st.wins}/{st.losses}",
+                            "yes" if beats else "no"])
+    return out
+
+
+PAIRED_COLUMNS = [{"header": "corpus"}, {"header": "memory"}, {"header": "size vs Engram's"},
+                  {"header": "Δparams / Engram's", "fmt": ".3f"}, {"header": "step / Engram's", "fmt": ".3f"},
+                  {"header": "seeds"}, {"header": "Engram val loss", "fmt": ".4f"},
+                  {"header": "− Engram (mean)", "fmt": "+.4f"}, {"header": "95% CI", "fmt": "list:+.4f"},
+                  {"header": "better/worse seeds"}, {"header": "beats Engram at ≤ params and ≤ step"}]
 
 
 def name_of(p: dict[str, Any]) -> str:
@@ -273,8 +319,9 @@ def _front_xy(points: list[Point]) -> list[Point]:
 
 
 def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None,
-                 core_max: int | None = None) -> Path:
-    """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs."""
+                 core_max: int | None = None, sizes: dict[str, tuple] | None = None) -> Path:
+    """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs; with
+    `sizes` (family -> its sizes, index-aligned) also the paired table against Engram."""
     rows = collect(out, specs, core_max)
     if bench is None:
         f = out / "bench.json"
@@ -282,8 +329,9 @@ def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: 
     points = aggregate(rows, bench)
     corpora = list(dict.fromkeys(s.tags["corpus"] for s in specs))
     tables = {c: corpus_tables(points, c) for c in corpora}
+    paired = paired_rows(rows, bench, sizes) if sizes else []
     atomic_write_json(out / "pareto.json", {"factors": factors, "rows": rows, "points": points,
-                                            "bench": bench, "tables": tables})
+                                            "bench": bench, "tables": tables, "paired": paired})
     md = [f"# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
           + ", ".join(f"{k} ×{v:g}" for k, v in factors.items()) + f". {len(rows)} of {len(specs)} runs finished.\n"]
     from tngram.report.docblocks import render_table
@@ -295,6 +343,9 @@ def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: 
                   + "\n\nBest at ≤ step time:\n\n"
                   + (render_table({"columns": BEST_S_COLUMNS, "rows": t["best_step"]}) if t["best_step"] else "(no timing yet)")
                   + (f"\n\n![{c}]({png.name})\n" if png else "\n"))
+    if paired:
+        md.append("## TN-gram families − Engram at the same size index, paired by seed\n\n"
+                  + render_table({"columns": PAIRED_COLUMNS, "rows": paired}) + "\n")
     atomic_write_text(out / "report.md", "\n".join(md))
     write_results_files(out)
     print0("\n".join(md))
@@ -329,6 +380,8 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
         files[f"pareto-{c}-best-params"] = _table_file(t["best_params"], BEST_P_COLUMNS, meta)
         files[f"pareto-{c}-best-step"] = _table_file(t["best_step"], BEST_S_COLUMNS, meta)
     meta = {"command": command, "commit": commit, "machine": machine, "source": str(out / "pareto.json")}
+    if data.get("paired"):
+        files["pareto-vs-engram"] = _table_file(data["paired"], PAIRED_COLUMNS, meta)
     for kind in ("best_params", "best_step"):
         cross = cross_corpus(data["tables"], kind)
         if cross is not None:
