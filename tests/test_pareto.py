@@ -105,16 +105,18 @@ def test_sizes_span_one_common_delta_params_range():
 
 def test_hsum_sizes_are_the_largest_budgets_within_engrams_delta():
     """Each `tngram-hsum` size pairs with the Engram size at the same index: its Δparams is <= Engram's,
-    and one more hash row per head (budget + 1) would exceed it, so no size leaves parameters unused."""
-    from tngram.experiments.common import base_recipe, with_memory
+    and one more hash row per head (budget + 1) would exceed it, so no size leaves parameters unused;
+    at vocabulary 1024 (SIZES) and 8192 (VOCAB_SIZES)."""
+    from tngram.experiments.common import base_recipe, with_data, with_memory
     from tngram.train.recipes import param_summary
-    bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
-    raw_total = param_summary(bases["raw"])["total_params"]
-    delta = lambda cfg: param_summary(cfg)["total_params"] - raw_total  # noqa: E731
-    for e_size, h_size in zip(P.SIZES["engram"][2], P.SIZES["tngram-hsum"][2]):
-        engram = delta(P.family_config("engram", e_size, bases))
-        cfg = P.family_config("tngram-hsum", h_size, bases)
-        assert delta(cfg) <= engram < delta(with_memory(cfg, hash_budget=h_size + 1)), (e_size, h_size)
+    for vocab, sizes in ((1024, {f: v[2] for f, v in P.SIZES.items()}), (8192, P.VOCAB_SIZES)):
+        bases = {m: with_data(base_recipe("mini", m), "/nonexistent", vocab) for m in ("raw", "engram", "tngram", "oe")}
+        raw_total = param_summary(bases["raw"])["total_params"]
+        delta = lambda cfg: param_summary(cfg)["total_params"] - raw_total  # noqa: E731
+        for e_size, h_size in zip(sizes["engram"], sizes["tngram-hsum"], strict=True):
+            engram = delta(P.family_config("engram", e_size, bases))
+            cfg = P.family_config("tngram-hsum", h_size, bases)
+            assert delta(cfg) <= engram < delta(with_memory(cfg, hash_budget=h_size + 1)), (vocab, e_size, h_size)
 
 
 def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):

@@ -118,7 +118,9 @@ def _build(corpus: str) -> tuple[str, int]:
 # grows the V x d embedding 8-fold)
 VOCAB_CORPUS = "default@8192"
 VOCAB_SIZES: dict[str, tuple[int, ...]] = {"engram": (40960, 81920), "tngram": (352, 704), "oe": (33697, 67394),
-                                           "longcat": (36000, 72000), "dense": (224, 304)}
+                                           "longcat": (36000, 72000), "dense": (224, 304),
+                                           # within Engram's Δparams at V 8192, as at V 1024
+                                           "tngram-hsum": (44159, 94547)}
 
 
 def _base(prefix: str, data_dir: str, vocab: int, steps: int | None) -> dict[str, Any]:
