@@ -292,3 +292,5 @@ def test_paired_rows_against_a_hand_computation():
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 198.0
     rows[-2]["val_loss"] = 3.46                         # differences -0.02, -0.018, +0.01: interval holds 0
     assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", "no"]
+    # another corpus's sizes (the vocabulary-8192 setting): Engram 1800 is not its twin there
+    assert paired_rows(rows, bench, sizes, {"code": {"engram": (700, 9999), "tngram-hsum": (139, 1493)}}) == []

@@ -238,7 +238,7 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
         core_once(out, specs, core_max)
     from tngram.experiments.pareto_report import write_report
     return write_report(out, specs, factors, bench=bench_once(out, specs), core_max=core_max,
-                        sizes={f: v[2] for f, v in SIZES.items()})
+                        sizes={f: v[2] for f, v in SIZES.items()}, corpus_sizes={VOCAB_CORPUS: VOCAB_SIZES})
 
 
 def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:

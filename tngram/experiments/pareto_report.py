@@ -184,17 +184,20 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
 PAIRED_FAMILIES = ("tngram", "tngram-lean", "tngram-hybrid", "tngram-hsum")
 
 
-def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple]) -> list[list[Any]]:
+def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple],
+                corpus_sizes: dict[str, dict[str, tuple]] | None = None) -> list[list[Any]]:
     """One row per (corpus, family in PAIRED_FAMILIES, size index) with a finished Engram twin: the
     family's val loss minus Engram's at the same size index (`sizes`: family -> its sizes), paired
     by seed over every seed both have (the confirmation's extra seeds included): n, Engram's mean,
     mean difference with its 95% t interval, wins/losses, and Δparams and step time as ratios to
-    Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0."""
+    Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0.
+    `corpus_sizes` replaces `sizes` for the corpora it names (the vocabulary-8192 setting)."""
     from tngram.report.stats import paired_stats
     loss = {(r["corpus"], r["family"], r["size"], r["seed"]): r for r in rows}
     steps = bench.get("points", {})
     out = []
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        sizes = (corpus_sizes or {}).get(corpus, sizes)
         for fam in PAIRED_FAMILIES:
             for i, size in enumerate(sizes.get(fam, ())):
                 e_size = sizes["engram"][i] if i < len(sizes.get("engram", ())) else None
@@ -319,7 +322,8 @@ def _front_xy(points: list[Point]) -> list[Point]:
 
 
 def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None,
-                 core_max: int | None = None, sizes: dict[str, tuple] | None = None) -> Path:
+                 core_max: int | None = None, sizes: dict[str, tuple] | None = None,
+                 corpus_sizes: dict[str, dict[str, tuple]] | None = None) -> Path:
     """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs; with
     `sizes` (family -> its sizes, index-aligned) also the paired table against Engram."""
     rows = collect(out, specs, core_max)
@@ -329,7 +333,7 @@ def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: 
     points = aggregate(rows, bench)
     corpora = list(dict.fromkeys(s.tags["corpus"] for s in specs))
     tables = {c: corpus_tables(points, c) for c in corpora}
-    paired = paired_rows(rows, bench, sizes) if sizes else []
+    paired = paired_rows(rows, bench, sizes, corpus_sizes) if sizes else []
     atomic_write_json(out / "pareto.json", {"factors": factors, "rows": rows, "points": points,
                                             "bench": bench, "tables": tables, "paired": paired})
     md = [f"# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
