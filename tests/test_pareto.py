@@ -3,6 +3,7 @@ count against real optimisers, and the sweep's sizes against the common Δparams
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -294,3 +295,45 @@ def test_paired_rows_against_a_hand_computation():
     assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", "no"]
     # another corpus's sizes (the vocabulary-8192 setting): Engram 1800 is not its twin there
     assert paired_rows(rows, bench, sizes, {"code": {"engram": (700, 9999), "tngram-hsum": (139, 1493)}}) == []
+
+
+@pytest.mark.parametrize("n", [5, 6, 17, 41, 100])
+def test_median_ci_is_the_binomial_order_statistic_interval(n):
+    """The interval's ranks against scipy's binomial distribution (an independent computation), and
+    its coverage: the chance that the true median of a continuous distribution falls outside is
+    P(B <= k - 1) + P(B >= n - k + 1) <= 5%, and one rank tighter would exceed 5%."""
+    from scipy.stats import binom
+    from tngram.experiments.pareto_report import median_ci
+    xs = [float(i) for i in range(1, n + 1)]          # the i-th order statistic is i
+    lo, hi = median_ci(list(reversed(xs)))
+    k = max((j for j in range(0, n // 2 + 1) if binom.cdf(j - 1, n, 0.5) <= 0.025), default=0)
+    if k == 0:
+        assert math.isnan(lo) and math.isnan(hi)
+        return
+    assert (lo, hi) == (k, n + 1 - k)
+    assert 2 * binom.cdf(k - 1, n, 0.5) <= 0.05 < 2 * binom.cdf(k, n, 0.5)
+
+
+def test_paired_rows_take_the_confirmation_step_ratio_for_its_pair():
+    from tngram.experiments.pareto_report import paired_rows
+    sizes = {"engram": (1800,), "tngram-hsum": (1493,)}
+    rows = [{"corpus": "code", "family": f, "size": z, "seed": s, "val_loss": v + 0.001 * s, "delta_params": 10}
+            for f, z, v in (("engram", 1800, 3.4), ("tngram-hsum", 1493, 3.3)) for s in (1, 2, 4)]
+    bench = {"points": {"engram-1800": {"step_ms": 200.0}, "tngram-hsum-1493": {"step_ms": 210.0}}}
+    assert paired_rows(rows, bench, sizes)[0][4] == pytest.approx(1.05)
+    bench["confirm_step"] = {"pair": ["tngram-hsum-1493", "engram-1800"], "ratio": 0.97, "ci": [0.95, 0.99]}
+    row = paired_rows(rows, bench, sizes)[0]
+    assert row[4] == 0.97 and row[10] == "yes"
+
+
+def test_step_ratio_of_a_config_with_itself_is_near_one():
+    """Two copies of one config timed in alternating rounds: the median per-round ratio is close to 1
+    (a loose band: the copies run the same work, so only timing noise moves it)."""
+    from tngram.experiments.common import base_recipe, with_memory
+    from tngram.experiments.pareto_report import step_ratio
+    cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
+    cfg = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))
+    from test_train_support import single_thread
+    with single_thread():
+        r = step_ratio(cfg, cfg, reps=7, warmup=1)
+    assert 0.7 < r["ratio"] < 1.4 and r["rounds"] == 7 and len(r["ci"]) == 2

@@ -71,6 +71,7 @@ FAMILIES = ("raw", *SIZES)
 # beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
 CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_index": 2}
 CONFIRM_SEEDS = 5
+CONFIRM_STEP_REPS = 41      # interleaved rounds timing the pair's step ratio (pareto_report.step_ratio)
 # memory-field settings of each variant family, applied before its size knob
 VARIANTS: dict[str, dict[str, Any]] = {
     "longcat": LONGCAT,
@@ -271,20 +272,24 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
     for s in specs:      # the points on the map: those with a finished run
         if (run_dir_of(out, s) / "summary.json").is_file():
             cfgs.setdefault(point_key(s.tags["family"], s.tags["size"], s.tags["corpus"]), s.config)
-    if path.is_file():
-        have = json.loads(path.read_text())
-        if set(cfgs) <= set(have.get("points", {})):
-            return have
+    pair = [point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][CONFIRM["size_index"]]) for k in ("family", "baseline")]
+    res = json.loads(path.read_text()) if path.is_file() else {}
     if not cfgs:
-        return {}
+        return res
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        print0(f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ...")
-        res = bench_points(cfgs, reps=reps)
+        if not set(cfgs) <= set(res.get("points", {})):
+            print0(f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ...")
+            res = bench_points(cfgs, reps=reps)
+            atomic_write_json(path, res)
+        if all(k in cfgs for k in pair) and "confirm_step" not in res:
+            print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
+            from tngram.experiments.pareto_report import step_ratio
+            res["confirm_step"] = {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS)}
+            atomic_write_json(path, res)
     finally:
         torch.set_num_threads(threads)
-    atomic_write_json(path, res)
     return res
 
 

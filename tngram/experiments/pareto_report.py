@@ -119,6 +119,40 @@ def bench_points(cfgs: dict[str, Any], reps: int = 5, warmup: int = 1, decode_to
     return {"points": out, "machine": machine_info(), "timed_at": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def median_ci(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free interval for the median of `xs`: the order statistics (k, n + 1 - k), k
+    the largest with P(Binomial(n, 1/2) <= k - 1) <= (1 - level) / 2; (nan, nan) when n is too small."""
+    n, xs = len(xs), sorted(xs)
+    tail, k = 0.0, 0
+    for j in range(n // 2 + 1):                  # tail = P(B <= j), B ~ Binomial(n, 1/2)
+        tail += math.comb(n, j) / 2 ** n
+        if tail > (1 - level) / 2:
+            break
+        k = j + 1
+    return (xs[k - 1], xs[n - k]) if k >= 1 else (math.nan, math.nan)
+
+
+def step_ratio(cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2) -> dict[str, Any]:
+    """Training step of cfg_a over cfg_b's, timed in alternating rounds (a then b, b then a, ...) in
+    this process at the caller's threads: the median of the per-round ratios and its 95% interval
+    (`median_ci`)."""
+    import time
+    from tngram.bench.common import loadavg
+    from tngram.bench.step import build_step_for
+    steps = [build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for c in (cfg_a, cfg_b)]
+    ratios = []
+    for i in range(warmup + reps):
+        t = [0.0, 0.0]
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            steps[j]()
+            t[j] = time.perf_counter() - t0
+        if i >= warmup:
+            ratios.append(t[0] / t[1])
+    lo, hi = median_ci(ratios)
+    return {"ratio": statistics.median(ratios), "ci": [lo, hi], "rounds": reps, "loadavg": loadavg()}
+
+
 def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
     """CORE of a run from RUN/eval/core-maxN.json (N = max_per_task), None when not evaluated."""
     if not max_per_task:
@@ -208,10 +242,13 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
                 a = [loss[(corpus, fam, size, s)] for s in seeds]
                 b = [loss[(corpus, "engram", e_size, s)] for s in seeds]
                 st = paired_stats([x["val_loss"] - y["val_loss"] for x, y in zip(a, b)])
-                ta = steps.get(point_key(fam, size, corpus), {}).get("step_ms")
-                tb = steps.get(point_key("engram", e_size, corpus), {}).get("step_ms")
+                ka, kb = point_key(fam, size, corpus), point_key("engram", e_size, corpus)
+                ta, tb = steps.get(ka, {}).get("step_ms"), steps.get(kb, {}).get("step_ms")
                 p_ratio = a[0]["delta_params"] / b[0]["delta_params"]
                 t_ratio = ta / tb if ta and tb else None
+                confirm = bench.get("confirm_step", {})
+                if confirm.get("pair") == [ka, kb]:
+                    t_ratio = confirm["ratio"]          # the longer, paired timing of this pair
                 beats = (p_ratio <= 1 and t_ratio is not None and t_ratio <= 1 and st.n > 1 and st.ci_high < 0)
                 out.append([corpus, LABELS[fam], f"{size} vs {e_size}", p_ratio, t_ratio, st.n,
                             statistics.fmean(y["val_loss"] for y in b), st.mean,
