@@ -287,12 +287,13 @@ def test_paired_rows_against_a_hand_computation():
     half = 4.302652729911275 * sd / 3 ** 0.5
     assert row[:6] == ["code", "TN-gram sum + hashed", "1493 vs 1800", pytest.approx(0.995), pytest.approx(0.99), 3]
     assert row[6] == pytest.approx(3.42333333333) and row[7] == pytest.approx(mean)
-    assert row[8] == pytest.approx([mean - half, mean + half]) and row[9] == "3/0" and row[10] == "yes"
+    assert row[8] == pytest.approx([mean - half, mean + half]) and row[9] == "3/0"
+    assert row[10] == pytest.approx(0.25) and row[11] == "yes"     # sign test: 2 * (1/2)^3
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 201.0          # slower than Engram: no longer beats it
-    assert paired_rows(rows, bench, sizes)[0][10] == "no"
+    assert paired_rows(rows, bench, sizes)[0][11] == "no"
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 198.0
     rows[-2]["val_loss"] = 3.46                         # differences -0.02, -0.018, +0.01: interval holds 0
-    assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", "no"]
+    assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", pytest.approx(1.0), "no"]
     # another corpus's sizes (the vocabulary-8192 setting): Engram 1800 is not its twin there
     assert paired_rows(rows, bench, sizes, {"code": {"engram": (700, 9999), "tngram-hsum": (139, 1493)}}) == []
 
@@ -323,7 +324,31 @@ def test_paired_rows_take_the_confirmation_step_ratio_for_its_pair():
     assert paired_rows(rows, bench, sizes)[0][4] == pytest.approx(1.05)
     bench["confirm_step"] = {"pair": ["tngram-hsum-1493", "engram-1800"], "ratio": 0.97, "ci": [0.95, 0.99]}
     row = paired_rows(rows, bench, sizes)[0]
-    assert row[4] == 0.97 and row[10] == "yes"
+    assert row[4] == 0.97 and row[11] == "yes"
+
+
+def test_paired_rows_pool_the_corpora_but_not_the_vocabulary_setting():
+    """Two corpora with 2 seeds each: a pooled row over the 4 pairs (mean, t interval with 3 degrees
+    of freedom, t_{0.975, 3} = 3.182446305284263 tabulated, sign test 2 * (1/2)^4); the vocabulary
+    setting's pairs stay out of the pool."""
+    from tngram.experiments.pareto_report import paired_rows
+    sizes = {"engram": (1800,), "tngram-hsum": (1493,)}
+    d = {("default", 1): -0.01, ("default", 2): -0.02, ("code", 1): -0.03, ("code", 2): -0.04,
+         ("default@8192", 1): +0.5}
+    rows = []
+    for (c, s), diff in d.items():
+        rows += [{"corpus": c, "family": "engram", "size": 1800, "seed": s, "val_loss": 3.0, "delta_params": 10},
+                 {"corpus": c, "family": "tngram-hsum", "size": 1493, "seed": s, "val_loss": 3.0 + diff,
+                  "delta_params": 9}]
+    out = paired_rows(rows, {"points": {}}, sizes)
+    assert [r[0] for r in out] == ["default", "code", "default@8192", "2 corpora pooled"]
+    pooled = out[-1]
+    diffs = [-0.01, -0.02, -0.03, -0.04]
+    mean = sum(diffs) / 4
+    sd = (sum((x - mean) ** 2 for x in diffs) / 3) ** 0.5
+    half = 3.182446305284263 * sd / 2
+    assert pooled[5] == 4 and pooled[7] == pytest.approx(mean) and pooled[8] == pytest.approx([mean - half, mean + half])
+    assert pooled[9] == "4/0" and pooled[10] == pytest.approx(0.125) and pooled[11] == "no"    # no timing: not shown to beat
 
 
 def test_step_ratio_of_a_config_with_itself_is_near_one():

@@ -226,10 +226,9 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
     mean difference with its 95% t interval, wins/losses, and Δparams and step time as ratios to
     Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0.
     `corpus_sizes` replaces `sizes` for the corpora it names (the vocabulary-8192 setting)."""
-    from tngram.report.stats import paired_stats
     loss = {(r["corpus"], r["family"], r["size"], r["seed"]): r for r in rows}
     steps = bench.get("points", {})
-    out = []
+    out, pooled = [], {}
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         sizes = (corpus_sizes or {}).get(corpus, sizes)
         for fam in PAIRED_FAMILIES:
@@ -241,27 +240,44 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
                     continue
                 a = [loss[(corpus, fam, size, s)] for s in seeds]
                 b = [loss[(corpus, "engram", e_size, s)] for s in seeds]
-                st = paired_stats([x["val_loss"] - y["val_loss"] for x, y in zip(a, b)])
+                diffs = [x["val_loss"] - y["val_loss"] for x, y in zip(a, b)]
                 ka, kb = point_key(fam, size, corpus), point_key("engram", e_size, corpus)
                 ta, tb = steps.get(ka, {}).get("step_ms"), steps.get(kb, {}).get("step_ms")
-                p_ratio = a[0]["delta_params"] / b[0]["delta_params"]
                 t_ratio = ta / tb if ta and tb else None
                 confirm = bench.get("confirm_step", {})
                 if confirm.get("pair") == [ka, kb]:
                     t_ratio = confirm["ratio"]          # the longer, paired timing of this pair
-                beats = (p_ratio <= 1 and t_ratio is not None and t_ratio <= 1 and st.n > 1 and st.ci_high < 0)
-                out.append([corpus, LABELS[fam], f"{size} vs {e_size}", p_ratio, t_ratio, st.n,
-                            statistics.fmean(y["val_loss"] for y in b), st.mean,
-                            None if st.n < 2 else [st.ci_low, st.ci_high], f"{st.wins}/{st.losses}",
-                            "yes" if beats else "no"])
+                row = _paired_row(corpus, fam, f"{size} vs {e_size}", a[0]["delta_params"] / b[0]["delta_params"],
+                                  t_ratio, [y["val_loss"] for y in b], diffs)
+                out.append(row)
+                if "@" not in corpus:                   # the vocabulary setting is another model
+                    pool = pooled.setdefault((fam, row[2]), {"row": row, "engram": [], "diffs": [], "corpora": 0})
+                    pool["engram"] += [y["val_loss"] for y in b]
+                    pool["diffs"] += diffs
+                    pool["corpora"] += 1
+    for (fam, sizes_txt), pool in pooled.items():
+        if pool["corpora"] > 1:
+            out.append(_paired_row(f"{pool['corpora']} corpora pooled", fam, sizes_txt, pool["row"][3], pool["row"][4],
+                                   pool["engram"], pool["diffs"]))
     return out
+
+
+def _paired_row(corpus: str, fam: str, sizes_txt: str, p_ratio: float, t_ratio: float | None,
+                engram: list[float], diffs: list[float]) -> list[Any]:
+    from tngram.report.stats import paired_stats
+    st = paired_stats(diffs)
+    beats = p_ratio <= 1 and t_ratio is not None and t_ratio <= 1 and st.n > 1 and st.ci_high < 0
+    return [corpus, LABELS[fam], sizes_txt, p_ratio, t_ratio, st.n, statistics.fmean(engram), st.mean,
+            None if st.n < 2 else [st.ci_low, st.ci_high], f"{st.wins}/{st.losses}", st.sign_p,
+            "yes" if beats else "no"]
 
 
 PAIRED_COLUMNS = [{"header": "corpus"}, {"header": "memory"}, {"header": "size vs Engram's"},
                   {"header": "Δparams / Engram's", "fmt": ".3f"}, {"header": "step / Engram's", "fmt": ".3f"},
                   {"header": "seeds"}, {"header": "Engram val loss", "fmt": ".4f"},
                   {"header": "− Engram (mean)", "fmt": "+.4f"}, {"header": "95% CI", "fmt": "list:+.4f"},
-                  {"header": "better/worse seeds"}, {"header": "beats Engram at ≤ params and ≤ step"}]
+                  {"header": "better/worse seeds"}, {"header": "sign test p", "fmt": ".3g"},
+                  {"header": "beats Engram at ≤ params and ≤ step"}]
 
 
 def name_of(p: dict[str, Any]) -> str:
