@@ -15,7 +15,15 @@ Each family is swept over its size knob across one common Δparams range (at `mi
               TN-gram variants beyond the paper (`VARIANTS`: no RMSNorm and no absorption; orders
               summed before one K/V; factors shared by both memory layers; R 88 plus Engram-style
               hashed orders 2..5 sized by `hash_budget`); TN-gram's table lr, the hybrid Engram's
+    tngram-hsum
+              TN-gram R 64 with its orders summed + hashed orders 2..5 (104 wide), each size the
+              largest `hash_budget` within the Engram point's Δparams; Engram's table lr
     raw       the raw GPT (Δparams 0), the reference point
+
+The confirmation (`CONFIRM`): the variant chosen on the literature screen (tngram-hsum) and Engram
+at size index 2 get seeds up to CONFIRM_SEEDS on every corpus; those extra seeds feed only the
+report's paired table (every TN-gram family minus Engram at the same size index, paired by seed),
+and the pair's step ratio is timed again in CONFIRM_STEP_REPS alternating rounds.
 
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
 a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
