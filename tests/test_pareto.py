@@ -250,6 +250,20 @@ def test_cross_corpus_table_has_a_column_per_corpus_and_a_row_per_budget():
     assert cross_corpus({"default": tables["default"]}, "best_params") is None
 
 
+def test_cross_corpus_files_leave_out_the_vocabulary_setting(tmp_path):
+    """default@8192's points are 40 M+ Δparams: the cross-corpus budget tables (1.5-13 M) hold only
+    the 1024-vocabulary corpora; the setting keeps its own per-corpus file."""
+    import json
+    from tngram.experiments.pareto_report import results_files
+    t = {"points": [["Engram", "3800", 4.3e6, [3.3]]], "best_params": [["≤ 5M", "Engram (3800)", 4.3e6, [3.3]]],
+         "best_step": [["≤ 1.5× raw", "Engram (3800)", 300.0, 4.3e6, [3.3]]]}
+    (tmp_path / "pareto.json").write_text(json.dumps({"tables": {"default": t, "code": t, "default@8192": t}}))
+    files = results_files(tmp_path, "c", "m", "cmd")
+    assert "pareto-default@8192" in files
+    for kind in ("pareto-best-params", "pareto-best-step"):
+        assert [c["header"] for c in files[kind]["columns"]][1:] == ["default", "code"]
+
+
 def test_confirmation_adds_seeds_of_its_two_points_outside_the_map(monkeypatch):
     """specs_for(seeds=3): seeds 3 and 4 of Engram and tngram-hsum at size index 2 on every corpus but
     the vocabulary setting, tagged confirm; the map's points (aggregate) never count them."""

@@ -440,7 +440,8 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
     if data.get("paired"):
         files["pareto-vs-engram"] = _table_file(data["paired"], PAIRED_COLUMNS, meta)
     for kind in ("best_params", "best_step"):
-        cross = cross_corpus(data["tables"], kind)
+        # the vocabulary setting (NAME@V) is another model size: its Δparams do not fit these budgets
+        cross = cross_corpus({c: t for c, t in data["tables"].items() if "@" not in c}, kind)
         if cross is not None:
             files[f"pareto-{kind.replace('_', '-')}"] = _table_file(cross[1], cross[0], meta)
     tuning = out / "tuning" / "tuning.json"
