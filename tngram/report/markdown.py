@@ -27,7 +27,7 @@ def end_marker(name: str) -> str:
 
 def block_names(text: str) -> list[str]:
     """Names of the generated blocks in a Markdown text, in order."""
-    return re.findall(r"<!-- BEGIN generated: ([\w.:-]+) -->", text)
+    return re.findall(r"<!-- BEGIN generated: ([\w.:@-]+) -->", text)
 
 
 def _indent(text: str, name: str) -> str:
