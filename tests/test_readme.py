@@ -241,3 +241,11 @@ def test_readme_claim_memory_is_a_no_op_at_step_0(kind):
     assert tables and all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in tables)
     vproj = [p for n, p in m.named_parameters() if n.endswith("value_proj.weight")]
     assert vproj and all(torch.count_nonzero(p.grad) > 0 for p in vproj)
+
+
+def test_block_names_may_name_a_vocabulary_setting():
+    """A results file of a corpus at another vocabulary is named NAME@V (pareto-default@8192): its
+    block is found, so `report doc --check` compares it like any other."""
+    from tngram.report.markdown import block_names
+    text = "<!-- BEGIN generated: pareto-default@8192 -->\nx\n<!-- END generated: pareto-default@8192 -->\n"
+    assert block_names(text) == ["pareto-default@8192"]
