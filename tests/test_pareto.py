@@ -310,6 +310,10 @@ def test_paired_rows_against_a_hand_computation():
     assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", pytest.approx(1.0), "no"]
     # another corpus's sizes (the vocabulary-8192 setting): Engram 1800 is not its twin there
     assert paired_rows(rows, bench, sizes, {"code": {"engram": (700, 9999), "tngram-hsum": (139, 1493)}}) == []
+    # ... and only for that corpus: a corpus listed after it still pairs by `sizes`
+    later = [dict(r, corpus="later") for r in rows]
+    out = paired_rows(rows + later, bench, sizes, {"code": {"engram": (700, 9999), "tngram-hsum": (139, 1493)}})
+    assert [(r[0], r[2]) for r in out] == [("later", "1493 vs 1800")]
 
 
 @pytest.mark.parametrize("n", [5, 6, 17, 41, 100])

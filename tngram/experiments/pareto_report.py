@@ -230,10 +230,10 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
     steps = bench.get("points", {})
     out, pooled = [], {}
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
-        sizes = (corpus_sizes or {}).get(corpus, sizes)
+        cs = (corpus_sizes or {}).get(corpus, sizes)      # this corpus's sizes
         for fam in PAIRED_FAMILIES:
-            for i, size in enumerate(sizes.get(fam, ())):
-                e_size = sizes["engram"][i] if i < len(sizes.get("engram", ())) else None
+            for i, size in enumerate(cs.get(fam, ())):
+                e_size = cs["engram"][i] if i < len(cs.get("engram", ())) else None
                 seeds = sorted({k[3] for k in loss if k[:3] == (corpus, fam, size)}
                                & {k[3] for k in loss if k[:3] == (corpus, "engram", e_size)})
                 if not seeds:
