@@ -128,8 +128,9 @@ def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
     assert (lc.kind, lc.max_ngram, lc.n_slices, lc.average, lc.table_rows) == ("oe", 4, 4, True, 36000)
     monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
     specs = P.specs_for(["default"], "mini", 2, None, {**P.TUNED_DEFAULT, "oe": 0.5, "longcat": 0.5})
-    # the map (2 seeds) + the confirmation's seeds 2..CONFIRM_SEEDS-1 of its two points
-    assert len({s.label for s in specs}) == len(specs) == 2 * (1 + 5 * len(P.SIZES)) + 2 * (P.CONFIRM_SEEDS - 2)
+    # the map (2 seeds) + the confirmation's seeds 2..CONFIRM_SEEDS-1 of its pairs
+    n_confirm = 2 * len(P.CONFIRM["size_indices"]) * (P.CONFIRM_SEEDS - 2)
+    assert len({s.label for s in specs}) == len(specs) == 2 * (1 + 5 * len(P.SIZES)) + n_confirm
     recipe_lr = table_lr(bases["engram"])
     for s in specs:
         fam = s.tags["family"]
@@ -265,14 +266,15 @@ def test_cross_corpus_files_leave_out_the_vocabulary_setting(tmp_path):
 
 
 def test_confirmation_adds_seeds_of_its_two_points_outside_the_map(monkeypatch):
-    """specs_for(seeds=3): seeds 3 and 4 of Engram and tngram-hsum at size index 2 on every corpus but
-    the vocabulary setting, tagged confirm; the map's points (aggregate) never count them."""
+    """specs_for(seeds=3): seeds 3 and 4 of Engram and tngram-hsum at size indices 2 and 1 on every
+    corpus but the vocabulary setting, tagged confirm; the map's points (aggregate) never count them."""
     from tngram.experiments.pareto_report import aggregate
     monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if "@" in corpus else 1024))
     specs = P.specs_for(["default", "code", P.VOCAB_CORPUS], "mini", 3, None, dict(P.TUNED_DEFAULT, oe=2.0))
     extra = [s for s in specs if s.tags.get("confirm")]
     assert sorted((s.tags["corpus"], s.tags["family"], s.tags["size"], s.config.run.seed) for s in extra) == sorted(
-        (c, f, P.SIZES[f][2][2], 1337 + k) for c in ("default", "code") for f in ("engram", "tngram-hsum") for k in (3, 4))
+        (c, f, P.SIZES[f][2][i], 1337 + k) for c in ("default", "code") for f in ("engram", "tngram-hsum")
+        for k in (3, 4) for i in (2, 1))
     twin = next(s for s in specs if s.label == "code-tngram-hsum-hash_budget3929-s0")
     e3 = next(s for s in extra if s.label == "code-tngram-hsum-hash_budget3929-s3")
     assert e3.config.to_dict() == P.with_seed(twin.config, 3).to_dict()    # same point, seed 1337 + 3
@@ -340,7 +342,8 @@ def test_paired_rows_take_the_confirmation_step_ratio_for_its_pair():
             for f, z, v in (("engram", 1800, 3.4), ("tngram-hsum", 1493, 3.3)) for s in (1, 2, 4)]
     bench = {"points": {"engram-1800": {"step_ms": 200.0}, "tngram-hsum-1493": {"step_ms": 210.0}}}
     assert paired_rows(rows, bench, sizes)[0][4] == pytest.approx(1.05)
-    bench["confirm_step"] = {"pair": ["tngram-hsum-1493", "engram-1800"], "ratio": 0.97, "ci": [0.95, 0.99]}
+    bench["confirm_steps"] = [{"pair": ["tngram-hsum-3929", "engram-3800"], "ratio": 1.2, "ci": [1.1, 1.3]},
+                              {"pair": ["tngram-hsum-1493", "engram-1800"], "ratio": 0.97, "ci": [0.95, 0.99]}]
     row = paired_rows(rows, bench, sizes)[0]
     assert row[4] == 0.97 and row[11] == "yes"
 

@@ -21,9 +21,10 @@ Each family is swept over its size knob across one common Δparams range (at `mi
     raw       the raw GPT (Δparams 0), the reference point
 
 The confirmation (`CONFIRM`): the variant chosen on the literature screen (tngram-hsum) and Engram
-at size index 2 get seeds up to CONFIRM_SEEDS on every corpus; those extra seeds feed only the
-report's paired table (every TN-gram family minus Engram at the same size index, paired by seed),
-and the pair's step ratio is timed again in CONFIRM_STEP_REPS alternating rounds.
+at size index 2 (the screened size), then at index 1 (added before its extra seeds ran, after the
+map showed it ahead there), get seeds up to CONFIRM_SEEDS on every corpus; those extra seeds feed
+only the report's paired table (every TN-gram family minus Engram at the same size index, paired
+by seed), and each pair's step ratio is timed again in CONFIRM_STEP_REPS alternating rounds.
 
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
 a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
@@ -77,7 +78,7 @@ FAMILIES = ("raw", *SIZES)
 # the confirmation (docs/RESULTS.md): the variant chosen on the literature screen against Engram at
 # the same size index (its Δparams <= Engram's), CONFIRM_SEEDS seeds on every corpus; the seeds
 # beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
-CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_index": 2}
+CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_indices": (2, 1)}
 CONFIRM_SEEDS = 5
 CONFIRM_STEP_REPS = 41      # interleaved rounds timing the pair's step ratio (pareto_report.step_ratio)
 # memory-field settings of each variant family, applied before its size knob
@@ -203,15 +204,14 @@ def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, fa
 
 def confirm_specs(corpora: list[str], bases: dict[str, Any], seeds: int, factors: dict[str, float],
                   families: tuple[str, ...] = FAMILIES) -> list[Any]:
-    """Seeds `seeds`..CONFIRM_SEEDS-1 of CONFIRM's two points on every corpus but the vocabulary
+    """Seeds `seeds`..CONFIRM_SEEDS-1 of CONFIRM's pairs on every corpus but the vocabulary
     setting (tags["confirm"] = True); none when `seeds` >= CONFIRM_SEEDS or a family is left out."""
     from tngram.experiments.runner import RunSpec
-    i = CONFIRM["size_index"]
     fams = [f for f in (CONFIRM["baseline"], CONFIRM["family"]) if f in families]
     specs = []
     for s in range(seeds, CONFIRM_SEEDS if len(fams) == 2 else seeds):
-        for corpus in (c for c in corpora if c != VOCAB_CORPUS):
-            for fam in fams:
+        for i in CONFIRM["size_indices"]:
+            for corpus, fam in ((c, f) for c in corpora if c != VOCAB_CORPUS for f in fams):
                 size = SIZES[fam][2][i]
                 cfg = with_table_lr(family_config(fam, size, bases[corpus]), factors.get(fam, 1.0))
                 specs.append(RunSpec(f"{corpus}-{fam}-{SIZES[fam][1]}{size}-s{s}",
@@ -280,8 +280,11 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
     for s in specs:      # the points on the map: those with a finished run
         if (run_dir_of(out, s) / "summary.json").is_file():
             cfgs.setdefault(point_key(s.tags["family"], s.tags["size"], s.tags["corpus"]), s.config)
-    pair = [point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][CONFIRM["size_index"]]) for k in ("family", "baseline")]
+    pairs = [[point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][i]) for k in ("family", "baseline")]
+             for i in CONFIRM["size_indices"]]
     res = json.loads(path.read_text()) if path.is_file() else {}
+    if "confirm_step" in res:           # one pair, as the first confirmation wrote it
+        res["confirm_steps"] = [res.pop("confirm_step")]
     if not cfgs:
         return res
     threads = torch.get_num_threads()
@@ -291,11 +294,13 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
             print0(f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ...")
             res = bench_points(cfgs, reps=reps)
             atomic_write_json(path, res)
-        if all(k in cfgs for k in pair) and "confirm_step" not in res:
-            print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
-            from tngram.experiments.pareto_report import step_ratio
-            res["confirm_step"] = {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS)}
-            atomic_write_json(path, res)
+        for pair in pairs:
+            if all(k in cfgs for k in pair) and pair not in [c["pair"] for c in res.get("confirm_steps", [])]:
+                print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
+                from tngram.experiments.pareto_report import step_ratio
+                res.setdefault("confirm_steps", []).append(
+                    {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS)})
+                atomic_write_json(path, res)
     finally:
         torch.set_num_threads(threads)
     return res

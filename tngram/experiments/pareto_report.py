@@ -244,9 +244,9 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
                 ka, kb = point_key(fam, size, corpus), point_key("engram", e_size, corpus)
                 ta, tb = steps.get(ka, {}).get("step_ms"), steps.get(kb, {}).get("step_ms")
                 t_ratio = ta / tb if ta and tb else None
-                confirm = bench.get("confirm_step", {})
-                if confirm.get("pair") == [ka, kb]:
-                    t_ratio = confirm["ratio"]          # the longer, paired timing of this pair
+                for confirm in bench.get("confirm_steps", []):
+                    if confirm["pair"] == [ka, kb]:
+                        t_ratio = confirm["ratio"]      # the longer, paired timing of this pair
                 row = _paired_row(corpus, fam, f"{size} vs {e_size}", a[0]["delta_params"] / b[0]["delta_params"],
                                   t_ratio, [y["val_loss"] for y in b], diffs)
                 out.append(row)
