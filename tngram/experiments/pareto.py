@@ -273,7 +273,7 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
     comparable). Points are keyed by family, size and vocabulary (`point_key`), not by corpus: the
     step does not depend on the text, so one timing serves every corpus of one vocabulary."""
     import torch
-    from tngram.experiments.pareto_report import bench_points, point_key
+    from tngram.experiments.pareto_report import bench_points, point_key, step_ratio
     from tngram.experiments.runner import run_dir_of
     path = out / "bench.json"
     cfgs = {}
@@ -297,7 +297,6 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
         for pair in pairs:
             if all(k in cfgs for k in pair) and pair not in [c["pair"] for c in res.get("confirm_steps", [])]:
                 print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
-                from tngram.experiments.pareto_report import step_ratio
                 res.setdefault("confirm_steps", []).append(
                     {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS)})
                 atomic_write_json(path, res)

@@ -227,6 +227,9 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
     Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0.
     `corpus_sizes` replaces `sizes` for the corpora it names (the vocabulary-8192 setting)."""
     loss = {(r["corpus"], r["family"], r["size"], r["seed"]): r for r in rows}
+    seeds_of: dict[tuple, set] = {}                    # (corpus, family, size) -> its seeds
+    for k in loss:
+        seeds_of.setdefault(k[:3], set()).add(k[3])
     steps = bench.get("points", {})
     out, pooled = [], {}
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
@@ -234,8 +237,7 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
         for fam in PAIRED_FAMILIES:
             for i, size in enumerate(cs.get(fam, ())):
                 e_size = cs["engram"][i] if i < len(cs.get("engram", ())) else None
-                seeds = sorted({k[3] for k in loss if k[:3] == (corpus, fam, size)}
-                               & {k[3] for k in loss if k[:3] == (corpus, "engram", e_size)})
+                seeds = sorted(seeds_of.get((corpus, fam, size), set()) & seeds_of.get((corpus, "engram", e_size), set()))
                 if not seeds:
                     continue
                 a = [loss[(corpus, fam, size, s)] for s in seeds]
@@ -247,17 +249,17 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
                 for confirm in bench.get("confirm_steps", []):
                     if confirm["pair"] == [ka, kb]:
                         t_ratio = confirm["ratio"]      # the longer, paired timing of this pair
-                row = _paired_row(corpus, fam, f"{size} vs {e_size}", a[0]["delta_params"] / b[0]["delta_params"],
-                                  t_ratio, [y["val_loss"] for y in b], diffs)
-                out.append(row)
+                p_ratio, label = a[0]["delta_params"] / b[0]["delta_params"], f"{size} vs {e_size}"
+                out.append(_paired_row(corpus, fam, label, p_ratio, t_ratio, [y["val_loss"] for y in b], diffs))
                 if "@" not in corpus:                   # the vocabulary setting is another model
-                    pool = pooled.setdefault((fam, row[2]), {"row": row, "engram": [], "diffs": [], "corpora": 0})
+                    pool = pooled.setdefault((fam, label), {"p_ratio": p_ratio, "t_ratio": t_ratio, "engram": [],
+                                                            "diffs": [], "corpora": 0})
                     pool["engram"] += [y["val_loss"] for y in b]
                     pool["diffs"] += diffs
                     pool["corpora"] += 1
-    for (fam, sizes_txt), pool in pooled.items():
+    for (fam, label), pool in pooled.items():
         if pool["corpora"] > 1:
-            out.append(_paired_row(f"{pool['corpora']} corpora pooled", fam, sizes_txt, pool["row"][3], pool["row"][4],
+            out.append(_paired_row(f"{pool['corpora']} corpora pooled", fam, label, pool["p_ratio"], pool["t_ratio"],
                                    pool["engram"], pool["diffs"]))
     return out
 

@@ -288,15 +288,15 @@ class _LazyRowAdam(torch.optim.Optimizer):
         n = max(1, _ROW_CHUNK_ELEMS // max(1, p.shape[-1]))
         for a in range(0, rows.numel(), n):
             r = rows[a:a + n]
-            lr_ = last.index_select(0, r)
+            last_r = last.index_select(0, r)
             m, v = m_all.index_select(0, r), v_all.index_select(0, r)
-            missed = self._catch_up(m, v, lr_, t, state["lr_history"], b1, b2, eps)
+            missed = self._catch_up(m, v, last_r, t, state["lr_history"], b1, b2, eps)
             if missed is None:
                 continue
             flat.index_add_(0, r, missed)
             m_all.index_copy_(0, r, m)
             v_all.index_copy_(0, r, v)
-            seen = r[lr_ > 0]
+            seen = r[last_r > 0]
             last.index_fill_(0, seen, t)
 
 

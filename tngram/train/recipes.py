@@ -87,8 +87,8 @@ def _mini(memory: Any, name: str) -> TrainConfig:
         run=RunConfig(dtype="bf16", log_every=10, val_every=0, checkpoint_every=100))
 
 
-def _hsum(cfg: TrainConfig) -> TrainConfig:
-    return replace(cfg, optim=replace(cfg.optim, memory_table_lr=0.2))
+def _table_lr(cfg: TrainConfig, lr: float) -> TrainConfig:
+    return replace(cfg, optim=replace(cfg.optim, memory_table_lr=lr))
 
 
 RECIPES: dict[str, Callable[[], TrainConfig]] = {
@@ -108,8 +108,9 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
                                       "mini-tngram-lean"),
     # TN-gram R 64, orders summed, + Engram-style hashed orders 2..5 (104 wide), Δparams <= mini-engram's,
     # at Engram's tuned table lr (x4): the pareto family tngram-hsum at its 4.3 M point
-    "mini-tngram-hsum": lambda: _hsum(_mini(_tngram(64, order_combine="sum", hash_orders=(2, 3, 4, 5),
-                                                    hash_embed=104, hash_budget=3929), "mini-tngram-hsum")),
+    "mini-tngram-hsum": lambda: _table_lr(_mini(_tngram(64, order_combine="sum", hash_orders=(2, 3, 4, 5),
+                                                        hash_embed=104, hash_budget=3929), "mini-tngram-hsum"),
+                                          0.2),     # 4 x the recipes' table lr 0.05
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
 }
