@@ -127,6 +127,10 @@ def _build(corpus: str) -> tuple[str, int]:
 # larger size (Engram/TN-gram/OE knobs x2; dense: the two smallest widths, since every width also
 # grows the V x d embedding 8-fold)
 VOCAB_CORPUS = "default@8192"
+# CORE (`--core-max`) is scored on the default corpus and its vocabulary setting only: its tasks are
+# general English, out of domain for the code corpus, and one run costs about 35 s of CPU at 100
+# items per task, so scoring every corpus would add hours to a CPU sweep
+CORE_CORPORA = ("default", VOCAB_CORPUS)
 VOCAB_SIZES: dict[str, tuple[int, ...]] = {"engram": (40960, 81920), "tngram": (352, 704), "oe": (33697, 67394),
                                            "longcat": (36000, 72000), "dense": (224, 304),
                                            # within Engram's Δparams at V 8192, as at V 1024
@@ -224,8 +228,8 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
            nproc: int | None = None, corpora: list[str] | None = None, tuned: str | None = None,
            train: bool = True, core_max: int | None = None) -> Path:
     """Tune Over-Encoding (once), train every (seed, corpus, family, size), then write the map.
-    With `core_max` N, every finished run is also scored on the offline CORE bundle
-    (`tngram eval core RUN --max-per-task N`, once per run) and the map gains a CORE column."""
+    With `core_max` N, every finished run of CORE_CORPORA is also scored on the offline CORE bundle
+    (`tngram eval core RUN --max-per-task N`, once per run) and their maps gain a CORE column."""
     if data:
         raise TngramError("the pareto experiment trains on built-in corpora (--corpora), not --data")
     prefix = SCALES[scale]
@@ -250,20 +254,25 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
                         sizes={f: v[2] for f, v in SIZES.items()}, corpus_sizes={VOCAB_CORPUS: VOCAB_SIZES})
 
 
+def core_targets(out: Path, specs: list[Any], max_per_task: int) -> list[tuple[str, Path]]:
+    """(label, run dir) of every finished run of a CORE_CORPORA corpus with no RUN/eval/core-maxN.json."""
+    from tngram.experiments.runner import run_dir_of
+    dirs = [(s.label, run_dir_of(out, s)) for s in specs if s.tags["corpus"] in CORE_CORPORA]
+    return [(label, d) for label, d in dirs
+            if (d / "summary.json").is_file() and not (d / "eval" / f"core-max{max_per_task}.json").is_file()]
+
+
 def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
-    """`tngram eval core RUN --max-per-task N` (a subprocess, one thread) for every finished run that
-    has no RUN/eval/core-maxN.json yet; the offline bundle must exist (`tngram eval build-bundle`)."""
+    """`tngram eval core RUN --max-per-task N` (a subprocess, one thread) for every `core_targets` run;
+    the offline bundle must exist (`tngram eval build-bundle`)."""
     import subprocess
     import sys
-    from tngram.experiments.runner import run_dir_of
-    for s in specs:
-        rdir = run_dir_of(out, s)
-        if (rdir / "summary.json").is_file() and not (rdir / "eval" / f"core-max{max_per_task}.json").is_file():
-            print0(f"CORE (max {max_per_task} per task): {s.label}")
-            code = subprocess.run([sys.executable, "-m", "tngram", "eval", "core", str(rdir), "--max-per-task",
-                                   str(max_per_task), "--threads", "1"]).returncode
-            if code != 0:
-                raise TngramError(f"tngram eval core {rdir} failed (exit {code})")
+    for label, rdir in core_targets(out, specs, max_per_task):
+        print0(f"CORE (max {max_per_task} per task): {label}")
+        code = subprocess.run([sys.executable, "-m", "tngram", "eval", "core", str(rdir), "--max-per-task",
+                               str(max_per_task), "--threads", "1"]).returncode
+        if code != 0:
+            raise TngramError(f"tngram eval core {rdir} failed (exit {code})")
 
 
 def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
