@@ -202,6 +202,7 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
     assert best_s["≤ 1.25× raw"] == "TN-gram (88)" and best_s["≤ 1.5× raw"] == "TN-gram (88)"
     assert best_s["≤ 2× raw"] == "Engram (1800)"
     fronts = {r[0] + r[1]: r[-1] for r in t["points"]}
+    assert [r[2] for r in t["points"]] == [1, 1, 1, 1]     # the seeds column: one finished run each
     # Engram 700 has more Δparams, more step time and a higher loss than TN-gram 88: on no front
     assert fronts == {"raw GPT–": "params + time", "TN-gram88": "params + time", "Engram700": "",
                       "Engram1800": "params + time"}

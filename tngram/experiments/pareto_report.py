@@ -297,7 +297,7 @@ def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
     rows = []
     for i, p in enumerate(pts):
         rows.append([LABELS.get(p["family"], p["family"]), "–" if p["size"] is None else str(p["size"]),
-                     p["delta_params"], p["val_loss"], p["val_bpb"], p["core"] or None,
+                     len(p["seeds"]), p["delta_params"], p["val_loss"], p["val_bpb"], p["core"] or None,
                      None if p["step_ms"] is None else p["step_ms"],
                      None if p["decode_ms_per_token"] is None else p["decode_ms_per_token"],
                      p["opt_state_bytes"]["memory"] / 1e6,
@@ -323,7 +323,7 @@ def _table_file(kind_rows: list[list[Any]], columns: list[dict[str, str]], meta:
     return {"kind": "table", **meta, "columns": columns, "rows": kind_rows}
 
 
-POINT_COLUMNS = [{"header": "memory"}, {"header": "size"}, {"header": "Δparams", "fmt": "params"},
+POINT_COLUMNS = [{"header": "memory"}, {"header": "size"}, {"header": "seeds"}, {"header": "Δparams", "fmt": "params"},
                  {"header": "val loss", "fmt": "mean_std:.4f"}, {"header": "val BPB", "fmt": "mean_std:.4f"},
                  {"header": "CORE", "fmt": "mean_std:.4f"}, {"header": "step ms", "fmt": ".0f"}, {"header": "decode ms/token", "fmt": ".2f"},
                  {"header": "memory optimiser state (MB)", "fmt": ".1f"}, {"header": "on the front"}]
