@@ -387,14 +387,16 @@ def test_step_ratio_of_a_config_with_itself_is_near_one():
 
 
 def test_core_targets_are_the_unscored_finished_runs_of_the_core_corpora(tmp_path, monkeypatch):
-    """CORE is scored on the default corpus (and its vocabulary setting) only, once per finished run."""
+    """CORE is scored on the first seed of the default corpus (and its vocabulary setting) only, once
+    per finished run."""
     from tngram.experiments.runner import run_dir_of
     monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
     factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
-    specs = P.specs_for(["default", "code", P.VOCAB_CORPUS], "mini", 1, None, factors, families=("raw", "engram"),
+    specs = P.specs_for(["default", "code", P.VOCAB_CORPUS], "mini", 2, None, factors, families=("raw", "engram"),
                         n_sizes=1)
     by = {s.label: s for s in specs}
-    for label in ("default-raw-s0", "code-raw-s0", "default@8192-raw-s0", "default-engram-table_budget700-s0"):
+    for label in ("default-raw-s0", "code-raw-s0", "default@8192-raw-s0", "default-engram-table_budget700-s0",
+                  "default-raw-s1"):
         d = run_dir_of(tmp_path, by[label])
         d.mkdir(parents=True)
         (d / "summary.json").write_text("{}")
@@ -402,6 +404,7 @@ def test_core_targets_are_the_unscored_finished_runs_of_the_core_corpora(tmp_pat
     scored.mkdir()
     (scored / "core-max100.json").write_text("{}")
     got = [label for label, _ in P.core_targets(tmp_path, specs, 100)]
-    # code: out of CORE_CORPORA; Engram 700: already scored at 100; unfinished runs: no summary
+    # code: out of CORE_CORPORA; raw s1: second seed (CORE_SEEDS 1); Engram 700: already scored at
+    # 100; unfinished runs: no summary
     assert sorted(got) == ["default-raw-s0", "default@8192-raw-s0"]
     assert [label for label, _ in P.core_targets(tmp_path, specs, 50)] != got      # another N: scored again

@@ -72,8 +72,8 @@ def add_commands(sub: Any) -> None:
                         "finished `tngram experiment tuning --out DIR`, or at the settings it "
                         "printed, e.g. engram-lr4,tngram-lr2 (table lr x 4 / x 2; pareto also oe-lrF)")
     p.add_argument("--core-max", type=int_range(1), default=None, metavar="N",
-                   help="pareto only: also score every finished run of the default corpus (and its "
-                        "vocabulary-8192 setting) on the offline CORE bundle with --max-per-task N "
+                   help="pareto only: also score the first seed of every point of the default corpus (and "
+                        "its vocabulary-8192 setting) on the offline CORE bundle with --max-per-task N "
                         "(`tngram eval build-bundle` first; the `eval` extra)")
     p.add_argument("--report-only", action="store_true",
                    help="pareto / table-update only: write the map / table from the runs finished so far; train nothing "
