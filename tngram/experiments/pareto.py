@@ -230,8 +230,9 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
            nproc: int | None = None, corpora: list[str] | None = None, tuned: str | None = None,
            train: bool = True, core_max: int | None = None) -> Path:
     """Tune Over-Encoding (once), train every (seed, corpus, family, size), then write the map.
-    With `core_max` N, the first seed of every point of CORE_CORPORA is also scored on the offline CORE bundle
-    (`tngram eval core RUN --max-per-task N`, once per run) and their maps gain a CORE column."""
+    With `core_max` N, the first seed of every point of CORE_CORPORA is also scored on the offline
+    CORE bundle (`tngram eval core RUN --max-per-task N`, once per run) and their maps gain a CORE
+    column."""
     if data:
         raise TngramError("the pareto experiment trains on built-in corpora (--corpora), not --data")
     prefix = SCALES[scale]
