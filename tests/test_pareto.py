@@ -386,6 +386,26 @@ def test_step_ratio_of_a_config_with_itself_is_near_one():
     assert 0.7 < r["ratio"] < 1.4 and r["rounds"] == 7 and len(r["ci"]) == 2
 
 
+def test_step_ratio_across_processes_keeps_a_over_b_whichever_is_built_first():
+    """processes=2: one fresh process builds a first, the other b first; a runs 4 micro-batches per
+    step against b's 1 (same model), so every process must see a ratio well above 1 (a swapped
+    order would show below 1), and the reported ratio is the median of the per-process medians."""
+    import statistics
+    from tngram.experiments.common import base_recipe, with_memory
+    from tngram.experiments.pareto_report import step_ratio
+    cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
+    b = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))
+    a = replace(cfg, data=replace(cfg.data, global_batch_tokens=4 * 2 * 256, micro_batch_seqs=2))
+    from test_train_support import single_thread
+    with single_thread():
+        r = step_ratio(a, b, reps=3, warmup=1, processes=2)
+    per = r["processes"]
+    assert [p["b_first"] for p in per] == [False, True] and all(len(p["rounds"]) == 3 for p in per)
+    assert all(p["ratio"] == statistics.median(p["rounds"]) > 1.5 for p in per)
+    assert r["ratio"] == pytest.approx(statistics.median([p["ratio"] for p in per]))
+    assert all(math.isnan(x) for x in r["ci"])          # 2 medians: too few for a 95% interval
+
+
 def test_core_targets_are_the_unscored_finished_runs_of_the_core_corpora(tmp_path, monkeypatch):
     """CORE is scored on the first seed of the default corpus (and its vocabulary setting) only, once
     per finished run."""

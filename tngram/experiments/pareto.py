@@ -24,7 +24,8 @@ The confirmation (`CONFIRM`): the variant chosen on the literature screen (tngra
 at size index 2 (the screened size), then at index 1 (added before its extra seeds ran, after the
 map showed it ahead there), get seeds up to CONFIRM_SEEDS on every corpus; those extra seeds feed
 only the report's paired table (every TN-gram family minus Engram at the same size index, paired
-by seed), and each pair's step ratio is timed again in CONFIRM_STEP_REPS alternating rounds.
+by seed), and each pair's step ratio is timed again in CONFIRM_STEP_PROCESSES fresh processes (half
+building Engram first) of CONFIRM_STEP_REPS alternating rounds.
 
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
 a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
@@ -80,7 +81,10 @@ FAMILIES = ("raw", *SIZES)
 # beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
 CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_indices": (2, 1)}
 CONFIRM_SEEDS = 5
-CONFIRM_STEP_REPS = 41      # interleaved rounds timing the pair's step ratio (pareto_report.step_ratio)
+# the pair's step ratio (pareto_report.step_ratio): CONFIRM_STEP_PROCESSES fresh processes, half of them
+# building Engram first, CONFIRM_STEP_REPS interleaved rounds each
+CONFIRM_STEP_PROCESSES = 8
+CONFIRM_STEP_REPS = 21
 # memory-field settings of each variant family, applied before its size knob
 VARIANTS: dict[str, dict[str, Any]] = {
     "longcat": LONGCAT,
@@ -308,11 +312,15 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
             print0(f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ...")
             res = bench_points(cfgs, reps=reps)
             atomic_write_json(path, res)
-        for pair in pairs:
-            if all(k in cfgs for k in pair) and pair not in [c["pair"] for c in res.get("confirm_steps", [])]:
-                print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
-                res.setdefault("confirm_steps", []).append(
-                    {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS)})
+        for pair in pairs:     # timed again when missing or measured by an older protocol (one process)
+            done = [c for c in res.get("confirm_steps", []) if c["pair"] == pair
+                    and len(c.get("processes", [])) == CONFIRM_STEP_PROCESSES and c["rounds"] == CONFIRM_STEP_REPS]
+            if all(k in cfgs for k in pair) and not done:
+                print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_PROCESSES} processes x "
+                       f"{CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
+                res["confirm_steps"] = [c for c in res.get("confirm_steps", []) if c["pair"] != pair] + [
+                    {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS,
+                                                processes=CONFIRM_STEP_PROCESSES)}]
                 atomic_write_json(path, res)
     finally:
         torch.set_num_threads(threads)

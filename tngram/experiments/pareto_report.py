@@ -132,14 +132,19 @@ def median_ci(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
     return (xs[k - 1], xs[n - k]) if k >= 1 else (math.nan, math.nan)
 
 
-def step_ratio(cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2) -> dict[str, Any]:
-    """Training step of cfg_a over cfg_b's, timed in alternating rounds (a then b, b then a, ...) in
-    this process at the caller's threads: the median of the per-round ratios and its 95% interval
-    (`median_ci`)."""
+def _round_ratios(cfg_a: Any, cfg_b: Any, reps: int, warmup: int, b_first: bool = False,
+                  threads: int | None = None) -> list[float]:
+    """Per-round step-time ratios a / b, alternating rounds (a then b, b then a, ...) in this
+    process; b_first builds b's model and optimisers before a's."""
     import time
-    from tngram.bench.common import loadavg
+
+    import torch
     from tngram.bench.step import build_step_for
-    steps = [build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for c in (cfg_a, cfg_b)]
+    if threads is not None:
+        torch.set_num_threads(threads)
+    order = (cfg_b, cfg_a) if b_first else (cfg_a, cfg_b)
+    built = [build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for c in order]
+    steps = built[::-1] if b_first else built                          # steps[0] is a's
     ratios = []
     for i in range(warmup + reps):
         t = [0.0, 0.0]
@@ -149,8 +154,38 @@ def step_ratio(cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2) -> dict[str, 
             t[j] = time.perf_counter() - t0
         if i >= warmup:
             ratios.append(t[0] / t[1])
-    lo, hi = median_ci(ratios)
-    return {"ratio": statistics.median(ratios), "ci": [lo, hi], "rounds": reps, "loadavg": loadavg()}
+    return ratios
+
+
+def step_ratio(cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2, processes: int = 1) -> dict[str, Any]:
+    """Training step of cfg_a over cfg_b's, timed in alternating rounds (a then b, b then a, ...).
+
+    processes=1: in this process at the caller's threads; the median of the per-round ratios and its
+    95% interval (`median_ci`). processes=P > 1: P fresh processes one after another (spawned, at
+    this process's thread count), the even ones building a first, the odd ones b first, `reps`
+    rounds each; the ratio is the median of the per-process medians and the interval `median_ci`
+    of those medians (for 6 <= P <= 8 their range; none below 6). Why: within one process the rounds share one
+    memory layout, and which model is built first moved the 4.3 M pair's ratio by up to 0.03
+    while each process's own interval was 0.01-0.02 wide (docs/LOG.md), so a one-process
+    interval understates the uncertainty."""
+    from tngram.bench.common import loadavg
+    if processes <= 1:
+        ratios = _round_ratios(cfg_a, cfg_b, reps, warmup)
+        lo, hi = median_ci(ratios)
+        return {"ratio": statistics.median(ratios), "ci": [lo, hi], "rounds": reps, "loadavg": loadavg()}
+    import multiprocessing
+
+    import torch
+    ctx = multiprocessing.get_context("spawn")
+    per = []
+    for i in range(processes):
+        with ctx.Pool(1) as pool:
+            r = pool.apply(_round_ratios, (cfg_a, cfg_b, reps, warmup, i % 2 == 1, torch.get_num_threads()))
+        per.append({"b_first": i % 2 == 1, "ratio": statistics.median(r), "rounds": r})
+    meds = [p["ratio"] for p in per]
+    lo, hi = median_ci(meds)
+    return {"ratio": statistics.median(meds), "ci": [lo, hi], "rounds": reps, "processes": per,
+            "loadavg": loadavg()}
 
 
 def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
