@@ -289,7 +289,7 @@ def test_paired_rows_against_a_hand_computation():
     """Three seeds of tngram-hsum and Engram at matched sizes: the mean difference, its 95% t interval
     (t_{0.975, 2} = 4.302652729911275, tabulated), wins/losses, the Δparams and step ratios, and the
     verdict, which needs the interval below 0 AND Δparams and step <= Engram's."""
-    from tngram.experiments.pareto_report import paired_rows
+    from tngram.experiments.pareto_report import candidate_pairs, paired_rows
     sizes = {"engram": (700, 1800), "tngram-hsum": (139, 1493)}
     e = {1337: 3.40, 1338: 3.42, 1339: 3.45}
     h = {1337: 3.38, 1338: 3.402, 1339: 3.428}          # differences -0.02, -0.018, -0.022
@@ -305,7 +305,14 @@ def test_paired_rows_against_a_hand_computation():
     assert row[:6] == ["code", "TN-gram sum + hashed", "1493 vs 1800", pytest.approx(0.995), pytest.approx(0.99), 3]
     assert row[6] == pytest.approx(3.42333333333) and row[7] == pytest.approx(mean)
     assert row[8] == pytest.approx([mean - half, mean + half]) and row[9] == "3/0"
-    assert row[10] == pytest.approx(0.25) and row[11] == "yes"     # sign test: 2 * (1/2)^3
+    # sign test 2 * (1/2)^3; the step ratio is the points' 5-rep medians only: a candidate, not a "yes"
+    assert row[10] == pytest.approx(0.25) and row[11] == "candidate"
+    assert candidate_pairs(rows, bench, sizes) == [["tngram-hsum-1493", "engram-1800"]]
+    bench["confirm_steps"] = [{"pair": ["tngram-hsum-1493", "engram-1800"], "ratio": 0.99, "ci": [0.98, 1.0]}]
+    assert paired_rows(rows, bench, sizes)[0][11] == "yes" and candidate_pairs(rows, bench, sizes) == []
+    bench["confirm_steps"][0]["ratio"] = 1.01       # the pair's own timing says slower: "no"
+    assert paired_rows(rows, bench, sizes)[0][11] == "no"
+    del bench["confirm_steps"]
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 201.0          # slower than Engram: no longer beats it
     assert paired_rows(rows, bench, sizes)[0][11] == "no"
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 198.0

@@ -256,9 +256,16 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
         run_all(specs, out, nproc=nproc)
     if core_max:
         core_once(out, specs, core_max)
-    from tngram.experiments.pareto_report import write_report
-    return write_report(out, specs, factors, bench=bench_once(out, specs), core_max=core_max,
-                        sizes={f: v[2] for f, v in SIZES.items()}, corpus_sizes={VOCAB_CORPUS: VOCAB_SIZES})
+    from tngram.experiments.pareto_report import candidate_pairs, collect, write_report
+    sizes, corpus_sizes = {f: v[2] for f, v in SIZES.items()}, {VOCAB_CORPUS: VOCAB_SIZES}
+    bench = bench_once(out, specs)
+    # a paired row that would beat Engram on the 5-rep step medians says "yes" only after its pair
+    # is timed like the confirmation's (multi-process); those pairs are timed here
+    extra = candidate_pairs(collect(out, specs), bench, sizes, corpus_sizes)
+    if extra:
+        bench = bench_once(out, specs, extra_pairs=extra)
+    return write_report(out, specs, factors, bench=bench, core_max=core_max, sizes=sizes,
+                        corpus_sizes=corpus_sizes)
 
 
 def core_targets(out: Path, specs: list[Any], max_per_task: int) -> list[tuple[str, Path]]:
@@ -284,12 +291,15 @@ def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
             raise TngramError(f"tngram eval core {rdir} failed (exit {code})")
 
 
-def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
+def bench_once(out: Path, specs: list[Any], reps: int = 5,
+               extra_pairs: list[list[str]] | None = None) -> dict[str, Any]:
     """OUT/bench.json: training-step and decode time of every (family, size) with a finished run, one
     torch thread, interleaved in this process (`bench_points`); measured once and reused while it
     covers every such point, else measured again for all of them (one process, so the times stay
     comparable). Points are keyed by family, size and vocabulary (`point_key`), not by corpus: the
-    step does not depend on the text, so one timing serves every corpus of one vocabulary."""
+    step does not depend on the text, so one timing serves every corpus of one vocabulary.
+    The confirmation's pairs and `extra_pairs` ([family point key, Engram point key]) also get
+    their step ratio by `step_ratio`'s multi-process protocol, once ("confirm_steps")."""
     import torch
     from tngram.experiments.pareto_report import bench_points, point_key, step_ratio
     from tngram.experiments.runner import run_dir_of
@@ -300,6 +310,7 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5) -> dict[str, Any]:
             cfgs.setdefault(point_key(s.tags["family"], s.tags["size"], s.tags["corpus"]), s.config)
     pairs = [[point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][i]) for k in ("family", "baseline")]
              for i in CONFIRM["size_indices"]]
+    pairs += [p for p in extra_pairs or [] if p not in pairs]
     res = json.loads(path.read_text()) if path.is_file() else {}
     if "confirm_step" in res:           # one pair, as the first confirmation wrote it
         res["confirm_steps"] = [res.pop("confirm_step")]
