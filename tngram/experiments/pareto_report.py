@@ -164,10 +164,11 @@ def step_ratio(cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2, processes: in
     95% interval (`median_ci`). processes=P > 1: P fresh processes one after another (spawned, at
     this process's thread count), the even ones building a first, the odd ones b first, `reps`
     rounds each; the ratio is the median of the per-process medians and the interval `median_ci`
-    of those medians (for 6 <= P <= 8 their range; none below 6). Why: the rounds of one process
-    share one memory layout, and 16 fresh processes timing one pair (4.3 M) gave medians from
-    1.000 to 1.042 while each process's own interval was 0.01-0.03 wide (docs/LOG.md): one
-    process's interval understates the uncertainty."""
+    of those medians (for 6 <= P <= 8 their range; none below 6). Why: 16 fresh processes timing
+    one pair (4.3 M) gave medians from 1.000 to 1.042, and some of their 95% intervals did not
+    overlap ([0.997, 1.014] and [1.025, 1.045]; docs/LOG.md): the rounds of one process share
+    something (its memory layout, say) that moves the ratio, so one process's interval
+    understates the uncertainty."""
     from tngram.bench.common import loadavg
     if processes <= 1:
         ratios = _round_ratios(cfg_a, cfg_b, reps, warmup)
