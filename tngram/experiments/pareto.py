@@ -261,11 +261,12 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
     bench = bench_once(out, specs)
     # a paired row that would beat Engram on the 5-rep step medians says "yes" only after its pair
     # is timed like the confirmation's (multi-process); those pairs are timed here
-    extra = candidate_pairs(collect(out, specs), bench, sizes, corpus_sizes)
+    rows = collect(out, specs, core_max)
+    extra = candidate_pairs(rows, bench, sizes, corpus_sizes)
     if extra:
         bench = bench_once(out, specs, extra_pairs=extra)
     return write_report(out, specs, factors, bench=bench, core_max=core_max, sizes=sizes,
-                        corpus_sizes=corpus_sizes)
+                        corpus_sizes=corpus_sizes, rows=rows)
 
 
 def core_targets(out: Path, specs: list[Any], max_per_task: int) -> list[tuple[str, Path]]:
@@ -299,7 +300,8 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5,
     comparable). Points are keyed by family, size and vocabulary (`point_key`), not by corpus: the
     step does not depend on the text, so one timing serves every corpus of one vocabulary.
     The confirmation's pairs and `extra_pairs` ([family point key, Engram point key]) also get
-    their step ratio by `step_ratio`'s multi-process protocol, once ("confirm_steps")."""
+    their step ratio by `step_ratio`'s multi-process protocol ("confirm_steps"): once, and again
+    whenever the points are timed again (one timing session for both)."""
     import torch
     from tngram.experiments.pareto_report import bench_points, point_key, step_ratio
     from tngram.experiments.runner import run_dir_of

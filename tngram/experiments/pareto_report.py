@@ -433,10 +433,12 @@ def _front_xy(points: list[Point]) -> list[Point]:
 
 def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None,
                  core_max: int | None = None, sizes: dict[str, tuple] | None = None,
-                 corpus_sizes: dict[str, dict[str, tuple]] | None = None) -> Path:
+                 corpus_sizes: dict[str, dict[str, tuple]] | None = None,
+                 rows: list[dict[str, Any]] | None = None) -> Path:
     """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs; with
-    `sizes` (family -> its sizes, index-aligned) also the paired table against Engram."""
-    rows = collect(out, specs, core_max)
+    `sizes` (family -> its sizes, index-aligned) also the paired table against Engram. `rows`:
+    `collect(out, specs, core_max)` when the caller already has it (it reads every run)."""
+    rows = collect(out, specs, core_max) if rows is None else rows
     if bench is None:
         f = out / "bench.json"
         bench = json.loads(f.read_text()) if f.is_file() else {}
