@@ -251,7 +251,7 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
 
 
 # TN-gram families compared with Engram at the same size index, paired by seed (paired_rows)
-PAIRED_FAMILIES = ("tngram", "tngram-lean", "tngram-hybrid", "tngram-hsum")
+PAIRED_FAMILIES = ("tngram", "tngram-lean", "tngram-sum", "tngram-shared", "tngram-hybrid", "tngram-hsum")
 
 
 def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple],
