@@ -120,6 +120,26 @@ def test_hsum_sizes_are_the_largest_budgets_within_engrams_delta():
             assert delta(cfg) <= engram < delta(with_memory(cfg, hash_budget=h_size + 1)), (vocab, e_size, h_size)
 
 
+def test_vocabulary_variant_sizes_are_the_largest_within_their_reference():
+    """At vocabulary 8192 each variant's size, index by index: lean takes TN-gram's R; sum and shared
+    the largest R whose Δparams is <= TN-gram's (R + 1 would exceed it); the hybrid the largest
+    hash_budget whose Δparams is <= Engram's (budget + 1 would exceed it)."""
+    from tngram.experiments.common import base_recipe, with_data, with_memory
+    from tngram.train.recipes import param_summary
+    bases = {m: with_data(base_recipe("mini", m), "/nonexistent", 8192) for m in ("raw", "engram", "tngram", "oe")}
+    raw_total = param_summary(bases["raw"])["total_params"]
+    delta = lambda cfg: param_summary(cfg)["total_params"] - raw_total  # noqa: E731
+    sizes = P.VOCAB_SIZES
+    assert sizes["tngram-lean"] == sizes["tngram"]
+    for i, (t_size, e_size) in enumerate(zip(sizes["tngram"], sizes["engram"], strict=True)):
+        for fam, limit, knob in (("tngram-sum", delta(P.family_config("tngram", t_size, bases)), "cp_rank"),
+                                 ("tngram-shared", delta(P.family_config("tngram", t_size, bases)), "cp_rank"),
+                                 ("tngram-hybrid", delta(P.family_config("engram", e_size, bases)), "hash_budget")):
+            size = sizes[fam][i]
+            cfg = P.family_config(fam, size, bases)
+            assert delta(cfg) <= limit < delta(with_memory(cfg, **{knob: size + 1})), (fam, size)
+
+
 def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
     from tngram.experiments.common import base_recipe
     from tngram.experiments.evidence import table_lr
@@ -381,16 +401,19 @@ def test_paired_rows_pool_the_corpora_but_not_the_vocabulary_setting():
 
 
 def test_step_ratio_of_a_config_with_itself_is_near_one():
-    """Two copies of one config timed in alternating rounds: the median per-round ratio is close to 1
-    (a loose band: the copies run the same work, so only timing noise moves it)."""
+    """Two copies of one config timed in alternating rounds: the median per-round ratio is close to 1.
+    The copies run the same work, so only timing noise moves it; the band is loose because the suite
+    must pass on a busy machine (with two training processes on both cores, the median of 21 rounds
+    ranged 0.80-1.24 over six tries, and 7 rounds reached 1.3), yet it still fails a ratio that
+    halves (a / (a + b)) or doubles (a counted twice)."""
     from tngram.experiments.common import base_recipe, with_memory
     from tngram.experiments.pareto_report import step_ratio
     cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
     cfg = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))
     from test_train_support import single_thread
     with single_thread():
-        r = step_ratio(cfg, cfg, reps=7, warmup=1)
-    assert 0.7 < r["ratio"] < 1.4 and r["rounds"] == 7 and len(r["ci"]) == 2
+        r = step_ratio(cfg, cfg, reps=21, warmup=1)
+    assert 0.6 < r["ratio"] < 1.6 and r["rounds"] == 21 and len(r["ci"]) == 2
 
 
 def test_step_ratio_across_processes_keeps_a_over_b_whichever_is_built_first():

@@ -139,8 +139,13 @@ CORE_CORPORA = ("default", VOCAB_CORPUS)
 CORE_SEEDS = 1
 VOCAB_SIZES: dict[str, tuple[int, ...]] = {"engram": (40960, 81920), "tngram": (352, 704), "oe": (33697, 67394),
                                            "longcat": (36000, 72000), "dense": (224, 304),
-                                           # within Engram's Δparams at V 8192, as at V 1024
-                                           "tngram-hsum": (44159, 94547)}
+                                           # the hashed variants: the largest size within Engram's
+                                           # Δparams at V 8192, as at V 1024
+                                           "tngram-hsum": (44159, 94547), "tngram-hybrid": (33751, 74713),
+                                           # the rank variants: TN-gram's R (lean) or the largest R
+                                           # within TN-gram's Δparams at V 8192 (sum, shared)
+                                           "tngram-lean": (352, 704), "tngram-sum": (358, 717),
+                                           "tngram-shared": (712, 1425)}
 
 
 def _base(prefix: str, data_dir: str, vocab: int, steps: int | None) -> dict[str, Any]:
