@@ -252,6 +252,10 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
 
 # TN-gram families compared with Engram at the same size index, paired by seed (paired_rows)
 PAIRED_FAMILIES = ("tngram", "tngram-lean", "tngram-sum", "tngram-shared", "tngram-hybrid", "tngram-hsum")
+# how far above 1 a pair's 5-rep step ratio may be and the pair still be timed by the multi-process
+# protocol before a verdict: the points' 5-rep medians moved 0.93-1.10x between two timings
+# (docs/RESULTS.md), so a pair at 1.01 on them may be below 1 on its own timing, and the reverse
+STEP_NOISE = 0.10
 
 
 def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple],
@@ -262,8 +266,9 @@ def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[s
     mean difference with its 95% t interval, wins/losses, and Δparams and step time as ratios to
     Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0;
     it says "yes" only when the step ratio is the pair's own multi-process timing
-    (bench["confirm_steps"], `step_ratio`), "candidate" when it rests on the points' 5-rep medians
-    (their ratios move by several percent between timings; `candidate_pairs` lists those pairs).
+    (bench["confirm_steps"], `step_ratio`), "candidate" when the loss and Δparams pass and the
+    points' 5-rep step ratio is within 1 + STEP_NOISE (those medians move by several percent
+    between timings, so they decide nothing near 1; `candidate_pairs` lists those pairs).
     `corpus_sizes` replaces `sizes` for the corpora it names (the vocabulary-8192 setting)."""
     return [row for row, _ in _paired(rows, bench, sizes, corpus_sizes)]
 
@@ -323,10 +328,13 @@ def _paired_row(corpus: str, fam: str, sizes_txt: str, p_ratio: float, t_ratio: 
                 engram: list[float], diffs: list[float], timed: bool = False) -> list[Any]:
     from tngram.report.stats import paired_stats
     st = paired_stats(diffs)
-    beats = p_ratio <= 1 and t_ratio is not None and t_ratio <= 1 and st.n > 1 and st.ci_high < 0
+    loss_and_params = p_ratio <= 1 and t_ratio is not None and st.n > 1 and st.ci_high < 0
+    if timed:
+        verdict = "yes" if loss_and_params and t_ratio <= 1 else "no"
+    else:
+        verdict = "candidate" if loss_and_params and t_ratio <= 1 + STEP_NOISE else "no"
     return [corpus, LABELS[fam], sizes_txt, p_ratio, t_ratio, st.n, statistics.fmean(engram), st.mean,
-            None if st.n < 2 else [st.ci_low, st.ci_high], f"{st.wins}/{st.losses}", st.sign_p,
-            ("yes" if timed else "candidate") if beats else "no"]
+            None if st.n < 2 else [st.ci_low, st.ci_high], f"{st.wins}/{st.losses}", st.sign_p, verdict]
 
 
 PAIRED_COLUMNS = [{"header": "corpus"}, {"header": "memory"}, {"header": "size vs Engram's"},
