@@ -334,15 +334,13 @@ def test_paired_rows_against_a_hand_computation():
     assert paired_rows(rows, bench, sizes)[0][11] == "no"
     # on the 5-rep medians only, a step up to STEP_NOISE (0.10) above Engram's still asks for the
     # pair's own timing (1.09 < 1.10), and one beyond it does not (1.11)
-    confirm = bench.pop("confirm_steps")
+    del bench["confirm_steps"]
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 218.0
     assert paired_rows(rows, bench, sizes)[0][11] == "candidate"
     assert candidate_pairs(rows, bench, sizes) == [["tngram-hsum-1493", "engram-1800"]]
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 222.0
     assert paired_rows(rows, bench, sizes)[0][11] == "no" and candidate_pairs(rows, bench, sizes) == []
     bench["points"]["tngram-hsum-1493"]["step_ms"] = 198.0
-    bench["confirm_steps"] = confirm
-    del bench["confirm_steps"]
     rows[-2]["val_loss"] = 3.46                         # differences -0.02, -0.018, +0.01: interval holds 0
     assert paired_rows(rows, bench, sizes)[0][9:] == ["2/1", pytest.approx(1.0), "no"]
     # another corpus's sizes (the vocabulary-8192 setting): Engram 1800 is not its twin there
