@@ -33,8 +33,9 @@ __all__ = ["__version__", "build_model", "load_run", "sample", *_LAZY]
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
+
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value   # later look-ups skip __getattr__
+        globals()[name] = value  # later look-ups skip __getattr__
         return value
     raise AttributeError(f"module 'tngram' has no attribute {name!r}")
 
@@ -62,8 +63,15 @@ def load_run(run_dir: str, device: str = "cpu", tokenizer: str | None = None) ->
     return model, load_tokenizer(run_tokenizer_path(run_dir, cfg, tokenizer))
 
 
-def sample(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
-           top_k: int | None = 50, seed: int = 0) -> str:
+def sample(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
     """Prompt + sampled continuation as text (incremental decoding; temperature 0 = greedy)."""
     from tngram.data.tokenizer import BOS_ID
     from tngram.common import TngramError

@@ -36,11 +36,14 @@ def require_extra(module: str, extra: str, what: str) -> Any:
     """`import module`, or a one-line MissingExtraError naming the extra that installs it, e.g.
     require_extra("matplotlib", "report", "figures")."""
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingExtraError(f"{what} need {module.split('.')[0]}, which is not installed: "
-                          f"pip install 'tngram[{extra}]'") from None
+        raise MissingExtraError(
+            f"{what} need {module.split('.')[0]}, which is not installed: "
+            f"pip install 'tngram[{extra}]'"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,10 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise TngramError(f"{path}: line {lineno}: not UTF-8 text (byte {e.start}: "
-                                  f"{raw[e.start:e.start + 1]!r}); re-encode the file as UTF-8") from None
+                raise TngramError(
+                    f"{path}: line {lineno}: not UTF-8 text (byte {e.start}: "
+                    f"{raw[e.start : e.start + 1]!r}); re-encode the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -127,8 +132,10 @@ def read_text_utf8(path: str | os.PathLike) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise TngramError(f"{path}: line {line}: not UTF-8 text (byte offset {e.start}); re-encode the "
-                          f"file as UTF-8") from None
+        raise TngramError(
+            f"{path}: line {line}: not UTF-8 text (byte offset {e.start}); re-encode the "
+            f"file as UTF-8"
+        ) from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -144,7 +151,7 @@ def check_writable_dir(folder: Path, flag: str) -> None:
     if folder.exists() and not folder.is_dir():
         raise TngramError(f"{flag} {folder} is a file, expected a folder")
     probe_root = folder
-    while not probe_root.exists():          # the nearest existing parent must accept the mkdir
+    while not probe_root.exists():  # the nearest existing parent must accept the mkdir
         probe_root = probe_root.parent
     if not probe_root.is_dir():
         raise TngramError(f"{flag} {folder}: {probe_root} is a file, not a folder")
@@ -153,8 +160,9 @@ def check_writable_dir(folder: Path, flag: str) -> None:
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:
-        raise TngramError(f"{flag} {folder} is not writable ({e.strerror or e}); choose another "
-                          f"folder") from None
+        raise TngramError(
+            f"{flag} {folder} is not writable ({e.strerror or e}); choose another folder"
+        ) from None
 
 
 def cache_dir() -> Path:
@@ -170,7 +178,11 @@ def cache_dir() -> Path:
 def check_thread_count(n: int, key: str) -> None:
     """A thread count far above the CPU cores (more than 4x) runs for minutes without one step
     (each op's threads spin-wait for each other): one TngramError naming `key`, before any work."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     if n > 4 * cores:
-        raise TngramError(f"{key} {n} is far above this machine's {cores} CPU core(s) (at most {4 * cores}); "
-                          f"use 0 (torch's default) or a count up to {cores}")
+        raise TngramError(
+            f"{key} {n} is far above this machine's {cores} CPU core(s) (at most {4 * cores}); "
+            f"use 0 (torch's default) or a count up to {cores}"
+        )

@@ -30,26 +30,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-BUSY_CPUS = 0.5        # other jobs keeping at least this many CPUs busy make the machine "busy"
+BUSY_CPUS = 0.5  # other jobs keeping at least this many CPUs busy make the machine "busy"
 
 
 @dataclass(frozen=True)
 class CpuFacts:
     """What the thread choice looks at (all read by `read_cpu_facts`, or faked in tests)."""
-    affinity: int                      # CPUs this process may run on
-    quota: float | None = None         # cgroup CPU quota in CPUs (None: no quota)
-    others_busy: float = 0.0           # CPUs kept busy by other processes at normal priority
-    others_niced: float = 0.0          # CPUs kept busy by niced (nice > 0) processes
-    loadavg: float | None = None       # 1-minute load average (reported, not used)
-    sample_s: float = 0.0              # length of the /proc/stat sample
+
+    affinity: int  # CPUs this process may run on
+    quota: float | None = None  # cgroup CPU quota in CPUs (None: no quota)
+    others_busy: float = 0.0  # CPUs kept busy by other processes at normal priority
+    others_niced: float = 0.0  # CPUs kept busy by niced (nice > 0) processes
+    loadavg: float | None = None  # 1-minute load average (reported, not used)
+    sample_s: float = 0.0  # length of the /proc/stat sample
 
 
 @dataclass(frozen=True)
 class ThreadChoice:
-    threads: int                       # torch threads to use
-    default: int                       # what the run would have used without the choice
-    busy: bool                         # other jobs compete for the CPUs
-    reason: str                        # one line for the user ("" when nothing changed)
+    threads: int  # torch threads to use
+    default: int  # what the run would have used without the choice
+    busy: bool  # other jobs compete for the CPUs
+    reason: str  # one line for the user ("" when nothing changed)
     facts: CpuFacts | None = field(default=None, compare=False)
 
     @property
@@ -78,28 +79,37 @@ def choose_threads(facts: CpuFacts, default: int) -> ThreadChoice:
     if threads == default:
         return ThreadChoice(threads, default, busy, "", facts)
     if busy:
-        why = (f"the CPUs are busy (other jobs kept {facts.others_busy:.1f} of {cpus} CPUs busy"
-               + (f", load average {facts.loadavg:.2f}" if facts.loadavg is not None else "") + ")")
+        why = (
+            f"the CPUs are busy (other jobs kept {facts.others_busy:.1f} of {cpus} CPUs busy"
+            + (f", load average {facts.loadavg:.2f}" if facts.loadavg is not None else "")
+            + ")"
+        )
     elif facts.quota is not None and available_cpus(facts) < facts.affinity:
         why = f"the cgroup CPU quota is {facts.quota:g} CPUs"
     else:
         why = f"this process may run on {facts.affinity} CPUs (sched affinity)"
-    return ThreadChoice(threads, default, busy,
-                        f"{why}: training with {threads} thread{'s' if threads > 1 else ''} instead of "
-                        f"{default} (spinning threads collapse beside other jobs; --threads N chooses)", facts)
+    return ThreadChoice(
+        threads,
+        default,
+        busy,
+        f"{why}: training with {threads} thread{'s' if threads > 1 else ''} instead of "
+        f"{default} (spinning threads collapse beside other jobs; --threads N chooses)",
+        facts,
+    )
 
 
 # --- reading the facts (Linux; elsewhere: affinity = os.cpu_count(), nothing busy) --------------
 
+
 def cgroup_quota(root: str = "/sys/fs/cgroup") -> float | None:
     """The cgroup CPU quota in CPUs, or None (no quota, or not readable)."""
     try:
-        quota, period = open(os.path.join(root, "cpu.max")).read().split()[:2]   # cgroup v2
+        quota, period = open(os.path.join(root, "cpu.max")).read().split()[:2]  # cgroup v2
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        q = int(open(os.path.join(root, "cpu", "cpu.cfs_quota_us")).read())       # cgroup v1
+        q = int(open(os.path.join(root, "cpu", "cpu.cfs_quota_us")).read())  # cgroup v1
         p = int(open(os.path.join(root, "cpu", "cpu.cfs_period_us")).read())
         return None if q <= 0 or p <= 0 else q / p
     except (OSError, ValueError):
@@ -143,9 +153,17 @@ def read_cpu_facts(sample_s: float = 0.3) -> CpuFacts:
             dt = max(1e-6, t1 - t0)
             own = (own1 - own0) if os.nice(0) == 0 else 0.0
             busy = max(0.0, (b[0] - a[0]) / hz / dt - own / dt)
-            niced = max(0.0, (b[1] - a[1]) / hz / dt - (0.0 if os.nice(0) == 0 else (own1 - own0) / dt))
-    return CpuFacts(affinity=affinity, quota=cgroup_quota(), others_busy=round(busy, 2),
-                    others_niced=round(niced, 2), loadavg=load, sample_s=sample_s)
+            niced = max(
+                0.0, (b[1] - a[1]) / hz / dt - (0.0 if os.nice(0) == 0 else (own1 - own0) / dt)
+            )
+    return CpuFacts(
+        affinity=affinity,
+        quota=cgroup_quota(),
+        others_busy=round(busy, 2),
+        others_niced=round(niced, 2),
+        loadavg=load,
+        sample_s=sample_s,
+    )
 
 
 def auto_threads(default: int, sample_s: float = 0.3) -> ThreadChoice:
@@ -162,8 +180,13 @@ class StepWatch:
     the CPUs busy now (a fresh `facts()` sample), `add` returns the choose_threads decision, once;
     then it stops watching. Slow steps on a machine nobody else uses change nothing."""
 
-    def __init__(self, threads: int, window: int = 10, factor: float = 2.0,
-                 facts: Callable[[], CpuFacts] | None = None) -> None:
+    def __init__(
+        self,
+        threads: int,
+        window: int = 10,
+        factor: float = 2.0,
+        facts: Callable[[], CpuFacts] | None = None,
+    ) -> None:
         self.threads, self.window, self.factor = threads, window, factor
         self.facts = facts or read_cpu_facts
         self.buf: list[float] = []
@@ -193,6 +216,7 @@ class StepWatch:
 
 
 # --- time -----------------------------------------------------------------------------------------
+
 
 def fmt_duration(seconds: float) -> str:
     """4 s, 59 s, 1 min 05 s, 59 min 59 s, 1 h 00 min, 26 h 40 min ("?" for NaN/inf/negative)."""

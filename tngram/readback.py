@@ -17,8 +17,8 @@ from typing import Any
 
 from tngram.common import TngramError
 
-MAX_DEPTH = 64                 # far deeper than any record tngram writes
-MAX_JSON_BYTES = 256 << 20     # a results file of a large sweep is a few MB
+MAX_DEPTH = 64  # far deeper than any record tngram writes
+MAX_JSON_BYTES = 256 << 20  # a results file of a large sweep is a few MB
 
 _MISSING = object()
 
@@ -53,17 +53,26 @@ def parse_json(text: str | bytes, where: str, max_depth: int = MAX_DEPTH) -> Any
     except RecursionError:
         raise BadRecordError(f"{where}: nested more than {max_depth} levels deep") from None
     except ValueError as e:
-        raise BadRecordError(f"{where}: corrupt or truncated JSON ({str(e).splitlines()[0][:120]})") from None
+        raise BadRecordError(
+            f"{where}: corrupt or truncated JSON ({str(e).splitlines()[0][:120]})"
+        ) from None
     if depth(obj) > max_depth:
         raise BadRecordError(f"{where}: nested more than {max_depth} levels deep")
     return obj
 
 
-def load_json(path: str | os.PathLike, root: str | os.PathLike | None = None, *, limit: int = MAX_JSON_BYTES,
-              max_depth: int = MAX_DEPTH, want_dict: bool = True) -> Any:
+def load_json(
+    path: str | os.PathLike,
+    root: str | os.PathLike | None = None,
+    *,
+    limit: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_DEPTH,
+    want_dict: bool = True,
+) -> Any:
     """A JSON record read back: a regular file without links (below `root` if given), at most
     `limit` bytes, UTF-8, at most `max_depth` levels; an object when `want_dict`."""
     from tngram.safefs import read_bytes
+
     data = read_bytes(path, root, limit)
     obj = parse_json(data, str(path), max_depth)
     if want_dict and not isinstance(obj, dict):
@@ -77,8 +86,16 @@ def _describe(kind: str, lo: float | None, hi: float | None) -> str:
     return f"{kind}{' ' + rng if rng else ''}"
 
 
-def get(d: dict[str, Any], key: str, kind: str, where: str, *, lo: float | None = None,
-        hi: float | None = None, default: Any = _MISSING) -> Any:
+def get(
+    d: dict[str, Any],
+    key: str,
+    kind: str,
+    where: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    default: Any = _MISSING,
+) -> Any:
     """d[key] checked against `kind` ("int", "float" (finite; an int is accepted), "number?"
     (finite or None), "str", "bool", "dict", "list"); a missing key is an error unless `default`
     is given. The error names `where` (the file) and the key."""
@@ -95,8 +112,10 @@ def get(d: dict[str, Any], key: str, kind: str, where: str, *, lo: float | None 
     elif kind == "float":
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     elif kind == "number?":
-        ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-    elif kind == "any-number?":      # NaN and infinities allowed (a diverged run's record)
+        ok = v is None or (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        )
+    elif kind == "any-number?":  # NaN and infinities allowed (a diverged run's record)
         ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
     elif kind == "str":
         ok = isinstance(v, str)
@@ -111,18 +130,35 @@ def get(d: dict[str, Any], key: str, kind: str, where: str, *, lo: float | None 
     if ok and v is not None and kind in ("int", "float", "number?"):
         ok = (lo is None or v >= lo) and (hi is None or v <= hi)
     if not ok:
-        want = {"int": "an int", "float": "a finite number", "number?": "a finite number or null",
-                "any-number?": "a number or null",
-                "str": "a string", "bool": "true or false", "dict": "an object", "list": "a list"}[kind]
-        raise BadRecordError(f"{where}: field {key!r} must be {_describe(want, lo, hi)}, got {_short(v)}")
+        want = {
+            "int": "an int",
+            "float": "a finite number",
+            "number?": "a finite number or null",
+            "any-number?": "a number or null",
+            "str": "a string",
+            "bool": "true or false",
+            "dict": "an object",
+            "list": "a list",
+        }[kind]
+        raise BadRecordError(
+            f"{where}: field {key!r} must be {_describe(want, lo, hi)}, got {_short(v)}"
+        )
     return v
 
 
 def plain_name(name: Any, where: str, key: str) -> str:
     """A file name inside a folder: a string with no folder part, not '.', '..' or hidden tricks."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\x00" in name):
-        raise BadRecordError(f"{where}: {key} must be a file name inside the folder, got {_short(name)}")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+    ):
+        raise BadRecordError(
+            f"{where}: {key} must be a file name inside the folder, got {_short(name)}"
+        )
     return name
 
 
@@ -132,9 +168,24 @@ def _short(v: Any) -> str:
 
 
 # numbers a summary.json holds (tngram.train.loop); each must be a number or null when present
-SUMMARY_NUMBERS = ("steps", "schedule_steps", "train_loss", "val_loss", "val_bpb", "val_tokens", "val_bytes",
-                   "tokens", "tokens_per_s", "train_time_s", "wall_s", "total_params", "memory_params",
-                   "delta_params", "world_size", "grad_accum_steps")
+SUMMARY_NUMBERS = (
+    "steps",
+    "schedule_steps",
+    "train_loss",
+    "val_loss",
+    "val_bpb",
+    "val_tokens",
+    "val_bytes",
+    "tokens",
+    "tokens_per_s",
+    "train_time_s",
+    "wall_s",
+    "total_params",
+    "memory_params",
+    "delta_params",
+    "world_size",
+    "grad_accum_steps",
+)
 
 
 def check_numbers(d: dict[str, Any], keys: tuple[str, ...], where: str) -> dict[str, Any]:
@@ -145,12 +196,16 @@ def check_numbers(d: dict[str, Any], keys: tuple[str, ...], where: str) -> dict[
     return d
 
 
-def read_summary_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+def read_summary_file(
+    path: str | os.PathLike, root: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """A run's summary.json read back: an object whose numbers are numbers (see SUMMARY_NUMBERS)."""
     return check_numbers(load_json(path, root), SUMMARY_NUMBERS, str(path))
 
 
-def read_results_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+def read_results_file(
+    path: str | os.PathLike, root: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """An experiment's results.json read back: {"rows": [row objects]}, each row's numbers numbers,
     its run_dir and method strings, its seed an int."""
     where = str(path)
@@ -169,20 +224,30 @@ def read_results_file(path: str | os.PathLike, root: str | os.PathLike | None = 
     return d
 
 
-def read_tuning_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+def read_tuning_file(
+    path: str | os.PathLike, root: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """A tuning.json read back: {"best": {family: setting name or number}, "rows": [...]}."""
     where = str(path)
     d = load_json(path, root)
     best = get(d, "best", "dict", where)
     for k, v in best.items():
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-            raise BadRecordError(f"{where}: field best.{k} must be a setting name or a finite number, got {_short(v)}")
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (str, int, float))
+            or (isinstance(v, float) and not math.isfinite(v))
+        ):
+            raise BadRecordError(
+                f"{where}: field best.{k} must be a setting name or a finite number, got {_short(v)}"
+            )
     if "rows" in d:
         get(d, "rows", "list", where)
     return d
 
 
-def read_core_file(path: str | os.PathLike, root: str | os.PathLike | None = None) -> dict[str, Any]:
+def read_core_file(
+    path: str | os.PathLike, root: str | os.PathLike | None = None
+) -> dict[str, Any]:
     """An eval/core*.json read back: its "core" a number, its per-task results an object."""
     where = str(path)
     d = load_json(path, root)

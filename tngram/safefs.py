@@ -43,13 +43,17 @@ class UnsafePathError(TngramError):
 
 def _link_error(p: Path, root: StrPath | None) -> UnsafePathError:
     where = f" inside {root}" if root is not None else ""
-    return UnsafePathError(f"{p} is a symbolic link{where}; tngram never follows links in a run or "
-                           f"dataset folder: replace it with a real file or folder")
+    return UnsafePathError(
+        f"{p} is a symbolic link{where}; tngram never follows links in a run or "
+        f"dataset folder: replace it with a real file or folder"
+    )
 
 
 def _parts_below(root: StrPath, path: StrPath) -> list[str]:
     """`path`'s components below `root` (lexically; `path` must lie inside `root`)."""
-    rel = os.path.relpath(os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(root)))
+    rel = os.path.relpath(
+        os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(root))
+    )
     if rel == ".":
         return []
     parts = Path(rel).parts
@@ -117,13 +121,15 @@ def open_fd(path: StrPath, root: StrPath | None = None) -> int:
     if root is not None:
         check_chain(root, path)
     try:
-        st = os.lstat(path)             # before opening: opening some devices has side effects
+        st = os.lstat(path)  # before opening: opening some devices has side effects
     except FileNotFoundError:
         raise MissingFileError(f"{path}: missing") from None
     if stat.S_ISLNK(st.st_mode):
         raise _link_error(path, root)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePathError(f"{path} is {_kind(st.st_mode)}, not a regular file; refusing to read it")
+        raise UnsafePathError(
+            f"{path} is {_kind(st.st_mode)}, not a regular file; refusing to read it"
+        )
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -133,9 +139,11 @@ def open_fd(path: StrPath, root: StrPath | None = None) -> int:
             raise _link_error(path, root) from None
         raise
     try:
-        st = os.fstat(fd)              # (swapped since the lstat: checked again on what was opened)
+        st = os.fstat(fd)  # (swapped since the lstat: checked again on what was opened)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is {_kind(st.st_mode)}, not a regular file; refusing to read it")
+            raise UnsafePathError(
+                f"{path} is {_kind(st.st_mode)}, not a regular file; refusing to read it"
+            )
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -144,8 +152,13 @@ def open_fd(path: StrPath, root: StrPath | None = None) -> int:
 
 
 def _kind(mode: int) -> str:
-    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-            else "a device or socket")
+    return (
+        "a folder"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a device or socket"
+    )
 
 
 def check_regular(path: StrPath, root: StrPath | None = None) -> Path:
@@ -187,7 +200,7 @@ def atomic_output(path: StrPath, root: StrPath | None = None) -> Iterator[IO[byt
     path = Path(path)
     if root is not None:
         make_dirs(root, path.parent)
-    with common_atomic_output(path) as f:     # temp file + fsync + rename (tngram.common)
+    with common_atomic_output(path) as f:  # temp file + fsync + rename (tngram.common)
         yield f
 
 
@@ -206,7 +219,9 @@ def write_json(path: StrPath, obj: Any, root: StrPath | None = None) -> None:
     write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"), root)
 
 
-def copy_file(src: StrPath, dst: StrPath, root: StrPath | None = None, src_root: StrPath | None = None) -> None:
+def copy_file(
+    src: StrPath, dst: StrPath, root: StrPath | None = None, src_root: StrPath | None = None
+) -> None:
     """Copy the regular file `src` to `dst` as a new file renamed into place."""
     with open_read(src, src_root) as fin, atomic_output(dst, root) as fout:
         shutil.copyfileobj(fin, fout, 1 << 20)
@@ -251,7 +266,7 @@ def remove_tree(path: StrPath, root: StrPath | None = None) -> bool:
     if stat.S_ISLNK(st.st_mode):
         return False
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)     # fd-based on Linux: never follows links
+        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: never follows links
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

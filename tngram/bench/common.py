@@ -23,15 +23,16 @@ from typing import Any
 import torch
 
 MALLOC_ENV = {  # glibc: keep freed heap memory instead of returning it to the kernel each step
-    "MALLOC_MMAP_MAX_": "0",                 # never serve large blocks with mmap (freed = unmapped)
+    "MALLOC_MMAP_MAX_": "0",  # never serve large blocks with mmap (freed = unmapped)
     "MALLOC_TRIM_THRESHOLD_": "4294967296",  # never trim the heap top
-    "MALLOC_TOP_PAD_": "268435456",          # grow the heap 256 MiB at a time
+    "MALLOC_TOP_PAD_": "268435456",  # grow the heap 256 MiB at a time
 }
 
 
 @dataclass
 class Timing:
     """Per-candidate wall times in seconds (warm-up excluded)."""
+
     name: str
     times: list[float] = field(default_factory=list)
 
@@ -47,8 +48,12 @@ class Timing:
         return {"median_s": self.median, "min_s": self.best, "reps": len(self.times)}
 
 
-def interleaved(candidates: dict[str, Callable[[], Any]], reps: int, warmup: int,
-                setup: Callable[[str], Any] | None = None) -> dict[str, Timing]:
+def interleaved(
+    candidates: dict[str, Callable[[], Any]],
+    reps: int,
+    warmup: int,
+    setup: Callable[[str], Any] | None = None,
+) -> dict[str, Timing]:
     """Time every candidate `warmup + reps` times, interleaved; `setup(name)` runs untimed first."""
     out = {k: Timing(k) for k in candidates}
     for i in range(warmup + reps):
@@ -94,8 +99,12 @@ def cpu_flags() -> list[str]:
 def machine_info() -> dict[str, Any]:
     """What a reader needs to reproduce a figure: CPU, threads, torch, allocator env, load."""
     return {
-        "cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "python": platform.python_version(), "flags": cpu_flags(),
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "flags": cpu_flags(),
         "malloc_env": {k: os.environ[k] for k in MALLOC_ENV if k in os.environ},
         "loadavg": loadavg(),
     }
@@ -112,25 +121,37 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 11) -> float:
         t0 = time.perf_counter()
         torch.mm(a, b)
         times.append(time.perf_counter() - t0)
-    return 2.0 * n ** 3 / min(times)
+    return 2.0 * n**3 / min(times)
 
 
 def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_rss_delta_subprocess(module: str, func: str, args: dict[str, Any],
-                              env: dict[str, str] | None = None, timeout: float = 600) -> int | None:
+def peak_rss_delta_subprocess(
+    module: str,
+    func: str,
+    args: dict[str, Any],
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> int | None:
     """Peak RSS increase of one call `module.func(**args)` in a fresh interpreter.
 
     The child builds its inputs, records VmHWM after setup, runs the measured call (which
     returns the setup RSS it saw), and reports peak-minus-setup. None if the child fails.
     """
-    code = (f"import json, sys; from {module} import {func} as f; "
-            f"print(json.dumps(f(**json.loads(sys.argv[1]))))")
+    code = (
+        f"import json, sys; from {module} import {func} as f; "
+        f"print(json.dumps(f(**json.loads(sys.argv[1]))))"
+    )
     try:
-        out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
-                             text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
     except subprocess.TimeoutExpired:
         return None
     if out.returncode != 0:

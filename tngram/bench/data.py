@@ -22,7 +22,9 @@ import numpy as np
 from tngram.bench.common import machine_info
 
 
-def _read_throughput(tokens: int, reps: int, batch: int, seq: int, dataset: Any = None) -> dict[str, Any]:
+def _read_throughput(
+    tokens: int, reps: int, batch: int, seq: int, dataset: Any = None
+) -> dict[str, Any]:
     try:
         from tngram.data.loader import TokenLoader
         from tngram.data.shards import read_shard, write_shard
@@ -38,7 +40,9 @@ def _read_throughput(tokens: int, reps: int, batch: int, seq: int, dataset: Any 
             path = Path(tmp) / f"bench_train_{i:06d}.bin"
             write_shard(path, rng.integers(0, 1024, tokens // 4, dtype=np.uint16))
             files.append(path)
-        loader = TokenLoader(files, batch, seq, vocab_size=1024 if dataset is None else dataset.vocab_size)
+        loader = TokenLoader(
+            files, batch, seq, vocab_size=1024 if dataset is None else dataset.vocab_size
+        )
         for _ in range(tokens // (batch * seq) + 1):  # one pass: page cache warm, shards checked
             loader.next_batch()
         rates = []
@@ -48,9 +52,15 @@ def _read_throughput(tokens: int, reps: int, batch: int, seq: int, dataset: Any 
                 loader.next_batch()
                 n += batch * seq
             rates.append(n / (time.perf_counter() - t0))
-    return {"shards": "synthetic" if dataset is None else str(dataset.dir), "n_shards": len(files),
-            "tokens_in_shards": tokens, "batch": batch, "seq": seq,
-            "tokens_per_s_median": statistics.median(rates), "tokens_per_s_max": max(rates)}
+    return {
+        "shards": "synthetic" if dataset is None else str(dataset.dir),
+        "n_shards": len(files),
+        "tokens_in_shards": tokens,
+        "batch": batch,
+        "seq": seq,
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s_max": max(rates),
+    }
 
 
 def _tokenise_throughput(reps: int, dataset: Any = None) -> dict[str, Any]:
@@ -85,37 +95,58 @@ def _tokenise_throughput(reps: int, dataset: Any = None) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         n_tok = sum(len(x) for x in out)
     t = statistics.median(times)
-    return {"tokenizer": str(info.tokenizer_path), "documents": len(docs), "bytes": n_bytes,
-            "tokens": n_tok, "bytes_per_s": n_bytes / t, "tokens_per_s": n_tok / t}
+    return {
+        "tokenizer": str(info.tokenizer_path),
+        "documents": len(docs),
+        "bytes": n_bytes,
+        "tokens": n_tok,
+        "bytes_per_s": n_bytes / t,
+        "tokens_per_s": n_tok / t,
+    }
 
 
-def run(tokens: int = 8_000_000, reps: int = 5, batch: int = 16, seq: int = 256,
-        dataset: str | None = None) -> dict[str, Any]:
+def run(
+    tokens: int = 8_000_000,
+    reps: int = 5,
+    batch: int = 16,
+    seq: int = 256,
+    dataset: str | None = None,
+) -> dict[str, Any]:
     """dataset: a dataset folder to read and tokenise (None: synthetic shards, default corpus)."""
     info = None
     if dataset is not None:
         from tngram.data.build import open_dataset
+
         info = open_dataset(dataset)
-    return {"benchmark": "data", "machine": machine_info(),
-            "shard_reading": _read_throughput(tokens, reps, batch, seq, info),
-            "tokenisation": _tokenise_throughput(reps, info)}
+    return {
+        "benchmark": "data",
+        "machine": machine_info(),
+        "shard_reading": _read_throughput(tokens, reps, batch, seq, info),
+        "tokenisation": _tokenise_throughput(reps, info),
+    }
 
 
 def report(res: dict[str, Any]) -> str:
-    lines = [f"tngram bench data (machine: {res['machine']['cpu']}, load {res['machine']['loadavg']})"]
+    lines = [
+        f"tngram bench data (machine: {res['machine']['cpu']}, load {res['machine']['loadavg']})"
+    ]
     r = res["shard_reading"]
     if "skipped" in r:
         lines.append(f"shard reading: skipped: {r['skipped']}")
     else:
-        lines.append(f"shard reading (loader batches of {r['batch']} x {r['seq']}, "
-                     f"{r['tokens_in_shards']:,} tokens in {r['n_shards']} {r['shards']} shard(s)): "
-                     f"{r['tokens_per_s_median'] / 1e6:,.1f} M tokens/s median "
-                     f"({r['tokens_per_s_max'] / 1e6:,.1f} best)")
+        lines.append(
+            f"shard reading (loader batches of {r['batch']} x {r['seq']}, "
+            f"{r['tokens_in_shards']:,} tokens in {r['n_shards']} {r['shards']} shard(s)): "
+            f"{r['tokens_per_s_median'] / 1e6:,.1f} M tokens/s median "
+            f"({r['tokens_per_s_max'] / 1e6:,.1f} best)"
+        )
     t = res["tokenisation"]
     if "skipped" in t:
         lines.append(f"tokenisation: skipped: {t['skipped']}")
     else:
-        lines.append(f"tokenisation (encode_documents, {t['documents']:,} documents, "
-                     f"{t['bytes'] / 1e6:.1f} MB): {t['bytes_per_s'] / 1e6:.2f} MB/s, "
-                     f"{t['tokens_per_s'] / 1e6:.2f} M tokens/s")
+        lines.append(
+            f"tokenisation (encode_documents, {t['documents']:,} documents, "
+            f"{t['bytes'] / 1e6:.1f} MB): {t['bytes_per_s'] / 1e6:.2f} MB/s, "
+            f"{t['tokens_per_s'] / 1e6:.2f} M tokens/s"
+        )
     return "\n".join(lines)

@@ -57,15 +57,24 @@ def build(shape: str, method: str, tiny: bool = False) -> nn.Module:
     """The recipe's model with random weights (non-zero memory output), eval mode, fp32."""
     from tngram.model.gpt import GPT
     from tngram.train.recipes import get_recipe
+
     cfg = get_recipe(f"{SHAPES[shape]}-{method}").model
     if cfg.memory is not None:
         cfg = replace(cfg, memory=replace(cfg.memory, zero_init_value=False))
-    if tiny:   # for the tests: same code paths, small shapes
+    if tiny:  # for the tests: same code paths, small shapes
         mem = cfg.memory
         if mem is not None and mem.kind == "tngram":
             mem = replace(mem, cp_rank=16)
-        cfg = replace(cfg, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, memory_layers=(0, 1),
-                      sequence_len=64, memory=mem)
+        cfg = replace(
+            cfg,
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            n_kv_head=1,
+            memory_layers=(0, 1),
+            sequence_len=64,
+            memory=mem,
+        )
     torch.manual_seed(0)
     return GPT(cfg).eval()
 
@@ -83,11 +92,19 @@ def decode_ours(model: nn.Module, prompt: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def run(shapes: tuple[str, ...] = ("mini", "paper-l9"), methods: tuple[str, ...] = METHODS,
-        tokens: int = 64, prompt_len: int = 16, reps: int = 5, warmup: int = 1, hf: bool = True,
-        tiny: bool = False) -> dict[str, Any]:
+def run(
+    shapes: tuple[str, ...] = ("mini", "paper-l9"),
+    methods: tuple[str, ...] = METHODS,
+    tokens: int = 64,
+    prompt_len: int = 16,
+    reps: int = 5,
+    warmup: int = 1,
+    hf: bool = True,
+    tiny: bool = False,
+) -> dict[str, Any]:
     if tokens < 2:
         from tngram.common import TngramError
+
         raise TngramError(f"--tokens must be >= 2, got {tokens}")
     load_before = loadavg()
     rows = []
@@ -109,22 +126,42 @@ def run(shapes: tuple[str, ...] = ("mini", "paper-l9"), methods: tuple[str, ...]
                 wrapped = from_gpt(model)
                 kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
                 cands[f"hf:{m}:n"] = lambda w=wrapped, kw=kw: w.generate(
-                    prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
-                cands[f"hf:{m}:1"] = lambda w=wrapped, kw=kw: w.generate(prompt, max_new_tokens=1, **kw)
+                    prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw
+                )
+                cands[f"hf:{m}:1"] = lambda w=wrapped, kw=kw: w.generate(
+                    prompt, max_new_tokens=1, **kw
+                )
         with torch.no_grad():
             t = interleaved(cands, reps=reps, warmup=warmup)
         context = prompt_len + tokens // 2
         for m, model in models.items():
-            row = {"shape": shape, "method": m, "flops_per_token": decode_flops(model, context),
-                   "context": context}
+            row = {
+                "shape": shape,
+                "method": m,
+                "flops_per_token": decode_flops(model, context),
+                "context": context,
+            }
             for impl in ("ours", "hf") if use_hf else ("ours",):
-                per_tok = max(t[f"{impl}:{m}:n"].median - t[f"{impl}:{m}:1"].median, 1e-12) / (tokens - 1)
+                per_tok = max(t[f"{impl}:{m}:n"].median - t[f"{impl}:{m}:1"].median, 1e-12) / (
+                    tokens - 1
+                )
                 row[f"{impl}_ms_per_token"] = 1e3 * per_tok
                 row[f"{impl}_tokens_per_s"] = 1.0 / per_tok
             rows.append(row)
-    out = {"benchmark": "decode", "machine": machine_info(), "loadavg_before": load_before,
-           "loadavg_after": loadavg(), "tokens": tokens, "prompt_len": prompt_len, "reps": reps,
-           "batch": 1, "dtype": "fp32", "hf": use_hf, "rows": rows, "ratios": ratios(rows)}
+    out = {
+        "benchmark": "decode",
+        "machine": machine_info(),
+        "loadavg_before": load_before,
+        "loadavg_after": loadavg(),
+        "tokens": tokens,
+        "prompt_len": prompt_len,
+        "reps": reps,
+        "batch": 1,
+        "dtype": "fp32",
+        "hf": use_hf,
+        "rows": rows,
+        "ratios": ratios(rows),
+    }
     return out
 
 
@@ -150,14 +187,18 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def report(res: dict[str, Any]) -> str:
     mc = res["machine"]
-    lines = [f"decode, batch 1, fp32, {res['tokens']} new tokens after a {res['prompt_len']}-token prompt, "
-             f"median of {res['reps']} interleaved reps; {mc['cpu']}, {mc['torch_threads']} threads, "
-             f"load {res['loadavg_before']} -> {res['loadavg_after']}",
-             f"{'shape':9s} {'method':7s} {'GFLOP/tok':>9s} {'ours ms/tok':>11s} {'ours tok/s':>10s}"
-             + (f" {'hf ms/tok':>10s} {'hf tok/s':>9s}" if res["hf"] else "")]
+    lines = [
+        f"decode, batch 1, fp32, {res['tokens']} new tokens after a {res['prompt_len']}-token prompt, "
+        f"median of {res['reps']} interleaved reps; {mc['cpu']}, {mc['torch_threads']} threads, "
+        f"load {res['loadavg_before']} -> {res['loadavg_after']}",
+        f"{'shape':9s} {'method':7s} {'GFLOP/tok':>9s} {'ours ms/tok':>11s} {'ours tok/s':>10s}"
+        + (f" {'hf ms/tok':>10s} {'hf tok/s':>9s}" if res["hf"] else ""),
+    ]
     for r in res["rows"]:
-        line = (f"{r['shape']:9s} {r['method']:7s} {r['flops_per_token'] / 1e9:9.4f} "
-                f"{r['ours_ms_per_token']:11.3f} {r['ours_tokens_per_s']:10.1f}")
+        line = (
+            f"{r['shape']:9s} {r['method']:7s} {r['flops_per_token'] / 1e9:9.4f} "
+            f"{r['ours_ms_per_token']:11.3f} {r['ours_tokens_per_s']:10.1f}"
+        )
         if res["hf"]:
             line += f" {r['hf_ms_per_token']:10.3f} {r['hf_tokens_per_s']:9.1f}"
         lines.append(line)
@@ -166,7 +207,9 @@ def report(res: dict[str, Any]) -> str:
         s = f"{q['shape']:9s} {q['method']:7s} FLOP {q['flop_ratio']:.3f}  ours {q['ours_time_ratio']:.3f}"
         s += " (ok)" if q["ours_meets_target"] else " (MISSES)"
         if "hf_time_ratio" in q:
-            s += f"  hf {q['hf_time_ratio']:.3f}" + (" (ok)" if q["hf_meets_target"] else " (MISSES)")
+            s += f"  hf {q['hf_time_ratio']:.3f}" + (
+                " (ok)" if q["hf_meets_target"] else " (MISSES)"
+            )
         lines.append(s)
     return "\n".join(lines)
 

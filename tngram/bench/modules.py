@@ -35,13 +35,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tngram.bench.common import (fmt_ms, fmt_si, interleaved, machine_info, matmul_peak,
-                                 peak_rss_delta_subprocess, vm_hwm_bytes, vm_rss_bytes)
+from tngram.bench.common import (
+    fmt_ms,
+    fmt_si,
+    interleaved,
+    machine_info,
+    matmul_peak,
+    peak_rss_delta_subprocess,
+    vm_hwm_bytes,
+    vm_rss_bytes,
+)
 from tngram.kernels import kernel_policy
 
 D_MODEL, VOCAB = 512, 1024
 CANDIDATES = ("none", "engram", "tngram", "tngram-torch", "tngram-ref", "oe")
-TN_IMPL = {"tngram": "auto", "tngram-torch": "torch"}        # lookup kernel per candidate
+TN_IMPL = {"tngram": "auto", "tngram-torch": "torch"}  # lookup kernel per candidate
 
 
 @contextmanager
@@ -57,13 +65,19 @@ def _impl(name: str) -> Iterator[None]:
 def build(name: str) -> nn.Module | None:
     """The paper-l9 module for a candidate name (seeded, so every process builds the same)."""
     from tngram.train.recipes import get_recipe
+
     torch.manual_seed(0)
     if name == "none":
         return None
     if name not in CANDIDATES:
         raise ValueError(f"unknown candidate {name!r}; valid: {', '.join(CANDIDATES)}")
-    kind = {"engram": "engram", "tngram": "tngram", "tngram-torch": "tngram",
-            "tngram-ref": "tngram", "oe": "oe"}[name]
+    kind = {
+        "engram": "engram",
+        "tngram": "tngram",
+        "tngram-torch": "tngram",
+        "tngram-ref": "tngram",
+        "oe": "oe",
+    }[name]
     cfg = get_recipe(f"paper-l9-{kind}").model.memory
     if name == "tngram-ref":
         cfg = replace(cfg, fused=False)
@@ -99,7 +113,7 @@ def lookup_bytes(name: str, m: nn.Module, tokens: int) -> dict[str, float]:
     if name.startswith("tngram"):
         N, R = m.config.max_ngram, m.config.cp_rank
         rows, table = N * R, N * m.vocab_size * R
-        extra = N * R                                                   # backward re-gather
+        extra = N * R  # backward re-gather
     elif name == "oe":
         rows, table, extra = vec, m.n_rows * m.slice_dim, 0
     else:
@@ -117,7 +131,7 @@ def module_flops(name: str, m: nn.Module, tokens: int) -> float:
     vec = d_mem(name, m)
     if name == "oe":
         return 3 * 2 * tokens * vec * d + 10 * tokens * d
-    n_proj = m.config.hc_mult + 1                                       # K per branch + V
+    n_proj = m.config.hc_mult + 1  # K per branch + V
     flops = 3 * 2 * tokens * vec * d * n_proj + 40 * tokens * d
     if name.startswith("tngram"):
         flops += 20 * tokens * vec
@@ -142,8 +156,15 @@ def _peak_child(name: str, part: str, batch: int, seq: int, threads: int) -> int
     return max(0, vm_hwm_bytes() - base)
 
 
-def run(names: tuple[str, ...] = CANDIDATES, batch: int = 4, seq: int = 256, reps: int = 15,
-        warmup: int = 3, memory: bool = True, profile: bool = False) -> dict[str, Any]:
+def run(
+    names: tuple[str, ...] = CANDIDATES,
+    batch: int = 4,
+    seq: int = 256,
+    reps: int = 15,
+    warmup: int = 3,
+    memory: bool = True,
+    profile: bool = False,
+) -> dict[str, Any]:
     """Measure every candidate (interleaved, one process); returns a JSON-able dict."""
     tokens = batch * seq
     gen = torch.Generator().manual_seed(1)
@@ -181,28 +202,56 @@ def run(names: tuple[str, ...] = CANDIDATES, batch: int = 4, seq: int = 256, rep
         lt, mt = times[f"lookup:{n}"], times[f"module:{n}"]
         by, fl = lookup_bytes(n, m, tokens), module_flops(n, m, tokens)
         rows[n] = {
-            "params": sum(p.numel() for p in m.parameters()), "d_mem": d_mem(n, m),
-            "lookup": lt.to_dict(), "module": mt.to_dict(),
-            "lookup_bytes_mirror": by["mirror"], "lookup_bytes_full": by["full"],
+            "params": sum(p.numel() for p in m.parameters()),
+            "d_mem": d_mem(n, m),
+            "lookup": lt.to_dict(),
+            "module": mt.to_dict(),
+            "lookup_bytes_mirror": by["mirror"],
+            "lookup_bytes_full": by["full"],
             "lookup_bytes_per_s": by["mirror"] / lt.median,
             "lookup_full_bytes_per_s": by["full"] / lt.median,
-            "module_flops": fl, "module_flops_per_s": fl / mt.median,
+            "module_flops": fl,
+            "module_flops_per_s": fl / mt.median,
         }
         if memory:
             for part in ("lookup", "module"):
                 rows[n][f"{part}_peak_rss_bytes"] = peak_rss_delta_subprocess(
-                    "tngram.bench.modules", "_peak_child",
-                    {"name": n, "part": part, "batch": batch, "seq": seq,
-                     "threads": torch.get_num_threads()})
-    out = {"benchmark": "modules", "shapes": {"d_model": D_MODEL, "vocab": VOCAB, "batch": batch,
-                                              "seq": seq, "tokens": tokens},
-           "machine": info, "matmul_peak_flops": peaks, "reps": reps, "warmup": warmup,
-           "memory_measure": "peak RSS increase (VmHWM - RSS after setup) of one fwd+bwd in a "
-                             "fresh process" if memory else None,
-           "candidates": rows, "ratios": ratios(rows)}
+                    "tngram.bench.modules",
+                    "_peak_child",
+                    {
+                        "name": n,
+                        "part": part,
+                        "batch": batch,
+                        "seq": seq,
+                        "threads": torch.get_num_threads(),
+                    },
+                )
+    out = {
+        "benchmark": "modules",
+        "shapes": {
+            "d_model": D_MODEL,
+            "vocab": VOCAB,
+            "batch": batch,
+            "seq": seq,
+            "tokens": tokens,
+        },
+        "machine": info,
+        "matmul_peak_flops": peaks,
+        "reps": reps,
+        "warmup": warmup,
+        "memory_measure": "peak RSS increase (VmHWM - RSS after setup) of one fwd+bwd in a "
+        "fresh process"
+        if memory
+        else None,
+        "candidates": rows,
+        "ratios": ratios(rows),
+    }
     if profile:
-        out["profile"] = {n: profile_top(n, live[n], ids, h, g_vec[n], g_out)
-                          for n in live if n in ("engram", *TN_IMPL)}
+        out["profile"] = {
+            n: profile_top(n, live[n], ids, h, g_vec[n], g_out)
+            for n in live
+            if n in ("engram", *TN_IMPL)
+        }
     return out
 
 
@@ -230,17 +279,21 @@ def ratios(rows: dict[str, Any]) -> dict[str, Any]:
             r = out[f"tngram-ref/{tn_name}"] = {
                 "lookup_speedup": ref["lookup"]["median_s"] / tn["lookup"]["median_s"],
                 "lookup_speedup_min": ref["lookup"]["min_s"] / tn["lookup"]["min_s"],
-                "module_speedup": ref["module"]["median_s"] / tn["module"]["median_s"]}
+                "module_speedup": ref["module"]["median_s"] / tn["module"]["median_s"],
+            }
             r["target_met"] = r["lookup_speedup"] >= 3
     return out
 
 
-def profile_top(name: str, m: nn.Module, ids: Tensor, h: Tensor, g_vec: Tensor, g_out: Tensor,
-                rows: int = 12) -> dict[str, list[list[Any]]]:
+def profile_top(
+    name: str, m: nn.Module, ids: Tensor, h: Tensor, g_vec: Tensor, g_out: Tensor, rows: int = 12
+) -> dict[str, list[list[Any]]]:
     """Self-CPU time per op (ms per fwd+bwd) of the lookup and of the module, top `rows`."""
     from torch.profiler import ProfilerActivity, profile
+
     res: dict[str, list[list[Any]]] = {}
     for part in ("lookup", "module"):
+
         def fn(part: str = part) -> None:
             h.grad = None
             for p in m.parameters():  # as in the timed runs: fresh gradients every rep
@@ -249,6 +302,7 @@ def profile_top(name: str, m: nn.Module, ids: Tensor, h: Tensor, g_vec: Tensor, 
                 lookup(name, m, ids).backward(g_vec)
             else:
                 module_forward(name, m, h, ids).backward(g_out)
+
         for _ in range(2):
             fn()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -262,41 +316,52 @@ def profile_top(name: str, m: nn.Module, ids: Tensor, h: Tensor, g_vec: Tensor, 
 def report(res: dict[str, Any]) -> str:
     """Human-readable table of `run`'s result."""
     sh, mc = res["shapes"], res["machine"]
-    lines = [f"tngram bench modules: paper-l9 shapes (d {sh['d_model']}, V {sh['vocab']}), "
-             f"batch {sh['batch']} x {sh['seq']} = {sh['tokens']} tokens, fwd+bwd, "
-             f"median of {res['reps']} after {res['warmup']} warm-up (min in brackets)",
-             f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, "
-             f"load {mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
-             f"fp32 matmul peak (2048^3 mm): {fmt_si(res['matmul_peak_flops']['fp32'], 'FLOP/s')}", "",
-             f"{'candidate':12s} {'params':>11s} {'lookup ms':>17s} {'bytes':>10s} {'B/s':>11s} "
-             f"{'module ms':>17s} {'FLOPs':>10s} {'FLOP/s':>12s} {'peak MB lk/mod':>15s}"]
+    lines = [
+        f"tngram bench modules: paper-l9 shapes (d {sh['d_model']}, V {sh['vocab']}), "
+        f"batch {sh['batch']} x {sh['seq']} = {sh['tokens']} tokens, fwd+bwd, "
+        f"median of {res['reps']} after {res['warmup']} warm-up (min in brackets)",
+        f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, "
+        f"load {mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
+        f"fp32 matmul peak (2048^3 mm): {fmt_si(res['matmul_peak_flops']['fp32'], 'FLOP/s')}",
+        "",
+        f"{'candidate':12s} {'params':>11s} {'lookup ms':>17s} {'bytes':>10s} {'B/s':>11s} "
+        f"{'module ms':>17s} {'FLOPs':>10s} {'FLOP/s':>12s} {'peak MB lk/mod':>15s}",
+    ]
     for n, r in res["candidates"].items():
         if "lookup" not in r:
             lines.append(f"{n:12s} {r['params']:>11,d}  {r['note']}")
             continue
         pk = [r.get(f"{p}_peak_rss_bytes") for p in ("lookup", "module")]
-        pk_s = "/".join("?" if x is None else f"{x / 2**20:.0f}" for x in pk) if "lookup_peak_rss_bytes" in r else "-"
+        pk_s = (
+            "/".join("?" if x is None else f"{x / 2**20:.0f}" for x in pk)
+            if "lookup_peak_rss_bytes" in r
+            else "-"
+        )
         lines.append(
             f"{n:12s} {r['params']:>11,d} {fmt_ms(r['lookup']['median_s'])} ({fmt_ms(r['lookup']['min_s']).strip():>6s})"
             f" {r['lookup_bytes_mirror'] / 1e6:8.1f}MB {fmt_si(r['lookup_bytes_per_s'], 'B/s'):>11s}"
             f" {fmt_ms(r['module']['median_s'])} ({fmt_ms(r['module']['min_s']).strip():>6s})"
-            f" {r['module_flops'] / 1e9:7.2f}G {fmt_si(r['module_flops_per_s'], 'FLOP/s'):>12s} {pk_s:>15s}")
+            f" {r['module_flops'] / 1e9:7.2f}G {fmt_si(r['module_flops_per_s'], 'FLOP/s'):>12s} {pk_s:>15s}"
+        )
     lines.append("")
     for key, r in res["ratios"].items():
         if "lookup_time" in r:
-            lines.append(f"{key}: lookup time ratio {r['lookup_time']:.2f} (min {r['lookup_time_min']:.2f}) "
-                         f"vs bytes ratio {r['lookup_bytes_mirror']:.2f} (full model {r['lookup_bytes_full']:.2f}) "
-                         f"-> {'met' if r['lookup_target_met'] else 'NOT met'}; module time ratio "
-                         f"{r['module_time']:.2f} (min {r['module_time_min']:.2f}) vs FLOP ratio "
-                         f"{r['module_flops']:.2f} (target <= {1.05 * r['module_flops']:.2f}) -> "
-                         f"{'met' if r['module_target_met'] else 'NOT met'}")
+            lines.append(
+                f"{key}: lookup time ratio {r['lookup_time']:.2f} (min {r['lookup_time_min']:.2f}) "
+                f"vs bytes ratio {r['lookup_bytes_mirror']:.2f} (full model {r['lookup_bytes_full']:.2f}) "
+                f"-> {'met' if r['lookup_target_met'] else 'NOT met'}; module time ratio "
+                f"{r['module_time']:.2f} (min {r['module_time_min']:.2f}) vs FLOP ratio "
+                f"{r['module_flops']:.2f} (target <= {1.05 * r['module_flops']:.2f}) -> "
+                f"{'met' if r['module_target_met'] else 'NOT met'}"
+            )
         else:
-            lines.append(f"{key}: fused lookup {r['lookup_speedup']:.2f}x faster than plain autograd "
-                         f"(min {r['lookup_speedup_min']:.2f}x; target >= 3 -> "
-                         f"{'met' if r['target_met'] else 'NOT met'}), whole module {r['module_speedup']:.2f}x")
+            lines.append(
+                f"{key}: fused lookup {r['lookup_speedup']:.2f}x faster than plain autograd "
+                f"(min {r['lookup_speedup_min']:.2f}x; target >= 3 -> "
+                f"{'met' if r['target_met'] else 'NOT met'}), whole module {r['module_speedup']:.2f}x"
+            )
     for n, parts in res.get("profile", {}).items():
         for part, ops in parts.items():
             lines.append(f"profile {n} {part} (self CPU ms per fwd+bwd, calls):")
             lines.extend(f"    {op:40s} {ms:8.2f} {calls:6d}" for op, ms, calls in ops)
     return "\n".join(lines)
-

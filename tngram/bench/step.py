@@ -32,8 +32,14 @@ from torch import nn
 
 from tngram.bench.common import fmt_ms, fmt_si, interleaved, machine_info, matmul_peak
 
-DEFAULT_RECIPES = ("mini-raw", "mini-engram", "mini-tngram",
-                   "paper-l9-raw", "paper-l9-engram", "paper-l9-tngram")
+DEFAULT_RECIPES = (
+    "mini-raw",
+    "mini-engram",
+    "mini-tngram",
+    "paper-l9-raw",
+    "paper-l9-engram",
+    "paper-l9-tngram",
+)
 
 
 def matmul_params(model: nn.Module) -> int:
@@ -42,15 +48,20 @@ def matmul_params(model: nn.Module) -> int:
     return n + model.tok_emb.weight.numel()
 
 
-def build_step(recipe: str, dtype: str, paper_batch: int,
-               compiled: bool = False) -> tuple[Callable[[], None], dict[str, Any]]:
+def build_step(
+    recipe: str, dtype: str, paper_batch: int, compiled: bool = False
+) -> tuple[Callable[[], None], dict[str, Any]]:
     """A closure doing one training step, and its analytic facts."""
     from tngram.train.recipes import get_recipe
-    return build_step_for(get_recipe(recipe), dtype, paper_batch, compiled, mini=recipe.startswith("mini"))
+
+    return build_step_for(
+        get_recipe(recipe), dtype, paper_batch, compiled, mini=recipe.startswith("mini")
+    )
 
 
-def build_step_for(cfg: Any, dtype: str, paper_batch: int = 2, compiled: bool = False,
-                   mini: bool = True) -> tuple[Callable[[], None], dict[str, Any]]:
+def build_step_for(
+    cfg: Any, dtype: str, paper_batch: int = 2, compiled: bool = False, mini: bool = True
+) -> tuple[Callable[[], None], dict[str, Any]]:
     """build_step for a TrainConfig: `mini` runs the config's own global batch (micro-batches and
     accumulation as the trainer), else one micro-batch of `paper_batch` sequences."""
     from tngram.model.gpt import GPT
@@ -62,17 +73,25 @@ def build_step_for(cfg: Any, dtype: str, paper_batch: int = 2, compiled: bool = 
     model = GPT(cfg.model)
     o = cfg.optim
     groups = build_param_groups(model, o)
-    adam = torch.optim.Adam([g for g in groups if g["optimizer"] == "adam"],
-                            betas=(o.beta1, o.beta2), eps=o.adam_eps)
+    adam = torch.optim.Adam(
+        [g for g in groups if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2), eps=o.adam_eps
+    )
     opts: list[torch.optim.Optimizer] = [adam]
     muon_groups = [g for g in groups if g["optimizer"] == "muon"]
     if muon_groups:
-        opts.append(Muon(muon_groups, lr=o.matrix_lr, momentum=o.muon_momentum, nesterov=True,
-                         ns_steps=o.muon_ns_steps))
+        opts.append(
+            Muon(
+                muon_groups,
+                lr=o.matrix_lr,
+                momentum=o.muon_momentum,
+                nesterov=True,
+                ns_steps=o.muon_ns_steps,
+            )
+        )
     B = cfg.data.micro_batch_seqs if mini else paper_batch
     T = cfg.model.sequence_len
     V = cfg.model.vocab_size
-    accum = max(1, cfg.data.global_batch_tokens // (B * T)) if mini else 1   # the trainer's
+    accum = max(1, cfg.data.global_batch_tokens // (B * T)) if mini else 1  # the trainer's
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(1, V, (accum, B, T + 1), generator=gen)
     batches = [(s[:, :-1].contiguous(), s[:, 1:].contiguous()) for s in seq]
@@ -91,16 +110,31 @@ def build_step_for(cfg: Any, dtype: str, paper_batch: int = 2, compiled: bool = 
     tokens = accum * B * T
     m = cfg.model
     flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
-    facts = {"recipe": recipe, "dtype": dtype, "compiled": compiled, "batch": B, "seq": T,
-             "grad_accum": accum, "tokens": tokens,
-             "params": model.num_params(), "matmul_params": matmul_params(model),
-             "flops": float(flops), "optimizer": "Adam + Muon (tngram.optim.muon)"}
+    facts = {
+        "recipe": recipe,
+        "dtype": dtype,
+        "compiled": compiled,
+        "batch": B,
+        "seq": T,
+        "grad_accum": accum,
+        "tokens": tokens,
+        "params": model.num_params(),
+        "matmul_params": matmul_params(model),
+        "flops": float(flops),
+        "optimizer": "Adam + Muon (tngram.optim.muon)",
+    }
     return step, facts
 
 
-def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int = 2,
-        dtypes: tuple[str, ...] = ("fp32", "bf16"), paper_batch: int = 2,
-        profile: bool = False, compile: bool = False) -> dict[str, Any]:
+def run(
+    recipes: tuple[str, ...] = DEFAULT_RECIPES,
+    reps: int = 8,
+    warmup: int = 2,
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    paper_batch: int = 2,
+    profile: bool = False,
+    compile: bool = False,
+) -> dict[str, Any]:
     load_before = machine_info()["loadavg"]
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     results: dict[str, Any] = {}
@@ -111,7 +145,7 @@ def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int =
         steps, facts = {}, {}
         for r in names:
             for dt in dtypes:
-                for c in ((False, True) if compile else (False,)):
+                for c in (False, True) if compile else (False,):
                     key = f"{r}:{dt}" + ("+compile" if c else "")
                     steps[key], facts[key] = build_step(r, dt, paper_batch, compiled=c)
         g_reps, g_warm = (reps, warmup) if group == "mini" else (max(2, reps // 3), 1)
@@ -119,15 +153,29 @@ def run(recipes: tuple[str, ...] = DEFAULT_RECIPES, reps: int = 8, warmup: int =
         for key, t in times.items():
             f = facts[key]
             achieved = f["flops"] / t.median
-            results[key] = {**f, "step": t.to_dict(), "tokens_per_s": f["tokens"] / t.median,
-                            "flops_per_s": achieved, "peak_fraction": achieved / peaks[f["dtype"]]}
+            results[key] = {
+                **f,
+                "step": t.to_dict(),
+                "tokens_per_s": f["tokens"] / t.median,
+                "flops_per_s": achieved,
+                "peak_fraction": achieved / peaks[f["dtype"]],
+            }
         if profile and group == "mini":
-            results["profile"] = {k: profile_step(steps[k]) for k in steps if not k.endswith("+compile")}
+            results["profile"] = {
+                k: profile_step(steps[k]) for k in steps if not k.endswith("+compile")
+            }
         del steps
     info = machine_info()
     info["loadavg_before"] = load_before
-    return {"benchmark": "step", "machine": info, "matmul_peak_flops": peaks, "reps": reps,
-            "warmup": warmup, "results": results, "targets": targets(results)}
+    return {
+        "benchmark": "step",
+        "machine": info,
+        "matmul_peak_flops": peaks,
+        "reps": reps,
+        "warmup": warmup,
+        "results": results,
+        "targets": targets(results),
+    }
 
 
 def targets(results: dict[str, Any]) -> dict[str, Any]:
@@ -136,18 +184,26 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         raw, tn = results.get(f"mini-raw:{dt}"), results.get(f"mini-tngram:{dt}")
         if raw and tn:
             ratio = tn["flops_per_s"] / raw["flops_per_s"]
-            out[f"mini tngram/raw FLOP/s ({dt})"] = {"ratio": ratio, "target": 0.95, "met": ratio >= 0.95}
+            out[f"mini tngram/raw FLOP/s ({dt})"] = {
+                "ratio": ratio,
+                "target": 0.95,
+                "met": ratio >= 0.95,
+            }
         if dt.startswith("bf16"):
             sfx = dt[4:]
             for name, r in (("mini-raw", raw), ("mini-tngram", tn)):
                 if r:
-                    out[f"{name}{sfx} share of bf16 peak"] = {"fraction": r["peak_fraction"], "target": 0.35,
-                                                              "met": r["peak_fraction"] >= 0.35}
+                    out[f"{name}{sfx} share of bf16 peak"] = {
+                        "fraction": r["peak_fraction"],
+                        "target": 0.35,
+                        "met": r["peak_fraction"] >= 0.35,
+                    }
     return out
 
 
 def profile_step(step: Callable[[], None], rows: int = 12) -> list[list[Any]]:
     from torch.profiler import ProfilerActivity, profile
+
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
@@ -158,22 +214,31 @@ def profile_step(step: Callable[[], None], rows: int = 12) -> list[list[Any]]:
 
 def report(res: dict[str, Any]) -> str:
     mc, pk = res["machine"], res["matmul_peak_flops"]
-    lines = [f"tngram bench step: forward + backward + Adam/Muon step, median (min) of the timed reps",
-             f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, load "
-             f"{mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
-             f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 {fmt_si(pk['bf16'], 'FLOP/s')}", "",
-             f"{'recipe:dtype':28s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} {'of peak':>8s}"]
+    lines = [
+        f"tngram bench step: forward + backward + Adam/Muon step, median (min) of the timed reps",
+        f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, load "
+        f"{mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
+        f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 {fmt_si(pk['bf16'], 'FLOP/s')}",
+        "",
+        f"{'recipe:dtype':28s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} {'of peak':>8s}",
+    ]
     for key, r in res["results"].items():
         if key == "profile":
             continue
-        lines.append(f"{key:28s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} ({fmt_ms(r['step']['min_s']).strip():>7s})"
-                     f" {r['tokens_per_s']:10,.0f} {fmt_si(r['flops_per_s'], 'FLOP/s'):>13s} {100 * r['peak_fraction']:7.1f}%")
+        lines.append(
+            f"{key:28s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} ({fmt_ms(r['step']['min_s']).strip():>7s})"
+            f" {r['tokens_per_s']:10,.0f} {fmt_si(r['flops_per_s'], 'FLOP/s'):>13s} {100 * r['peak_fraction']:7.1f}%"
+        )
     lines.append("")
     for name, t in res["targets"].items():
         if "ratio" in t:
-            lines.append(f"{name}: {t['ratio']:.3f} (target >= {t['target']}) -> {'met' if t['met'] else 'NOT met'}")
+            lines.append(
+                f"{name}: {t['ratio']:.3f} (target >= {t['target']}) -> {'met' if t['met'] else 'NOT met'}"
+            )
         else:
-            lines.append(f"{name}: {100 * t['fraction']:.1f}% (target >= 35%) -> {'met' if t['met'] else 'NOT met'}")
+            lines.append(
+                f"{name}: {100 * t['fraction']:.1f}% (target >= 35%) -> {'met' if t['met'] else 'NOT met'}"
+            )
     for key, ops in res["results"].get("profile", {}).items():
         lines.append(f"profile {key} (self CPU ms per step, calls):")
         lines.extend(f"    {op:40s} {ms:8.2f} {calls:6d}" for op, ms, calls in ops)

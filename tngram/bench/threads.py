@@ -43,16 +43,25 @@ def amdahl_16(s2: float) -> tuple[float, float]:
 
 def _with_cpu_time(fn: Callable[[], Any], sink: list[float]) -> Callable[[], Any]:
     """fn, also appending the process CPU time it took (time.process_time: all threads)."""
+
     def wrapped() -> Any:
         c0 = time.process_time()
         out = fn()
         sink.append(time.process_time() - c0)
         return out
+
     return wrapped
 
 
-def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps: int = 15,
-        warmup: int = 3, steps: bool = True, zero: bool = True) -> dict[str, Any]:
+def run(
+    threads: tuple[int, ...] = (1, 2),
+    batch: int = 4,
+    seq: int = 256,
+    reps: int = 15,
+    warmup: int = 3,
+    steps: bool = True,
+    zero: bool = True,
+) -> dict[str, Any]:
     from tngram.bench import modules
     from tngram.bench.step import build_step
 
@@ -60,19 +69,21 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
     ids = torch.randint(1, modules.VOCAB, (batch, seq), generator=gen)
     h = torch.randn(batch, seq, modules.D_MODEL, generator=gen).requires_grad_()
     mods = {n: modules.build(n) for n in ("engram", "tngram")}
-    g_vec = {n: torch.randn(batch, seq, modules.d_mem(n, m), generator=gen) for n, m in mods.items()}
+    g_vec = {
+        n: torch.randn(batch, seq, modules.d_mem(n, m), generator=gen) for n, m in mods.items()
+    }
     g_out = torch.randn(batch, seq, modules.D_MODEL, generator=gen)
     work: dict[str, Callable[[], Any]] = {}
     for n, m in mods.items():
-        work[f"lookup:{n}"] = (lambda n=n, m=m: modules.lookup(n, m, ids).backward(g_vec[n]))
-        work[f"module:{n}"] = (lambda n=n, m=m: modules.module_forward(n, m, h, ids).backward(g_out))
+        work[f"lookup:{n}"] = lambda n=n, m=m: modules.lookup(n, m, ids).backward(g_vec[n])
+        work[f"module:{n}"] = lambda n=n, m=m: modules.module_forward(n, m, h, ids).backward(g_out)
     facts: dict[str, Any] = {}
     if steps:
         for r in ("mini-engram", "mini-tngram"):
             work[f"step:{r}"], facts[f"step:{r}"] = build_step(r, "bf16", 2)
     if zero:
         for V in (1024, 8192):
-            work[f"zero:V{V}"] = (lambda V=V: torch.zeros(5, V, 1024))
+            work[f"zero:V{V}"] = lambda V=V: torch.zeros(5, V, 1024)
     cands = {f"{k}@{t}": fn for t in threads for k, fn in work.items()}
 
     def setup(name: str) -> None:
@@ -93,13 +104,25 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
     info = machine_info()
     info["loadavg_before"] = load_before
     rows = {k: t.to_dict() for k, t in times.items()}
-    for k, r in rows.items():   # CPU seconds of the process (all threads), warm-up reps dropped
+    for k, r in rows.items():  # CPU seconds of the process (all threads), warm-up reps dropped
         xs = sorted(cpu[k][warmup:])
         r["cpu_median_s"] = xs[len(xs) // 2] if xs else float("nan")
-    out: dict[str, Any] = {"benchmark": "threads", "threads": list(threads), "machine": info,
-                           "shapes": {"batch": batch, "seq": seq, "tokens": batch * seq,
-                                      "d_model": modules.D_MODEL, "vocab": modules.VOCAB},
-                           "reps": reps, "warmup": warmup, "times": rows, "step_facts": facts}
+    out: dict[str, Any] = {
+        "benchmark": "threads",
+        "threads": list(threads),
+        "machine": info,
+        "shapes": {
+            "batch": batch,
+            "seq": seq,
+            "tokens": batch * seq,
+            "d_model": modules.D_MODEL,
+            "vocab": modules.VOCAB,
+        },
+        "reps": reps,
+        "warmup": warmup,
+        "times": rows,
+        "step_facts": facts,
+    }
     ratios: dict[str, Any] = {}
     for t in threads:
         r = ratios[str(t)] = {}
@@ -108,7 +131,10 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
             r[part] = tn["median_s"] / en["median_s"]
             r[f"{part}_min"] = tn["min_s"] / en["min_s"]
         if steps:
-            r["step"] = rows[f"step:mini-tngram@{t}"]["median_s"] / rows[f"step:mini-engram@{t}"]["median_s"]
+            r["step"] = (
+                rows[f"step:mini-tngram@{t}"]["median_s"]
+                / rows[f"step:mini-engram@{t}"]["median_s"]
+            )
     # analytic references from bench.modules (thread-independent)
     by = {n: modules.lookup_bytes(n, m, batch * seq)["mirror"] for n, m in mods.items()}
     fl = {n: modules.module_flops(n, m, batch * seq) for n, m in mods.items()}
@@ -119,10 +145,15 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
     for t in threads:
         c = cpu_ratios[str(t)] = {}
         for part in ("lookup", "module"):
-            c[part] = rows[f"{part}:tngram@{t}"]["cpu_median_s"] / rows[f"{part}:engram@{t}"]["cpu_median_s"]
+            c[part] = (
+                rows[f"{part}:tngram@{t}"]["cpu_median_s"]
+                / rows[f"{part}:engram@{t}"]["cpu_median_s"]
+            )
         if steps:
-            c["step"] = (rows[f"step:mini-tngram@{t}"]["cpu_median_s"]
-                         / rows[f"step:mini-engram@{t}"]["cpu_median_s"])
+            c["step"] = (
+                rows[f"step:mini-tngram@{t}"]["cpu_median_s"]
+                / rows[f"step:mini-engram@{t}"]["cpu_median_s"]
+            )
     out["cpu_ratios"] = cpu_ratios
     if 1 in threads and 2 in threads:
         sp = {}
@@ -136,13 +167,17 @@ def run(threads: tuple[int, ...] = (1, 2), batch: int = 4, seq: int = 256, reps:
 
 def report(res: dict[str, Any]) -> str:
     mc, sh = res["machine"], res["shapes"]
-    lines = [f"tngram bench threads: threads {res['threads']} interleaved in one process, median of "
-             f"{res['reps']} after {res['warmup']} warm-up (min in brackets); lookup/module at "
-             f"paper-l9 shapes, {sh['tokens']} tokens; steps = mini recipes, bf16 autocast",
-             f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> {mc['loadavg']}",
-             ""]
+    lines = [
+        f"tngram bench threads: threads {res['threads']} interleaved in one process, median of "
+        f"{res['reps']} after {res['warmup']} warm-up (min in brackets); lookup/module at "
+        f"paper-l9 shapes, {sh['tokens']} tokens; steps = mini recipes, bf16 autocast",
+        f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> {mc['loadavg']}",
+        "",
+    ]
     keys = sorted({k.rsplit("@", 1)[0] for k in res["times"]})
-    head = f"{'candidate':20s}" + "".join(f" {'@' + str(t) + ' ms (min) [cpu ms]':>30s}" for t in res["threads"])
+    head = f"{'candidate':20s}" + "".join(
+        f" {'@' + str(t) + ' ms (min) [cpu ms]':>30s}" for t in res["threads"]
+    )
     if "speedups" in res:
         head += f" {'S2':>6s} {'p':>5s} {'16-core':>8s}"
     lines.append(head)
@@ -150,29 +185,39 @@ def report(res: dict[str, Any]) -> str:
         line = f"{k:20s}"
         for t in res["threads"]:
             r = res["times"][f"{k}@{t}"]
-            line += (f" {fmt_ms(r['median_s'])} ({fmt_ms(r['min_s']).strip():>7s})"
-                     f" [{fmt_ms(r['cpu_median_s']).strip():>7s}]")
+            line += (
+                f" {fmt_ms(r['median_s'])} ({fmt_ms(r['min_s']).strip():>7s})"
+                f" [{fmt_ms(r['cpu_median_s']).strip():>7s}]"
+            )
         if "speedups" in res:
             s = res["speedups"][k]
             line += f" {s['speedup_2']:6.2f} {s['parallel_fraction']:5.2f} {s['amdahl_16']:8.2f}"
         lines.append(line)
     lines.append("")
-    lines.append(f"analytic: lookup bytes ratio TN-gram/Engram {res['bytes_ratio']:.2f}, "
-                 f"module FLOP ratio {res['flop_ratio']:.2f} (target <= {1.05 * res['flop_ratio']:.2f})")
+    lines.append(
+        f"analytic: lookup bytes ratio TN-gram/Engram {res['bytes_ratio']:.2f}, "
+        f"module FLOP ratio {res['flop_ratio']:.2f} (target <= {1.05 * res['flop_ratio']:.2f})"
+    )
     for t, r in res["ratios"].items():
-        s = (f"@{t} threads: lookup ratio {r['lookup']:.2f} (min {r['lookup_min']:.2f}) -> "
-             f"{'met' if r['lookup'] <= res['bytes_ratio'] else 'NOT met'}; module ratio "
-             f"{r['module']:.2f} (min {r['module_min']:.2f}) -> "
-             f"{'met' if r['module'] <= 1.05 * res['flop_ratio'] else 'NOT met'}")
+        s = (
+            f"@{t} threads: lookup ratio {r['lookup']:.2f} (min {r['lookup_min']:.2f}) -> "
+            f"{'met' if r['lookup'] <= res['bytes_ratio'] else 'NOT met'}; module ratio "
+            f"{r['module']:.2f} (min {r['module_min']:.2f}) -> "
+            f"{'met' if r['module'] <= 1.05 * res['flop_ratio'] else 'NOT met'}"
+        )
         if "step" in r:
             s += f"; mini step ratio {r['step']:.2f} -> {'met' if r['step'] <= 1.10 else 'NOT met'} (<= 1.10)"
         lines.append(s)
         c = res["cpu_ratios"][t]
-        lines.append(f"   from CPU time: lookup {c['lookup']:.2f}, module {c['module']:.2f}"
-                     + (f", mini step {c['step']:.2f}" if "step" in c else ""))
+        lines.append(
+            f"   from CPU time: lookup {c['lookup']:.2f}, module {c['module']:.2f}"
+            + (f", mini step {c['step']:.2f}" if "step" in c else "")
+        )
     if "speedups" in res:
-        lines.append("16-core: Amdahl from the measured 2-thread speed-up (an upper bound: memory "
-                     "bandwidth per core is assumed constant)")
+        lines.append(
+            "16-core: Amdahl from the measured 2-thread speed-up (an upper bound: memory "
+            "bandwidth per core is assumed constant)"
+        )
     return "\n".join(lines)
 
 
@@ -193,7 +238,9 @@ def kernel_share(batch: int = 4, seq: int = 256, reps: int = 25) -> dict[str, An
     try:
         m = modules.build("tngram")
         c = m.config
-        ids = torch.randint(1, modules.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(
+            1, modules.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1)
+        )
         g_vec = torch.randn(batch, seq, modules.d_mem("tngram", m))
         N, V, R = m.factors.shape
         idx = ngram_row_index(suffix_ngrams(ids, N, c.pad_id), V)
@@ -207,14 +254,19 @@ def kernel_share(batch: int = 4, seq: int = 256, reps: int = 25) -> dict[str, An
             m.zero_grad(set_to_none=True)
             modules.lookup("tngram", m, ids).backward(g_vec)
 
-        cands = {"whole": whole,
-                 "c_fwd": lambda: c_lookup_fwd(m.factors.detach(), idx, W, s, c.use_norm, c.norm_eps),
-                 "c_bwd": lambda: c_lookup_bwd(g, m.factors.detach(), idx, W, s, rstd, True, True, True)}
+        cands = {
+            "whole": whole,
+            "c_fwd": lambda: c_lookup_fwd(m.factors.detach(), idx, W, s, c.use_norm, c.norm_eps),
+            "c_bwd": lambda: c_lookup_bwd(g, m.factors.detach(), idx, W, s, rstd, True, True, True),
+        }
         times = interleaved(cands, reps, 3)
     finally:
         torch.set_num_threads(before)
     t = {k: v.best for k, v in times.items()}
     p = min(1.0, (t["c_fwd"] + t["c_bwd"]) / t["whole"])
-    return {"min_s": t, "parallel_share": p,
-            "amdahl": {n: 1.0 / ((1.0 - p) + p / n) for n in (2, 4, 8, 16, 64)},
-            "loadavg": machine_info()["loadavg"]}
+    return {
+        "min_s": t,
+        "parallel_share": p,
+        "amdahl": {n: 1.0 / ((1.0 - p) + p / n) for n in (2, 4, 8, 16, 64)},
+        "loadavg": machine_info()["loadavg"],
+    }

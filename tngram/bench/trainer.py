@@ -56,7 +56,9 @@ def _timers() -> Iterator[dict[str, list[float]]]:
     in_eval = [False]
     saved: list[tuple[Any, str, Any]] = []
 
-    def wrap(owner: Any, name: str, label: str, eval_flag: bool = False, skip_in_eval: bool = False) -> None:
+    def wrap(
+        owner: Any, name: str, label: str, eval_flag: bool = False, skip_in_eval: bool = False
+    ) -> None:
         f = getattr(owner, name)
         saved.append((owner, name, f))
 
@@ -71,6 +73,7 @@ def _timers() -> Iterator[dict[str, list[float]]]:
                 times[label].append(time.perf_counter() - t0)
                 if eval_flag:
                     in_eval[0] = False
+
         setattr(owner, name, timed)
 
     wrap(TokenLoader, "next_batch", "data")
@@ -80,7 +83,7 @@ def _timers() -> Iterator[dict[str, list[float]]]:
     wrap(Muon, "step", "muon")
     wrap(torch.nn.Module, "zero_grad", "zero_grad")
     wrap(loop, "evaluate_bpb", "eval", eval_flag=True)
-    wrap(loop, "save_step_checkpoint", "checkpoint")      # the loop's call (usual files or FSDP shards)
+    wrap(loop, "save_step_checkpoint", "checkpoint")  # the loop's call (usual files or FSDP shards)
     wrap(ckpt, "save_final_weights", "final_weights")
     wrap(MetricsLog, "log", "log")
     wrap(Progress, "update", "progress")
@@ -94,15 +97,20 @@ def _timers() -> Iterator[dict[str, list[float]]]:
 def phases(recipe: str, steps: int, threads: int, data: str | None = None) -> dict[str, Any]:
     """One real training run of `steps` optimiser steps, split into PHASES and OUTSIDE (seconds)."""
     from tngram.train.recipes import get_recipe
+
     cfg = get_recipe(recipe)
-    cfg = replace(cfg, run=replace(cfg.run, threads=threads),
-                  data=replace(cfg.data, dir=data) if data else cfg.data)
+    cfg = replace(
+        cfg,
+        run=replace(cfg.run, threads=threads),
+        data=replace(cfg.data, dir=data) if data else cfg.data,
+    )
     return phases_of_config(cfg, steps)
 
 
 def phases_of_config(cfg: Any, steps: int) -> dict[str, Any]:
     """`phases` for a TrainConfig; also the call counts of every timed piece."""
     from tngram.train.loop import train
+
     recipe = cfg.name
     out = Path(tempfile.mkdtemp(prefix="tngram-bench-trainer-"))
     try:
@@ -113,12 +121,19 @@ def phases_of_config(cfg: Any, steps: int) -> dict[str, Any]:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     inside = {k: sum(times.get(k, [])) for k in PHASES}
-    res = {"recipe": recipe, "steps": steps, "threads": cfg.run.threads or torch.get_num_threads(), "wall_s": wall,
-           "train_time_s": summary["train_time_s"], "tokens_per_s": summary["tokens_per_s"],
-           "in_step_s": inside, "other_in_step_s": summary["train_time_s"] - sum(inside.values()),
-           "outside_step_s": {k: sum(times.get(k, [])) for k in OUTSIDE},
-           "first_call_s": {k: v[0] for k, v in times.items() if v},
-           "calls": {k: len(v) for k, v in times.items()}}
+    res = {
+        "recipe": recipe,
+        "steps": steps,
+        "threads": cfg.run.threads or torch.get_num_threads(),
+        "wall_s": wall,
+        "train_time_s": summary["train_time_s"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "in_step_s": inside,
+        "other_in_step_s": summary["train_time_s"] - sum(inside.values()),
+        "outside_step_s": {k: sum(times.get(k, [])) for k in OUTSIDE},
+        "first_call_s": {k: v[0] for k, v in times.items() if v},
+        "calls": {k: len(v) for k, v in times.items()},
+    }
     res["setup_and_rest_s"] = wall - summary["train_time_s"] - sum(res["outside_step_s"].values())
     return res
 
@@ -132,38 +147,44 @@ def _kv_matmuls(E: int, D: int, tokens: int, calls: int) -> tuple[Callable[[], N
 
     def run() -> None:
         for _ in range(calls):
-            F.linear(e, w, b)       # forward (autocast runs the same bf16 linear)
-            gy @ w                  # d e
-            gy.t() @ e              # d W
+            F.linear(e, w, b)  # forward (autocast runs the same bf16 linear)
+            gy @ w  # d e
+            gy.t() @ e  # d W
+
     return run, float(calls * 3 * 2 * tokens * E * 2 * D)
 
 
 def _muon_ns(E: int, D: int, matrices: int, ns_steps: int) -> tuple[Callable[[], None], float]:
     from tngram.optim.muon import muon_scale, zeropower_newton_schulz
+
     g = torch.Generator().manual_seed(0)
     Ws = [torch.randn(D, E, generator=g) for _ in range(matrices)]
 
     def run() -> None:
         for W in Ws:
             zeropower_newton_schulz(W, ns_steps) * muon_scale(W.shape)
+
     s, l = min(D, E), max(D, E)
-    return run, float(matrices * ns_steps * (4 * s * s * l + 2 * s ** 3))
+    return run, float(matrices * ns_steps * (4 * s * s * l + 2 * s**3))
 
 
 def memory_width(recipe: str) -> tuple[int, int, int]:
     """(E, D, memory layers) of a recipe's memory K/V projections (E = their input width)."""
     from tngram.train.recipes import build_model
+
     with torch.device("meta"):
         model = build_model(recipe)
     fusions = [m for m in model.modules() if type(m).__name__ == "GatedFusion"]
     return fusions[0].d_mem, fusions[0].d_model, len(fusions)
 
 
-def gap(recipes: tuple[str, str] = ("mini-tngram", "mini-engram"), reps: int = 11,
-        warmup: int = 2) -> dict[str, Any]:
+def gap(
+    recipes: tuple[str, str] = ("mini-tngram", "mini-engram"), reps: int = 11, warmup: int = 2
+) -> dict[str, Any]:
     """Step times of two recipes and of their K/V matmuls and Muon NS alone, interleaved."""
     from tngram.bench.step import build_step
     from tngram.train.recipes import get_recipe
+
     work: dict[str, Callable[[], None]] = {}
     flops: dict[str, float] = {}
     facts: dict[str, Any] = {}
@@ -172,10 +193,17 @@ def gap(recipes: tuple[str, str] = ("mini-tngram", "mini-engram"), reps: int = 1
         E, D, layers = memory_width(r)
         work[f"step {r}"], f = build_step(r, "bf16", 1)
         tokens_micro = f["tokens"] // f["grad_accum"]
-        work[f"kv {r}"], flops[f"kv {r}"] = _kv_matmuls(E, D, tokens_micro, layers * f["grad_accum"])
+        work[f"kv {r}"], flops[f"kv {r}"] = _kv_matmuls(
+            E, D, tokens_micro, layers * f["grad_accum"]
+        )
         work[f"ns {r}"], flops[f"ns {r}"] = _muon_ns(E, D, 2 * layers, cfg.optim.muon_ns_steps)
-        facts[r] = {"E": E, "D": D, "memory_layers": layers, "grad_accum": f["grad_accum"],
-                    "tokens": f["tokens"]}
+        facts[r] = {
+            "E": E,
+            "D": D,
+            "memory_layers": layers,
+            "grad_accum": f["grad_accum"],
+            "tokens": f["tokens"],
+        }
     times = interleaved(work, reps, warmup)
     med = {k: t.median for k, t in times.items()}
     a, b = recipes
@@ -183,23 +211,35 @@ def gap(recipes: tuple[str, str] = ("mini-tngram", "mini-engram"), reps: int = 1
     arith_gap = (med[f"kv {a}"] - med[f"kv {b}"]) + (med[f"ns {a}"] - med[f"ns {b}"])
     rest_a = med[f"step {a}"] - med[f"kv {a}"] - med[f"ns {a}"]
     rest_b = med[f"step {b}"] - med[f"kv {b}"] - med[f"ns {b}"]
-    return {"benchmark": "trainer-gap", "machine": machine_info(), "reps": reps, "warmup": warmup,
-            "facts": facts, "times": {k: t.to_dict() for k, t in times.items()},
-            "flops": flops, "step_ratio": med[f"step {a}"] / med[f"step {b}"],
-            "step_gap_s": step_gap, "matmul_gap_s": arith_gap,
-            "matmul_share_of_gap": arith_gap / step_gap if step_gap > 0 else float("nan"),
-            "ratio_without_matmuls": rest_a / rest_b,
-            "ratio_if_rest_were_equal": (med[f"step {b}"] + arith_gap) / med[f"step {b}"]}
+    return {
+        "benchmark": "trainer-gap",
+        "machine": machine_info(),
+        "reps": reps,
+        "warmup": warmup,
+        "facts": facts,
+        "times": {k: t.to_dict() for k, t in times.items()},
+        "flops": flops,
+        "step_ratio": med[f"step {a}"] / med[f"step {b}"],
+        "step_gap_s": step_gap,
+        "matmul_gap_s": arith_gap,
+        "matmul_share_of_gap": arith_gap / step_gap if step_gap > 0 else float("nan"),
+        "ratio_without_matmuls": rest_a / rest_b,
+        "ratio_if_rest_were_equal": (med[f"step {b}"] + arith_gap) / med[f"step {b}"],
+    }
 
 
 def report_phases(rows: list[dict[str, Any]]) -> str:
-    lines = ["tngram bench trainer: one real training run per recipe, ms per optimiser step "
-             "(first step included)", ""]
+    lines = [
+        "tngram bench trainer: one real training run per recipe, ms per optimiser step "
+        "(first step included)",
+        "",
+    ]
     names = [r["recipe"] for r in rows]
     lines.append(f"{'piece':26s}" + "".join(f"{n:>14s}" for n in names))
 
     def row(label: str, vals: list[float]) -> None:
         lines.append(f"{label:26s}" + "".join(f"{v:14.1f}" for v in vals))
+
     for k in PHASES:
         row(k, [1e3 * r["in_step_s"][k] / r["steps"] for r in rows])
     row("other in step", [1e3 * r["other_in_step_s"] / r["steps"] for r in rows])
@@ -213,15 +253,19 @@ def report_phases(rows: list[dict[str, Any]]) -> str:
 
 def report_gap(res: dict[str, Any]) -> str:
     mc = res["machine"]
-    lines = [f"tngram bench trainer --gap: median (min) ms of {res['reps']} interleaved reps, "
-             f"{mc['torch_threads']} thread(s), load {mc['loadavg']}"]
+    lines = [
+        f"tngram bench trainer --gap: median (min) ms of {res['reps']} interleaved reps, "
+        f"{mc['torch_threads']} thread(s), load {mc['loadavg']}"
+    ]
     for k, t in res["times"].items():
         fl = res["flops"].get(k)
         extra = f"  {fl / t['median_s'] / 1e9:7.1f} GFLOP/s" if fl else ""
         lines.append(f"  {k:22s} {1e3 * t['median_s']:9.1f} ({1e3 * t['min_s']:.1f}){extra}")
-    lines.append(f"step ratio {res['step_ratio']:.3f}; gap {1e3 * res['step_gap_s']:.1f} ms, of which extra "
-                 f"K/V matmuls + Muon NS {1e3 * res['matmul_gap_s']:.1f} ms "
-                 f"({100 * res['matmul_share_of_gap']:.0f}%); ratio without them "
-                 f"{res['ratio_without_matmuls']:.3f}; ratio if everything else cost the same "
-                 f"{res['ratio_if_rest_were_equal']:.3f}")
+    lines.append(
+        f"step ratio {res['step_ratio']:.3f}; gap {1e3 * res['step_gap_s']:.1f} ms, of which extra "
+        f"K/V matmuls + Muon NS {1e3 * res['matmul_gap_s']:.1f} ms "
+        f"({100 * res['matmul_share_of_gap']:.0f}%); ratio without them "
+        f"{res['ratio_without_matmuls']:.3f}; ratio if everything else cost the same "
+        f"{res['ratio_if_rest_were_equal']:.3f}"
+    )
     return "\n".join(lines)

@@ -45,12 +45,14 @@ UPDATE_CHOICES = UPDATES + ("sparse+catchup", "rowwise+catchup")
 
 def _config(model: str, vocab: int):  # noqa: ANN202
     from tngram.train.recipes import get_recipe
+
     cfg = get_recipe(f"mini-{model}")
     return replace(cfg, model=replace(cfg.model, vocab_size=vocab))
 
 
-def build(model: str, vocab: int, update: str, batch: int = 8, seq: int = 256,
-          dtype: str = "bf16") -> tuple[Callable[[], None], dict[str, Any]]:
+def build(
+    model: str, vocab: int, update: str, batch: int = 8, seq: int = 256, dtype: str = "bf16"
+) -> tuple[Callable[[], None], dict[str, Any]]:
     """A closure doing one training step, and facts about the candidate (sizes, optimisers)."""
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups, memory_table_params
@@ -63,9 +65,14 @@ def build(model: str, vocab: int, update: str, batch: int = 8, seq: int = 256,
     net = GPT(cfg.model)
     groups = build_param_groups(net, o)
     mode, _, catchup = update.partition("+")
-    table_opt, rest = setup_memory_update(net, groups, mode, (o.beta1, o.beta2), o.adam_eps, bool(catchup))
-    opts: list[torch.optim.Optimizer] = [torch.optim.Adam(
-        [g for g in rest if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2), eps=o.adam_eps)]
+    table_opt, rest = setup_memory_update(
+        net, groups, mode, (o.beta1, o.beta2), o.adam_eps, bool(catchup)
+    )
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.Adam(
+            [g for g in rest if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2), eps=o.adam_eps
+        )
+    ]
     muon = [g for g in rest if g["optimizer"] == "muon"]
     if muon:
         opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
@@ -89,15 +96,24 @@ def build(model: str, vocab: int, update: str, batch: int = 8, seq: int = 256,
         net.zero_grad(set_to_none=True)
 
     tables = memory_table_params(net)
-    facts = {"model": model, "vocab": vocab, "update": update, "tokens": batch * seq,
-             "dtype": dtype, "params": sum(p.numel() for p in params),
-             "table_params": sum(p.numel() for p in tables),
-             "_net": net, "_opts": opts, "_tables": tables}
+    facts = {
+        "model": model,
+        "vocab": vocab,
+        "update": update,
+        "tokens": batch * seq,
+        "dtype": dtype,
+        "params": sum(p.numel() for p in params),
+        "table_params": sum(p.numel() for p in tables),
+        "_net": net,
+        "_opts": opts,
+        "_tables": tables,
+    }
     return step, facts
 
 
 def _state_bytes_per_table_param(facts: dict[str, Any]) -> float | None:
     from tngram.optim.memory_update import optimizer_state_bytes
+
     n = facts["table_params"]
     if not n:
         return None
@@ -107,19 +123,24 @@ def _state_bytes_per_table_param(facts: dict[str, Any]) -> float | None:
 def estimate_bytes(model: str, vocab: int, update: str) -> int:
     """Weights + gradient + optimiser state, fp32, from the parameter count (meta device)."""
     from tngram.model.gpt import GPT
+
     cfg = _config(model, vocab)
     with torch.device("meta"):
         net = GPT(cfg.model)
         from tngram.optim.groups import memory_table_params
+
         t = sum(p.numel() for p in memory_table_params(net))
     rest = net.num_params() - t
-    table_state = {"dense": 8 + 4, "sparse": 8, "rowwise": 4.2}[update.partition("+")[0]]   # + dense grad for dense
+    table_state = {"dense": 8 + 4, "sparse": 8, "rowwise": 4.2}[
+        update.partition("+")[0]
+    ]  # + dense grad for dense
     return int(4 * rest * 3 + 4 * t + table_state * t)
 
 
 def peak_step_bytes(model: str, vocab: int, update: str, threads: int = 1) -> int:
     """Run in a fresh process: build the candidate, read RSS, run two steps; returns VmHWM - RSS."""
     from tngram.bench.common import vm_hwm_bytes, vm_rss_bytes
+
     torch.set_num_threads(threads)
     step, _ = build(model, vocab, update)
     gc.collect()
@@ -129,11 +150,20 @@ def peak_step_bytes(model: str, vocab: int, update: str, threads: int = 1) -> in
     return vm_hwm_bytes() - base
 
 
-def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1,
-        updates: tuple[str, ...] = UPDATES, models: tuple[str, ...] = ("engram", "tngram"),
-        max_gb: float = 8.0, peak: bool = True, threads: int = 1, large_reps: int = 3,
-        peak_max_vocab: int = 32768, large_updates: tuple[str, ...] | None = None,
-        say: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    vocabs: tuple[int, ...] = DEFAULT_VOCABS,
+    reps: int = 5,
+    warmup: int = 1,
+    updates: tuple[str, ...] = UPDATES,
+    models: tuple[str, ...] = ("engram", "tngram"),
+    max_gb: float = 8.0,
+    peak: bool = True,
+    threads: int = 1,
+    large_reps: int = 3,
+    peak_max_vocab: int = 32768,
+    large_updates: tuple[str, ...] | None = None,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Time every candidate (module docstring); V >= 65536 runs `large_reps` reps (a step takes
     tens of seconds there) and only `large_updates` (default: all), and peak RSS is measured up
     to `peak_max_vocab`. Each step's wall time and CPU time (time.process_time: with one thread,
@@ -152,7 +182,9 @@ def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1
         cur: list[tuple[str, str]] = []
         for c in cands[1:]:
             if est[("raw", "dense")] + est[c] > cap:
-                skipped.append(f"{c[0]}/{c[1]} at V={V} (~{est[c] / 1e9:.1f} GB > --max-gb {max_gb:g})")
+                skipped.append(
+                    f"{c[0]}/{c[1]} at V={V} (~{est[c] / 1e9:.1f} GB > --max-gb {max_gb:g})"
+                )
                 continue
             if cur and est[("raw", "dense")] + sum(est[d] for d in cur) + est[c] > cap:
                 groups.append(cur)
@@ -168,7 +200,9 @@ def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1
             say(f"bench vocab: V={V} group {gi + 1}/{len(groups)}: {', '.join(steps)}")
             cpu: dict[str, list[float]] = {k: [] for k in steps}
             n_reps = reps if V < 65536 else large_reps
-            times = interleaved({k: _cpu_timed(fn, cpu[k]) for k, fn in steps.items()}, n_reps, warmup)
+            times = interleaved(
+                {k: _cpu_timed(fn, cpu[k]) for k, fn in steps.items()}, n_reps, warmup
+            )
             cpu = {k: v[warmup:] for k, v in cpu.items()}
             raw, raw_min = times["raw/dense"].median, times["raw/dense"].best
             raw_cpu = statistics.median(cpu["raw/dense"])
@@ -178,17 +212,27 @@ def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1
                     continue
                 row = {k: v for k, v in f.items() if not k.startswith("_")}
                 c = statistics.median(cpu[key])
-                row.update(step_cpu_s=c, overhead_cpu_s=c - raw_cpu if key != "raw/dense" else 0.0,
-                           ratio_to_raw_cpu=c / raw_cpu, raw_step_cpu_s=raw_cpu)
-                row.update(step=t.to_dict(), overhead_s=t.median - raw if key != "raw/dense" else 0.0,
-                           overhead_min_s=t.best - raw_min if key != "raw/dense" else 0.0,
-                           raw_step_s=raw, ratio_to_raw=t.median / raw,
-                           ratio_to_raw_min=t.best / raw_min,
-                           state_bytes_per_table_param=_state_bytes_per_table_param(f))
+                row.update(
+                    step_cpu_s=c,
+                    overhead_cpu_s=c - raw_cpu if key != "raw/dense" else 0.0,
+                    ratio_to_raw_cpu=c / raw_cpu,
+                    raw_step_cpu_s=raw_cpu,
+                )
+                row.update(
+                    step=t.to_dict(),
+                    overhead_s=t.median - raw if key != "raw/dense" else 0.0,
+                    overhead_min_s=t.best - raw_min if key != "raw/dense" else 0.0,
+                    raw_step_s=raw,
+                    ratio_to_raw=t.median / raw,
+                    ratio_to_raw_min=t.best / raw_min,
+                    state_bytes_per_table_param=_state_bytes_per_table_param(f),
+                )
                 rows.append(row)
-                say(f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} cpu {c * 1e3:9.1f} ms, overhead "
+                say(
+                    f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} cpu {c * 1e3:9.1f} ms, overhead "
                     f"{row['overhead_s'] * 1e3:8.1f} ms (cpu {row['overhead_cpu_s'] * 1e3:8.1f}) state/table param "
-                    f"{row['state_bytes_per_table_param']}")
+                    f"{row['state_bytes_per_table_param']}"
+                )
             del steps, facts, times
             gc.collect()
     if peak:
@@ -196,16 +240,37 @@ def run(vocabs: tuple[int, ...] = DEFAULT_VOCABS, reps: int = 5, warmup: int = 1
             if row["vocab"] > peak_max_vocab:
                 continue
             row["peak_rss_delta_bytes"] = peak_rss_delta_subprocess(
-                "tngram.bench.vocab", "peak_step_bytes",
-                {"model": row["model"], "vocab": row["vocab"], "update": row["update"],
-                 "threads": threads}, env={"OMP_NUM_THREADS": str(threads)}, timeout=1800)
-            say(f"  peak {row['model']}/{row['update']} V={row['vocab']}: {row['peak_rss_delta_bytes']}")
+                "tngram.bench.vocab",
+                "peak_step_bytes",
+                {
+                    "model": row["model"],
+                    "vocab": row["vocab"],
+                    "update": row["update"],
+                    "threads": threads,
+                },
+                env={"OMP_NUM_THREADS": str(threads)},
+                timeout=1800,
+            )
+            say(
+                f"  peak {row['model']}/{row['update']} V={row['vocab']}: {row['peak_rss_delta_bytes']}"
+            )
     info = machine_info()
     info["loadavg_before"] = load_before
-    res = {"benchmark": "vocab", "machine": info, "reps": reps, "large_reps": large_reps,
-           "peak_max_vocab": peak_max_vocab, "warmup": warmup,
-           "threads": threads, "batch": 8, "seq": 256, "dtype": "bf16", "max_gb": max_gb,
-           "rows": rows, "skipped": skipped}
+    res = {
+        "benchmark": "vocab",
+        "machine": info,
+        "reps": reps,
+        "large_reps": large_reps,
+        "peak_max_vocab": peak_max_vocab,
+        "warmup": warmup,
+        "threads": threads,
+        "batch": 8,
+        "seq": 256,
+        "dtype": "bf16",
+        "max_gb": max_gb,
+        "rows": rows,
+        "skipped": skipped,
+    }
     res["goals"] = goals(res)
     return res
 
@@ -215,12 +280,19 @@ def _cpu_timed(fn: Callable[[], None], sink: list[float]) -> Callable[[], None]:
         c0 = time.process_time()
         fn()
         sink.append(time.process_time() - c0)
+
     return wrapped
 
 
 def _row(res: dict[str, Any], model: str, update: str, V: int) -> dict[str, Any] | None:
-    return next((r for r in res["rows"] if r["model"] == model and r["update"] == update
-                 and r["vocab"] == V), None)
+    return next(
+        (
+            r
+            for r in res["rows"]
+            if r["model"] == model and r["update"] == update and r["vocab"] == V
+        ),
+        None,
+    )
 
 
 def goals(res: dict[str, Any]) -> dict[str, Any]:
@@ -250,20 +322,25 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     mc = res["machine"]
-    lines = [f"tngram bench vocab: 1 step of {res['batch']} x {res['seq']} tokens, {res['dtype']} "
-             f"autocast, {res['threads']} thread(s), median of {res['reps']} interleaved reps",
-             f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> "
-             f"{mc['loadavg']}", "",
-             f"{'model/update':16s} {'V':>7s} {'table params':>13s} {'wall ms':>10s} {'cpu ms':>9s} "
-             f"{'x raw':>6s} {'overhead cpu ms':>15s} {'state B/param':>13s} {'peak MB':>9s}"]
+    lines = [
+        f"tngram bench vocab: 1 step of {res['batch']} x {res['seq']} tokens, {res['dtype']} "
+        f"autocast, {res['threads']} thread(s), median of {res['reps']} interleaved reps",
+        f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> "
+        f"{mc['loadavg']}",
+        "",
+        f"{'model/update':16s} {'V':>7s} {'table params':>13s} {'wall ms':>10s} {'cpu ms':>9s} "
+        f"{'x raw':>6s} {'overhead cpu ms':>15s} {'state B/param':>13s} {'peak MB':>9s}",
+    ]
     for r in res["rows"]:
         sb = r["state_bytes_per_table_param"]
         pk = r.get("peak_rss_delta_bytes")
-        lines.append(f"{r['model'] + '/' + r['update']:16s} {r['vocab']:7d} {r['table_params']:13,d} "
-                     f"{r['step']['median_s'] * 1e3:10.1f} {r['step_cpu_s'] * 1e3:9.1f} "
-                     f"{r['ratio_to_raw_cpu']:6.2f} {r['overhead_cpu_s'] * 1e3:15.1f} "
-                     f"{'-' if sb is None else f'{sb:.2f}':>13s} "
-                     f"{'-' if pk is None else f'{pk / 1e6:.0f}':>9s}")
+        lines.append(
+            f"{r['model'] + '/' + r['update']:16s} {r['vocab']:7d} {r['table_params']:13,d} "
+            f"{r['step']['median_s'] * 1e3:10.1f} {r['step_cpu_s'] * 1e3:9.1f} "
+            f"{r['ratio_to_raw_cpu']:6.2f} {r['overhead_cpu_s'] * 1e3:15.1f} "
+            f"{'-' if sb is None else f'{sb:.2f}':>13s} "
+            f"{'-' if pk is None else f'{pk / 1e6:.0f}':>9s}"
+        )
     if res["skipped"]:
         lines += ["", "not run: " + "; ".join(res["skipped"])]
     lines += [""] + [f"{k}: {v:.3f}" for k, v in res["goals"].items()]

@@ -20,7 +20,9 @@ def _describe(kind: str, lo: float | None, hi: float | None, lo_open: bool = Fal
         parts.append(f"{'>' if lo_open else '>='} {lo:g}")
     if hi is not None:
         parts.append(f"<= {hi:g}")
-    return f"{'a finite ' if kind == 'float' else 'an '}{kind}" + (" " + " and ".join(parts) if parts else "")
+    return f"{'a finite ' if kind == 'float' else 'an '}{kind}" + (
+        " " + " and ".join(parts) if parts else ""
+    )
 
 
 def int_range(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
@@ -35,12 +37,14 @@ def int_range(lo: int | None = None, hi: int | None = None) -> Callable[[str], i
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
         return v
+
     parse.__name__ = want
     return parse
 
 
-def float_range(lo: float | None = None, hi: float | None = None,
-                lo_open: bool = False) -> Callable[[str], float]:
+def float_range(
+    lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> Callable[[str], float]:
     """A finite float in [lo, hi] ((lo, hi] with lo_open); NaN and +-inf are always refused."""
     want = _describe("float", lo, hi, lo_open)
 
@@ -49,11 +53,15 @@ def float_range(lo: float | None = None, hi: float | None = None,
             v = float(text.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
-        bad = (not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo))
-               or (hi is not None and v > hi))
+        bad = (
+            not math.isfinite(v)
+            or (lo is not None and (v <= lo if lo_open else v < lo))
+            or (hi is not None and v > hi)
+        )
         if bad:
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
         return v
+
     parse.__name__ = want
     return parse
 

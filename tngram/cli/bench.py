@@ -17,9 +17,9 @@ from tngram.cli.argtypes import int_range
 TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchup")
 
 
-
 def _threads(args: argparse.Namespace) -> None:
     from tngram.cli.common import apply_threads
+
     apply_threads(args.threads)
 
 
@@ -30,8 +30,11 @@ def results_file_fields(kind: str, argv: list[str]) -> dict[str, Any]:
     from pathlib import Path
 
     from tngram.train.metrics import git_info
+
     git = git_info(Path(__file__).resolve().parent)
-    commit = (git.get("commit") or "unknown")[:7] + (" (with uncommitted changes)" if git.get("dirty") else "")
+    commit = (git.get("commit") or "unknown")[:7] + (
+        " (with uncommitted changes)" if git.get("dirty") else ""
+    )
     return {"kind": kind, "command": "tngram " + shlex.join(argv), "commit": commit}
 
 
@@ -41,210 +44,407 @@ def _emit(res: dict[str, Any], text: str, args: argparse.Namespace) -> None:
 
 def _modules(args: argparse.Namespace) -> int:
     from tngram.bench import modules
+
     _threads(args)
     names = tuple(args.only) if args.only else modules.CANDIDATES
-    res = modules.run(names, batch=args.batch, seq=args.seq, reps=args.reps, warmup=args.warmup,
-                      memory=not args.no_memory, profile=args.profile)
+    res = modules.run(
+        names,
+        batch=args.batch,
+        seq=args.seq,
+        reps=args.reps,
+        warmup=args.warmup,
+        memory=not args.no_memory,
+        profile=args.profile,
+    )
     _emit(res, modules.report(res), args)
     return 0
 
 
 def _threads_bench(args: argparse.Namespace) -> int:
     from tngram.bench import threads
+
     if args.kernel_share:
         res = threads.kernel_share(args.batch, args.seq, args.reps)
         print(json.dumps(res, indent=1))
         return 0
-    res = threads.run(tuple(args.threads_list), batch=args.batch, seq=args.seq, reps=args.reps,
-                      warmup=args.warmup, steps=not args.no_steps)
-    _emit(dict(res, **results_file_fields("bench-threads", getattr(args, "argv", []))), threads.report(res), args)
+    res = threads.run(
+        tuple(args.threads_list),
+        batch=args.batch,
+        seq=args.seq,
+        reps=args.reps,
+        warmup=args.warmup,
+        steps=not args.no_steps,
+    )
+    _emit(
+        dict(res, **results_file_fields("bench-threads", getattr(args, "argv", []))),
+        threads.report(res),
+        args,
+    )
     return 0
 
 
 def _contention(args: argparse.Namespace) -> int:
     from tngram.bench import contention
-    res = contention.run(args.recipe, reps=args.reps, warmup=args.warmup, steps=args.steps_per_rep,
-                         competitor_threads=args.competitor_threads)
-    _emit(dict(res, **results_file_fields("bench-contention", getattr(args, "argv", []))),
-          contention.report(res), args)
+
+    res = contention.run(
+        args.recipe,
+        reps=args.reps,
+        warmup=args.warmup,
+        steps=args.steps_per_rep,
+        competitor_threads=args.competitor_threads,
+    )
+    _emit(
+        dict(res, **results_file_fields("bench-contention", getattr(args, "argv", []))),
+        contention.report(res),
+        args,
+    )
     return 0
 
 
 def _step(args: argparse.Namespace) -> int:
     from tngram.bench import step
+
     _threads(args)
-    res = step.run(tuple(args.recipes) if args.recipes else step.DEFAULT_RECIPES,
-                   reps=args.reps, warmup=args.warmup, dtypes=tuple(args.dtype),
-                   paper_batch=args.paper_batch, profile=args.profile, compile=args.compile)
+    res = step.run(
+        tuple(args.recipes) if args.recipes else step.DEFAULT_RECIPES,
+        reps=args.reps,
+        warmup=args.warmup,
+        dtypes=tuple(args.dtype),
+        paper_batch=args.paper_batch,
+        profile=args.profile,
+        compile=args.compile,
+    )
     _emit(res, step.report(res), args)
     return 0
 
 
 def _vocab(args: argparse.Namespace) -> int:
     from tngram.bench import vocab
+
     _threads(args)
-    res = vocab.run(tuple(args.vocabs), reps=args.reps, warmup=args.warmup,
-                    updates=tuple(args.updates), max_gb=args.max_gb, peak=not args.no_peak,
-                    threads=args.threads or 1, large_reps=args.large_reps,
-                    peak_max_vocab=args.peak_max_vocab,
-                    large_updates=tuple(args.large_updates) if args.large_updates else None,
-                    say=(lambda *a: None) if args.json else print)
-    _emit(dict(res, **results_file_fields("bench-vocab", getattr(args, "argv", []))),
-          vocab.report(res), args)
+    res = vocab.run(
+        tuple(args.vocabs),
+        reps=args.reps,
+        warmup=args.warmup,
+        updates=tuple(args.updates),
+        max_gb=args.max_gb,
+        peak=not args.no_peak,
+        threads=args.threads or 1,
+        large_reps=args.large_reps,
+        peak_max_vocab=args.peak_max_vocab,
+        large_updates=tuple(args.large_updates) if args.large_updates else None,
+        say=(lambda *a: None) if args.json else print,
+    )
+    _emit(
+        dict(res, **results_file_fields("bench-vocab", getattr(args, "argv", []))),
+        vocab.report(res),
+        args,
+    )
     return 0
 
 
 def _trainer(args: argparse.Namespace) -> int:
     from tngram.bench import trainer
+
     _threads(args)
     if args.gap:
         res = trainer.gap(tuple(args.recipes[:2]), reps=args.reps, warmup=args.warmup)
-        _emit(dict(res, **results_file_fields("bench-trainer-gap", getattr(args, "argv", []))),
-              trainer.report_gap(res), args)
+        _emit(
+            dict(res, **results_file_fields("bench-trainer-gap", getattr(args, "argv", []))),
+            trainer.report_gap(res),
+            args,
+        )
         return 0
     import torch
     import contextlib
     import sys
-    with contextlib.redirect_stdout(sys.stderr):     # the runs' own lines; stdout is the result
-        rows = [trainer.phases(r, args.stop_after, torch.get_num_threads(), args.data) for r in args.recipes]
+
+    with contextlib.redirect_stdout(sys.stderr):  # the runs' own lines; stdout is the result
+        rows = [
+            trainer.phases(r, args.stop_after, torch.get_num_threads(), args.data)
+            for r in args.recipes
+        ]
     from tngram.bench.common import machine_info
-    res = {"benchmark": "trainer-phases", "machine": machine_info(), "runs": rows,
-           **results_file_fields("bench-trainer-phases", getattr(args, "argv", []))}
+
+    res = {
+        "benchmark": "trainer-phases",
+        "machine": machine_info(),
+        "runs": rows,
+        **results_file_fields("bench-trainer-phases", getattr(args, "argv", [])),
+    }
     _emit(res, trainer.report_phases(rows), args)
     return 0
 
 
 def _data(args: argparse.Namespace) -> int:
     from tngram.bench import data
+
     _threads(args)
-    res = data.run(tokens=args.tokens, reps=args.reps, batch=args.batch, seq=args.seq, dataset=args.dir)
+    res = data.run(
+        tokens=args.tokens, reps=args.reps, batch=args.batch, seq=args.seq, dataset=args.dir
+    )
     _emit(res, data.report(res), args)
     return 0
 
 
 def _decode(args: argparse.Namespace) -> int:
     from tngram.bench import decode
+
     _threads(args)
-    res = decode.run(tuple(args.shapes), tuple(args.methods), tokens=args.tokens,
-                     prompt_len=args.prompt, reps=args.reps, warmup=args.warmup, hf=not args.no_hf)
+    res = decode.run(
+        tuple(args.shapes),
+        tuple(args.methods),
+        tokens=args.tokens,
+        prompt_len=args.prompt,
+        reps=args.reps,
+        warmup=args.warmup,
+        hf=not args.no_hf,
+    )
     _emit(res, decode.report(res), args)
     return 0
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("bench", help="performance benchmarks (modules, training step, data)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="performance benchmarks (modules, training step, data)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bs = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     bs.required = True
 
     def common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
         from tngram.cli.common import add_json_argument, add_threads_argument
+
         add_json_argument(q)
         q.add_argument("--reps", type=int_range(1), default=reps, help="timed repetitions")
-        q.add_argument("--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions")
+        q.add_argument(
+            "--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions"
+        )
         add_threads_argument(q)
 
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
     common(m, 15, 3)
     m.add_argument("--batch", type=int_range(1), default=4, help="sequences per forward")
     m.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
-    m.add_argument("--only", nargs="+", metavar="NAME",
-                   help="candidates among none engram tngram tngram-torch tngram-ref oe")
+    m.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="candidates among none engram tngram tngram-torch tngram-ref oe",
+    )
     m.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
     m.add_argument("--profile", action="store_true", help="add a per-op profile of the lookups")
     m.set_defaults(func=_modules)
 
-    t = bs.add_parser("threads", help="TN-gram vs Engram lookup/module/mini step at several thread "
-                                      "counts, interleaved in one process, with speed-ups")
+    t = bs.add_parser(
+        "threads",
+        help="TN-gram vs Engram lookup/module/mini step at several thread "
+        "counts, interleaved in one process, with speed-ups",
+    )
     from tngram.cli.common import add_json_argument
+
     add_json_argument(t)
     t.add_argument("--reps", type=int, default=15, help="timed repetitions")
     t.add_argument("--warmup", type=int, default=3, help="untimed warm-up repetitions")
-    t.add_argument("--threads-list", type=int, nargs="+", default=[1, 2], metavar="T",
-                   help="thread counts to interleave (default 1 2)")
+    t.add_argument(
+        "--threads-list",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        metavar="T",
+        help="thread counts to interleave (default 1 2)",
+    )
     t.add_argument("--batch", type=int, default=4, help="sequences per lookup/module forward")
     t.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     t.add_argument("--no-steps", action="store_true", help="skip the mini training steps")
-    t.add_argument("--kernel-share", action="store_true",
-                   help="instead: the share of TN-gram's lookup inside the parallel C ops at 1 thread "
-                        "(min of --reps) and the Amdahl speed-ups it implies")
+    t.add_argument(
+        "--kernel-share",
+        action="store_true",
+        help="instead: the share of TN-gram's lookup inside the parallel C ops at 1 thread "
+        "(min of --reps) and the Amdahl speed-ups it implies",
+    )
     t.set_defaults(func=_threads_bench)
 
-    ct = bs.add_parser("contention", help="training tokens/s alone and beside a competing 2-thread torch "
-                                          "job, at torch's default threads, 1 thread and the automatic "
-                                          "choice, interleaved (docs/PERFORMANCE.md)")
+    ct = bs.add_parser(
+        "contention",
+        help="training tokens/s alone and beside a competing 2-thread torch "
+        "job, at torch's default threads, 1 thread and the automatic "
+        "choice, interleaved (docs/PERFORMANCE.md)",
+    )
     add_json_argument(ct)
-    ct.add_argument("--recipe", default="mini-tngram", metavar="RECIPE", help="recipe whose step is timed "
-                    "(default: mini-tngram)")
+    ct.add_argument(
+        "--recipe",
+        default="mini-tngram",
+        metavar="RECIPE",
+        help="recipe whose step is timed (default: mini-tngram)",
+    )
     ct.add_argument("--reps", type=int_range(1), default=5, help="timed repetitions (default: 5)")
-    ct.add_argument("--warmup", type=int_range(0), default=1, help="untimed warm-up repetitions (default: 1)")
-    ct.add_argument("--steps-per-rep", type=int_range(1), default=2, metavar="N",
-                    help="optimiser steps timed per rep (default: 2)")
-    ct.add_argument("--competitor-threads", type=int_range(1, 64), default=2, metavar="N",
-                    help="torch threads of the competing job (default: 2)")
+    ct.add_argument(
+        "--warmup", type=int_range(0), default=1, help="untimed warm-up repetitions (default: 1)"
+    )
+    ct.add_argument(
+        "--steps-per-rep",
+        type=int_range(1),
+        default=2,
+        metavar="N",
+        help="optimiser steps timed per rep (default: 2)",
+    )
+    ct.add_argument(
+        "--competitor-threads",
+        type=int_range(1, 64),
+        default=2,
+        metavar="N",
+        help="torch threads of the competing job (default: 2)",
+    )
     ct.set_defaults(func=_contention)
 
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
     common(s, 8, 2)
-    s.add_argument("--recipes", nargs="+", metavar="RECIPE", help="recipes (default: mini-* and paper-l9-*)")
-    s.add_argument("--dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"],
-                   help="precisions to measure")
-    s.add_argument("--paper-batch", type=int_range(1), default=2, help="sequences of 1024 tokens for paper-l9")
+    s.add_argument(
+        "--recipes", nargs="+", metavar="RECIPE", help="recipes (default: mini-* and paper-l9-*)"
+    )
+    s.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=("fp32", "bf16"),
+        default=["fp32", "bf16"],
+        help="precisions to measure",
+    )
+    s.add_argument(
+        "--paper-batch", type=int_range(1), default=2, help="sequences of 1024 tokens for paper-l9"
+    )
     s.add_argument("--profile", action="store_true", help="add a per-op profile of the mini steps")
-    s.add_argument("--compile", action="store_true", help="also measure each step under torch.compile")
+    s.add_argument(
+        "--compile", action="store_true", help="also measure each step under torch.compile"
+    )
     s.set_defaults(func=_step)
 
-    v = bs.add_parser("vocab", help="training step vs vocabulary size (1k-128k): raw, Engram, TN-gram "
-                                    "x optim.memory_update dense/sparse/rowwise; optimiser-state "
-                                    "bytes per table parameter, peak RSS")
+    v = bs.add_parser(
+        "vocab",
+        help="training step vs vocabulary size (1k-128k): raw, Engram, TN-gram "
+        "x optim.memory_update dense/sparse/rowwise; optimiser-state "
+        "bytes per table parameter, peak RSS",
+    )
     common(v, 5, 1)
-    v.add_argument("--vocabs", nargs="+", type=int_range(2), default=[1024, 8192, 32768, 131072],
-                   metavar="V", help="vocabulary sizes (default: 1024 8192 32768 131072)")
-    v.add_argument("--updates", nargs="+", choices=TABLE_UPDATES,
-                   default=["dense", "sparse", "rowwise"], help="table update options to time")
-    v.add_argument("--max-gb", type=float, default=8.0, metavar="GB",
-                   help="memory budget of one interleaved group (weights + grads + state, estimated)")
-    v.add_argument("--large-reps", type=int_range(1), default=3, metavar="N",
-                   help="timed repetitions at V >= 65536 (a step takes tens of seconds there)")
-    v.add_argument("--large-updates", nargs="+", choices=TABLE_UPDATES, default=None,
-                   help="table update options timed at V >= 65536 (default: --updates)")
-    v.add_argument("--peak-max-vocab", type=int_range(2), default=32768, metavar="V",
-                   help="measure peak RSS up to this vocabulary (default 32768)")
+    v.add_argument(
+        "--vocabs",
+        nargs="+",
+        type=int_range(2),
+        default=[1024, 8192, 32768, 131072],
+        metavar="V",
+        help="vocabulary sizes (default: 1024 8192 32768 131072)",
+    )
+    v.add_argument(
+        "--updates",
+        nargs="+",
+        choices=TABLE_UPDATES,
+        default=["dense", "sparse", "rowwise"],
+        help="table update options to time",
+    )
+    v.add_argument(
+        "--max-gb",
+        type=float,
+        default=8.0,
+        metavar="GB",
+        help="memory budget of one interleaved group (weights + grads + state, estimated)",
+    )
+    v.add_argument(
+        "--large-reps",
+        type=int_range(1),
+        default=3,
+        metavar="N",
+        help="timed repetitions at V >= 65536 (a step takes tens of seconds there)",
+    )
+    v.add_argument(
+        "--large-updates",
+        nargs="+",
+        choices=TABLE_UPDATES,
+        default=None,
+        help="table update options timed at V >= 65536 (default: --updates)",
+    )
+    v.add_argument(
+        "--peak-max-vocab",
+        type=int_range(2),
+        default=32768,
+        metavar="V",
+        help="measure peak RSS up to this vocabulary (default 32768)",
+    )
     v.add_argument("--no-peak", action="store_true", help="skip the peak-RSS subprocess runs")
     v.set_defaults(func=_vocab)
 
-    tr = bs.add_parser("trainer", help="where a real training run's time goes (data, forward, backward, "
-                                       "optimisers, eval, checkpoints); --gap: TN-gram's step gap to "
-                                       "Engram split into extra matmul arithmetic and the rest")
+    tr = bs.add_parser(
+        "trainer",
+        help="where a real training run's time goes (data, forward, backward, "
+        "optimisers, eval, checkpoints); --gap: TN-gram's step gap to "
+        "Engram split into extra matmul arithmetic and the rest",
+    )
     common(tr, 11, 2)
-    tr.add_argument("--recipes", nargs="+", metavar="RECIPE", default=["mini-tngram", "mini-engram"],
-                    help="recipes (default mini-tngram mini-engram; --gap uses the first two)")
-    tr.add_argument("--stop-after", type=int_range(1), default=128, metavar="N",
-                    help="stop each run after N optimiser steps of the recipe's (unchanged) schedule")
+    tr.add_argument(
+        "--recipes",
+        nargs="+",
+        metavar="RECIPE",
+        default=["mini-tngram", "mini-engram"],
+        help="recipes (default mini-tngram mini-engram; --gap uses the first two)",
+    )
+    tr.add_argument(
+        "--stop-after",
+        type=int_range(1),
+        default=128,
+        metavar="N",
+        help="stop each run after N optimiser steps of the recipe's (unchanged) schedule",
+    )
     tr.add_argument("--data", metavar="DIR", help="dataset folder (default: the default corpus)")
-    tr.add_argument("--gap", action="store_true",
-                    help="instead: interleaved step, K/V matmul and Muon NS times and the gap split")
+    tr.add_argument(
+        "--gap",
+        action="store_true",
+        help="instead: interleaved step, K/V matmul and Muon NS times and the gap split",
+    )
     tr.set_defaults(func=_trainer)
 
-    d = bs.add_parser("data", help="data loader (shard reading) and tokenisation throughput",
-                      description="Loader throughput (tokens/s of training batches read from shards, page "
-                      "cache warm) and tokenisation throughput. Without DIR: synthetic shards and the "
-                      "default corpus's tokenizer; with DIR: that dataset's train shards and tokenizer.")
-    d.add_argument("dir", nargs="?", default=None, metavar="DIR",
-                   help="a dataset folder to read (default: synthetic shards)")
+    d = bs.add_parser(
+        "data",
+        help="data loader (shard reading) and tokenisation throughput",
+        description="Loader throughput (tokens/s of training batches read from shards, page "
+        "cache warm) and tokenisation throughput. Without DIR: synthetic shards and the "
+        "default corpus's tokenizer; with DIR: that dataset's train shards and tokenizer.",
+    )
+    d.add_argument(
+        "dir",
+        nargs="?",
+        default=None,
+        metavar="DIR",
+        help="a dataset folder to read (default: synthetic shards)",
+    )
     common(d, 5, 1)
-    d.add_argument("--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards")
+    d.add_argument(
+        "--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards"
+    )
     d.add_argument("--batch", type=int_range(1), default=16, help="sequences per batch")
     d.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
     d.set_defaults(func=_data)
 
-    c = bs.add_parser("decode", help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
-                                     "generate) with the per-token FLOP ratio")
+    c = bs.add_parser(
+        "decode",
+        help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
+        "generate) with the per-token FLOP ratio",
+    )
     common(c, 5, 1)
-    c.add_argument("--shapes", nargs="+", choices=("mini", "paper-l9"), default=["mini", "paper-l9"],
-                   help="model sizes to measure")
-    c.add_argument("--methods", nargs="+", choices=("raw", "engram", "tngram"),
-                   default=["raw", "engram", "tngram"], help="memories to measure")
+    c.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=("mini", "paper-l9"),
+        default=["mini", "paper-l9"],
+        help="model sizes to measure",
+    )
+    c.add_argument(
+        "--methods",
+        nargs="+",
+        choices=("raw", "engram", "tngram"),
+        default=["raw", "engram", "tngram"],
+        help="memories to measure",
+    )
     c.add_argument("--tokens", type=int_range(1), default=64, help="new tokens per rep")
     c.add_argument("--prompt", type=int_range(1), default=16, help="prompt length")
     c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")

@@ -32,20 +32,31 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         import textwrap
+
         out = []
         for para in text.strip("\n").split("\n\n"):
             lines = para.split("\n")
             if any(line.startswith((" ", "\t")) for line in lines):
                 out.append("\n".join(indent + line for line in lines))
             else:
-                out.append(textwrap.fill(" ".join(line.strip() for line in lines), width,
-                                         initial_indent=indent, subsequent_indent=indent))
+                out.append(
+                    textwrap.fill(
+                        " ".join(line.strip() for line in lines),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                    )
+                )
         return "\n\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
-                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+        if (
+            "default" in text
+            or action.default in (None, False, argparse.SUPPRESS)
+            or not action.option_strings
+            or isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+        ):
             return text
         if isinstance(action.default, list) and not action.default:
             return text
@@ -62,14 +73,22 @@ def use_formatter(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps; auto = cuda when "
-                   "available (default: auto)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | cuda:N | mps; auto = cuda when available (default: auto)",
+    )
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int_range(0, 4096), default=0, metavar="N",
-                   help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
-                        "(default: 0). On a shared CPU, fewer threads than cores is often faster.")
+    p.add_argument(
+        "--threads",
+        type=int_range(0, 4096),
+        default=0,
+        metavar="N",
+        help="torch CPU threads; 0 = torch's default: OMP_NUM_THREADS, else all cores "
+        "(default: 0). On a shared CPU, fewer threads than cores is often faster.",
+    )
 
 
 def apply_threads(n: int) -> None:
@@ -79,17 +98,23 @@ def apply_threads(n: int) -> None:
         import torch
 
         from tngram.common import check_thread_count
+
         check_thread_count(n, "--threads")
         torch.set_num_threads(n)
 
 
 def add_json_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout instead of a table"
+    )
 
 
 def add_progress_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bars (implied when stderr is not a terminal: then plain log lines)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (implied when stderr is not a terminal: then plain log lines)",
+    )
 
 
 def show_progress(args: argparse.Namespace) -> bool:
@@ -98,29 +123,49 @@ def show_progress(args: argparse.Namespace) -> bool:
 
 
 def add_steps_argument(p: argparse.ArgumentParser, what: str = "each run's") -> None:
-    p.add_argument("--steps", type=int, default=None, metavar="N",
-                   help=f"total optimiser steps: {what} schedule length, warm-down scaled to match "
-                        f"(same as --set schedule.steps=N; default: the recipe's)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"total optimiser steps: {what} schedule length, warm-down scaled to match "
+        f"(same as --set schedule.steps=N; default: the recipe's)",
+    )
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help="TOML (.toml) or YAML (.yaml/.yml) file of config keys, the same keys as --set "
-                        "(see --print-config)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML (.toml) or YAML (.yaml/.yml) file of config keys, the same keys as --set "
+        "(see --print-config)",
+    )
     add_set_argument(p)
 
 
 def add_set_argument(p: argparse.ArgumentParser, help: str | None = None) -> None:
     """--set SECTION.FIELD=VALUE (repeatable) into args.overrides; the one place it is declared."""
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help=help or "override one config key, e.g. --set optim.matrix_lr=0.02 or "
-                                "--set model.memory.kind=tngram (repeatable; applied after --config)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help=help
+        or "override one config key, e.g. --set optim.matrix_lr=0.02 or "
+        "--set model.memory.kind=tngram (repeatable; applied after --config)",
+    )
 
 
 def add_logger_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--logger", choices=LOGGERS, default="none",
-                   help="also send metrics to TensorBoard (RUN/tb) or Weights & Biases (WANDB_MODE=offline "
-                        "works without an account); RUN/metrics.jsonl is always written (default: none)")
+    p.add_argument(
+        "--logger",
+        choices=LOGGERS,
+        default="none",
+        help="also send metrics to TensorBoard (RUN/tb) or Weights & Biases (WANDB_MODE=offline "
+        "works without an account); RUN/metrics.jsonl is always written (default: none)",
+    )
 
 
 def check_positive(name: str, value: int | None) -> None:
@@ -130,4 +175,5 @@ def check_positive(name: str, value: int | None) -> None:
 
 def print_json(obj: Any) -> None:
     import json
+
     print(json.dumps(obj, indent=1))

@@ -55,14 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from tngram.cli.safety import INTERRUPTED, run_command
+
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-    except KeyboardInterrupt:                # Ctrl-C while the commands load: one line too
+    except KeyboardInterrupt:  # Ctrl-C while the commands load: one line too
         print(INTERRUPTED, file=sys.stderr, flush=True)
         return 130
-    args.argv = list(sys.argv[1:] if argv is None else argv)   # the command line, for results files
-    return run_command(args.func, args)      # every failure is one line (tngram.cli.safety)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for results files
+    return run_command(args.func, args)  # every failure is one line (tngram.cli.safety)
 
 
 if __name__ == "__main__":

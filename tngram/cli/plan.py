@@ -57,8 +57,8 @@ def _count_saved(model: nn.Module) -> Iterator[dict[str, int]]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, nn.Parameter) or t.requires_grad and t.is_leaf:
-            return t                                       # weights are counted as weights
-        key = t.untyped_storage()._cdata                   # the StorageImpl: views share it
+            return t  # weights are counted as weights
+        key = t.untyped_storage()._cdata  # the StorageImpl: views share it
         if key not in seen:
             seen.add(key)
             totals[where["part"]] = totals.get(where["part"], 0) + t.untyped_storage().nbytes()
@@ -76,10 +76,12 @@ def _count_saved(model: nn.Module) -> Iterator[dict[str, int]]:
             h.remove()
 
 
-def activation_bytes(model_cfg: Any, seqs: int = 1, dtype: str = "bf16",
-                     device: str = "cpu") -> dict[str, Any]:
+def activation_bytes(
+    model_cfg: Any, seqs: int = 1, dtype: str = "bf16", device: str = "cpu"
+) -> dict[str, Any]:
     """Saved-for-backward bytes of one forward of `seqs` sequences ({"total", "per_part"})."""
     from tngram.model.gpt import GPT
+
     with torch.device(device):
         model = GPT(model_cfg)
     if dtype == "bf16":
@@ -98,21 +100,30 @@ def state_bytes(model: nn.Module, optim_cfg: Any) -> dict[str, int]:
     the memory tables under optim.memory_update, the rest under their group's optimiser."""
     from tngram.optim.groups import build_param_groups, memory_table_params
     from tngram.optim.memory_update import param_state_bytes
+
     tables = {id(p) for p in memory_table_params(model)}
     out = {"adam_state": 0, "muon_state": 0, "memory_table_state": 0, "memory_table_params": 0}
     for g in build_param_groups(model, optim_cfg):
         for p in g["params"]:
             table = id(p) in tables
-            b = param_state_bytes(g["optimizer"], p.shape, optim_cfg.memory_update, table,
-                                  optim_cfg.memory_catchup)
+            b = param_state_bytes(
+                g["optimizer"], p.shape, optim_cfg.memory_update, table, optim_cfg.memory_catchup
+            )
             out["memory_table_state" if table else f"{g['optimizer']}_state"] += b
             out["memory_table_params"] += p.numel() if table else 0
     return out
 
 
-def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: float = 0.35,
-         peak_tflops: float = 312.0, margin: float = 0.1,
-         overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+def plan(
+    recipe: str,
+    gpus: int,
+    gpu_mem_gb: float,
+    dtype: str = "bf16",
+    mfu: float = 0.35,
+    peak_tflops: float = 312.0,
+    margin: float = 0.1,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> dict[str, Any]:
     from tngram.bench.step import matmul_params
     from tngram.common import TngramError
     from tngram.model.gpt import GPT
@@ -135,19 +146,27 @@ def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: fl
     muon_p = sum(p.numel() for g in groups if g["optimizer"] == "muon" for p in g["params"])
     st = state_bytes(model, cfg.optim)
     bucketed = P - (st["memory_table_params"] if cfg.optim.memory_update != "dense" else 0)
-    static = {"weights": 4 * P, "gradients": 4 * P, "ddp_buckets": 4 * bucketed if gpus > 1 else 0,
-              "adam_state": st["adam_state"], "muon_state": st["muon_state"],
-              "memory_table_state": st["memory_table_state"]}
+    static = {
+        "weights": 4 * P,
+        "gradients": 4 * P,
+        "ddp_buckets": 4 * bucketed if gpus > 1 else 0,
+        "adam_state": st["adam_state"],
+        "muon_state": st["muon_state"],
+        "memory_table_state": st["memory_table_state"],
+    }
     static_total = sum(static.values())
     act = activation_bytes(m, 1, dtype)
     per_seq = act["total"]
     blocks = {k: v for k, v in act["per_part"].items() if k.startswith("block")}
     elt = 2 if dtype == "bf16" else 4
-    ckpt = (m.n_layer * m.sequence_len * m.n_embd * elt + max(blocks.values(), default=0)
-            + act["per_part"].get("other", 0))
+    ckpt = (
+        m.n_layer * m.sequence_len * m.n_embd * elt
+        + max(blocks.values(), default=0)
+        + act["per_part"].get("other", 0)
+    )
     T = m.sequence_len
     seqs_per_step = cfg.data.global_batch_tokens // T
-    need = math.ceil(seqs_per_step / gpus)                # sequences per GPU per optimiser step
+    need = math.ceil(seqs_per_step / gpus)  # sequences per GPU per optimiser step
     usable = gpu_mem_gb * 1e9 * (1 - margin) - GIB - static_total
 
     def fit(per: float) -> dict[str, Any]:
@@ -155,78 +174,124 @@ def plan(recipe: str, gpus: int, gpu_mem_gb: float, dtype: str = "bf16", mfu: fl
         # the trainer needs global batch = G x micro x accum x T: a divisor of the per-GPU share
         micro = max((d for d in range(1, most + 1) if need % d == 0), default=0)
         accum = need // micro if micro else None
-        return {"activation_bytes_per_seq": per, "micro_batch_seqs": micro, "grad_accum": accum,
-                "fits": micro > 0,
-                "peak_bytes": static_total + GIB + micro * per if micro else None}
+        return {
+            "activation_bytes_per_seq": per,
+            "micro_batch_seqs": micro,
+            "grad_accum": accum,
+            "fits": micro > 0,
+            "peak_bytes": static_total + GIB + micro * per if micro else None,
+        }
 
     tokens = seqs_per_step * T
     flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
     step_s = flops / (gpus * peak_tflops * 1e12 * mfu)
-    return {"recipe": recipe, "gpus": gpus, "gpu_mem_gb": gpu_mem_gb, "dtype": dtype,
-            "params": P, "memory_params": model.memory_params(), "adam_params": adam_p,
-            "muon_params": muon_p, "memory_table_params": st["memory_table_params"],
-            "memory_update": cfg.optim.memory_update, "static_bytes": static,
-            "static_total_bytes": static_total,
-            "usable_bytes": usable, "margin": margin,
-            "global_batch_tokens": cfg.data.global_batch_tokens, "seqs_per_step": seqs_per_step,
-            "seqs_per_gpu_per_step": need, "recipe_micro_batch_seqs": cfg.data.micro_batch_seqs,
-            "no_checkpointing": fit(per_seq), "block_checkpointing": fit(ckpt),
-            "activation_parts": act["per_part"],
-            "flops_per_step": float(flops), "peak_tflops": peak_tflops, "mfu": mfu,
-            "step_seconds": step_s, "steps": cfg.schedule.steps,
-            "train_hours": step_s * cfg.schedule.steps / 3600,
-            "tokens_per_s": tokens / step_s}
+    return {
+        "recipe": recipe,
+        "gpus": gpus,
+        "gpu_mem_gb": gpu_mem_gb,
+        "dtype": dtype,
+        "params": P,
+        "memory_params": model.memory_params(),
+        "adam_params": adam_p,
+        "muon_params": muon_p,
+        "memory_table_params": st["memory_table_params"],
+        "memory_update": cfg.optim.memory_update,
+        "static_bytes": static,
+        "static_total_bytes": static_total,
+        "usable_bytes": usable,
+        "margin": margin,
+        "global_batch_tokens": cfg.data.global_batch_tokens,
+        "seqs_per_step": seqs_per_step,
+        "seqs_per_gpu_per_step": need,
+        "recipe_micro_batch_seqs": cfg.data.micro_batch_seqs,
+        "no_checkpointing": fit(per_seq),
+        "block_checkpointing": fit(ckpt),
+        "activation_parts": act["per_part"],
+        "flops_per_step": float(flops),
+        "peak_tflops": peak_tflops,
+        "mfu": mfu,
+        "step_seconds": step_s,
+        "steps": cfg.schedule.steps,
+        "train_hours": step_s * cfg.schedule.steps / 3600,
+        "tokens_per_s": tokens / step_s,
+    }
 
 
 def report(r: dict[str, Any]) -> str:
-    g = lambda b: f"{b / 1e9:.2f} GB"   # noqa: E731
+    g = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     st = r["static_bytes"]
-    lines = [f"tngram plan {r['recipe']}: {r['gpus']} GPU(s) x {r['gpu_mem_gb']:g} GB, {r['dtype']}",
-             f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam "
-             f"{r['adam_params'] - r['memory_table_params']:,} + memory tables {r['memory_table_params']:,}, "
-             f"Muon {r['muon_params']:,})",
-             f"per GPU static   {g(r['static_total_bytes'])} = weights {g(st['weights'])} + grads "
-             f"{g(st['gradients'])} + DDP buckets {g(st['ddp_buckets'])} + Adam {g(st['adam_state'])} "
-             f"+ Muon {g(st['muon_state'])} + memory tables {g(st['memory_table_state'])} "
-             f"({r['memory_table_params']:,} params, optim.memory_update={r['memory_update']})",
-             f"usable for activations {g(max(0.0, r['usable_bytes']))} ({r['margin']:.0%} margin, 1 GiB "
-             f"CUDA context/workspaces)",
-             f"global batch     {r['global_batch_tokens']:,} tokens = {r['seqs_per_step']} sequences; "
-             f"{r['seqs_per_gpu_per_step']} per GPU per step (recipe micro-batch "
-             f"{r['recipe_micro_batch_seqs']})"]
-    for key, label in (("no_checkpointing", "no checkpointing"),
-                       ("block_checkpointing", "block checkpointing (not in the trainer)")):
+    lines = [
+        f"tngram plan {r['recipe']}: {r['gpus']} GPU(s) x {r['gpu_mem_gb']:g} GB, {r['dtype']}",
+        f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam "
+        f"{r['adam_params'] - r['memory_table_params']:,} + memory tables {r['memory_table_params']:,}, "
+        f"Muon {r['muon_params']:,})",
+        f"per GPU static   {g(r['static_total_bytes'])} = weights {g(st['weights'])} + grads "
+        f"{g(st['gradients'])} + DDP buckets {g(st['ddp_buckets'])} + Adam {g(st['adam_state'])} "
+        f"+ Muon {g(st['muon_state'])} + memory tables {g(st['memory_table_state'])} "
+        f"({r['memory_table_params']:,} params, optim.memory_update={r['memory_update']})",
+        f"usable for activations {g(max(0.0, r['usable_bytes']))} ({r['margin']:.0%} margin, 1 GiB "
+        f"CUDA context/workspaces)",
+        f"global batch     {r['global_batch_tokens']:,} tokens = {r['seqs_per_step']} sequences; "
+        f"{r['seqs_per_gpu_per_step']} per GPU per step (recipe micro-batch "
+        f"{r['recipe_micro_batch_seqs']})",
+    ]
+    for key, label in (
+        ("no_checkpointing", "no checkpointing"),
+        ("block_checkpointing", "block checkpointing (not in the trainer)"),
+    ):
         f = r[key]
         if f["fits"]:
-            lines.append(f"{label:42s} {g(f['activation_bytes_per_seq'])}/sequence -> micro-batch "
-                         f"{f['micro_batch_seqs']}, grad accum {f['grad_accum']}, peak ~{g(f['peak_bytes'])}")
+            lines.append(
+                f"{label:42s} {g(f['activation_bytes_per_seq'])}/sequence -> micro-batch "
+                f"{f['micro_batch_seqs']}, grad accum {f['grad_accum']}, peak ~{g(f['peak_bytes'])}"
+            )
         else:
             lines.append(f"{label:42s} {g(f['activation_bytes_per_seq'])}/sequence -> does NOT fit")
-    lines.append(f"FLOPs per step   {r['flops_per_step']:.3e} -> {r['step_seconds']:.2f} s/step at "
-                 f"MFU {r['mfu']:.0%} of {r['peak_tflops']:g} TFLOP/s per GPU (assumed); "
-                 f"{r['steps']} steps ~ {r['train_hours']:.2f} h, {r['tokens_per_s']:,.0f} tokens/s")
+    lines.append(
+        f"FLOPs per step   {r['flops_per_step']:.3e} -> {r['step_seconds']:.2f} s/step at "
+        f"MFU {r['mfu']:.0%} of {r['peak_tflops']:g} TFLOP/s per GPU (assumed); "
+        f"{r['steps']} steps ~ {r['train_hours']:.2f} h, {r['tokens_per_s']:,.0f} tokens/s"
+    )
     return "\n".join(lines)
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("plan", help="memory, micro-batch, accumulation and step time of a recipe on GPUs",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="memory, micro-batch, accumulation and step time of a recipe on GPUs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (DDP, one process each)")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU in GB (default 80)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation precision")
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOP utilisation")
-    p.add_argument("--peak-tflops", type=float, default=312.0,
-                   help="peak per GPU in TFLOP/s (default 312: A100 bf16 dense)")
-    add_set_argument(p, help="override one config key of the recipe, as for `tngram train` "
-                     "(repeatable), e.g. --set optim.memory_update=rowwise: the memory tables' "
-                     "optimiser state drops from 8 to 4 + 4/width bytes per parameter")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=312.0,
+        help="peak per GPU in TFLOP/s (default 312: A100 bf16 dense)",
+    )
+    add_set_argument(
+        p,
+        help="override one config key of the recipe, as for `tngram train` "
+        "(repeatable), e.g. --set optim.memory_update=rowwise: the memory tables' "
+        "optimiser state drops from 8 to 4 + 4/width bytes per parameter",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    r = plan(args.recipe, args.gpus, args.gpu_mem, args.dtype, args.mfu, args.peak_tflops,
-             overrides=args.overrides)
+    r = plan(
+        args.recipe,
+        args.gpus,
+        args.gpu_mem,
+        args.dtype,
+        args.mfu,
+        args.peak_tflops,
+        overrides=args.overrides,
+    )
     print(json.dumps(r, indent=1) if args.json else report(r))
     return 0

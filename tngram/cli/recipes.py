@@ -14,11 +14,19 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("recipes", help="list the named recipes")
     add_json_argument(p)
     p.set_defaults(func=_cmd_recipes)
-    p = sub.add_parser("params", help="parameter counts of a recipe (delta against its raw GPT)",
-                       description="Total, memory and delta parameters (delta = total minus the same "
-                       "backbone without memory) of a recipe, a --config file or both, with --set applied.")
-    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE",
-                   help="a named recipe (optional when --config names one)")
+    p = sub.add_parser(
+        "params",
+        help="parameter counts of a recipe (delta against its raw GPT)",
+        description="Total, memory and delta parameters (delta = total minus the same "
+        "backbone without memory) of a recipe, a --config file or both, with --set applied.",
+    )
+    p.add_argument(
+        "recipe",
+        nargs="?",
+        default=None,
+        metavar="RECIPE",
+        help="a named recipe (optional when --config names one)",
+    )
     add_config_arguments(p)
     add_json_argument(p)
     p.set_defaults(func=_cmd_params)
@@ -32,8 +40,10 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
         cfg = get_recipe(name)
         m = cfg.model
         mem = "none" if m.memory is None else m.memory.kind
-        print(f"{name:18s} L{m.n_layer} d{m.n_embd} V{m.vocab_size} T{m.sequence_len} memory={mem} "
-              f"steps={cfg.schedule.steps} batch={cfg.data.global_batch_tokens} tokens")
+        print(
+            f"{name:18s} L{m.n_layer} d{m.n_embd} V{m.vocab_size} T{m.sequence_len} memory={mem} "
+            f"steps={cfg.schedule.steps} batch={cfg.data.global_batch_tokens} tokens"
+        )
     return 0
 
 

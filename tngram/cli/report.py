@@ -10,45 +10,100 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("report", help="tables and plots from run folders")
     rs = p.add_subparsers(dest="report_command", metavar="SUBCOMMAND")
     rs.required = True
-    t = rs.add_parser("tables", help="downstream-task tables (methods x tasks, best in bold) from runs "
-                                     "evaluated with `tngram eval core`")
-    t.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders evaluated with `tngram eval core`")
-    t.add_argument("--metric", choices=["accuracy", "centered"], default="accuracy",
-                   help="accuracy, or centered (0 = random baseline, 1 = perfect)")
+    t = rs.add_parser(
+        "tables",
+        help="downstream-task tables (methods x tasks, best in bold) from runs "
+        "evaluated with `tngram eval core`",
+    )
+    t.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders evaluated with `tngram eval core`",
+    )
+    t.add_argument(
+        "--metric",
+        choices=["accuracy", "centered"],
+        default="accuracy",
+        help="accuracy, or centered (0 = random baseline, 1 = perfect)",
+    )
     t.add_argument("--out", type=Path, default=Path("."), help="folder for core_tables.md/.csv")
     t.set_defaults(func=_cmd_tables)
-    c = rs.add_parser("compare", help="rebuild report.md of a `tngram compare` folder (adds CORE when "
-                                      "the runs have been evaluated); with several folders (one per corpus), "
-                                      "paired significance per corpus and pooled")
-    c.add_argument("dir", type=Path, nargs="+", metavar="DIR", help="the --out folder(s) of `tngram compare`")
-    c.add_argument("--metric", choices=["val_loss", "val_bpb", "train_loss"], default="val_loss",
-                   help="metric of the significance table (several folders)")
+    c = rs.add_parser(
+        "compare",
+        help="rebuild report.md of a `tngram compare` folder (adds CORE when "
+        "the runs have been evaluated); with several folders (one per corpus), "
+        "paired significance per corpus and pooled",
+    )
+    c.add_argument(
+        "dir", type=Path, nargs="+", metavar="DIR", help="the --out folder(s) of `tngram compare`"
+    )
+    c.add_argument(
+        "--metric",
+        choices=["val_loss", "val_bpb", "train_loss"],
+        default="val_loss",
+        help="metric of the significance table (several folders)",
+    )
     c.set_defaults(func=_cmd_compare)
-    r = rs.add_parser("readme", help="regenerate a results table of the README (or a doc) from a `tngram "
-                                     "compare` folder",
-                      description="Snapshot a `tngram compare` folder (the runs/compare-cpu of `make demo`) "
-                      "into docs/results/NAME.json and regenerate the Markdown block that cites it "
-                      "(between <!-- BEGIN generated: NAME --> and <!-- END generated: NAME -->). With "
-                      "--check, only verify that every generated block of the file equals its snapshot.")
-    r.add_argument("dir", type=Path, nargs="?", default=None, metavar="DIR",
-                   help="the --out folder of `tngram compare` (not needed with --check)")
-    r.add_argument("--readme", "--doc", dest="readme", type=Path, default=Path("README.md"), metavar="FILE",
-                   help="the Markdown file to update or check")
-    r.add_argument("--name", default="demo-compare-cpu",
-                   help="the block to regenerate; its snapshot is docs/results/NAME.json")
-    r.add_argument("--note", default=None, help="a sentence shown under the table (e.g. the machine's load)")
-    r.add_argument("--check", action="store_true", help="compare only; exit 1 when a block disagrees")
+    r = rs.add_parser(
+        "readme",
+        help="regenerate a results table of the README (or a doc) from a `tngram compare` folder",
+        description="Snapshot a `tngram compare` folder (the runs/compare-cpu of `make demo`) "
+        "into docs/results/NAME.json and regenerate the Markdown block that cites it "
+        "(between <!-- BEGIN generated: NAME --> and <!-- END generated: NAME -->). With "
+        "--check, only verify that every generated block of the file equals its snapshot.",
+    )
+    r.add_argument(
+        "dir",
+        type=Path,
+        nargs="?",
+        default=None,
+        metavar="DIR",
+        help="the --out folder of `tngram compare` (not needed with --check)",
+    )
+    r.add_argument(
+        "--readme",
+        "--doc",
+        dest="readme",
+        type=Path,
+        default=Path("README.md"),
+        metavar="FILE",
+        help="the Markdown file to update or check",
+    )
+    r.add_argument(
+        "--name",
+        default="demo-compare-cpu",
+        help="the block to regenerate; its snapshot is docs/results/NAME.json",
+    )
+    r.add_argument(
+        "--note", default=None, help="a sentence shown under the table (e.g. the machine's load)"
+    )
+    r.add_argument(
+        "--check", action="store_true", help="compare only; exit 1 when a block disagrees"
+    )
     r.set_defaults(func=_cmd_readme)
-    d = rs.add_parser("doc", help="regenerate (or --check) the generated tables of a Markdown file from "
-                                  "their results files in docs/results/",
-                      description="Every block between <!-- BEGIN generated: NAME --> and <!-- END "
-                      "generated: NAME --> is rendered from docs/results/FILE.json (FILE = NAME up to the "
-                      "first ':'; NAME = FILE:VIEW picks a view of one results file). Without --check the "
-                      "file is rewritten; with --check it is only compared (exit 1 when a block differs).")
-    d.add_argument("docs", type=Path, nargs="+", metavar="FILE", help="Markdown file(s), e.g. docs/RESULTS.md")
-    d.add_argument("--name", action="append", default=None, metavar="NAME",
-                   help="only this block (repeatable; default: every block)")
-    d.add_argument("--check", action="store_true", help="compare only; exit 1 when a block disagrees")
+    d = rs.add_parser(
+        "doc",
+        help="regenerate (or --check) the generated tables of a Markdown file from "
+        "their results files in docs/results/",
+        description="Every block between <!-- BEGIN generated: NAME --> and <!-- END "
+        "generated: NAME --> is rendered from docs/results/FILE.json (FILE = NAME up to the "
+        "first ':'; NAME = FILE:VIEW picks a view of one results file). Without --check the "
+        "file is rewritten; with --check it is only compared (exit 1 when a block differs).",
+    )
+    d.add_argument(
+        "docs", type=Path, nargs="+", metavar="FILE", help="Markdown file(s), e.g. docs/RESULTS.md"
+    )
+    d.add_argument(
+        "--name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="only this block (repeatable; default: every block)",
+    )
+    d.add_argument(
+        "--check", action="store_true", help="compare only; exit 1 when a block disagrees"
+    )
     d.set_defaults(func=_cmd_doc)
 
 
@@ -66,8 +121,11 @@ def _cmd_doc(args: Any) -> int:
         if args.check:
             differ = [n for n in check_doc(doc) if not args.name or n in args.name]
             for n in differ:
-                print(f"{doc}: the generated block {n!r} differs from its results file; run "
-                      f"`tngram report doc {doc}` to regenerate it", file=sys.stderr)
+                print(
+                    f"{doc}: the generated block {n!r} differs from its results file; run "
+                    f"`tngram report doc {doc}` to regenerate it",
+                    file=sys.stderr,
+                )
             n_ok = len(block_names(doc.read_text(encoding="utf-8"))) - len(differ)
             if n_ok:
                 print(f"{doc}: {n_ok} generated block(s) match their results files")
@@ -76,7 +134,9 @@ def _cmd_doc(args: Any) -> int:
             text, changed = regenerate_doc(doc, args.name)
             if changed:
                 atomic_write_text(doc, text)
-            print(f"{doc}: regenerated {', '.join(changed) if changed else 'nothing (all blocks current)'}")
+            print(
+                f"{doc}: regenerated {', '.join(changed) if changed else 'nothing (all blocks current)'}"
+            )
     return 1 if bad else 0
 
 
@@ -128,7 +188,9 @@ def _cmd_compare(args: Any) -> int:
     from tngram.common import MissingFileError, TngramError
     from tngram.report.compare import rows_from_folder, significance_table
 
-    if len(args.dir) == 1 and ((args.dir[0] / "results.json").exists() or not (args.dir[0] / "runs").is_dir()):
+    if len(args.dir) == 1 and (
+        (args.dir[0] / "results.json").exists() or not (args.dir[0] / "runs").is_dir()
+    ):
         return _compare_one(args.dir[0])
     by_corpus = {}
     for d in args.dir:
@@ -151,6 +213,7 @@ def _compare_one(dir: Path) -> int:
     if not path.exists():
         raise MissingFileError(f"{path} not found: is {dir} a `tngram compare` folder?")
     from tngram.readback import read_results_file
+
     results = read_results_file(path)
     # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
     # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
@@ -162,7 +225,11 @@ def _compare_one(dir: Path) -> int:
         if core is not None:
             r["core"] = core["core"]
     atomic_write_json(path, results)
-    shown = {**results, "rows": [{**r, "run_dir": str(local[id(r)])} if id(r) in local else r
-                                 for r in results["rows"]]}
+    shown = {
+        **results,
+        "rows": [
+            {**r, "run_dir": str(local[id(r)])} if id(r) in local else r for r in results["rows"]
+        ],
+    }
     print(write_compare_report(dir, shown)["table"])
     return 0

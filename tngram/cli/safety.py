@@ -23,9 +23,16 @@ from typing import Callable
 from tngram.cli.argtypes import report_error
 from tngram.common import TngramError
 
-INTERRUPTED = ("tngram: interrupted (Ctrl-C); nothing was left half-written (outputs are renamed into place "
-               "only when complete)")
-_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+INTERRUPTED = (
+    "tngram: interrupted (Ctrl-C); nothing was left half-written (outputs are renamed into place "
+    "only when complete)"
+)
+_OOM_MARKERS = (
+    "out of memory",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "not enough memory",
+)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -37,13 +44,15 @@ def is_out_of_memory(e: BaseException) -> bool:
 def _write_traceback(e: BaseException) -> str:
     """The traceback in a file of its own (the cache's crash folder, else the temp folder)."""
     from tngram.common import cache_dir
+
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     text = f"tngram {' '.join(sys.argv)}\n{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n\n{text}"
     for folder in (cache_dir() / "crash", tempfile.gettempdir()):
         try:
             os.makedirs(folder, exist_ok=True)
-            fd, path = tempfile.mkstemp(prefix=f"tngram-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt",
-                                        dir=folder)
+            fd, path = tempfile.mkstemp(
+                prefix=f"tngram-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt", dir=folder
+            )
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             return path
@@ -66,12 +75,19 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
         if is_out_of_memory(e):
-            print("tngram: error: out of memory; lower the batch size (data.micro_batch_seqs for train, "
-                  "--batch-seqs / --batch-tokens for eval) or the model size, or free memory",
-                  file=sys.stderr, flush=True)
+            print(
+                "tngram: error: out of memory; lower the batch size (data.micro_batch_seqs for train, "
+                "--batch-seqs / --batch-tokens for eval) or the model size, or free memory",
+                file=sys.stderr,
+                flush=True,
+            )
             return 2
         path = _write_traceback(e)
         msg = str(e).splitlines()[0][:200] if str(e) else ""
-        print(f"tngram: error: internal error, a bug in tngram ({type(e).__name__}: {msg}); traceback in "
-              f"{path} (please report it)", file=sys.stderr, flush=True)
+        print(
+            f"tngram: error: internal error, a bug in tngram ({type(e).__name__}: {msg}); traceback in "
+            f"{path} (please report it)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1

@@ -26,7 +26,9 @@ SPACE_MARK = "\u2581"  # "▁", SentencePiece's whitespace symbol
 __all__ = ["token_byte_luts", "target_bytes", "bpb_from_sums"]
 
 
-def token_byte_luts(sp: spm.SentencePieceProcessor, vocab_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def token_byte_luts(
+    sp: spm.SentencePieceProcessor, vocab_size: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """(base_bytes int16 (V,), has_leading_space bool (V,), is_boundary bool (V,)).
 
     V = max(sp.vocab_size(), vocab_size): ids beyond the tokenizer (a padded model vocabulary)
@@ -59,8 +61,14 @@ def target_bytes(prev_ids: Tensor, tgt_ids: Tensor, luts: tuple[Tensor, Tensor, 
     """
     base, lead, boundary = luts
     if prev_ids.shape != tgt_ids.shape:
-        raise TngramError(f"prev_ids {tuple(prev_ids.shape)} and tgt_ids {tuple(tgt_ids.shape)} must have the same shape")
-    base, lead, boundary = base.to(tgt_ids.device), lead.to(tgt_ids.device), boundary.to(tgt_ids.device)
+        raise TngramError(
+            f"prev_ids {tuple(prev_ids.shape)} and tgt_ids {tuple(tgt_ids.shape)} must have the same shape"
+        )
+    base, lead, boundary = (
+        base.to(tgt_ids.device),
+        lead.to(tgt_ids.device),
+        boundary.to(tgt_ids.device),
+    )
     tgt = tgt_ids.long()
     prev = prev_ids.long()
     extra = lead[tgt] & ~boundary[prev]  # (…,) bool: a "▁" that is a real space

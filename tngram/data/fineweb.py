@@ -69,11 +69,18 @@ def hf_offline() -> bool:
 
 def _dataset_name(variant: str) -> str:
     if not re.fullmatch(r"sp\d+", variant):
-        raise TngramError(f"unsupported FineWeb variant {variant!r}: expected sp<VOCAB_SIZE>, e.g. sp1024")
+        raise TngramError(
+            f"unsupported FineWeb variant {variant!r}: expected sp<VOCAB_SIZE>, e.g. sp1024"
+        )
     return f"fineweb10B_{variant}"
 
 
-def plan_fineweb(upstream: dict[str, Any], variant: str, train_shards: int, remote_root: str = DEFAULT_REMOTE_ROOT) -> FinewebPlan:
+def plan_fineweb(
+    upstream: dict[str, Any],
+    variant: str,
+    train_shards: int,
+    remote_root: str = DEFAULT_REMOTE_ROOT,
+) -> FinewebPlan:
     """Which remote files to fetch and their local names, from parameter-golf's manifest."""
     name = _dataset_name(variant)
     if train_shards < 0:
@@ -81,17 +88,28 @@ def plan_fineweb(upstream: dict[str, Any], variant: str, train_shards: int, remo
     entry = next((d for d in upstream.get("datasets", []) if d.get("name") == name), None)
     if entry is None:
         have = ", ".join(str(d.get("name")) for d in upstream.get("datasets", [])) or "none"
-        raise TngramError(f"variant {variant}: dataset {name} is not in the upstream manifest (it has: {have})")
+        raise TngramError(
+            f"variant {variant}: dataset {name} is not in the upstream manifest (it has: {have})"
+        )
     stats = entry.get("stats") or {}
     try:
         n_train, n_val = int(stats["files_train"]), int(stats["files_val"])
     except (KeyError, TypeError, ValueError):
-        raise TngramError(f"upstream manifest entry {name} has no stats.files_train / stats.files_val") from None
+        raise TngramError(
+            f"upstream manifest entry {name} has no stats.files_train / stats.files_val"
+        ) from None
     if train_shards > n_train:
-        raise TngramError(f"{variant} has only {n_train} train shards upstream; requested {train_shards}")
-    tok = next((t for t in upstream.get("tokenizers", []) if t.get("name") == entry.get("tokenizer_name")), None)
+        raise TngramError(
+            f"{variant} has only {n_train} train shards upstream; requested {train_shards}"
+        )
+    tok = next(
+        (t for t in upstream.get("tokenizers", []) if t.get("name") == entry.get("tokenizer_name")),
+        None,
+    )
     if tok is None or not tok.get("model_path"):
-        raise TngramError(f"upstream manifest: tokenizer {entry.get('tokenizer_name')!r} of {name} not found")
+        raise TngramError(
+            f"upstream manifest: tokenizer {entry.get('tokenizer_name')!r} of {name} not found"
+        )
     root = f"{remote_root}/" if remote_root else ""
     plan = FinewebPlan(dataset=name, entry=entry)
     for split, n in (("val", n_val), ("train", train_shards)):
@@ -142,7 +160,11 @@ def _download_file(repo_id: str, remote_path: str, local_dir: Path, timeout: flo
     hf = _import_hf()
     return Path(
         hf.hf_hub_download(
-            repo_id=repo_id, filename=remote_path, repo_type="dataset", local_dir=str(local_dir), etag_timeout=timeout
+            repo_id=repo_id,
+            filename=remote_path,
+            repo_type="dataset",
+            local_dir=str(local_dir),
+            etag_timeout=timeout,
         )
     )
 
@@ -185,13 +207,19 @@ def download_fineweb(
     from tqdm import tqdm
 
     repo_id = repo_id or os.environ.get("MATCHED_FINEWEB_REPO_ID", DEFAULT_REPO_ID)
-    remote_root = remote_root if remote_root is not None else os.environ.get("MATCHED_FINEWEB_REMOTE_ROOT_PREFIX", DEFAULT_REMOTE_ROOT)
+    remote_root = (
+        remote_root
+        if remote_root is not None
+        else os.environ.get("MATCHED_FINEWEB_REMOTE_ROOT_PREFIX", DEFAULT_REMOTE_ROOT)
+    )
     _dataset_name(variant)
     out_dir = Path(out).expanduser() if out is not None else fineweb_dir(variant)
     if out_dir.is_dir() and any(out_dir.iterdir()):
         m = out_dir / "manifest.json"
         if not (out_dir / "upstream_manifest.json").is_file() and not m.is_file():
-            raise TngramError(f"{out_dir} exists, is not empty and is not a FineWeb download; choose another --out")
+            raise TngramError(
+                f"{out_dir} exists, is not empty and is not a FineWeb download; choose another --out"
+            )
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     offline = hf_offline()
@@ -221,13 +249,21 @@ def download_fineweb(
             upstream = json.loads(upstream_path.read_text(encoding="utf-8"))
         except ValueError as e:
             upstream_path.unlink()
-            raise TngramError(f"{upstream_path}: invalid JSON ({e}); deleted it, please retry") from None
+            raise TngramError(
+                f"{upstream_path}: invalid JSON ({e}); deleted it, please retry"
+            ) from None
         plan = plan_fineweb(upstream, variant, train_shards, remote_root)
         missing = [(r, name) for r, name in plan.files if not _present(out_dir / name)]
         if missing:
-            online_check(", ".join(name for _, name in missing[:3]) + (" ..." if len(missing) > 3 else ""))
-            print0(f"downloading {len(missing)} file(s) from https://huggingface.co/datasets/{repo_id} into {out_dir}")
-            for remote, name in tqdm(missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())):
+            online_check(
+                ", ".join(name for _, name in missing[:3]) + (" ..." if len(missing) > 3 else "")
+            )
+            print0(
+                f"downloading {len(missing)} file(s) from https://huggingface.co/datasets/{repo_id} into {out_dir}"
+            )
+            for remote, name in tqdm(
+                missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())
+            ):
                 _fetch(repo_id, remote, out_dir / name, staging, timeout)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -239,8 +275,13 @@ def download_fineweb(
     from tngram.data.tokenizer import load_tokenizer
 
     sp = load_tokenizer(out_dir / plan.tokenizer_model)
-    counts = {split: sum(read_shard_header(out_dir / f) for f in getattr(plan, split)) for split in ("train", "val")}
-    rel = [*plan.train, *plan.val, plan.tokenizer_model] + ([plan.tokenizer_vocab] if plan.tokenizer_vocab else [])
+    counts = {
+        split: sum(read_shard_header(out_dir / f) for f in getattr(plan, split))
+        for split in ("train", "val")
+    }
+    rel = [*plan.train, *plan.val, plan.tokenizer_model] + (
+        [plan.tokenizer_vocab] if plan.tokenizer_vocab else []
+    )
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -255,16 +296,22 @@ def download_fineweb(
             "trained": False,
             "source": f"hf://datasets/{repo_id}/{plan.tokenizer_remote}",
         },
-        "split": {"by": "document", "seed": upstream.get("shuffle_seed"), "note": "parameter-golf: first 50,000 docs of the shuffled list are val"},
-        "sources": [{
-            "name": "fineweb",
-            "repo_id": repo_id,
-            "remote_root": remote_root,
-            "dataset": plan.dataset,
-            "train_shards": len(plan.train),
-            "upstream_stats": plan.entry.get("stats", {}),
-            "text_licence": "FineWeb: ODC-By 1.0 (subject to Common Crawl terms of use)",
-        }],
+        "split": {
+            "by": "document",
+            "seed": upstream.get("shuffle_seed"),
+            "note": "parameter-golf: first 50,000 docs of the shuffled list are val",
+        },
+        "sources": [
+            {
+                "name": "fineweb",
+                "repo_id": repo_id,
+                "remote_root": remote_root,
+                "dataset": plan.dataset,
+                "train_shards": len(plan.train),
+                "upstream_stats": plan.entry.get("stats", {}),
+                "text_licence": "FineWeb: ODC-By 1.0 (subject to Common Crawl terms of use)",
+            }
+        ],
         "tokens": counts,
         "files": {"train": plan.train, "val": plan.val},
         "file_sizes": {f: (out_dir / f).stat().st_size for f in rel},

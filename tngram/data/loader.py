@@ -72,11 +72,17 @@ class TokenLoader:
     ) -> None:
         self.files = [Path(f) for f in files]
         if not self.files:
-            raise TngramError("TokenLoader: no shard files given (is the dataset's train split empty?)")
+            raise TngramError(
+                "TokenLoader: no shard files given (is the dataset's train split empty?)"
+            )
         if batch_size <= 0 or seq_len <= 0:
-            raise TngramError(f"TokenLoader: batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+            raise TngramError(
+                f"TokenLoader: batch_size and seq_len must be positive, got {batch_size}, {seq_len}"
+            )
         if world_size <= 0 or not 0 <= ddp_rank < world_size:
-            raise TngramError(f"TokenLoader: need 0 <= ddp_rank < world_size, got rank {ddp_rank} of {world_size}")
+            raise TngramError(
+                f"TokenLoader: need 0 <= ddp_rank < world_size, got rank {ddp_rank} of {world_size}"
+            )
         self.batch_size = int(batch_size)
         self.seq_len = int(seq_len)
         self.ddp_rank = int(ddp_rank)
@@ -99,7 +105,9 @@ class TokenLoader:
         if tok is None:
             tok = read_shard(self.files[i])
             if tok.size != self.counts[i]:
-                raise TngramError(f"shard {self.files[i]}: changed on disk while the loader was running")
+                raise TngramError(
+                    f"shard {self.files[i]}: changed on disk while the loader was running"
+                )
             if self.vocab_size is not None:
                 check_vocab(tok, self.vocab_size, self.files[i])
             self._tokens[i] = tok
@@ -158,7 +166,9 @@ class TokenLoader:
         """Restore a position saved by `state_dict()`; the next batches are exactly those that
         the saved loader would have produced next. TngramError if the shards differ."""
         if d.get("version") != STATE_VERSION:
-            raise TngramError(f"loader state has version {d.get('version')!r}, expected {STATE_VERSION}")
+            raise TngramError(
+                f"loader state has version {d.get('version')!r}, expected {STATE_VERSION}"
+            )
         counts = [int(c) for c in d.get("counts", [])]
         if counts != self.counts:
             raise TngramError(
@@ -207,7 +217,9 @@ def load_val_tokens(
     return t if dtype == torch.int64 else t.to(dtype)
 
 
-def bench_read(files: Sequence[str | os.PathLike], batch_size: int, seq_len: int, seconds: float) -> float:
+def bench_read(
+    files: Sequence[str | os.PathLike], batch_size: int, seq_len: int, seconds: float
+) -> float:
     """Tokens/s that `TokenLoader.next_batch` delivers (x tokens, int64) after one warm-up pass
     over the files (so they are in the page cache)."""
     for f in files:  # warm the page cache

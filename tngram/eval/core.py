@@ -49,7 +49,7 @@ from tqdm import tqdm
 from tngram.common import MissingFileError, TngramError, print0
 from tngram.eval.tasks import LM, MC, SCHEMA, BundleTask, load_bundle, load_task_data
 
-FEWSHOT_SEED_BASE = 1234      # nanochat: random.Random(1234 + idx)
+FEWSHOT_SEED_BASE = 1234  # nanochat: random.Random(1234 + idx)
 FEWSHOT_SEP = "\n\n"
 
 
@@ -64,15 +64,19 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_file: str | Path):
         import sentencepiece as spm
+
         path = Path(model_file)
         if not path.is_file():
             raise MissingFileError(f"tokenizer model {path} not found")
         from tngram.safefs import check_regular
-        check_regular(path.resolve())   # a FIFO or device is refused, never waited on
+
+        check_regular(path.resolve())  # a FIFO or device is refused, never waited on
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except (RuntimeError, OSError) as e:
-            raise TngramError(f"tokenizer {path}: not a SentencePiece model ({str(e).splitlines()[0][:120]})") from None
+            raise TngramError(
+                f"tokenizer {path}: not a SentencePiece model ({str(e).splitlines()[0][:120]})"
+            ) from None
         self.bos_id = int(self.sp.bos_id())
         if self.bos_id < 0:
             raise TngramError(f"{path} has no BOS token; CORE prepends BOS to every prompt")
@@ -114,7 +118,9 @@ def render_mc(item: dict, delim: str, shots: list[dict]) -> list[str]:
 
 
 def render_schema(item: dict, delim: str, shots: list[dict]) -> list[str]:
-    head = "".join(f"{s['context_options'][s['gold']]}{delim}{s['continuation']}{FEWSHOT_SEP}" for s in shots)
+    head = "".join(
+        f"{s['context_options'][s['gold']]}{delim}{s['continuation']}{FEWSHOT_SEP}" for s in shots
+    )
     return [f"{head}{opt}{delim}{item['continuation']}" for opt in item["context_options"]]
 
 
@@ -140,7 +146,9 @@ def common_suffix_len(seqs: Sequence[Sequence[int]]) -> int:
     return common_prefix_len([list(reversed(s)) for s in seqs])
 
 
-def continuation_spans(task_type: str, tokens: list[list[int]]) -> tuple[list[list[int]], list[int], list[int]]:
+def continuation_spans(
+    task_type: str, tokens: list[list[int]]
+) -> tuple[list[list[int]], list[int], list[int]]:
     """(sequences to run, start, end): the scored targets of row r are tokens[r][start:end]."""
     if task_type == MC:
         s = common_prefix_len(tokens)
@@ -149,11 +157,13 @@ def continuation_spans(task_type: str, tokens: list[list[int]]) -> tuple[list[li
         k = common_suffix_len(tokens)
         return tokens, [len(t) - k for t in tokens], [len(t) for t in tokens]
     without, with_ = tokens
-    start = common_prefix_len([without, with_])   # == len(without) when it is a clean prefix
+    start = common_prefix_len([without, with_])  # == len(without) when it is a clean prefix
     return [with_], [start], [len(with_)]
 
 
-def crop_left(seq: list[int], start: int, end: int, max_len: int | None) -> tuple[list[int], int, int]:
+def crop_left(
+    seq: list[int], start: int, end: int, max_len: int | None
+) -> tuple[list[int], int, int]:
     """Keep the last max_len tokens; shift the span. Position 0 has no prediction, so start >= 1."""
     if max_len is None or len(seq) <= max_len:
         return seq, max(start, 1), end
@@ -165,10 +175,10 @@ def crop_left(seq: list[int], start: int, end: int, max_len: int | None) -> tupl
 @dataclass
 class Example:
     idx: int
-    seqs: list[list[int]]        # token rows (BOS first)
+    seqs: list[list[int]]  # token rows (BOS first)
     starts: list[int]
     ends: list[int]
-    gold: int | None             # None for LM
+    gold: int | None  # None for LM
 
     @property
     def longest(self) -> int:
@@ -180,23 +190,33 @@ def _encode_all(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     return batch(texts) if callable(batch) else [tokenizer.encode(t) for t in texts]
 
 
-def prepare_examples(task: BundleTask, data: list[dict], tokenizer: Tokenizer,
-                     max_seq_len: int | None) -> list[Example]:
+def prepare_examples(
+    task: BundleTask, data: list[dict], tokenizer: Tokenizer, max_seq_len: int | None
+) -> list[Example]:
     """Render, tokenise (BOS prepended), find spans and crop every example of a task."""
     render = RENDER[task.task_type]
-    prompts = [render(item, task.delimiter, [data[j] for j in fewshot_indices(len(data), i, task.shots)])
-               for i, item in enumerate(data)]
+    prompts = [
+        render(item, task.delimiter, [data[j] for j in fewshot_indices(len(data), i, task.shots)])
+        for i, item in enumerate(data)
+    ]
     flat = _encode_all(tokenizer, [p for ps in prompts for p in ps])
     bos = int(tokenizer.bos_id)
     out: list[Example] = []
     pos = 0
     for i, ps in enumerate(prompts):
-        toks = [[bos, *t] for t in flat[pos: pos + len(ps)]]
+        toks = [[bos, *t] for t in flat[pos : pos + len(ps)]]
         pos += len(ps)
         seqs, starts, ends = continuation_spans(task.task_type, toks)
         cropped = [crop_left(s, a, b, max_seq_len) for s, a, b in zip(seqs, starts, ends)]
-        out.append(Example(i, [c[0] for c in cropped], [c[1] for c in cropped], [c[2] for c in cropped],
-                           None if task.task_type == LM else int(data[i]["gold"])))
+        out.append(
+            Example(
+                i,
+                [c[0] for c in cropped],
+                [c[1] for c in cropped],
+                [c[2] for c in cropped],
+                None if task.task_type == LM else int(data[i]["gold"]),
+            )
+        )
     return out
 
 
@@ -220,42 +240,55 @@ def plan_batches(examples: list[Example], batch_tokens: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def score_batch(logits_fn: Callable[[torch.Tensor], torch.Tensor], batch: list[Example], pad_id: int,
-                task_type: str, device: torch.device | str = "cpu") -> list[bool]:
+def score_batch(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    batch: list[Example],
+    pad_id: int,
+    task_type: str,
+    device: torch.device | str = "cpu",
+) -> list[bool]:
     """One padded forward for several examples; returns correctness per example."""
     rows = [(e, r) for e in batch for r in range(len(e.seqs))]
     T = max(len(e.seqs[r]) for e, r in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)                    # (R, T)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # (R, T)
     for k, (e, r) in enumerate(rows):
         ids[k, : len(e.seqs[r])] = torch.tensor(e.seqs[r], dtype=torch.long)
     ids = ids.to(device)
-    logits = logits_fn(ids)                                                        # (R, T, V)
+    logits = logits_fn(ids)  # (R, T, V)
     if logits.dim() != 3 or logits.shape[:2] != ids.shape:
-        raise TngramError(f"logits_fn returned shape {tuple(logits.shape)} for input {tuple(ids.shape)}")
+        raise TngramError(
+            f"logits_fn returned shape {tuple(logits.shape)} for input {tuple(ids.shape)}"
+        )
     row_of: list[int] = []
     pos_of: list[int] = []
     for k, (e, r) in enumerate(rows):
         row_of += [k] * (e.ends[r] - e.starts[r])
-        pos_of += range(e.starts[r] - 1, e.ends[r] - 1)                            # predict t+1 from t
-    seg = torch.tensor(row_of, dtype=torch.long, device=ids.device)                # (P,) row of each target
-    pos_t = torch.tensor(pos_of, dtype=torch.long, device=ids.device)              # (P,)
-    sel = logits[seg, pos_t].float()                                               # (P, V)
-    tgt = ids[seg, pos_t + 1]                                                      # (P,)
+        pos_of += range(e.starts[r] - 1, e.ends[r] - 1)  # predict t+1 from t
+    seg = torch.tensor(row_of, dtype=torch.long, device=ids.device)  # (P,) row of each target
+    pos_t = torch.tensor(pos_of, dtype=torch.long, device=ids.device)  # (P,)
+    sel = logits[seg, pos_t].float()  # (P, V)
+    tgt = ids[seg, pos_t + 1]  # (P,)
     R = len(rows)
     if task_type == LM:
-        miss = (sel.argmax(-1) != tgt).long()                                      # (P,)
+        miss = (sel.argmax(-1) != tgt).long()  # (P,)
         wrong = torch.zeros(R, dtype=torch.long, device=ids.device).index_add_(0, seg, miss)
-        count = torch.zeros(R, dtype=torch.long, device=ids.device).index_add_(0, seg, torch.ones_like(miss))
+        count = torch.zeros(R, dtype=torch.long, device=ids.device).index_add_(
+            0, seg, torch.ones_like(miss)
+        )
         return [bool(count[k] > 0 and wrong[k] == 0) for k in range(R)]
-    nll = F.cross_entropy(sel, tgt, reduction="none").double()                    # (P,)
+    nll = F.cross_entropy(sel, tgt, reduction="none").double()  # (P,)
     total = torch.zeros(R, dtype=torch.float64, device=ids.device).index_add_(0, seg, nll)
-    count = torch.zeros(R, dtype=torch.float64, device=ids.device).index_add_(0, seg, torch.ones_like(nll))
-    mean = torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.inf)).tolist()
+    count = torch.zeros(R, dtype=torch.float64, device=ids.device).index_add_(
+        0, seg, torch.ones_like(nll)
+    )
+    mean = torch.where(
+        count > 0, total / count.clamp(min=1), torch.full_like(total, math.inf)
+    ).tolist()
     out, k = [], 0
     for e in batch:
-        losses = mean[k: k + len(e.seqs)]
+        losses = mean[k : k + len(e.seqs)]
         k += len(e.seqs)
-        pred = min(range(len(losses)), key=lambda i: losses[i])                    # first on ties
+        pred = min(range(len(losses)), key=lambda i: losses[i])  # first on ties
         out.append(pred == e.gold)
     return out
 
@@ -291,39 +324,67 @@ def _dist_active(world_size: int) -> bool:
     return True
 
 
-def evaluate_task(logits_fn: Callable[[torch.Tensor], torch.Tensor], tokenizer: Tokenizer, task: BundleTask,
-                  data: list[dict], max_seq_len: int | None = None, batch_tokens: int = 8192,
-                  ddp_rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu",
-                  progress: bool = False) -> dict[str, Any]:
+def evaluate_task(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    tokenizer: Tokenizer,
+    task: BundleTask,
+    data: list[dict],
+    max_seq_len: int | None = None,
+    batch_tokens: int = 8192,
+    ddp_rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> dict[str, Any]:
     """Accuracy of one task on the given (already selected) items."""
     t0 = time.perf_counter()
     examples = prepare_examples(task, data, tokenizer, max_seq_len)
     batches = plan_batches(examples, batch_tokens)
-    correct = torch.zeros(len(examples), dtype=torch.float64)                      # (n,)
+    correct = torch.zeros(len(examples), dtype=torch.float64)  # (n,)
     mine = batches[ddp_rank::world_size]
     for b in tqdm(mine, desc=task.label, leave=False, disable=not progress or ddp_rank != 0):
-        ok = score_batch(logits_fn, [examples[i] for i in b], int(tokenizer.bos_id), task.task_type, device)
+        ok = score_batch(
+            logits_fn, [examples[i] for i in b], int(tokenizer.bos_id), task.task_type, device
+        )
         for i, c in zip(b, ok):
             correct[i] = float(c)
     if _dist_active(world_size):
-        backend_dev = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
+        backend_dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
         buf = correct.to(backend_dev)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         correct = buf.cpu()
     n = len(examples)
     acc = float(correct.sum().item()) / n
     secs = time.perf_counter() - t0
-    return {"accuracy": acc, "centered": centered_accuracy(acc, task.baseline), "n": n,
-            "type": task.task_type, "shots": task.shots, "baseline": task.baseline,
-            "seconds": round(secs, 3), "examples_per_s": round(n / secs, 2) if secs > 0 else None}
+    return {
+        "accuracy": acc,
+        "centered": centered_accuracy(acc, task.baseline),
+        "n": n,
+        "type": task.task_type,
+        "shots": task.shots,
+        "baseline": task.baseline,
+        "seconds": round(secs, 3),
+        "examples_per_s": round(n / secs, 2) if secs > 0 else None,
+    }
 
 
-def evaluate_core(logits_fn: Callable[[torch.Tensor], torch.Tensor], tokenizer: Tokenizer,
-                  bundle_dir: str | Path, max_per_task: int | None = None, seed: int = 1337,
-                  ddp_rank: int = 0, world_size: int = 1, max_seq_len: int | None = None,
-                  batch_tokens: int = 8192, device: torch.device | str = "cpu",
-                  progress: bool = True) -> dict[str, Any]:
+def evaluate_core(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    tokenizer: Tokenizer,
+    bundle_dir: str | Path,
+    max_per_task: int | None = None,
+    seed: int = 1337,
+    ddp_rank: int = 0,
+    world_size: int = 1,
+    max_seq_len: int | None = None,
+    batch_tokens: int = 8192,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
     """CORE over every task of a bundle.
 
     logits_fn(ids (B, T) long) -> logits (B, T, V); tokenizer has encode(str) -> list[int] and
@@ -336,16 +397,30 @@ def evaluate_core(logits_fn: Callable[[torch.Tensor], torch.Tensor], tokenizer: 
     if batch_tokens < 1:
         raise TngramError(f"batch_tokens must be >= 1, got {batch_tokens}")
     bundle = load_bundle(bundle_dir)
-    datasets = {t.label: load_task_data(bundle, t) for t in bundle.tasks}          # validates everything first
+    datasets = {
+        t.label: load_task_data(bundle, t) for t in bundle.tasks
+    }  # validates everything first
     t0 = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     for task in bundle.tasks:
         data = select_examples(datasets[task.label], max_per_task, seed)
-        results[task.label] = evaluate_task(logits_fn, tokenizer, task, data, max_seq_len, batch_tokens,
-                                            ddp_rank, world_size, device, progress)
+        results[task.label] = evaluate_task(
+            logits_fn,
+            tokenizer,
+            task,
+            data,
+            max_seq_len,
+            batch_tokens,
+            ddp_rank,
+            world_size,
+            device,
+            progress,
+        )
         r = results[task.label]
-        print0(f"  {task.label:<34} acc {r['accuracy']:.4f}  centered {r['centered']:+.4f}  "
-               f"n {r['n']:>6}  {r['examples_per_s'] or 0:>8.1f} ex/s")
+        print0(
+            f"  {task.label:<34} acc {r['accuracy']:.4f}  centered {r['centered']:+.4f}  "
+            f"n {r['n']:>6}  {r['examples_per_s'] or 0:>8.1f} ex/s"
+        )
     secs = time.perf_counter() - t0
     n_total = sum(r["n"] for r in results.values())
     return {
@@ -364,20 +439,28 @@ def evaluate_core(logits_fn: Callable[[torch.Tensor], torch.Tensor], tokenizer: 
 
 def format_core_table(result: dict[str, Any]) -> str:
     """Plain-text table of a result dict from evaluate_core."""
-    lines = [f"{'task':<34}{'type':>6}{'shots':>6}{'n':>7}{'acc':>9}{'base%':>7}{'centered':>10}",
-             "-" * 79]
+    lines = [
+        f"{'task':<34}{'type':>6}{'shots':>6}{'n':>7}{'acc':>9}{'base%':>7}{'centered':>10}",
+        "-" * 79,
+    ]
     short = {MC: "MC", SCHEMA: "schema", LM: "LM"}
     for label, r in result["tasks"].items():
-        lines.append(f"{label:<34}{short.get(r.get('type', ''), '?'):>6}{r.get('shots', ''):>6}{r['n']:>7}"
-                     f"{r['accuracy']:>9.4f}{r.get('baseline', 0):>7g}{r['centered']:>+10.4f}")
+        lines.append(
+            f"{label:<34}{short.get(r.get('type', ''), '?'):>6}{r.get('shots', ''):>6}{r['n']:>7}"
+            f"{r['accuracy']:>9.4f}{r.get('baseline', 0):>7g}{r['centered']:>+10.4f}"
+        )
     b = result.get("bundle", {})
     lines.append("-" * 79)
-    lines.append(f"CORE {result['core']:.4f} over {result.get('n_tasks', len(result['tasks']))} tasks "
-                 f"[{b.get('flavor', '?')}]  {result.get('examples', 0)} examples in "
-                 f"{result.get('seconds', 0):.1f} s ({result.get('examples_per_s') or 0:.1f} ex/s)")
+    lines.append(
+        f"CORE {result['core']:.4f} over {result.get('n_tasks', len(result['tasks']))} tasks "
+        f"[{b.get('flavor', '?')}]  {result.get('examples', 0)} examples in "
+        f"{result.get('seconds', 0):.1f} s ({result.get('examples_per_s') or 0:.1f} ex/s)"
+    )
     if b.get("not_built"):
         lines.append("not in bundle: " + ", ".join(b["not_built"]))
     if b.get("partial"):
-        lines.append("partial in bundle: " + "; ".join(f"{k} ({v.split(':')[0]})" for k, v in b["partial"].items()))
+        lines.append(
+            "partial in bundle: "
+            + "; ".join(f"{k} ({v.split(':')[0]})" for k, v in b["partial"].items())
+        )
     return "\n".join(lines)
-

@@ -16,22 +16,32 @@ from tngram.common import TngramError
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], max_new_tokens: int = 64, temperature: float = 1.0,
-             top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> list[int]:
+def generate(
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    use_cache: bool = True,
+) -> list[int]:
     """Sample continuation ids after `prompt` (which should start with BOS). temperature 0 = greedy."""
     check_sampling_args(max_new_tokens, temperature, top_k, seed)
     if not prompt:
         raise TngramError("the prompt must contain at least one token (BOS)")
     vocab = model.config.vocab_size
     bad = [t for t in prompt if not 0 <= int(t) < vocab]
-    if bad:   # checked here, once: the forwards skip reading ids on a GPU (no host syncs)
-        raise TngramError(f"prompt token ids must lie in [0, {vocab}) (the vocabulary size); "
-                          f"got {bad[:5]}")
+    if bad:  # checked here, once: the forwards skip reading ids on a GPU (no host syncs)
+        raise TngramError(
+            f"prompt token ids must lie in [0, {vocab}) (the vocabulary size); got {bad[:5]}"
+        )
     limit = model.config.sequence_len
     if len(prompt) + max_new_tokens > limit:
-        raise TngramError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                          f"the model's sequence_len {limit}")
-    gen = torch.Generator().manual_seed(seed)   # on CPU: the same samples on every device
+        raise TngramError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the model's sequence_len {limit}"
+        )
+    gen = torch.Generator().manual_seed(seed)  # on CPU: the same samples on every device
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     cache: dict[str, Any] | None = {} if use_cache else None
@@ -52,11 +62,18 @@ def check_sampling_args(max_new_tokens: Any, temperature: Any, top_k: Any, seed:
 
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
+
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise TngramError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature) or temperature < 0):
-        raise TngramError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise TngramError(
+            f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}"
+        )
     if top_k is not None and (not is_int(top_k) or top_k < 0):
         raise TngramError(f"top_k must be None or an int >= 0 (0 = all tokens), got {top_k!r}")
     if not is_int(seed) or not 0 <= seed < 2**63:

@@ -44,9 +44,13 @@ def core_tables(results: dict[str, dict[str, Any]], metric: str = "accuracy") ->
     cols = _columns(results)
     methods = list(results)
     grid: dict[str, list[float | None]] = {
-        m: [float(results[m]["core"])] + [
-            float(results[m]["tasks"][c][metric]) if c in results[m]["tasks"] else None for c in cols]
-        for m in methods}
+        m: [float(results[m]["core"])]
+        + [
+            float(results[m]["tasks"][c][metric]) if c in results[m]["tasks"] else None
+            for c in cols
+        ]
+        for m in methods
+    }
     best = [_best([grid[m][j] for m in methods]) for j in range(len(cols) + 1)]
 
     def cell(v: float | None, j: int) -> str:
@@ -55,16 +59,28 @@ def core_tables(results: dict[str, dict[str, Any]], metric: str = "accuracy") ->
         s = f"{100 * v:.2f}" if j == 0 else f"{100 * v:.1f}"
         # compare at display precision so visually tied cells are all bold
         b = best[j]
-        return f"**{s}**" if b is not None and s == (f"{100 * b:.2f}" if j == 0 else f"{100 * b:.1f}") else s
+        return (
+            f"**{s}**"
+            if b is not None and s == (f"{100 * b:.2f}" if j == 0 else f"{100 * b:.1f}")
+            else s
+        )
 
     header = ["Method", "CORE"] + cols
-    md = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":---:"] * (len(cols) + 1)) + "|"]
+    md = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + [":---:"] * (len(cols) + 1)) + "|",
+    ]
     for m in methods:
         md.append("| " + " | ".join([m] + [cell(v, j) for j, v in enumerate(grid[m])]) + " |")
-    ns = {c: sorted({results[m]["tasks"][c]["n"] for m in methods if c in results[m]["tasks"]}) for c in cols}
+    ns = {
+        c: sorted({results[m]["tasks"][c]["n"] for m in methods if c in results[m]["tasks"]})
+        for c in cols
+    }
     unit = "accuracy (%)" if metric == "accuracy" else "centred accuracy (x100)"
-    note = (f"Tasks: {unit}; CORE: mean centred accuracy over each method's tasks (x100). "
-            f"Best per column in bold.")
+    note = (
+        f"Tasks: {unit}; CORE: mean centred accuracy over each method's tasks (x100). "
+        f"Best per column in bold."
+    )
     uneven = [c for c in cols if len(ns[c]) > 1]
     if uneven:
         note += " Item counts differ between methods for: " + ", ".join(uneven) + "."

@@ -25,7 +25,9 @@ def resolve_data(data: str | None, vocab_size: int = 1024) -> tuple[str, int]:
 
 
 def with_data(cfg: TrainConfig, data_dir: str, vocab_size: int) -> TrainConfig:
-    return replace(cfg, data=replace(cfg.data, dir=data_dir), model=replace(cfg.model, vocab_size=vocab_size))
+    return replace(
+        cfg, data=replace(cfg.data, dir=data_dir), model=replace(cfg.model, vocab_size=vocab_size)
+    )
 
 
 def with_seed(cfg: TrainConfig, seed_index: int) -> TrainConfig:
@@ -40,6 +42,7 @@ def with_memory(cfg: TrainConfig, **fields: Any) -> TrainConfig:
 
 def with_steps(cfg: TrainConfig, steps: int | None) -> TrainConfig:
     from tngram.train.config import with_schedule_steps
+
     return with_schedule_steps(cfg, steps)
 
 
@@ -52,6 +55,7 @@ def default_nproc(preset: str) -> int:
         return 1
     try:
         import torch
+
         return max(1, torch.cuda.device_count())
     except Exception:  # pragma: no cover
         return 1

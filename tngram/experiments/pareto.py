@@ -45,17 +45,33 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError, atomic_write_json, atomic_write_text, print0
-from tngram.experiments.common import SCALES, base_recipe, default_nproc, with_data, with_memory, with_seed, with_steps
-from tngram.train.recipes import LONGCAT  # LongCat-Flash's n-gram embedding settings (the *-oe-longcat recipes)
+from tngram.experiments.common import (
+    SCALES,
+    base_recipe,
+    default_nproc,
+    with_data,
+    with_memory,
+    with_seed,
+    with_steps,
+)
+from tngram.train.recipes import (
+    LONGCAT,
+)  # LongCat-Flash's n-gram embedding settings (the *-oe-longcat recipes)
 
 TUNING_CORPUS = "literature"
 # Engram / TN-gram: the committed `tngram experiment tuning --corpora literature` choice
-TUNED_DEFAULT = {"engram": 4.0, "tngram": 2.0,
-                 # the variants were screened on literature at TN-gram's factor; the hybrid, whose
-                 # tables are mostly Engram-style rows, did better at Engram's (docs/LOG.md)
-                 "tngram-lean": 2.0, "tngram-sum": 2.0, "tngram-shared": 2.0, "tngram-hybrid": 4.0,
-                 "tngram-hsum": 4.0}
-LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)     # the grid tried for a family tuned here
+TUNED_DEFAULT = {
+    "engram": 4.0,
+    "tngram": 2.0,
+    # the variants were screened on literature at TN-gram's factor; the hybrid, whose
+    # tables are mostly Engram-style rows, did better at Engram's (docs/LOG.md)
+    "tngram-lean": 2.0,
+    "tngram-sum": 2.0,
+    "tngram-shared": 2.0,
+    "tngram-hybrid": 4.0,
+    "tngram-hsum": 4.0,
+}
+LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)  # the grid tried for a family tuned here
 TUNE_SEEDS = 2
 
 # family -> (recipe method, size knob, sizes in the order they are trained: first the four that
@@ -88,14 +104,22 @@ CONFIRM_STEP_REPS = 21
 # memory-field settings of each variant family, applied before its size knob
 VARIANTS: dict[str, dict[str, Any]] = {
     "longcat": LONGCAT,
-    "tngram-lean": {"use_norm": False, "use_absorption": False},     # the ablation winners
-    "tngram-sum": {"order_combine": "sum"},                          # one R-wide K/V input
-    "tngram-shared": {"order_combine": "sum", "share_factors": True},  # one A_1..A_N for both layers
+    "tngram-lean": {"use_norm": False, "use_absorption": False},  # the ablation winners
+    "tngram-sum": {"order_combine": "sum"},  # one R-wide K/V input
+    "tngram-shared": {
+        "order_combine": "sum",
+        "share_factors": True,
+    },  # one A_1..A_N for both layers
     # TN-gram R 88 + Engram-style hashed orders 2..5 (the literature screen's closest to Engram)
     "tngram-hybrid": {"cp_rank": 88, "hash_orders": (2, 3, 4, 5), "hash_embed": 128},
     # TN-gram R 64 with the orders summed + hashed orders 2..5 at 104 wide: K/V read 64 + 4 * 104 =
     # 480 features (Engram's 512), chosen on the literature screen (docs/LOG.md)
-    "tngram-hsum": {"cp_rank": 64, "order_combine": "sum", "hash_orders": (2, 3, 4, 5), "hash_embed": 104},
+    "tngram-hsum": {
+        "cp_rank": 64,
+        "order_combine": "sum",
+        "hash_orders": (2, 3, 4, 5),
+        "hash_embed": 104,
+    },
 }
 
 
@@ -116,12 +140,14 @@ def family_config(family: str, size: int | None, cfg_of: dict[str, Any]) -> Any:
 
 def with_table_lr(cfg: Any, factor: float) -> Any:
     from tngram.experiments.evidence import lr_variant
+
     return cfg if factor == 1.0 else lr_variant(cfg, factor)
 
 
 def _build(corpus: str) -> tuple[str, int]:
     """(dataset dir, vocab) of a built-in corpus; "NAME@V" is NAME tokenised with vocabulary V."""
     from tngram.data.build import ensure_default_data, open_dataset
+
     name, _, vocab = corpus.partition("@")
     info = open_dataset(ensure_default_data(vocab_size=int(vocab) if vocab else 1024, corpus=name))
     return str(info.dir), int(info.vocab_size)
@@ -137,19 +163,29 @@ VOCAB_CORPUS = "default@8192"
 # hours to a CPU sweep for a score that is at chance at `mini` scale (docs/EVAL.md)
 CORE_CORPORA = ("default", VOCAB_CORPUS)
 CORE_SEEDS = 1
-VOCAB_SIZES: dict[str, tuple[int, ...]] = {"engram": (40960, 81920), "tngram": (352, 704), "oe": (33697, 67394),
-                                           "longcat": (36000, 72000), "dense": (224, 304),
-                                           # the hashed variants: the largest size within Engram's
-                                           # Δparams at V 8192, as at V 1024
-                                           "tngram-hsum": (44159, 94547), "tngram-hybrid": (33751, 74713),
-                                           # the rank variants: TN-gram's R (lean) or the largest R
-                                           # within TN-gram's Δparams at V 8192 (sum, shared)
-                                           "tngram-lean": (352, 704), "tngram-sum": (358, 717),
-                                           "tngram-shared": (712, 1425)}
+VOCAB_SIZES: dict[str, tuple[int, ...]] = {
+    "engram": (40960, 81920),
+    "tngram": (352, 704),
+    "oe": (33697, 67394),
+    "longcat": (36000, 72000),
+    "dense": (224, 304),
+    # the hashed variants: the largest size within Engram's
+    # Δparams at V 8192, as at V 1024
+    "tngram-hsum": (44159, 94547),
+    "tngram-hybrid": (33751, 74713),
+    # the rank variants: TN-gram's R (lean) or the largest R
+    # within TN-gram's Δparams at V 8192 (sum, shared)
+    "tngram-lean": (352, 704),
+    "tngram-sum": (358, 717),
+    "tngram-shared": (712, 1425),
+}
 
 
 def _base(prefix: str, data_dir: str, vocab: int, steps: int | None) -> dict[str, Any]:
-    return {m: with_steps(with_data(base_recipe(prefix, m), data_dir, vocab), steps) for m in ("raw", "engram", "tngram", "oe")}
+    return {
+        m: with_steps(with_data(base_recipe(prefix, m), data_dir, vocab), steps)
+        for m in ("raw", "engram", "tngram", "oe")
+    }
 
 
 def tune_table_lr(out: Path, prefix: str, steps: int | None, nproc: int) -> float:
@@ -157,17 +193,33 @@ def tune_table_lr(out: Path, prefix: str, steps: int | None, nproc: int) -> floa
     the tuning corpus; the best mean val loss wins. Written to OUT/tuning/tuning.json."""
     from tngram.experiments.runner import RunSpec, run_all
     from tngram.report.runs import mean_std
+
     data_dir, vocab = _build(TUNING_CORPUS)
     base = _base(prefix, data_dir, vocab, steps)["oe"]
-    specs = [RunSpec(f"oe-lr{f:g}-s{s}", with_seed(with_table_lr(base, f), s), {"factor": f})
-             for s in range(TUNE_SEEDS) for f in LR_FACTORS]
+    specs = [
+        RunSpec(f"oe-lr{f:g}-s{s}", with_seed(with_table_lr(base, f), s), {"factor": f})
+        for s in range(TUNE_SEEDS)
+        for f in LR_FACTORS
+    ]
     rows = run_all(specs, out / "tuning", nproc=nproc)
     stats = {f: mean_std([r["val_loss"] for r in rows if r["factor"] == f]) for f in LR_FACTORS}
     best = min(LR_FACTORS, key=lambda f: stats[f][0])
-    atomic_write_json(out / "tuning" / "tuning.json", {"corpus": TUNING_CORPUS, "data": data_dir, "rows": rows,
-                                                       "best": {"oe": best, "longcat": best}})
-    print0("Over-Encoding table lr on " + TUNING_CORPUS + ": " +
-           ", ".join(f"x{f:g} {m:.4f} ± {s:.4f}" for f, (m, s) in stats.items()) + f"; chosen x{best:g}")
+    atomic_write_json(
+        out / "tuning" / "tuning.json",
+        {
+            "corpus": TUNING_CORPUS,
+            "data": data_dir,
+            "rows": rows,
+            "best": {"oe": best, "longcat": best},
+        },
+    )
+    print0(
+        "Over-Encoding table lr on "
+        + TUNING_CORPUS
+        + ": "
+        + ", ".join(f"x{f:g} {m:.4f} ± {s:.4f}" for f, (m, s) in stats.items())
+        + f"; chosen x{best:g}"
+    )
     return best
 
 
@@ -181,12 +233,17 @@ def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
             try:
                 factors[fam] = float(val)
             except ValueError:
-                raise TngramError(f"--tuned {tuned}: expected FAMILY-lrFACTOR items like engram-lr4, got {item!r}")
+                raise TngramError(
+                    f"--tuned {tuned}: expected FAMILY-lrFACTOR items like engram-lr4, got {item!r}"
+                )
             if fam not in SIZES:
-                raise TngramError(f"--tuned {tuned}: unknown family {fam!r}; valid: {', '.join(SIZES)}")
+                raise TngramError(
+                    f"--tuned {tuned}: unknown family {fam!r}; valid: {', '.join(SIZES)}"
+                )
     path = out / "tuning" / "tuning.json"
     if "oe" not in factors and path.is_file():
         from tngram.readback import get, read_tuning_file
+
         factors["oe"] = float(get(read_tuning_file(path)["best"], "oe", "float", f"{path}: best"))
     if "oe" in factors:
         factors.setdefault("longcat", factors["oe"])
@@ -194,34 +251,63 @@ def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
     return None
 
 
-def specs_for(corpora: list[str], prefix: str, seeds: int, steps: int | None, factors: dict[str, float],
-              families: tuple[str, ...] = FAMILIES, n_sizes: int = 5) -> list[Any]:
+def specs_for(
+    corpora: list[str],
+    prefix: str,
+    seeds: int,
+    steps: int | None,
+    factors: dict[str, float],
+    families: tuple[str, ...] = FAMILIES,
+    n_sizes: int = 5,
+) -> list[Any]:
     """One RunSpec per (seed, corpus, size index, family), in that order of priority: a partial
     sweep has every family at its smaller sizes first."""
     from tngram.experiments.runner import RunSpec
+
     bases = {c: _base(prefix, *_build(c), steps) for c in corpora}
     specs = []
     for s in range(seeds):
         for corpus in corpora:
-            sizes = VOCAB_SIZES if corpus == VOCAB_CORPUS else {f: SIZES[f][2][:n_sizes] for f in SIZES}
+            sizes = (
+                VOCAB_SIZES if corpus == VOCAB_CORPUS else {f: SIZES[f][2][:n_sizes] for f in SIZES}
+            )
             points = [(f, None) for f in families if f == "raw"]
-            points += [(f, sizes[f][i]) for i in range(max(map(len, sizes.values())))
-                       for f in families if f != "raw" and f in sizes and i < len(sizes[f])]
+            points += [
+                (f, sizes[f][i])
+                for i in range(max(map(len, sizes.values())))
+                for f in families
+                if f != "raw" and f in sizes and i < len(sizes[f])
+            ]
             for fam, size in points:
                 cfg = family_config(fam, size, bases[corpus])
                 if fam in factors:
                     cfg = with_table_lr(cfg, factors[fam])
-                label = f"{corpus}-{fam}" + ("" if size is None else f"-{SIZES[fam][1]}{size}") + f"-s{s}"
-                specs.append(RunSpec(label, with_seed(replace(cfg, name=f"pareto-{fam}"), s),
-                                     {"corpus": corpus, "family": fam, "size": size, "seed_index": s}))
+                label = (
+                    f"{corpus}-{fam}"
+                    + ("" if size is None else f"-{SIZES[fam][1]}{size}")
+                    + f"-s{s}"
+                )
+                specs.append(
+                    RunSpec(
+                        label,
+                        with_seed(replace(cfg, name=f"pareto-{fam}"), s),
+                        {"corpus": corpus, "family": fam, "size": size, "seed_index": s},
+                    )
+                )
     return specs + confirm_specs(corpora, bases, seeds, factors, families)
 
 
-def confirm_specs(corpora: list[str], bases: dict[str, Any], seeds: int, factors: dict[str, float],
-                  families: tuple[str, ...] = FAMILIES) -> list[Any]:
+def confirm_specs(
+    corpora: list[str],
+    bases: dict[str, Any],
+    seeds: int,
+    factors: dict[str, float],
+    families: tuple[str, ...] = FAMILIES,
+) -> list[Any]:
     """Seeds `seeds`..CONFIRM_SEEDS-1 of CONFIRM's pairs on every corpus but the vocabulary
     setting (tags["confirm"] = True); none when `seeds` >= CONFIRM_SEEDS or a family is left out."""
     from tngram.experiments.runner import RunSpec
+
     fams = [f for f in (CONFIRM["baseline"], CONFIRM["family"]) if f in families]
     specs = []
     for s in range(seeds, CONFIRM_SEEDS if len(fams) == 2 else seeds):
@@ -229,39 +315,64 @@ def confirm_specs(corpora: list[str], bases: dict[str, Any], seeds: int, factors
             for corpus, fam in ((c, f) for c in corpora if c != VOCAB_CORPUS for f in fams):
                 size = SIZES[fam][2][i]
                 cfg = with_table_lr(family_config(fam, size, bases[corpus]), factors.get(fam, 1.0))
-                specs.append(RunSpec(f"{corpus}-{fam}-{SIZES[fam][1]}{size}-s{s}",
-                                     with_seed(replace(cfg, name=f"pareto-{fam}"), s),
-                                     {"corpus": corpus, "family": fam, "size": size, "seed_index": s, "confirm": True}))
+                specs.append(
+                    RunSpec(
+                        f"{corpus}-{fam}-{SIZES[fam][1]}{size}-s{s}",
+                        with_seed(replace(cfg, name=f"pareto-{fam}"), s),
+                        {
+                            "corpus": corpus,
+                            "family": fam,
+                            "size": size,
+                            "seed_index": s,
+                            "confirm": True,
+                        },
+                    )
+                )
     return specs
 
 
-def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = None, steps: int | None = None,
-           nproc: int | None = None, corpora: list[str] | None = None, tuned: str | None = None,
-           train: bool = True, core_max: int | None = None) -> Path:
+def pareto(
+    out: Path,
+    scale: str = "cpu",
+    seeds: int = 3,
+    data: str | None = None,
+    steps: int | None = None,
+    nproc: int | None = None,
+    corpora: list[str] | None = None,
+    tuned: str | None = None,
+    train: bool = True,
+    core_max: int | None = None,
+) -> Path:
     """Tune Over-Encoding (once), train every (seed, corpus, family, size), then write the map.
     With `core_max` N, the first seed of every point of CORE_CORPORA is also scored on the offline
     CORE bundle (`tngram eval core RUN --max-per-task N`, once per run) and their maps gain a CORE
     column."""
     if data:
-        raise TngramError("the pareto experiment trains on built-in corpora (--corpora), not --data")
+        raise TngramError(
+            "the pareto experiment trains on built-in corpora (--corpora), not --data"
+        )
     prefix = SCALES[scale]
     nproc = nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9")
     corpora = list(corpora or ["default", TUNING_CORPUS, "code"])
     if "default" in corpora and VOCAB_CORPUS not in corpora:
-        corpora.append(VOCAB_CORPUS)          # the large-vocabulary setting rides with the default corpus
+        corpora.append(VOCAB_CORPUS)  # the large-vocabulary setting rides with the default corpus
     factors = read_factors(out, tuned)
     if factors is None:
         if not train:
-            raise TngramError(f"{out}/tuning/tuning.json is missing: Over-Encoding's table lr is not tuned yet")
+            raise TngramError(
+                f"{out}/tuning/tuning.json is missing: Over-Encoding's table lr is not tuned yet"
+            )
         tune_table_lr(out, prefix, steps, nproc)
         factors = read_factors(out, tuned)
     specs = specs_for(corpora, prefix, seeds, steps, factors)
     if train:
         from tngram.experiments.runner import run_all
+
         run_all(specs, out, nproc=nproc)
     if core_max:
         core_once(out, specs, core_max)
     from tngram.experiments.pareto_report import candidate_pairs, collect, write_report
+
     sizes, corpus_sizes = {f: v[2] for f, v in SIZES.items()}, {VOCAB_CORPUS: VOCAB_SIZES}
     bench = bench_once(out, specs)
     # a paired row that would beat Engram on the 5-rep step medians says "yes" only after its pair
@@ -270,18 +381,34 @@ def pareto(out: Path, scale: str = "cpu", seeds: int = 3, data: str | None = Non
     extra = candidate_pairs(rows, bench, sizes, corpus_sizes)
     if extra:
         bench = bench_once(out, specs, extra_pairs=extra)
-    return write_report(out, specs, factors, bench=bench, core_max=core_max, sizes=sizes,
-                        corpus_sizes=corpus_sizes, rows=rows)
+    return write_report(
+        out,
+        specs,
+        factors,
+        bench=bench,
+        core_max=core_max,
+        sizes=sizes,
+        corpus_sizes=corpus_sizes,
+        rows=rows,
+    )
 
 
 def core_targets(out: Path, specs: list[Any], max_per_task: int) -> list[tuple[str, Path]]:
     """(label, run dir) of every finished run of a CORE_CORPORA corpus and a seed index below
     CORE_SEEDS with no RUN/eval/core-maxN.json."""
     from tngram.experiments.runner import run_dir_of
-    dirs = [(s.label, run_dir_of(out, s)) for s in specs
-            if s.tags["corpus"] in CORE_CORPORA and s.tags["seed_index"] < CORE_SEEDS]
-    return [(label, d) for label, d in dirs
-            if (d / "summary.json").is_file() and not (d / "eval" / f"core-max{max_per_task}.json").is_file()]
+
+    dirs = [
+        (s.label, run_dir_of(out, s))
+        for s in specs
+        if s.tags["corpus"] in CORE_CORPORA and s.tags["seed_index"] < CORE_SEEDS
+    ]
+    return [
+        (label, d)
+        for label, d in dirs
+        if (d / "summary.json").is_file()
+        and not (d / "eval" / f"core-max{max_per_task}.json").is_file()
+    ]
 
 
 def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
@@ -289,16 +416,30 @@ def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
     the offline bundle must exist (`tngram eval build-bundle`)."""
     import subprocess
     import sys
+
     for label, rdir in core_targets(out, specs, max_per_task):
         print0(f"CORE (max {max_per_task} per task): {label}")
-        code = subprocess.run([sys.executable, "-m", "tngram", "eval", "core", str(rdir), "--max-per-task",
-                               str(max_per_task), "--threads", "1"]).returncode
+        code = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tngram",
+                "eval",
+                "core",
+                str(rdir),
+                "--max-per-task",
+                str(max_per_task),
+                "--threads",
+                "1",
+            ]
+        ).returncode
         if code != 0:
             raise TngramError(f"tngram eval core {rdir} failed (exit {code})")
 
 
-def bench_once(out: Path, specs: list[Any], reps: int = 5,
-               extra_pairs: list[list[str]] | None = None) -> dict[str, Any]:
+def bench_once(
+    out: Path, specs: list[Any], reps: int = 5, extra_pairs: list[list[str]] | None = None
+) -> dict[str, Any]:
     """OUT/bench.json: training-step and decode time of every (family, size) with a finished run, one
     torch thread, interleaved in this process (`bench_points`); measured once and reused while it
     covers every such point, else measured again for all of them (one process, so the times stay
@@ -310,16 +451,19 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5,
     import torch
     from tngram.experiments.pareto_report import bench_points, point_key, step_ratio
     from tngram.experiments.runner import run_dir_of
+
     path = out / "bench.json"
     cfgs = {}
-    for s in specs:      # the points on the map: those with a finished run
+    for s in specs:  # the points on the map: those with a finished run
         if (run_dir_of(out, s) / "summary.json").is_file():
             cfgs.setdefault(point_key(s.tags["family"], s.tags["size"], s.tags["corpus"]), s.config)
-    pairs = [[point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][i]) for k in ("family", "baseline")]
-             for i in CONFIRM["size_indices"]]
+    pairs = [
+        [point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][i]) for k in ("family", "baseline")]
+        for i in CONFIRM["size_indices"]
+    ]
     pairs += [p for p in extra_pairs or [] if p not in pairs]
     res = json.loads(path.read_text()) if path.is_file() else {}
-    if "confirm_step" in res:           # one pair, as the first confirmation wrote it
+    if "confirm_step" in res:  # one pair, as the first confirmation wrote it
         res["confirm_steps"] = [res.pop("confirm_step")]
     if not cfgs:
         return res
@@ -327,18 +471,39 @@ def bench_once(out: Path, specs: list[Any], reps: int = 5,
     torch.set_num_threads(1)
     try:
         if not set(cfgs) <= set(res.get("points", {})):
-            print0(f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ...")
+            print0(
+                f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ..."
+            )
             res = bench_points(cfgs, reps=reps)
             atomic_write_json(path, res)
-        for pair in pairs:     # timed again when missing or measured by an older protocol (one process)
-            done = [c for c in res.get("confirm_steps", []) if c["pair"] == pair
-                    and len(c.get("processes", [])) == CONFIRM_STEP_PROCESSES and c["rounds"] == CONFIRM_STEP_REPS]
+        for (
+            pair
+        ) in pairs:  # timed again when missing or measured by an older protocol (one process)
+            done = [
+                c
+                for c in res.get("confirm_steps", [])
+                if c["pair"] == pair
+                and len(c.get("processes", [])) == CONFIRM_STEP_PROCESSES
+                and c["rounds"] == CONFIRM_STEP_REPS
+            ]
             if all(k in cfgs for k in pair) and not done:
-                print0(f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_PROCESSES} processes x "
-                       f"{CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ...")
-                res["confirm_steps"] = [c for c in res.get("confirm_steps", []) if c["pair"] != pair] + [
-                    {"pair": pair, **step_ratio(cfgs[pair[0]], cfgs[pair[1]], CONFIRM_STEP_REPS,
-                                                processes=CONFIRM_STEP_PROCESSES)}]
+                print0(
+                    f"timing {pair[0]} against {pair[1]} ({CONFIRM_STEP_PROCESSES} processes x "
+                    f"{CONFIRM_STEP_REPS} interleaved rounds, 1 thread) ..."
+                )
+                res["confirm_steps"] = [
+                    c for c in res.get("confirm_steps", []) if c["pair"] != pair
+                ] + [
+                    {
+                        "pair": pair,
+                        **step_ratio(
+                            cfgs[pair[0]],
+                            cfgs[pair[1]],
+                            CONFIRM_STEP_REPS,
+                            processes=CONFIRM_STEP_PROCESSES,
+                        ),
+                    }
+                ]
                 atomic_write_json(path, res)
     finally:
         torch.set_num_threads(threads)

@@ -28,13 +28,15 @@ from tngram.train.signals import ForwardSignals, exit_code, signal_name
 
 @dataclass
 class RunSpec:
-    label: str                        # unique folder name under OUT/runs/
+    label: str  # unique folder name under OUT/runs/
     config: TrainConfig
-    tags: dict[str, Any] = field(default_factory=dict)   # method, seed, sweep value...
+    tags: dict[str, Any] = field(default_factory=dict)  # method, seed, sweep value...
 
 
 # `--set` items of `tngram compare` / `tngram experiment`, applied by run_all to every run
-_OVERRIDES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("tngram_overrides", default=())
+_OVERRIDES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "tngram_overrides", default=()
+)
 
 
 @contextlib.contextmanager
@@ -70,15 +72,24 @@ def job_threads(jobs: int) -> str:
 def check_jobs(jobs: int, nproc: int) -> None:
     """--jobs runs single-process runs side by side; torchrun runs (--nproc > 1) cannot join them."""
     if jobs > 1 and nproc > 1:
-        raise TngramError(f"--jobs {jobs} trains several single-process runs at once; it cannot be "
-                          f"combined with --nproc {nproc} (torchrun)")
+        raise TngramError(
+            f"--jobs {jobs} trains several single-process runs at once; it cannot be "
+            f"combined with --nproc {nproc} (torchrun)"
+        )
 
 
 def with_overrides(cfg: TrainConfig, items: tuple[str, ...] | list[str]) -> TrainConfig:
     from tngram.train.config import apply_overrides, split_override
+
     if cfg.model.memory is None:
-        items = [i for i in items if not (split_override(i)[0].startswith("model.memory.")
-                                          and split_override(i)[0] != "model.memory.kind")]
+        items = [
+            i
+            for i in items
+            if not (
+                split_override(i)[0].startswith("model.memory.")
+                and split_override(i)[0] != "model.memory.kind"
+            )
+        ]
     return apply_overrides(cfg, list(items))
 
 
@@ -87,6 +98,7 @@ def _overridden(spec: RunSpec, items: tuple[str, ...]) -> RunSpec:
     reported as what it is: method "raw+memory=tngram", not "raw" (folder and config name stay,
     so finished runs are still found)."""
     from tngram.train.recipes import memory_kind
+
     cfg = with_overrides(spec.config, items)
     tags = spec.tags
     if "method" in tags and memory_kind(cfg) != memory_kind(spec.config):
@@ -112,15 +124,20 @@ def check_same_dataset(run_dir: Path, cfg: TrainConfig) -> None:
     rebuilt with more sources): reusing or resuming it would mix two datasets in one table."""
     from tngram.data.build import default_data_dir
     from tngram.train.portable import read_dataset_record
+
     want = (read_dataset_record(run_dir) or {}).get("fingerprint")
-    data_dir = Path(cfg.data.dir).expanduser() if cfg.data.dir else default_data_dir(cfg.model.vocab_size)
+    data_dir = (
+        Path(cfg.data.dir).expanduser() if cfg.data.dir else default_data_dir(cfg.model.vocab_size)
+    )
     manifest = data_dir / "manifest.json"
     if not want or not manifest.is_file():
-        return   # a run from before dataset records, or no dataset to compare with yet
+        return  # a run from before dataset records, or no dataset to compare with yet
     have = load_json(manifest, data_dir).get("fingerprint")
     if have != want:
-        raise TngramError(f"{run_dir} was trained on another version of {data_dir} (dataset fingerprint "
-                          f"{want[:12]}, now {str(have)[:12]}); remove that folder or choose another --out")
+        raise TngramError(
+            f"{run_dir} was trained on another version of {data_dir} (dataset fingerprint "
+            f"{want[:12]}, now {str(have)[:12]}); remove that folder or choose another --out"
+        )
 
 
 def _normalized(saved: dict) -> dict:
@@ -135,8 +152,15 @@ def _normalized(saved: dict) -> dict:
 def launch_command(nproc: int) -> list[str]:
     if nproc <= 1:
         return [sys.executable, "-m", "tngram.experiments.worker"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "tngram.experiments.worker"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "tngram.experiments.worker",
+    ]
 
 
 def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, Any]]:
@@ -159,12 +183,14 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
             print0(f"[{i}/{len(specs)}] {spec.label}: finished earlier, reused ({rdir})")
             continue
         if (rdir / "config.json").exists() and not _same_config(rdir, spec.config):
-            raise TngramError(f"{rdir} holds a run with a different config; choose another --out "
-                              f"or remove that folder")
+            raise TngramError(
+                f"{rdir} holds a run with a different config; choose another --out "
+                f"or remove that folder"
+            )
         todo.append((i, spec, rdir))
-    stop = threading.Event()     # set by the first failure: no further run starts
+    stop = threading.Event()  # set by the first failure: no further run starts
     clock = RunClock(len(todo))
-    signals = ForwardSignals()   # SIGTERM / SIGINT: forwarded to the running children, no new run
+    signals = ForwardSignals()  # SIGTERM / SIGINT: forwarded to the running children, no new run
 
     def train_one(i: int, spec: RunSpec, rdir: Path) -> str | None:
         if stop.is_set() or signals.signum is not None:
@@ -177,14 +203,19 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
     with signals:
         if jobs > 1 and len(todo) > 1:
             from concurrent.futures import ThreadPoolExecutor
-            with ThreadPoolExecutor(max_workers=jobs) as pool:   # threads only wait on the processes
+
+            with ThreadPoolExecutor(max_workers=jobs) as pool:  # threads only wait on the processes
                 errors = list(pool.map(lambda t: train_one(*t), todo))
         else:
             errors = [train_one(i, spec, rdir) for i, spec, rdir in todo]
-    if signals.signum is not None:   # the children checkpointed; the same command resumes them
-        print(f"tngram: stopped by {signal_name(signals.signum)}; finished runs are kept and "
-              f"interrupted ones resume from their checkpoint: run the same command again "
-              f"(exit {exit_code(signals.signum)})", file=sys.stderr, flush=True)
+    if signals.signum is not None:  # the children checkpointed; the same command resumes them
+        print(
+            f"tngram: stopped by {signal_name(signals.signum)}; finished runs are kept and "
+            f"interrupted ones resume from their checkpoint: run the same command again "
+            f"(exit {exit_code(signals.signum)})",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(exit_code(signals.signum))
     failed = [e for e in errors if e]
     if failed:
@@ -212,6 +243,7 @@ class RunClock:
         """Count one finished run; the text for its line, e.g. "1/3 trained, 1 min 30 s elapsed,
         about 3 min 00 s left"."""
         from tngram.cpu import eta_seconds, fmt_duration
+
         with self._lock:
             self.done += 1
             elapsed = (time.monotonic() if now is None else now) - self.t0
@@ -221,12 +253,23 @@ class RunClock:
             return text
 
 
-def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: int,
-               clock: RunClock | None = None, signals: ForwardSignals | None = None) -> str | None:
+def _train_one(
+    i: int,
+    spec: RunSpec,
+    rdir: Path,
+    total: int,
+    nproc: int,
+    jobs: int,
+    clock: RunClock | None = None,
+    signals: ForwardSignals | None = None,
+) -> str | None:
     """Train one run in a subprocess; None when it finished, else the error line. With jobs > 1
     its output goes to RUN/worker.log and it gets job_threads(jobs) threads."""
-    run_child = (signals.run_child if signals is not None      # forwards SIGTERM / SIGINT
-                 else lambda cmd, **kw: subprocess.run(cmd, **kw).returncode)
+    run_child = (
+        signals.run_child
+        if signals is not None  # forwards SIGTERM / SIGINT
+        else lambda cmd, **kw: subprocess.run(cmd, **kw).returncode
+    )
     rdir.mkdir(parents=True, exist_ok=True)
     cfg_path = rdir / "requested_config.json"
     atomic_write_json(cfg_path, spec.config.to_dict())
@@ -235,10 +278,18 @@ def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: 
         log = rdir / "worker.log"
         print0(f"[{i}/{total}] {spec.label}: training ({rdir}; output in {log.name})")
         env = {**os.environ, "OMP_NUM_THREADS": job_threads(jobs)}
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "ab") as f:        # O_NOFOLLOW: a linked worker.log is refused, never appended to
-            code = run_child(launch_command(nproc) + [str(cfg_path), str(rdir)], stdout=f,
-                             stderr=subprocess.STDOUT, env=env)
+        fd = os.open(
+            log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+        with os.fdopen(
+            fd, "ab"
+        ) as f:  # O_NOFOLLOW: a linked worker.log is refused, never appended to
+            code = run_child(
+                launch_command(nproc) + [str(cfg_path), str(rdir)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         where = f"its output is in {log}"
     else:
         print0(f"[{i}/{total}] {spec.label}: training ({rdir})")
@@ -247,9 +298,14 @@ def _train_one(i: int, spec: RunSpec, rdir: Path, total: int, nproc: int, jobs: 
     if code != 0:
         return f"run {spec.label} failed (exit {code}); {where}"
     took = f"done in {time.time() - t0:.0f} s"
-    print0(f"[{i}/{total}] {spec.label}: {took}" + (f" ({clock.finished()})" if clock is not None else ""))
+    print0(
+        f"[{i}/{total}] {spec.label}: {took}"
+        + (f" ({clock.finished()})" if clock is not None else "")
+    )
     return None
 
 
 def _same_config(rdir: Path, cfg: TrainConfig) -> bool:
-    return _normalized(load_json(rdir / "config.json", rdir)) == json.loads(json.dumps(cfg.to_dict()))
+    return _normalized(load_json(rdir / "config.json", rdir)) == json.loads(
+        json.dumps(cfg.to_dict())
+    )

@@ -24,8 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text()))
     run_dir = Path(argv[1])
     try:
-        train(cfg, run_dir, resume=has_checkpoint(run_dir),   # no bars: --no-progress or stderr not a TTY
-              progress=False if os.environ.get("TNGRAM_NO_PROGRESS") else None)
+        train(
+            cfg,
+            run_dir,
+            resume=has_checkpoint(run_dir),  # no bars: --no-progress or stderr not a TTY
+            progress=False if os.environ.get("TNGRAM_NO_PROGRESS") else None,
+        )
     except TngramError as e:
         print(f"tngram: error: {e}", file=sys.stderr)
         return 2

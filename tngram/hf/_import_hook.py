@@ -61,7 +61,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         if not self.pending:
             sys.meta_path.remove(self)
-        for finder in sys.meta_path:      # the spec the import system would have found
+        for finder in sys.meta_path:  # the spec the import system would have found
             if finder is self:
                 continue
             find = getattr(finder, "find_spec", None)

@@ -73,8 +73,7 @@ def _swapped_class(cls: type) -> type:
     if issubclass(cls, MemoryCacheMixin):
         return cls
     if cls not in _SWAPPED:
-        _SWAPPED[cls] = type(cls.__name__, (MemoryCacheMixin, cls),
-                             {"__module__": cls.__module__})
+        _SWAPPED[cls] = type(cls.__name__, (MemoryCacheMixin, cls), {"__module__": cls.__module__})
     return _SWAPPED[cls]
 
 
@@ -83,13 +82,17 @@ def memory_states(cache: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(cache, MemoryCacheMixin):
         for name in ("reorder_cache", "crop", "reset"):
             if not callable(getattr(cache, name, None)):
-                raise TngramError(f"past_key_values of type {type(cache).__name__} is not a "
-                                  "transformers Cache; pass a Cache (e.g. DynamicCache) or None")
+                raise TngramError(
+                    f"past_key_values of type {type(cache).__name__} is not a "
+                    "transformers Cache; pass a Cache (e.g. DynamicCache) or None"
+                )
         try:
             cache.__class__ = _swapped_class(type(cache))
         except TypeError as e:
-            raise TngramError(f"cannot keep the n-gram memory state in a {type(cache).__name__} "
-                              f"({e}); use DynamicCache or StaticCache") from None
+            raise TngramError(
+                f"cannot keep the n-gram memory state in a {type(cache).__name__} "
+                f"({e}); use DynamicCache or StaticCache"
+            ) from None
         cache._tngram_memory = {}
         cache._tngram_seen = 0
     return cache._tngram_memory
@@ -103,5 +106,6 @@ def check_and_advance(cache: Any, n_new: int) -> None:
         raise TngramError(
             f"the cache holds {have} tokens but the n-gram memory state holds "
             f"{cache._tngram_seen}: the cache was filled or edited outside this model's forward "
-            "(use cache.crop / reorder_cache, or start from a new cache)")
+            "(use cache.crop / reorder_cache, or start from a new cache)"
+        )
     cache._tngram_seen += n_new

@@ -28,12 +28,12 @@ from tngram.common import TngramError
 
 PREFIX = "tngram_"
 CONFIG_KEY = "tngram_memory"
-MEMORY_ATTR = "ngram_memory"     # child name of the memory module (decoder layer or base model)
+MEMORY_ATTR = "ngram_memory"  # child name of the memory module (decoder layer or base model)
 
 _LOCK = threading.RLock()
-_CONFIGS: dict[type, type] = {}      # base config class -> memory config class
-_MODELS: dict[type, type] = {}       # base model class -> memory model class
-_BASES: dict[type, type] = {}        # memory class -> base class
+_CONFIGS: dict[type, type] = {}  # base config class -> memory config class
+_MODELS: dict[type, type] = {}  # base model class -> memory model class
+_BASES: dict[type, type] = {}  # memory class -> base class
 
 
 class TngramConfigMixin:
@@ -62,8 +62,9 @@ class TngramModelMixin:
         """transformers' count; with exclude_embeddings every memory lookup table is left out
         like an embedding (transformers alone drops only nn.Embedding weights: Engram's tables
         but not TN-gram's CP factors)."""
-        n = super().num_parameters(only_trainable=only_trainable,
-                                   exclude_embeddings=exclude_embeddings)
+        n = super().num_parameters(
+            only_trainable=only_trainable, exclude_embeddings=exclude_embeddings
+        )
         if not exclude_embeddings:
             return n
         from torch import nn
@@ -102,12 +103,22 @@ def config_class_for(base: type) -> type:
         if base not in _CONFIGS:
             model_type = getattr(base, "model_type", "") or ""
             if not model_type:
-                raise TngramError(f"{base.__name__} has no model_type; add_memory needs a "
-                                  "registered transformers config class")
-            cls = type(f"Tngram{base.__name__}", (TngramConfigMixin, base), {
-                "__module__": __name__, "__qualname__": f"Tngram{base.__name__}",
-                "model_type": PREFIX + model_type, "base_model_type": model_type,
-                "__annotations__": {CONFIG_KEY: "dict | None"}, CONFIG_KEY: None})
+                raise TngramError(
+                    f"{base.__name__} has no model_type; add_memory needs a "
+                    "registered transformers config class"
+                )
+            cls = type(
+                f"Tngram{base.__name__}",
+                (TngramConfigMixin, base),
+                {
+                    "__module__": __name__,
+                    "__qualname__": f"Tngram{base.__name__}",
+                    "model_type": PREFIX + model_type,
+                    "base_model_type": model_type,
+                    "__annotations__": {CONFIG_KEY: "dict | None"},
+                    CONFIG_KEY: None,
+                },
+            )
             _CONFIGS[base], _BASES[cls] = cls, base
             AutoConfig.register(cls.model_type, cls, exist_ok=True)
             _register_auto_models(base, cls)
@@ -120,9 +131,15 @@ def model_class_for(base: type, config_cls: type | None = None) -> type:
     with _LOCK:
         if base not in _MODELS:
             cfg_cls = config_cls or config_class_for(base.config_class)
-            cls = type(f"Tngram{base.__name__}", (TngramModelMixin, base), {
-                "__module__": __name__, "__qualname__": f"Tngram{base.__name__}",
-                "config_class": cfg_cls})
+            cls = type(
+                f"Tngram{base.__name__}",
+                (TngramModelMixin, base),
+                {
+                    "__module__": __name__,
+                    "__qualname__": f"Tngram{base.__name__}",
+                    "config_class": cfg_cls,
+                },
+            )
             _MODELS[base], _BASES[cls] = cls, base
         return _MODELS[base]
 
@@ -130,8 +147,11 @@ def model_class_for(base: type, config_cls: type | None = None) -> type:
 def _auto_mappings() -> list[Any]:
     from transformers.models.auto import modeling_auto as ma
 
-    return [getattr(ma, name) for name in ("MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_MAPPING")
-            if hasattr(ma, name)]
+    return [
+        getattr(ma, name)
+        for name in ("MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_MAPPING")
+        if hasattr(ma, name)
+    ]
 
 
 def _register_auto_models(base_cfg: type, cfg_cls: type) -> None:
@@ -154,7 +174,7 @@ def resolve_model_type(model_type: Any) -> type | None:
         return None
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    family = model_type[len(PREFIX):]
+    family = model_type[len(PREFIX) :]
     if family.startswith(PREFIX) or family not in CONFIG_MAPPING:
         return None
     return config_class_for(CONFIG_MAPPING[family])

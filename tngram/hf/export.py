@@ -27,8 +27,12 @@ def check_export_target(out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
-               tokenizer: str | os.PathLike | None = None, dtype: str = "fp32") -> Path:
+def export_run(
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str = "fp32",
+) -> Path:
     """Convert RUN to an HF folder at out_dir; returns out_dir."""
     import torch
 
@@ -41,7 +45,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if dtype not in ("fp32", "bf16"):
         raise TngramError(f"--dtype must be fp32 or bf16, got {dtype!r}")
     run_dir = Path(run_dir)
-    model, cfg = load_run_model(run_dir)                  # clear error when RUN is not a run
+    model, cfg = load_run_model(run_dir)  # clear error when RUN is not a run
     sp_path = run_tokenizer_path(run_dir, cfg, tokenizer)
     register()
     hf = from_gpt(model)
@@ -56,7 +60,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike,
         hf.save_pretrained(str(tmp))
         save_hf_tokenizer(sp_path, tmp)
         if out.exists():
-            out.rmdir()                                   # empty (checked above)
+            out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -23,11 +23,12 @@ DECODER_LAYERS = {
 }
 
 
-AUTO_LAYERS = "layers"    # the plain transformers layout, used for families outside the table
+AUTO_LAYERS = "layers"  # the plain transformers layout, used for families outside the table
 
 
-def decoder_layers_attr(model_type: str | None, layers_attr: str | None = None,
-                        base: nn.Module | None = None) -> str:
+def decoder_layers_attr(
+    model_type: str | None, layers_attr: str | None = None, base: nn.Module | None = None
+) -> str:
     """The dotted path of the decoder-layer list: `layers_attr` if given, else the family's,
     else `layers` when `base` has a non-empty nn.ModuleList there."""
     if layers_attr:
@@ -40,11 +41,13 @@ def decoder_layers_attr(model_type: str | None, layers_attr: str | None = None,
     raise TngramError(
         f"tngram.hf does not know where the decoder layers of model_type {model_type!r} are "
         f"(known: {', '.join(sorted(DECODER_LAYERS))}, or any with base_model.layers); pass layers_attr='...', the dotted path "
-        "of the nn.ModuleList of decoder layers under model.base_model (e.g. 'layers' or 'h')")
+        "of the nn.ModuleList of decoder layers under model.base_model (e.g. 'layers' or 'h')"
+    )
 
 
-def find_decoder_layers(base: nn.Module, model_type: str | None,
-                        layers_attr: str | None = None) -> tuple[str, nn.ModuleList]:
+def find_decoder_layers(
+    base: nn.Module, model_type: str | None, layers_attr: str | None = None
+) -> tuple[str, nn.ModuleList]:
     """(path, ModuleList) of the decoder layers of a base model; one clear error otherwise."""
     path = decoder_layers_attr(model_type, layers_attr, base)
     try:
@@ -52,6 +55,8 @@ def find_decoder_layers(base: nn.Module, model_type: str | None,
     except AttributeError:
         layers = None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise TngramError(f"{type(base).__name__} has no non-empty nn.ModuleList at {path!r}; pass "
-                          "layers_attr naming the list of decoder layers under model.base_model")
+        raise TngramError(
+            f"{type(base).__name__} has no non-empty nn.ModuleList at {path!r}; pass "
+            "layers_attr naming the list of decoder layers under model.base_model"
+        )
     return path, layers

@@ -29,7 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationMixin,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -39,8 +45,11 @@ from tngram.model.gpt import GPT, GPTConfig, apply_rope, rms_norm, rope_tables
 
 MODEL_TYPE = "tngram_gpt"
 # the cache's name in model outputs and generate's model inputs: `cache` from transformers 5.24
-_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) \
+_CACHE_FIELD = (
+    "cache"
+    if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {})
     else "past_key_values"
+)
 
 
 class TngramGPTConfig(PreTrainedConfig):
@@ -50,7 +59,7 @@ class TngramGPTConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     gpt: dict | None = None
-    cp_ranks: list | None = None          # TN-gram modules' CP ranks after adaptive pruning (model order)
+    cp_ranks: list | None = None  # TN-gram modules' CP ranks after adaptive pruning (model order)
     vocab_size: int = 1024
     hidden_size: int = 512
     num_hidden_layers: int = 9
@@ -59,23 +68,32 @@ class TngramGPTConfig(PreTrainedConfig):
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     pad_token_id: int | None = 0
-    tie_word_embeddings: bool = True      # the head is tok_emb (softcapped): no lm_head tensor
+    tie_word_embeddings: bool = True  # the head is tok_emb (softcapped): no lm_head tensor
     use_cache: bool = True
 
     @classmethod
     def from_gpt_config(cls, cfg: GPTConfig, **kw: Any) -> "TngramGPTConfig":
-        return cls(gpt=cfg.to_dict(), vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
-                   num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
-                   max_position_embeddings=cfg.sequence_len, **kw)
+        return cls(
+            gpt=cfg.to_dict(),
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.n_embd,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            max_position_embeddings=cfg.sequence_len,
+            **kw,
+        )
 
     def gpt_config(self) -> GPTConfig:
         if not self.gpt:
-            raise TngramError("TngramGPTConfig.gpt is empty: build the config with "
-                              "TngramGPTConfig.from_gpt_config(GPTConfig(...))")
+            raise TngramError(
+                "TngramGPTConfig.gpt is empty: build the config with "
+                "TngramGPTConfig.from_gpt_config(GPTConfig(...))"
+            )
         return GPTConfig.from_dict(self.gpt)
 
 
 # ---- the cache
+
 
 def _map_tensors(state: Any, fn) -> Any:
     """Apply fn to every tensor in a nested dict/list cache state (new containers)."""
@@ -137,10 +155,14 @@ class TngramGPTCache(Cache):
         self.state = _map_tensors(self.state, lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0 or (tokens_to_remove > 0 and tokens_to_remove >= self.get_seq_length()):
+        if tokens_to_remove == 0 or (
+            tokens_to_remove > 0 and tokens_to_remove >= self.get_seq_length()
+        ):
             return
-        raise TngramError("TngramGPTCache cannot be cropped: the n-gram memories' conv state of "
-                          "earlier positions is not kept (assisted / speculative decoding is unsupported)")
+        raise TngramError(
+            "TngramGPTCache cannot be cropped: the n-gram memories' conv state of "
+            "earlier positions is not kept (assisted / speculative decoding is unsupported)"
+        )
 
     def __repr__(self) -> str:
         return f"TngramGPTCache(seq_length={self.get_seq_length()})"
@@ -148,8 +170,16 @@ class TngramGPTCache(Cache):
 
 # ---- the model
 
-def _attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, cache: dict | None, mask: Tensor,
-               want_weights: bool) -> tuple[Tensor, Tensor | None]:
+
+def _attention(
+    attn: Any,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    cache: dict | None,
+    mask: Tensor,
+    want_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
     """tngram.model.gpt.Attention.forward with a boolean (B, 1, T, past + T) mask and per-row
     rope tables cos/sin (B, 1, T, E/2); optionally also returns the attention weights."""
     B, T, D = x.shape
@@ -164,8 +194,9 @@ def _attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, cache: dict | Non
     if cache is not None:
         cache["k"], cache["v"] = k, v
     if not want_weights:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=attn.n_kv_head != attn.n_head)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=attn.n_kv_head != attn.n_head
+        )
         return attn.proj(y.transpose(1, 2).reshape(B, T, D)), None
     rep = attn.n_head // attn.n_kv_head
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -175,9 +206,14 @@ def _attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, cache: dict | Non
     return attn.proj(y.transpose(1, 2).reshape(B, T, D)), weights
 
 
-def padded_hidden(gpt: GPT, ids: Tensor, cache: dict | None, mask: Tensor | None,
-                  want_hidden: bool = False, want_attn: bool = False
-                  ) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
+def padded_hidden(
+    gpt: GPT,
+    ids: Tensor,
+    cache: dict | None,
+    mask: Tensor | None,
+    want_hidden: bool = False,
+    want_attn: bool = False,
+) -> tuple[Tensor, tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
     """GPT.hidden with a 2-D padding mask: (final hidden states, hidden states per layer or None,
     attention weights per layer or None).
 
@@ -196,31 +232,50 @@ def padded_hidden(gpt: GPT, ids: Tensor, cache: dict | None, mask: Tensor | None
         new_valid = torch.ones(B, T, dtype=torch.bool, device=dev)
     else:
         if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] not in (T, past + T):
-            raise TngramError(f"attention_mask of shape {tuple(mask.shape)} does not match "
-                              f"input_ids {(B, T)} after {past} cached tokens")
+            raise TngramError(
+                f"attention_mask of shape {tuple(mask.shape)} does not match "
+                f"input_ids {(B, T)} after {past} cached tokens"
+            )
         new_valid = mask[:, -T:].to(device=dev, dtype=torch.bool)
-    old_valid = (torch.ones(B, past, dtype=torch.bool, device=dev) if cache is None or "valid" not in cache
-                 else cache["valid"])
-    keys_valid = torch.cat([old_valid, new_valid], dim=1)                          # (B, past + T)
-    rowpos = (torch.full((B,), past, dtype=torch.long, device=dev) if cache is None or "rowpos" not in cache
-              else cache["rowpos"])
-    positions = (rowpos[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)    # (B, T)
+    old_valid = (
+        torch.ones(B, past, dtype=torch.bool, device=dev)
+        if cache is None or "valid" not in cache
+        else cache["valid"]
+    )
+    keys_valid = torch.cat([old_valid, new_valid], dim=1)  # (B, past + T)
+    rowpos = (
+        torch.full((B,), past, dtype=torch.long, device=dev)
+        if cache is None or "rowpos" not in cache
+        else cache["rowpos"]
+    )
+    positions = (rowpos[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)
     top = int(positions.max()) + 1 if T else 0
     if top > cfg.sequence_len:
-        raise TngramError(f"sequence length {top} exceeds the model's sequence_len {cfg.sequence_len}")
+        raise TngramError(
+            f"sequence length {top} exceeds the model's sequence_len {cfg.sequence_len}"
+        )
     cos, sin = rope_tables(max(top, 1), cfg.n_embd // cfg.n_head, cfg.rope_base, dev)
-    cos, sin = cos[positions][:, None], sin[positions][:, None]                    # (B, 1, T, E/2)
+    cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, T, E/2)
     q_abs = past + torch.arange(T, device=dev)
     k_abs = torch.arange(past + T, device=dev)
-    causal = k_abs[None, :] <= q_abs[:, None]                                      # (T, past + T)
-    attn_mask = (causal[None] & keys_valid[:, None, :]) | (k_abs[None, None, :] == q_abs[None, :, None])
-    attn_mask = attn_mask[:, None]                                                 # (B, 1, T, past + T)
+    causal = k_abs[None, :] <= q_abs[:, None]  # (T, past + T)
+    attn_mask = (causal[None] & keys_valid[:, None, :]) | (
+        k_abs[None, None, :] == q_abs[None, :, None]
+    )
+    attn_mask = attn_mask[:, None]  # (B, 1, T, past + T)
     valid = None if bool(new_valid.all()) else new_valid
-    caches = [None] * cfg.n_layer if cache is None else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
+    caches = (
+        [None] * cfg.n_layer
+        if cache is None
+        else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
+    )
     x = gpt.tok_emb(ids)
     if gpt.embed_memory is not None:
-        x = (gpt.embed_memory(x, ids, valid=valid) if cache is None
-             else gpt.embed_memory(x, ids, cache=cache.setdefault("embed_memory", {}), valid=valid))
+        x = (
+            gpt.embed_memory(x, ids, valid=valid)
+            if cache is None
+            else gpt.embed_memory(x, ids, cache=cache.setdefault("embed_memory", {}), valid=valid)
+        )
     x = rms_norm(x)
     x0 = x
     hidden: list[Tensor] = [x0]
@@ -231,10 +286,20 @@ def padded_hidden(gpt: GPT, ids: Tensor, cache: dict | None, mask: Tensor | None
         mix = blk.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
         if blk.memory is not None:
-            x = x + (blk.memory(x, ids, valid=valid) if c is None
-                     else blk.memory(x, ids, cache=c.setdefault("memory", {}), valid=valid))
-        y, w = _attention(blk.attn, rms_norm(x), cos, sin, None if c is None else c.setdefault("attn", {}),
-                          attn_mask, want_attn)
+            x = x + (
+                blk.memory(x, ids, valid=valid)
+                if c is None
+                else blk.memory(x, ids, cache=c.setdefault("memory", {}), valid=valid)
+            )
+        y, w = _attention(
+            blk.attn,
+            rms_norm(x),
+            cos,
+            sin,
+            None if c is None else c.setdefault("attn", {}),
+            attn_mask,
+            want_attn,
+        )
         if w is not None:
             attns.append(w)
         x = x + blk.attn_scale.to(x.dtype) * y
@@ -264,15 +329,16 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
-    _is_stateful = True               # assisted generation needs cropping: refused by generate
+    _is_stateful = True  # assisted generation needs cropping: refused by generate
     _supports_sdpa = True
 
     def __init__(self, config: TngramGPTConfig) -> None:
-        config.tie_word_embeddings = True     # folders exported before said False; the head is tied
+        config.tie_word_embeddings = True  # folders exported before said False; the head is tied
         super().__init__(config)
         self.model = GPT(config.gpt_config())
-        if config.cp_ranks:               # a pruned (adaptive-rank) run: build at its final ranks
+        if config.cp_ranks:  # a pruned (adaptive-rank) run: build at its final ranks
             from tngram.memory.cp_rank import shrink_to_ranks
+
             shrink_to_ranks(self.model, list(config.cp_ranks))
         self.post_init()
 
@@ -282,7 +348,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False                  # forward creates a TngramGPTCache when use_cache
+        return False  # forward creates a TngramGPTCache when use_cache
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.tok_emb
@@ -291,7 +357,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         self.model.tok_emb = value
 
     def get_output_embeddings(self) -> torch.nn.Module:
-        return self.model.tok_emb     # the head is tok_emb (tied; logits 30·tanh(h Eᵀ / 30))
+        return self.model.tok_emb  # the head is tok_emb (tied; logits 30·tanh(h Eᵀ / 30))
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> "TngramGPTForCausalLM":
@@ -316,55 +382,87 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         for i in layers:
             target = self.model.blocks[i].memory if block_mem else self.model.embed_memory
             with torch.device("cpu"):
-                fresh = mem.build(d_model=cfg.n_embd, vocab_size=cfg.vocab_size, layer_id=i, layer_ids=layers)
+                fresh = mem.build(
+                    d_model=cfg.n_embd, vocab_size=cfg.vocab_size, layer_id=i, layer_ids=layers
+                )
             own = dict(target.named_buffers())
             for name, buf in fresh.named_buffers():
                 if name in own:
                     own[name].data = buf.to(device=own[name].device)
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, past_key_values: Any = None,
-                                      cache: Any = None,
-                                      attention_mask: Tensor | None = None, inputs_embeds: Any = None,
-                                      use_cache: bool | None = None, **kwargs: Any) -> dict[str, Any]:
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: Tensor,
+        past_key_values: Any = None,
+        cache: Any = None,
+        attention_mask: Tensor | None = None,
+        inputs_embeds: Any = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """Feed only the tokens the cache has not seen (all of them without a cache)."""
         if inputs_embeds is not None:
-            raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
-                              "inputs_embeds is unsupported")
+            raise TngramError(
+                "tngram_gpt needs input_ids (its n-gram memory reads token ids); "
+                "inputs_embeds is unsupported"
+            )
         past_key_values = cache if past_key_values is None else past_key_values
         if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            input_ids = input_ids[:, past_key_values.get_seq_length():]
-        return {"input_ids": input_ids, _CACHE_FIELD: past_key_values,
-                "attention_mask": attention_mask, "use_cache": use_cache}
+            input_ids = input_ids[:, past_key_values.get_seq_length() :]
+        return {
+            "input_ids": input_ids,
+            _CACHE_FIELD: past_key_values,
+            "attention_mask": attention_mask,
+            "use_cache": use_cache,
+        }
 
-    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                past_key_values: TngramGPTCache | None = None, labels: Tensor | None = None,
-                cache: TngramGPTCache | None = None,
-                use_cache: bool | None = None, inputs_embeds: Tensor | None = None,
-                logits_to_keep: int | Tensor = 0, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        past_key_values: TngramGPTCache | None = None,
+        labels: Tensor | None = None,
+        cache: TngramGPTCache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
         """Logits (B, T, V) of our GPT; labels (B, T) give the mean next-token loss (HF shift).
         hidden_states: (embedding, block 1, ..., final normed output); attentions per block."""
         if inputs_embeds is not None or input_ids is None:
-            raise TngramError("tngram_gpt needs input_ids (its n-gram memory reads token ids); "
-                              "inputs_embeds is unsupported")
+            raise TngramError(
+                "tngram_gpt needs input_ids (its n-gram memory reads token ids); "
+                "inputs_embeds is unsupported"
+            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        past_key_values = cache if past_key_values is None else past_key_values   # >= 5.24: `cache`
+        past_key_values = cache if past_key_values is None else past_key_values  # >= 5.24: `cache`
         if past_key_values is not None and not isinstance(past_key_values, TngramGPTCache):
             if past_key_values.get_seq_length() > 0:
-                raise TngramError(f"tngram_gpt needs its own TngramGPTCache, got "
-                                  f"{type(past_key_values).__name__}")
-            past_key_values = None    # an empty cache of another type: replace it with ours
+                raise TngramError(
+                    f"tngram_gpt needs its own TngramGPTCache, got {type(past_key_values).__name__}"
+                )
+            past_key_values = None  # an empty cache of another type: replace it with ours
         if use_cache and past_key_values is None:
             past_key_values = TngramGPTCache()
         state = None if past_key_values is None else past_key_values.state
-        want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None
-                           else output_hidden_states)
-        want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
+        want_hidden = bool(
+            self.config.output_hidden_states
+            if output_hidden_states is None
+            else output_hidden_states
+        )
+        want_attn = bool(
+            self.config.output_attentions if output_attentions is None else output_attentions
+        )
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         padded = mask is not None and not bool(mask.all())
         hidden = attns = None
         if padded or want_hidden or want_attn or (state is not None and "valid" in state):
-            h, hidden, attns = padded_hidden(self.model, input_ids, state, mask, want_hidden, want_attn)
+            h, hidden, attns = padded_hidden(
+                self.model, input_ids, state, mask, want_hidden, want_attn
+            )
         else:
             h = self.model.hidden(input_ids, state)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -372,9 +470,16 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.model.logits(h)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=hidden, attentions=attns,
-                                      **{_CACHE_FIELD: past_key_values if use_cache else None})
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=hidden,
+            attentions=attns,
+            **{_CACHE_FIELD: past_key_values if use_cache else None},
+        )
 
 
 _REGISTERED = False
@@ -393,7 +498,8 @@ def register() -> None:
 def from_gpt(model: GPT, **config_kw: Any) -> TngramGPTForCausalLM:
     """Wrap a (trained) GPT of ours: same weights, same logits."""
     from tngram.memory.cp_rank import cp_ranks
-    ranks = cp_ranks(model)                                     # [] without TN-gram memory
+
+    ranks = cp_ranks(model)  # [] without TN-gram memory
     start = getattr(model.config.memory, "cp_rank", None)
     config_kw.setdefault("cp_ranks", ranks if any(r != start for r in ranks) else None)
     hf = TngramGPTForCausalLM(TngramGPTConfig.from_gpt_config(model.config, **config_kw))

@@ -48,8 +48,12 @@ def write_task(task_dir: str | os.PathLike, name: str, docs: list[dict[str, Any]
     if not name.replace("_", "").isalnum():
         raise TngramError(f"task name {name!r} must be letters, digits and underscores")
     for i, d in enumerate(docs):
-        if set(d) != {"context", "choices", "label"} or not 0 <= int(d["label"]) < len(d["choices"]):
-            raise TngramError(f"doc {i} must be {{context, choices, label}} with label < len(choices), got {d}")
+        if set(d) != {"context", "choices", "label"} or not 0 <= int(d["label"]) < len(
+            d["choices"]
+        ):
+            raise TngramError(
+                f"doc {i} must be {{context, choices, label}} with label < len(choices), got {d}"
+            )
     out = Path(task_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = out / f"{name}.jsonl"
@@ -58,8 +62,13 @@ def write_task(task_dir: str | os.PathLike, name: str, docs: list[dict[str, Any]
     return out
 
 
-def evaluate(hf_dir: str | os.PathLike, task_dir: str | os.PathLike, task: str,
-             batch_size: int = 8, limit: int | None = None) -> dict[str, Any]:
+def evaluate(
+    hf_dir: str | os.PathLike,
+    task_dir: str | os.PathLike,
+    task: str,
+    batch_size: int = 8,
+    limit: int | None = None,
+) -> dict[str, Any]:
     """lm_eval.simple_evaluate with model "hf" on DIR; returns the harness's results dict."""
     try:
         from lm_eval import simple_evaluate
@@ -69,9 +78,15 @@ def evaluate(hf_dir: str | os.PathLike, task_dir: str | os.PathLike, task: str,
     import tngram.hf  # noqa: F401
 
     tngram.hf.register()
-    return simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},add_bos_token=True,dtype=float32",
-                           tasks=[task], task_manager=TaskManager(include_path=str(task_dir)),
-                           batch_size=batch_size, device="cpu", limit=limit)
+    return simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_dir},add_bos_token=True,dtype=float32",
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(task_dir)),
+        batch_size=batch_size,
+        device="cpu",
+        limit=limit,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ModuleNotFoundError:
-        print("tngram: error: lm-evaluation-harness is not installed: pip install lm-eval", file=sys.stderr)
+        print(
+            "tngram: error: lm-evaluation-harness is not installed: pip install lm-eval",
+            file=sys.stderr,
+        )
         return 2
     import tngram.hf
 

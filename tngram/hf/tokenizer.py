@@ -45,21 +45,33 @@ def build_fast_tokenizer(sp_model: str | os.PathLike):
         raise TngramError(f"{path}: expected the special pieces {SPECIAL} (parameter-golf's spec)")
     ext = SentencePieceExtractor(str(path)).extract(BPE)
     vocab, merges, charsmap = ext["vocab"], ext["merges"], ext["_spm_precompiled_charsmap"]
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=SPECIAL["unk"], fuse_unk=True,
-                        byte_fallback=True))
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=merges, unk_token=SPECIAL["unk"], fuse_unk=True, byte_fallback=True)
+    )
     norms = [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
     if charsmap:
         norms.insert(0, normalizers.Precompiled(charsmap))
     tok.normalizer = normalizers.Sequence(norms)
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="never", split=False
+    )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     bos = SPECIAL["bos"]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids["bos"])])
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, ids["bos"])]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"],
-        unk_token=SPECIAL["unk"], pad_token=SPECIAL["pad"], padding_side="left",
-        add_bos_token=True, clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        bos_token=SPECIAL["bos"],
+        eos_token=SPECIAL["eos"],
+        unk_token=SPECIAL["unk"],
+        pad_token=SPECIAL["pad"],
+        padding_side="left",
+        add_bos_token=True,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def save_hf_tokenizer(sp_model: str | os.PathLike, out_dir: str | os.PathLike):

@@ -32,9 +32,12 @@ from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
 
 
-def memory_param_groups_for_trainer(model: nn.Module, args: TrainingArguments,
-                                    table_lr: float | None = None,
-                                    decay_names: set[str] | None = None) -> list[dict[str, Any]]:
+def memory_param_groups_for_trainer(
+    model: nn.Module,
+    args: TrainingArguments,
+    table_lr: float | None = None,
+    decay_names: set[str] | None = None,
+) -> list[dict[str, Any]]:
     """The four param groups of the recipe (empty ones left out); trainable parameters only,
     each once. decay_names: the names Trainer decays (default: Trainer's rule)."""
     lr = float(args.learning_rate)
@@ -58,22 +61,36 @@ def memory_param_groups_for_trainer(model: nn.Module, args: TrainingArguments,
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        key = ("memory_table" if id(p) in tables else "memory_control" if id(p) in controls
-               else "decay" if name in decay_names else "no_decay")
+        key = (
+            "memory_table"
+            if id(p) in tables
+            else "memory_control"
+            if id(p) in controls
+            else "decay"
+            if name in decay_names
+            else "no_decay"
+        )
         groups[key]["params"].append(p)
     return [{**g, "group": k} for k, g in groups.items() if g["params"]]
 
 
-def memory_optimizer(model: nn.Module, args: TrainingArguments, table_lr: float | None = None,
-                     decay_names: set[str] | None = None) -> torch.optim.Optimizer:
+def memory_optimizer(
+    model: nn.Module,
+    args: TrainingArguments,
+    table_lr: float | None = None,
+    decay_names: set[str] | None = None,
+) -> torch.optim.Optimizer:
     """The optimiser Trainer would build from `args`, with the recipe's groups: pass it as
     `Trainer(..., optimizers=(memory_optimizer(model, args, table_lr), None))`."""
     if not memory_modules(model):
         raise TngramError("memory_optimizer: the model has no n-gram memory (tngram.hf.add_memory)")
     opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     opt_kwargs = {k: v for k, v in opt_kwargs.items() if k not in ("lr", "weight_decay")}
-    return opt_cls(memory_param_groups_for_trainer(model, args, table_lr, decay_names),
-                   lr=float(args.learning_rate), **opt_kwargs)
+    return opt_cls(
+        memory_param_groups_for_trainer(model, args, table_lr, decay_names),
+        lr=float(args.learning_rate),
+        **opt_kwargs,
+    )
 
 
 class MemoryTrainer(Trainer):
@@ -87,6 +104,10 @@ class MemoryTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             opt_model = self.model if model is None else model
-            self.optimizer = memory_optimizer(opt_model, self.args, self.memory_table_lr,
-                                              set(self.get_decay_parameter_names(opt_model)))
+            self.optimizer = memory_optimizer(
+                opt_model,
+                self.args,
+                self.memory_table_lr,
+                set(self.get_decay_parameter_names(opt_model)),
+            )
         return self.optimizer

@@ -23,21 +23,48 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tngram.kernels.choice import (IMPL_FNS, IMPLS, choose_impl, forced_impl, reset_choices,
-                                   resolved_impl, self_check, self_check_results,
-                                   triton_available)
-from tngram.kernels.policy import (KernelPolicy, current_policy, kernel_policy, lookup_out_dtype,
-                                   lookup_output_for)
+from tngram.kernels.choice import (
+    IMPL_FNS,
+    IMPLS,
+    choose_impl,
+    forced_impl,
+    reset_choices,
+    resolved_impl,
+    self_check,
+    self_check_results,
+    triton_available,
+)
+from tngram.kernels.policy import (
+    KernelPolicy,
+    current_policy,
+    kernel_policy,
+    lookup_out_dtype,
+    lookup_output_for,
+)
 from tngram.kernels.sparse_rows import compact_rows
 from tngram.kernels.tngram_c import c_supported, c_unavailable_reason
-from tngram.kernels.tngram_lookup import (DEFAULT_CHUNK_TOKENS, absorption_weights,
-                                          clear_workspaces, ngram_row_index, plain_lookup)
+from tngram.kernels.tngram_lookup import (
+    DEFAULT_CHUNK_TOKENS,
+    absorption_weights,
+    clear_workspaces,
+    ngram_row_index,
+    plain_lookup,
+)
 
 
-def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | None,
-                  ngrams: Tensor, *, use_norm: bool = True, eps: float = 1e-6,
-                  impl: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS,
-                  out_dtype: torch.dtype | None = None, sparse_grad: bool = False) -> Tensor:
+def fused_lookup(
+    factors: Tensor,
+    absorb: Tensor | None,
+    log_scales: Tensor | None,
+    ngrams: Tensor,
+    *,
+    use_norm: bool = True,
+    eps: float = 1e-6,
+    impl: str = "auto",
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+    out_dtype: torch.dtype | None = None,
+    sparse_grad: bool = False,
+) -> Tensor:
     """e_concat (B, T, (N-1) R) = concat_n exp(l_n) RMSNorm(b_n), b_n from Eq. 10.
 
     factors (N, V, R); absorb (N-2, R) or None; log_scales (N-1,) or None; ngrams (B, T, N)
@@ -54,36 +81,55 @@ def fused_lookup(factors: Tensor, absorb: Tensor | None, log_scales: Tensor | No
     B, T, n_cols = ngrams.shape
     if n_cols != N:
         raise ValueError(f"ngrams have {n_cols} columns, factors have N = {N}")
-    if impl == "auto":           # the policy's choice, else TNGRAM_LOOKUP_IMPL, else the self-checked kernel
+    if impl == "auto":  # the policy's choice, else TNGRAM_LOOKUP_IMPL, else the self-checked kernel
         impl = current_policy().lookup_impl or "auto"
         if impl == "auto":
             impl = choose_impl(factors.device.type, str(factors.dtype))
-    idx = ngram_row_index(ngrams, V)                                     # (M, N)
-    if sparse_grad:       # the kernel sees (N, U'/N, R): the touched rows only, ids remapped
+    idx = ngram_row_index(ngrams, V)  # (M, N)
+    if sparse_grad:  # the kernel sees (N, U'/N, R): the touched rows only, ids remapped
         sub, idx = compact_rows(factors, idx, blocks=N)
         factors = sub.view(N, -1, R)
     # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
     # are rounded once, at the cast back
-    up = (lambda p: p.float() if p.dtype in (torch.bfloat16, torch.float16) else p)
+    up = lambda p: p.float() if p.dtype in (torch.bfloat16, torch.float16) else p
     a = None if absorb is None else up(absorb)
-    W = absorption_weights(a, N, R, factors if a is None else a)         # (N-1, R) | None
-    scales = torch.exp(up(log_scales)) if log_scales is not None else None   # (N-1,) | None
+    W = absorption_weights(a, N, R, factors if a is None else a)  # (N-1, R) | None
+    scales = torch.exp(up(log_scales)) if log_scales is not None else None  # (N-1,) | None
     args = (idx, W, scales, use_norm, eps, max(1, int(chunk)))
     if impl == "c" and not c_supported(factors):
-        raise ValueError(f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}")
+        raise ValueError(
+            f"impl='c' needs fp32 CPU factors, got {factors.dtype} on {factors.device}"
+        )
     if impl == "torch" and torch.compiler.is_compiling():
-        e = plain_lookup(factors, *args)                                 # traceable ops
+        e = plain_lookup(factors, *args)  # traceable ops
     else:
         fn = IMPL_FNS[impl]
         if out_dtype is not None and out_dtype in getattr(fn, "out_dtypes", ()):
-            e = fn(factors, *args, out_dtype=out_dtype)                  # (M, N-1, R) out_dtype
+            e = fn(factors, *args, out_dtype=out_dtype)  # (M, N-1, R) out_dtype
         else:
-            e = fn(factors, *args)                                       # (M, N-1, R)
+            e = fn(factors, *args)  # (M, N-1, R)
     return e.view(B, T, (N - 1) * R)
 
 
-__all__ = ["IMPLS", "DEFAULT_CHUNK_TOKENS", "absorption_weights", "c_unavailable_reason",
-           "choose_impl", "clear_workspaces", "forced_impl", "fused_lookup", "ngram_row_index",
-           "plain_lookup", "reset_choices", "resolved_impl", "self_check", "self_check_results",
-           "triton_available", "KernelPolicy", "current_policy", "kernel_policy",
-           "lookup_out_dtype", "lookup_output_for"]
+__all__ = [
+    "IMPLS",
+    "DEFAULT_CHUNK_TOKENS",
+    "absorption_weights",
+    "c_unavailable_reason",
+    "choose_impl",
+    "clear_workspaces",
+    "forced_impl",
+    "fused_lookup",
+    "ngram_row_index",
+    "plain_lookup",
+    "reset_choices",
+    "resolved_impl",
+    "self_check",
+    "self_check_results",
+    "triton_available",
+    "KernelPolicy",
+    "current_policy",
+    "kernel_policy",
+    "lookup_out_dtype",
+    "lookup_output_for",
+]

@@ -30,30 +30,39 @@ import torch
 from torch import Tensor
 
 from tngram.kernels.tngram_c import c_lookup, c_unavailable_reason
-from tngram.kernels.tngram_lookup import (FusedTNGramLookup, absorption_weights, ngram_row_index,
-                                          plain_lookup)
+from tngram.kernels.tngram_lookup import (
+    FusedTNGramLookup,
+    absorption_weights,
+    ngram_row_index,
+    plain_lookup,
+)
 
 IMPLS = ("auto", "torch", "c", "triton")
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
 
 def _triton_lookup(*args: Any) -> Tensor:
-    from tngram.kernels.tngram_triton import triton_lookup     # lazy: imports triton
+    from tngram.kernels.tngram_triton import triton_lookup  # lazy: imports triton
+
     return triton_lookup(*args)
 
 
 # impl -> fn(factors, idx, W, scales, use_norm, eps, chunk) -> e (M, N-1, R); a dict so a test
 # can swap in a wrong kernel and watch the self-check reject it
 IMPL_FNS: dict[str, Callable[..., Tensor]] = {
-    "torch": FusedTNGramLookup.apply, "c": c_lookup, "triton": _triton_lookup}
+    "torch": FusedTNGramLookup.apply,
+    "c": c_lookup,
+    "triton": _triton_lookup,
+}
 
-_CHOICE: dict[tuple[str, str], tuple[str, str]] = {}   # (device type, dtype) -> (impl, why)
-SELF_CHECKS: dict[str, dict[str, Any]] = {}            # "c/torch.float32" -> result
+_CHOICE: dict[tuple[str, str], tuple[str, str]] = {}  # (device type, dtype) -> (impl, why)
+SELF_CHECKS: dict[str, dict[str, Any]] = {}  # "c/torch.float32" -> result
 
 
 def triton_available() -> bool:
     """True when the `triton` package can be imported (without importing it)."""
     import importlib.util
+
     return importlib.util.find_spec("triton") is not None
 
 
@@ -77,11 +86,12 @@ def candidate(device_type: str, dtype: torch.dtype) -> tuple[str, str]:
     return ("c", "") if reason is None else ("torch", f"C kernel unavailable: {reason[:200]}")
 
 
-def _case(N: int, dtype: torch.dtype, device: torch.device, absorb: bool, scales: bool
-          ) -> tuple[list[Tensor | None], Tensor, Tensor]:
+def _case(
+    N: int, dtype: torch.dtype, device: torch.device, absorb: bool, scales: bool
+) -> tuple[list[Tensor | None], Tensor, Tensor]:
     """Random factors (sign x exp(0.3 g), the init's shape), absorb, log-scales, ids, upstream."""
     g = torch.Generator().manual_seed(1234 + N)
-    V, R, M = 11, 40, 50                       # R not a power of two; V small: repeated rows
+    V, R, M = 11, 40, 50  # R not a power of two; V small: repeated rows
     sign = torch.randint(0, 2, (N, V, R), generator=g) * 2 - 1
     f = sign * torch.exp(0.3 * torch.randn(N, V, R, generator=g))
     a = 1 + 0.2 * torch.randn(N - 2, R, generator=g) if absorb and N > 2 else None
@@ -92,14 +102,22 @@ def _case(N: int, dtype: torch.dtype, device: torch.device, absorb: bool, scales
     return leaves, ngrams, up
 
 
-def _run(fn: Callable[..., Tensor], leaves: list[Tensor | None], ngrams: Tensor, up: Tensor,
-         use_norm: bool, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+def _run(
+    fn: Callable[..., Tensor],
+    leaves: list[Tensor | None],
+    ngrams: Tensor,
+    up: Tensor,
+    use_norm: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[Tensor]:
     """e and the gradients of the given leaves, computed by fn on device in dtype."""
     ps = [None if x is None else x.to(device=device, dtype=dtype).requires_grad_() for x in leaves]
     f, a, ls = ps
     N, V, R = f.shape
-    W = absorption_weights(None if a is None else (a.float() if dtype != torch.float64 else a),
-                           N, R, f)
+    W = absorption_weights(
+        None if a is None else (a.float() if dtype != torch.float64 else a), N, R, f
+    )
     s = None if ls is None else torch.exp(ls.float() if dtype != torch.float64 else ls)
     idx = ngram_row_index(ngrams.to(device), V)
     e = fn(f, idx, W, s, use_norm, 1e-6, 64)
@@ -112,16 +130,26 @@ def self_check(impl: str, device: torch.device | str, dtype: torch.dtype) -> dic
     """Run IMPL_FNS[impl] against plain_lookup (fp64, CPU); returns the result record."""
     device = torch.device(device)
     tol = TOLERANCE.get(dtype, 3e-2)
-    rec: dict[str, Any] = {"impl": impl, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-                           "tolerance": tol, "max_rel_err": None, "passed": False, "error": None}
+    rec: dict[str, Any] = {
+        "impl": impl,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tolerance": tol,
+        "max_rel_err": None,
+        "passed": False,
+        "error": None,
+    }
     t0 = time.perf_counter()
     try:
-        with torch.inference_mode(False), torch.enable_grad(), \
-                torch.autocast(device.type, enabled=False):   # whatever the caller's context
+        with (
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            torch.autocast(device.type, enabled=False),
+        ):  # whatever the caller's context
             worst = _compare(impl, device, dtype)
         rec["max_rel_err"] = worst
         rec["passed"] = worst <= tol
-    except Exception as e:   # a kernel that cannot run is a failed check, not a crash
+    except Exception as e:  # a kernel that cannot run is a failed check, not a crash
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rec["seconds"] = round(time.perf_counter() - t0, 4)
     return rec
@@ -130,8 +158,11 @@ def self_check(impl: str, device: torch.device | str, dtype: torch.dtype) -> dic
 def _compare(impl: str, device: torch.device, dtype: torch.dtype) -> float:
     """Worst relative error of IMPL_FNS[impl] over the check cases (inf if not finite)."""
     worst = 0.0
-    for N, use_norm, absorb, scales in ((4, True, True, True), (2, False, False, True),
-                                        (5, True, False, False)):
+    for N, use_norm, absorb, scales in (
+        (4, True, True, True),
+        (2, False, False, True),
+        (5, True, False, False),
+    ):
         leaves, ngrams, up = _case(N, dtype, device, absorb, scales)
         ref = _run(plain_lookup, leaves, ngrams, up, use_norm, torch.device("cpu"), torch.float64)
         got = _run(IMPL_FNS[impl], leaves, ngrams, up, use_norm, device, dtype)
@@ -167,11 +198,14 @@ def _auto(device_type: str, dtype_name: str) -> tuple[str, str]:
             rec = self_check(impl, device_type, dtype)
             SELF_CHECKS[f"{impl}/{dtype_name.replace('torch.', '')}"] = rec
             if not rec["passed"]:
-                why = (f"{impl} kernel failed its self-check on {device_type} {rec['dtype']} "
-                       f"(max rel err {rec['max_rel_err']}, tolerance {rec['tolerance']}"
-                       f"{', ' + rec['error'] if rec['error'] else ''})")
-                warnings.warn(f"tngram: the {why}; using the torch path instead", RuntimeWarning,
-                              stacklevel=3)
+                why = (
+                    f"{impl} kernel failed its self-check on {device_type} {rec['dtype']} "
+                    f"(max rel err {rec['max_rel_err']}, tolerance {rec['tolerance']}"
+                    f"{', ' + rec['error'] if rec['error'] else ''})"
+                )
+                warnings.warn(
+                    f"tngram: the {why}; using the torch path instead", RuntimeWarning, stacklevel=3
+                )
                 impl = "torch"
         _CHOICE[key] = (impl, why)
     return _CHOICE[key]

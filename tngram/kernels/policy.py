@@ -34,7 +34,7 @@ LOOKUP_IMPLS = ("auto", "torch", "c", "triton")
 
 @dataclass(frozen=True)
 class KernelPolicy:
-    lookup_impl: str | None = None      # None: TNGRAM_LOOKUP_IMPL or "auto" (kernels.choice)
+    lookup_impl: str | None = None  # None: TNGRAM_LOOKUP_IMPL or "auto" (kernels.choice)
     bf16_lookup_output: bool = True
     fuse_kv: bool = True
     fuse_kv_min_rows: int = FUSE_KV_MIN_ROWS
@@ -52,7 +52,9 @@ def kernel_policy(**changes: object) -> Iterator[KernelPolicy]:
     """Within the block, the policy with `changes` applied (e.g. kernel_policy(fuse_kv=False))."""
     global _current
     if changes.get("lookup_impl") not in (None, *LOOKUP_IMPLS):
-        raise ValueError(f"lookup_impl must be one of {LOOKUP_IMPLS}, got {changes['lookup_impl']!r}")
+        raise ValueError(
+            f"lookup_impl must be one of {LOOKUP_IMPLS}, got {changes['lookup_impl']!r}"
+        )
     old = _current
     _current = replace(old, **changes)
     try:
@@ -64,15 +66,19 @@ def kernel_policy(**changes: object) -> Iterator[KernelPolicy]:
 def autocast_on(h: Tensor) -> bool:
     try:
         return bool(torch.is_autocast_enabled(h.device.type))
-    except TypeError:          # older torch: no device argument
+    except TypeError:  # older torch: no device argument
         return bool(torch.is_autocast_enabled())
 
 
 def lookup_out_dtype(h: Tensor) -> torch.dtype | None:
     """The dtype a lookup feeding hidden states `h` may write e in: bf16 under CPU bf16 autocast
     (with bf16_lookup_output), else None (the factors' dtype)."""
-    if (_current.bf16_lookup_output and h.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+    if (
+        _current.bf16_lookup_output
+        and h.device.type == "cpu"
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    ):
         return torch.bfloat16
     return None
 

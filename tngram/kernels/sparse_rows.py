@@ -77,7 +77,7 @@ def sparse_row_grad(rows: Tensor, values: Tensor, shape: torch.Size | tuple[int,
     if len(lead) == 1:
         idx = rows.unsqueeze(0)
     else:
-        idx = torch.stack(torch.unravel_index(rows, lead))               # (len(lead), U)
+        idx = torch.stack(torch.unravel_index(rows, lead))  # (len(lead), U)
     with torch.sparse.check_sparse_tensor_invariants(enable=False):
         return torch.sparse_coo_tensor(idx, values, tuple(shape), is_coalesced=True)
 
@@ -108,7 +108,7 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
     W = table.shape[-1]
     n_rows = table.numel() // W
     block = n_rows // blocks
-    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)      # sorted: grouped by block
+    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)  # sorted: grouped by block
     hook = _READ_HOOKS.get(id(table)) if _READ_HOOKS else None
     if hook is not None and torch.is_grad_enabled():
         with torch.no_grad():
@@ -116,10 +116,10 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
     if blocks == 1:
         pos = torch.arange(uniq.numel(), device=ids.device)
         return _CompactRows.apply(table, uniq, uniq, pos), inv
-    which = torch.div(uniq, block, rounding_mode="floor")                # block of each row
+    which = torch.div(uniq, block, rounding_mode="floor")  # block of each row
     counts = torch.bincount(which, minlength=blocks)
-    per = max(1, int(counts.max())) if uniq.numel() else 1               # U_b
-    starts = torch.cumsum(counts, 0) - counts                            # first uniq of each block
+    per = max(1, int(counts.max())) if uniq.numel() else 1  # U_b
+    starts = torch.cumsum(counts, 0) - counts  # first uniq of each block
     pos = which * per + (torch.arange(uniq.numel(), device=ids.device) - starts[which])
     src = torch.zeros(blocks * per, dtype=uniq.dtype, device=ids.device)
     src[pos] = uniq

@@ -36,8 +36,12 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("tngram_lookup.c")
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"],
-             ["-O3", "-march=native", "-fopenmp-simd"], ["-O3"])
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-fopenmp"],
+    ["-O3", "-march=native", "-fopenmp-simd"],
+    ["-O3"],
+)
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
@@ -50,6 +54,7 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     import platform
+
     return platform.processor() + platform.machine()
 
 
@@ -78,8 +83,17 @@ def _load() -> ctypes.CDLL:
     src = SOURCE.read_bytes()
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256(b"\0".join([src, cc.encode(), " ".join(flags).encode(),
-                                          _cpu_flags().encode(), torch.__version__.encode()]))
+        key = hashlib.sha256(
+            b"\0".join(
+                [
+                    src,
+                    cc.encode(),
+                    " ".join(flags).encode(),
+                    _cpu_flags().encode(),
+                    torch.__version__.encode(),
+                ]
+            )
+        )
         lib = cache_dir() / "kernels" / f"tngram_lookup-{key.hexdigest()[:16]}.so"
         try:
             if not lib.exists():
@@ -123,9 +137,13 @@ def c_unavailable_reason() -> str | None:
 def c_build_info() -> dict[str, object]:
     """How the C kernel was built: compiler, flags (OpenMP or not), library path; reason if not."""
     library()
-    return {"cc": os.environ.get("CC") or "cc", "flags": _STATE.get("flags"),
-            "openmp": "-fopenmp" in str(_STATE.get("flags", "")).split(),
-            "library": _STATE.get("path"), "unavailable": _STATE.get("reason")}
+    return {
+        "cc": os.environ.get("CC") or "cc",
+        "flags": _STATE.get("flags"),
+        "openmp": "-fopenmp" in str(_STATE.get("flags", "")).split(),
+        "library": _STATE.get("path"),
+        "unavailable": _STATE.get("reason"),
+    }
 
 
 def c_supported(factors: Tensor) -> bool:
@@ -149,9 +167,17 @@ def _lib() -> ctypes.CDLL:
 # data). Optional outputs are returned as empty tensors. `Optional[...]` rather than `X | None`
 # in the op signatures: torch's schema inference parses these annotations.
 
+
 @torch.library.custom_op("tngram::c_lookup_fwd", mutates_args=())
-def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tensor], use_norm: bool,
-                 eps: float, out_bf16: bool = False) -> tuple[Tensor, Tensor]:
+def c_lookup_fwd(
+    factors: Tensor,
+    idx: Tensor,
+    W: Tensor,
+    scales: Optional[Tensor],
+    use_norm: bool,
+    eps: float,
+    out_bf16: bool = False,
+) -> tuple[Tensor, Tensor]:
     """factors (N, V, R) fp32, idx (M, N) row ids, W (N-1, R) -> e (M, N-1, R), r (M, N-1 | 0).
 
     e is fp32, or with out_bf16 bf16: the same fp32 values rounded once in C, bit-identical to
@@ -160,14 +186,27 @@ def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tenso
     M = idx.shape[0]
     table, idx = factors.contiguous(), idx.contiguous()
     lib, nt = _lib(), torch.get_num_threads()
-    if M and lib.tn_count_bad_ids(idx.data_ptr(), M, N, V, nt):         # C loops: no bounds checks
+    if M and lib.tn_count_bad_ids(idx.data_ptr(), M, N, V, nt):  # C loops: no bounds checks
         raise ValueError(f"ngram token ids must be in [0, {V})")
     Wc = W.to(torch.float32).contiguous()
     sc = None if scales is None else scales.to(torch.float32).contiguous()
     out = torch.empty(M, N - 1, R, dtype=torch.bfloat16 if out_bf16 else torch.float32)
     rstd = torch.empty(M, N - 1 if use_norm else 0, dtype=torch.float32)
-    lib.tn_lookup_forward(table.data_ptr(), idx.data_ptr(), Wc.data_ptr(), _ptr(sc), M, N, R,
-                          int(use_norm), float(eps), out.data_ptr(), _ptr(rstd), nt, int(out_bf16))
+    lib.tn_lookup_forward(
+        table.data_ptr(),
+        idx.data_ptr(),
+        Wc.data_ptr(),
+        _ptr(sc),
+        M,
+        N,
+        R,
+        int(use_norm),
+        float(eps),
+        out.data_ptr(),
+        _ptr(rstd),
+        nt,
+        int(out_bf16),
+    )
     return out, rstd
 
 
@@ -175,14 +214,24 @@ def c_lookup_fwd(factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tenso
 def _(factors, idx, W, scales, use_norm, eps, out_bf16=False):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
-    return (factors.new_empty(M, N - 1, R, dtype=torch.bfloat16 if out_bf16 else torch.float32),
-            factors.new_empty(M, N - 1 if use_norm else 0))
+    return (
+        factors.new_empty(M, N - 1, R, dtype=torch.bfloat16 if out_bf16 else torch.float32),
+        factors.new_empty(M, N - 1 if use_norm else 0),
+    )
 
 
 @torch.library.custom_op("tngram::c_lookup_bwd", mutates_args=())
-def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: Optional[Tensor],
-                 rstd: Tensor, need_factors: bool, need_W: bool, need_scales: bool
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+def c_lookup_bwd(
+    grad: Tensor,
+    factors: Tensor,
+    idx: Tensor,
+    W: Tensor,
+    scales: Optional[Tensor],
+    rstd: Tensor,
+    need_factors: bool,
+    need_W: bool,
+    need_scales: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """-> d factors (N, V, R), dW (N-1, R), ds (N-1,); each empty when not needed.
 
     grad fp32, or bf16 (the gradient of a bf16 e): read as is and widened in C (exact)."""
@@ -192,21 +241,39 @@ def c_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Tensor, scales: 
     g = grad.contiguous() if g_bf16 else grad.to(torch.float32).contiguous()
     d_f = torch.zeros(N, V, R, dtype=torch.float32) if need_factors else factors.new_empty(0)
     dW = torch.zeros(N - 1, R, dtype=torch.float32) if need_W else factors.new_empty(0)
-    ds = torch.zeros(N - 1, dtype=torch.float32) if (need_scales and scales is not None) else factors.new_empty(0)
+    ds = (
+        torch.zeros(N - 1, dtype=torch.float32)
+        if (need_scales and scales is not None)
+        else factors.new_empty(0)
+    )
     sc = None if scales is None else scales.to(torch.float32).contiguous()
-    _lib().tn_lookup_backward(g.data_ptr(), factors.contiguous().data_ptr(), idx.contiguous().data_ptr(),
-                              W.to(torch.float32).contiguous().data_ptr(), _ptr(sc), _ptr(rstd),
-                              M, N, R, _ptr(d_f), _ptr(dW), _ptr(ds), torch.get_num_threads(),
-                              int(g_bf16))
+    _lib().tn_lookup_backward(
+        g.data_ptr(),
+        factors.contiguous().data_ptr(),
+        idx.contiguous().data_ptr(),
+        W.to(torch.float32).contiguous().data_ptr(),
+        _ptr(sc),
+        _ptr(rstd),
+        M,
+        N,
+        R,
+        _ptr(d_f),
+        _ptr(dW),
+        _ptr(ds),
+        torch.get_num_threads(),
+        int(g_bf16),
+    )
     return d_f, dW, ds
 
 
 @c_lookup_bwd.register_fake
 def _(grad, factors, idx, W, scales, rstd, need_factors, need_W, need_scales):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
-    return (factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
-            factors.new_empty(N - 1, R) if need_W else factors.new_empty(0),
-            factors.new_empty(N - 1) if (need_scales and scales is not None) else factors.new_empty(0))
+    return (
+        factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
+        factors.new_empty(N - 1, R) if need_W else factors.new_empty(0),
+        factors.new_empty(N - 1) if (need_scales and scales is not None) else factors.new_empty(0),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
@@ -218,15 +285,30 @@ def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
     factors, idx, W, scales, rstd = ctx.saved_tensors
     need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
     d_f, dW, ds = c_lookup_bwd(grad_out, factors, idx, W, scales, rstd, need_f, need_W, need_s)
-    return (d_f if need_f else None, None, dW.to(W.dtype) if need_W else None,
-            ds.to(scales.dtype) if (need_s and scales is not None) else None, None, None, None)
+    return (
+        d_f if need_f else None,
+        None,
+        dW.to(W.dtype) if need_W else None,
+        ds.to(scales.dtype) if (need_s and scales is not None) else None,
+        None,
+        None,
+        None,
+    )
 
 
 c_lookup_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def c_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None, use_norm: bool,
-             eps: float, chunk: int = 0, out_dtype: torch.dtype | None = None) -> Tensor:
+def c_lookup(
+    factors: Tensor,
+    idx: Tensor,
+    W: Tensor | None,
+    scales: Tensor | None,
+    use_norm: bool,
+    eps: float,
+    chunk: int = 0,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
     """Same contract as `FusedTNGramLookup.apply(factors, idx, W, scales, use_norm, eps, chunk)`
     (chunk is ignored: the C loop works token by token). W None = no absorption (ones).
     out_dtype torch.bfloat16 returns e in bf16, bit-identical to casting the fp32 e (see
@@ -239,4 +321,4 @@ def c_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | No
     return c_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_dtype == torch.bfloat16)[0]
 
 
-c_lookup.out_dtypes = (torch.bfloat16,)   # dtypes it writes directly (fused_lookup's out_dtype)
+c_lookup.out_dtypes = (torch.bfloat16,)  # dtypes it writes directly (fused_lookup's out_dtype)

@@ -46,7 +46,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-DEFAULT_CHUNK_TOKENS = 64   # c: 64 tokens x N x R fp32 = 1.3 MiB at R = 1024 (best of 16..1024, 1 thread)
+DEFAULT_CHUNK_TOKENS = (
+    64  # c: 64 tokens x N x R fp32 = 1.3 MiB at R = 1024 (best of 16..1024, 1 thread)
+)
 
 
 def ngram_row_index(ngrams: Tensor, vocab_size: int) -> Tensor:
@@ -55,15 +57,18 @@ def ngram_row_index(ngrams: Tensor, vocab_size: int) -> Tensor:
     Column k (token x_{t-k}) reads factor A_{N-k}, i.e. factors[N-1-k], row offset (N-1-k) * V.
     """
     N = ngrams.shape[-1]
-    if torch.compiler.is_compiling():      # the cache dict is Python state dynamo cannot keep
-        return (ngrams.long() + torch.arange(N - 1, -1, -1, device=ngrams.device,
-                                             dtype=torch.int64) * vocab_size).reshape(-1, N)
+    if torch.compiler.is_compiling():  # the cache dict is Python state dynamo cannot keep
+        return (
+            ngrams.long()
+            + torch.arange(N - 1, -1, -1, device=ngrams.device, dtype=torch.int64) * vocab_size
+        ).reshape(-1, N)
     key = (N, vocab_size, ngrams.device)
     offsets = _OFFSETS.get(key)
-    if offsets is None:   # cached: a fresh arange cost ~0.4 ms per call here
-        offsets = _OFFSETS[key] = torch.arange(N - 1, -1, -1, device=ngrams.device,
-                                               dtype=torch.int64) * vocab_size
-    return (ngrams.long() + offsets).reshape(-1, N)                     # (M, N)
+    if offsets is None:  # cached: a fresh arange cost ~0.4 ms per call here
+        offsets = _OFFSETS[key] = (
+            torch.arange(N - 1, -1, -1, device=ngrams.device, dtype=torch.int64) * vocab_size
+        )
+    return (ngrams.long() + offsets).reshape(-1, N)  # (M, N)
 
 
 _OFFSETS: dict[tuple[int, int, torch.device], Tensor] = {}
@@ -76,16 +81,18 @@ def absorption_weights(absorb: Tensor | None, N: int, R: int, like: Tensor) -> T
     """
     if absorb is None or N <= 2:
         return None
-    cum = [absorb[0]]                                                    # W_1..W_{N-2}, each (R,)
-    for i in range(1, N - 2):   # explicit products: torch.cumprod on (N-2, R) took ~0.4 ms here
+    cum = [absorb[0]]  # W_1..W_{N-2}, each (R,)
+    for i in range(1, N - 2):  # explicit products: torch.cumprod on (N-2, R) took ~0.4 ms here
         cum.append(cum[-1] * absorb[i])
-    return torch.stack([*cum[::-1], like.new_ones(R)], dim=0)            # (N-1, R)
+    return torch.stack([*cum[::-1], like.new_ones(R)], dim=0)  # (N-1, R)
 
 
 _WS = threading.local()
 
 
-def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+def _workspace(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """A reusable scratch tensor (uninitialised) of `shape`, kept per thread between calls.
 
     Large fresh allocations are slow here: glibc hands multi-MB blocks back to the kernel on
@@ -114,7 +121,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _prefix_products(rows: Tensor, out: Tensor) -> None:
     """rows (c, N, R) -> out (c, N-1, R) with out[:, j] = P_{j+2} = rows_0 * ... * rows_{j+1}."""
-    r, o = rows.unbind(1), out.unbind(1)                                 # views, one call each
+    r, o = rows.unbind(1), out.unbind(1)  # views, one call each
     torch.mul(r[0], r[1], out=o[0])
     for k in range(2, len(r)):
         torch.mul(o[k - 2], r[k], out=o[k - 1])
@@ -139,8 +146,15 @@ def _rowdot(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     return torch.sum(tmp, dim=-1, out=out)
 
 
-def lookup_forward(table: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,
-                   use_norm: bool, eps: float, chunk: int) -> tuple[Tensor, Tensor | None]:
+def lookup_forward(
+    table: Tensor,
+    idx: Tensor,
+    W: Tensor | None,
+    scales: Tensor | None,
+    use_norm: bool,
+    eps: float,
+    chunk: int,
+) -> tuple[Tensor, Tensor | None]:
     """e (M, N-1, R) in table's dtype and r (M, N-1) (None without the norm).
 
     table: factors viewed (N*V, R); idx: (M, N) from `ngram_row_index`; W: (N-1, R) or None;
@@ -157,16 +171,16 @@ def lookup_forward(table: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor 
     for a in range(0, M, chunk):
         b_ = min(M, a + chunk)
         c = b_ - a
-        rows = _gather(table, idx[a:b_], cdt)                            # (c, N, R)
+        rows = _gather(table, idx[a:b_], cdt)  # (c, N, R)
         o = out[a:b_] if direct else _workspace("o", (c, N - 1, R), cdt, dev)
-        _prefix_products(rows, o)                                        # P_2..P_N
+        _prefix_products(rows, o)  # P_2..P_N
         if Wc is not None:
-            o.mul_(Wc)                                                   # b (Eq. 10)
+            o.mul_(Wc)  # b (Eq. 10)
         if use_norm:
-            ms = _rowdot(o, o, _workspace("ms", (c, N - 1), cdt, dev))   # (c, N-1) sum b^2
+            ms = _rowdot(o, o, _workspace("ms", (c, N - 1), cdt, dev))  # (c, N-1) sum b^2
             r = rstd[a:b_]
             torch.rsqrt(ms.div_(R).add_(eps), out=r)
-            o.mul_((r * sc if sc is not None else r).unsqueeze(-1))      # s r b (Eq. 11)
+            o.mul_((r * sc if sc is not None else r).unsqueeze(-1))  # s r b (Eq. 11)
         elif sc is not None:
             o.mul_(sc.unsqueeze(-1))
         if not direct:
@@ -174,10 +188,19 @@ def lookup_forward(table: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor 
     return out, rstd
 
 
-def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
-                    scales: Tensor | None, rstd: Tensor | None, chunk: int,
-                    need_table: bool, need_W: bool, need_scales: bool, out: Tensor | None = None
-                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+def lookup_backward(
+    grad: Tensor,
+    table: Tensor,
+    idx: Tensor,
+    W: Tensor | None,
+    scales: Tensor | None,
+    rstd: Tensor | None,
+    chunk: int,
+    need_table: bool,
+    need_W: bool,
+    need_scales: bool,
+    out: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients (d table (N*V, R), dW (N-1, R), ds (N-1,)) from grad (M, N-1, R); see module doc.
 
     out: the forward's e (M, N-1, R). When it is in the compute dtype and every s_j > 0, the
@@ -193,33 +216,32 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
     ds = torch.zeros(N - 1, dtype=cdt, device=dev) if (need_scales and scales is not None) else None
     Wc = None if W is None else W.to(cdt)
     sc = None if scales is None else scales.to(cdt)
-    use_out = (out is not None and out.dtype == cdt and
-               (sc is None or bool((sc > 0).all())))
+    use_out = out is not None and out.dtype == cdt and (sc is None or bool((sc > 0).all()))
     inv_s = None if sc is None else 1.0 / sc
     for a in range(0, M, chunk):
         b_ = min(M, a + chunk)
         c = b_ - a
-        rows = _gather(table, idx[a:b_], cdt)                            # (c, N, R)
-        P = _workspace("P", (c, N - 1, R), cdt, dev)                     # P_2..P_N
+        rows = _gather(table, idx[a:b_], cdt)  # (c, N, R)
+        P = _workspace("P", (c, N - 1, R), cdt, dev)  # P_2..P_N
         _prefix_products(rows, P)
-        g = grad[a:b_]                                                   # (c, N-1, R)
+        g = grad[a:b_]  # (c, N-1, R)
         if g.dtype != cdt:
             g = _workspace("g", (c, N - 1, R), cdt, dev).copy_(g)
-        db = _workspace("db", (c, N - 1, R), cdt, dev)                   # grad w.r.t. b
+        db = _workspace("db", (c, N - 1, R), cdt, dev)  # grad w.r.t. b
         if use_norm and use_out:
-            r = rstd[a:b_]                                               # (c, N-1)
-            e = out[a:b_]                                                # e = s y
+            r = rstd[a:b_]  # (c, N-1)
+            e = out[a:b_]  # e = s y
             gy = _rowdot(g, e, _workspace("gdot", (c, N - 1), cdt, dev))
             if inv_s is not None:
-                gy.mul_(inv_s)                                           # sum_R g y
+                gy.mul_(inv_s)  # sum_R g y
             if ds is not None:
                 ds += gy.sum(0)
             # db = (r s) g - (r s gdot / R) y = (r s) g - (r gdot / R) e
             torch.mul(g, (r * sc if sc is not None else r).unsqueeze(-1), out=db)
             db.addcmul_(e, (r * gy).div_(R).unsqueeze(-1), value=-1.0)
         elif use_norm:
-            r = rstd[a:b_]                                               # (c, N-1)
-            y = _workspace("y", (c, N - 1, R), cdt, dev)                 # y = RMSNorm(b)
+            r = rstd[a:b_]  # (c, N-1)
+            y = _workspace("y", (c, N - 1, R), cdt, dev)  # y = RMSNorm(b)
             if Wc is not None:
                 torch.mul(P, Wc, out=y)
                 y.mul_(r.unsqueeze(-1))
@@ -229,14 +251,13 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
             if ds is not None:
                 ds += gdot.sum(0)
             # db = r (s g - y mean_R(s g y)) = (r s) g - (r s gdot / R) y
-            rs = r * sc if sc is not None else r                         # (c, N-1)
+            rs = r * sc if sc is not None else r  # (c, N-1)
             torch.mul(g, rs.unsqueeze(-1), out=db)
             db.sub_(y.mul_((rs * gdot).div_(R).unsqueeze(-1)))
         else:
             if ds is not None:
                 gb = _rowdot(g, P, _workspace("gdot", (c, N - 1), cdt, dev))
-                ds += (gb.sum(0) if Wc is None else
-                       torch.einsum("ckr,kr->k", g * P, Wc))            # sum g b
+                ds += gb.sum(0) if Wc is None else torch.einsum("ckr,kr->k", g * P, Wc)  # sum g b
             if sc is not None:
                 torch.mul(g, sc.unsqueeze(-1), out=db)
             else:
@@ -244,19 +265,19 @@ def lookup_backward(grad: Tensor, table: Tensor, idx: Tensor, W: Tensor | None,
         if Wc is not None:
             if dW is not None:
                 tmp = _workspace("dot_tmp", (c, N - 1, R), cdt, dev)
-                dW += torch.mul(db, P, out=tmp).sum(0)                   # sum_t db P
-            db.mul_(Wc)                                                  # D: grad w.r.t. P_{j+2}
+                dW += torch.mul(db, P, out=tmp).sum(0)  # sum_t db P
+            db.mul_(Wc)  # D: grad w.r.t. P_{j+2}
         if d_table is None:
             continue
         D = db
-        GR = _workspace("GR", (c, N, R), cdt, dev)                       # d rows
+        GR = _workspace("GR", (c, N, R), cdt, dev)  # d rows
         Pv, Dv, rv, GRv = P.unbind(1), D.unbind(1), rows.unbind(1), GR.unbind(1)
-        G = Dv[N - 2]                                                    # grad w.r.t. P_N
+        G = Dv[N - 2]  # grad w.r.t. P_N
         Gbuf = _workspace("G", (c, R), cdt, dev)
-        for k in range(N, 2, -1):                                        # P_k = P_{k-1} rows_{k-1}
+        for k in range(N, 2, -1):  # P_k = P_{k-1} rows_{k-1}
             torch.mul(G, Pv[k - 3], out=GRv[k - 1])
-            G = torch.addcmul(Dv[k - 3], G, rv[k - 1], out=Gbuf)        # grad w.r.t. P_{k-1}
-        torch.mul(G, rv[0], out=GRv[1])                                 # P_2 = rows_0 rows_1
+            G = torch.addcmul(Dv[k - 3], G, rv[k - 1], out=Gbuf)  # grad w.r.t. P_{k-1}
+        torch.mul(G, rv[0], out=GRv[1])  # P_2 = rows_0 rows_1
         torch.mul(G, rv[1], out=GRv[0])
         d_table.index_add_(0, idx[a:b_].reshape(-1), GR.view(c * N, R))
     if d_table is not None and d_table.dtype != table.dtype:
@@ -293,8 +314,16 @@ class FusedTNGramLookup(torch.autograd.Function):
     -> e (M, N-1, R). Gradients for factors, W and scales; idx is not differentiable."""
 
     @staticmethod
-    def forward(ctx, factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,  # noqa: ANN001
-                use_norm: bool, eps: float, chunk: int) -> Tensor:
+    def forward(
+        ctx,
+        factors: Tensor,
+        idx: Tensor,
+        W: Tensor | None,
+        scales: Tensor | None,  # noqa: ANN001
+        use_norm: bool,
+        eps: float,
+        chunk: int,
+    ) -> Tensor:
         N, V, R = factors.shape
         table = factors.reshape(N * V, R)
         with _single_threaded(table.device):
@@ -311,15 +340,32 @@ class FusedTNGramLookup(torch.autograd.Function):
         N, V, R = factors.shape
         need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
         with _single_threaded(factors.device):
-            d_table, dW, ds = lookup_backward(grad.contiguous(), factors.reshape(N * V, R), idx,
-                                              W, scales, rstd, ctx.chunk, need_f, need_W, need_s,
-                                              out)
+            d_table, dW, ds = lookup_backward(
+                grad.contiguous(),
+                factors.reshape(N * V, R),
+                idx,
+                W,
+                scales,
+                rstd,
+                ctx.chunk,
+                need_f,
+                need_W,
+                need_s,
+                out,
+            )
         d_f = None if d_table is None else d_table.view(N, V, R)
         return d_f, None, dW, ds, None, None, None
 
 
-def plain_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,
-                 use_norm: bool, eps: float, chunk: int = 0) -> Tensor:
+def plain_lookup(
+    factors: Tensor,
+    idx: Tensor,
+    W: Tensor | None,
+    scales: Tensor | None,
+    use_norm: bool,
+    eps: float,
+    chunk: int = 0,
+) -> Tensor:
     """The same e (M, N-1, R) with plain differentiable torch ops (autograd does the backward).
 
     What runs under torch.compile when the lookup resolves to the torch path: dynamo cannot
@@ -329,15 +375,15 @@ def plain_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor 
     """
     N, V, R = factors.shape
     cdt = _compute_dtype(factors.dtype)
-    rows = factors.reshape(N * V, R)[idx].to(cdt)                        # (M, N, R)
+    rows = factors.reshape(N * V, R)[idx].to(cdt)  # (M, N, R)
     prods, p = [], rows[:, 0]
-    for k in range(1, N):      # not torch.cumprod: its backward divides by the inputs (less exact)
+    for k in range(1, N):  # not torch.cumprod: its backward divides by the inputs (less exact)
         p = p * rows[:, k]
         prods.append(p)
-    P = torch.stack(prods, dim=1)                                        # (M, N-1, R) P_2..P_N
-    b = P if W is None else P * W.to(cdt)                                # Eq. 10
+    P = torch.stack(prods, dim=1)  # (M, N-1, R) P_2..P_N
+    b = P if W is None else P * W.to(cdt)  # Eq. 10
     if use_norm:
         b = b * torch.rsqrt(b.square().mean(-1, keepdim=True) + eps)
     if scales is not None:
-        b = b * scales.to(cdt).unsqueeze(-1)                             # Eq. 11
+        b = b * scales.to(cdt).unsqueeze(-1)  # Eq. 11
     return b.to(factors.dtype)

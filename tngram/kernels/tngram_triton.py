@@ -31,9 +31,21 @@ from torch import Tensor
 
 
 @triton.jit
-def _tngram_fwd_kernel(table_ptr, idx_ptr, w_ptr, s_ptr, out_ptr, rstd_ptr, R, eps,
-                       N: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
-                       USE_NORM: tl.constexpr, BLOCK_R: tl.constexpr):
+def _tngram_fwd_kernel(
+    table_ptr,
+    idx_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    rstd_ptr,
+    R,
+    eps,
+    N: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_S: tl.constexpr,
+    USE_NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
     mask = cols < R
@@ -51,40 +63,59 @@ def _tngram_fwd_kernel(table_ptr, idx_ptr, w_ptr, s_ptr, out_ptr, rstd_ptr, R, e
             b = b * r
         if HAS_S:
             b = b * tl.load(s_ptr + (k - 1)).to(tl.float32)
-        tl.store(out_ptr + (m * (N - 1) + (k - 1)) * R + cols,
-                 b.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + (m * (N - 1) + (k - 1)) * R + cols, b.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
 
 @triton.jit
-def _tngram_bwd_kernel(table_ptr, idx_ptr, w_ptr, s_ptr, rstd_ptr, grad_ptr,
-                       dtable_ptr, dw_ptr, ds_ptr, M, R,
-                       N: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
-                       USE_NORM: tl.constexpr, NEED_TABLE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tngram_bwd_kernel(
+    table_ptr,
+    idx_ptr,
+    w_ptr,
+    s_ptr,
+    rstd_ptr,
+    grad_ptr,
+    dtable_ptr,
+    dw_ptr,
+    ds_ptr,
+    M,
+    R,
+    N: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_S: tl.constexpr,
+    USE_NORM: tl.constexpr,
+    NEED_TABLE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
-    kk = tl.arange(0, BLOCK_K)                                  # order slots j = 0..N-2 (padded)
+    kk = tl.arange(0, BLOCK_K)  # order slots j = 0..N-2 (padded)
     dw_acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
     ds_acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for i in range(0, BLOCK_M):
         m_raw = pid * BLOCK_M + i
-        m = tl.minimum(m_raw, M - 1)                            # clamped: loads stay in bounds
-        mask = (cols < R) & ((cols * 0 + m_raw) < M)            # dead tokens add nothing
+        m = tl.minimum(m_raw, M - 1)  # clamped: loads stay in bounds
+        mask = (cols < R) & ((cols * 0 + m_raw) < M)  # dead tokens add nothing
         G = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for kr in tl.static_range(0, N - 1):
-            k = N - kr                                          # k = N .. 2
+            k = N - kr  # k = N .. 2
             j = k - 2
             # prefix products P_{k-1} (rows 0..k-2) and P_k = P_{k-1} rows_{k-1}
             row0 = tl.load(idx_ptr + m * N)
             Pkm1 = tl.load(table_ptr + row0 * R + cols, mask=mask, other=0.0).to(tl.float32)
-            for q in tl.static_range(1, N - 1):                # rows q < k-1 only (k is not a
-                rq = tl.load(idx_ptr + m * N + q)               # compile-time constant here)
+            for q in tl.static_range(1, N - 1):  # rows q < k-1 only (k is not a
+                rq = tl.load(idx_ptr + m * N + q)  # compile-time constant here)
                 use = mask & ((cols * 0 + q) < k - 1)
                 Pkm1 = Pkm1 * tl.load(table_ptr + rq * R + cols, mask=use, other=1.0).to(tl.float32)
             rlast = tl.load(idx_ptr + m * N + (k - 1))
             xlast = tl.load(table_ptr + rlast * R + cols, mask=mask, other=0.0).to(tl.float32)
             Pk = Pkm1 * xlast
-            g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(
+                tl.float32
+            )
             b = Pk
             if HAS_W:
                 wj = tl.load(w_ptr + j * R + cols, mask=cols < R, other=0.0).to(tl.float32)
@@ -105,16 +136,19 @@ def _tngram_bwd_kernel(table_ptr, idx_ptr, w_ptr, s_ptr, rstd_ptr, grad_ptr,
                 dw_acc += tl.where(kk[:, None] == j, (db * Pk)[None, :], 0.0)
                 db = db * wj
             if NEED_TABLE:
-                G = G + db                                      # grad w.r.t. P_k
+                G = G + db  # grad w.r.t. P_k
                 tl.atomic_add(dtable_ptr + rlast * R + cols, G * Pkm1, mask=mask)
-                G = G * xlast                                   # grad w.r.t. P_{k-1}
+                G = G * xlast  # grad w.r.t. P_{k-1}
         if NEED_TABLE:
             row0 = tl.load(idx_ptr + m * N)
             tl.atomic_add(dtable_ptr + row0 * R + cols, G, mask=mask)
     kmask = kk < N - 1
     if HAS_W:
-        tl.atomic_add(dw_ptr + kk[:, None] * R + cols[None, :], dw_acc,
-                      mask=kmask[:, None] & (cols[None, :] < R))
+        tl.atomic_add(
+            dw_ptr + kk[:, None] * R + cols[None, :],
+            dw_acc,
+            mask=kmask[:, None] & (cols[None, :] < R),
+        )
     if HAS_S:
         tl.atomic_add(ds_ptr + kk, ds_acc, mask=kmask)
 
@@ -128,9 +162,16 @@ def _launch_cfg(R: int) -> tuple[int, int]:
 # implementations, so torch.compile(fullgraph=True) sees two opaque ops with known output shapes
 # instead of tracing triton launches. Optional inputs: `Optional[Tensor]` (schema inference).
 
+
 @torch.library.custom_op("tngram::triton_lookup_fwd", mutates_args=())
-def triton_lookup_fwd(factors: Tensor, idx: Tensor, W: Optional[Tensor], scales: Optional[Tensor],
-                      use_norm: bool, eps: float) -> tuple[Tensor, Tensor]:
+def triton_lookup_fwd(
+    factors: Tensor,
+    idx: Tensor,
+    W: Optional[Tensor],
+    scales: Optional[Tensor],
+    use_norm: bool,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype, rstd (M, N-1) fp32."""
     N, V, R = factors.shape
     M = idx.shape[0]
@@ -142,9 +183,22 @@ def triton_lookup_fwd(factors: Tensor, idx: Tensor, W: Optional[Tensor], scales:
     sc = scales.contiguous() if scales is not None else table
     block_r, warps = _launch_cfg(R)
     if M > 0:
-        _tngram_fwd_kernel[(M,)](table, idx, Wc, sc, out, rstd, R, eps, N=N,
-                                 HAS_W=W is not None, HAS_S=scales is not None,
-                                 USE_NORM=use_norm, BLOCK_R=block_r, num_warps=warps)
+        _tngram_fwd_kernel[(M,)](
+            table,
+            idx,
+            Wc,
+            sc,
+            out,
+            rstd,
+            R,
+            eps,
+            N=N,
+            HAS_W=W is not None,
+            HAS_S=scales is not None,
+            USE_NORM=use_norm,
+            BLOCK_R=block_r,
+            num_warps=warps,
+        )
     return out, rstd
 
 
@@ -152,14 +206,20 @@ def triton_lookup_fwd(factors: Tensor, idx: Tensor, W: Optional[Tensor], scales:
 def _(factors, idx, W, scales, use_norm, eps):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
-    return (factors.new_empty(M, N - 1, R),
-            factors.new_empty(M, N - 1, dtype=torch.float32))
+    return (factors.new_empty(M, N - 1, R), factors.new_empty(M, N - 1, dtype=torch.float32))
 
 
 @torch.library.custom_op("tngram::triton_lookup_bwd", mutates_args=())
-def triton_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Optional[Tensor],
-                      scales: Optional[Tensor], rstd: Tensor, use_norm: bool, need_factors: bool
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+def triton_lookup_bwd(
+    grad: Tensor,
+    factors: Tensor,
+    idx: Tensor,
+    W: Optional[Tensor],
+    scales: Optional[Tensor],
+    rstd: Tensor,
+    use_norm: bool,
+    need_factors: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """-> d factors (N, V, R) (empty unless need_factors), dW (N-1, R), ds (N-1,) fp32."""
     N, V, R = factors.shape
     M = idx.shape[0]
@@ -174,12 +234,28 @@ def triton_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Optional[Te
     block_m = 16
     if M > 0:
         grid = (triton.cdiv(M, block_m),)
-        _tngram_bwd_kernel[grid](table, idx.contiguous(), Wc, sc, rstd, grad.contiguous(),
-                                 dtable if need_factors else table, dW, ds,
-                                 M, R, N=N, HAS_W=W is not None, HAS_S=scales is not None,
-                                 USE_NORM=use_norm, NEED_TABLE=need_factors, BLOCK_M=block_m,
-                                 BLOCK_R=block_r, BLOCK_K=triton.next_power_of_2(N - 1),
-                                 num_warps=warps)
+        _tngram_bwd_kernel[grid](
+            table,
+            idx.contiguous(),
+            Wc,
+            sc,
+            rstd,
+            grad.contiguous(),
+            dtable if need_factors else table,
+            dW,
+            ds,
+            M,
+            R,
+            N=N,
+            HAS_W=W is not None,
+            HAS_S=scales is not None,
+            USE_NORM=use_norm,
+            NEED_TABLE=need_factors,
+            BLOCK_M=block_m,
+            BLOCK_R=block_r,
+            BLOCK_K=triton.next_power_of_2(N - 1),
+            num_warps=warps,
+        )
     d_f = dtable.to(factors.dtype).view(N, V, R) if need_factors else factors.new_empty(0)
     return d_f, dW, ds
 
@@ -187,9 +263,11 @@ def triton_lookup_bwd(grad: Tensor, factors: Tensor, idx: Tensor, W: Optional[Te
 @triton_lookup_bwd.register_fake
 def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
-    return (factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
-            factors.new_empty(N - 1, R, dtype=torch.float32),
-            factors.new_empty(N - 1, dtype=torch.float32))
+    return (
+        factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
+        factors.new_empty(N - 1, R, dtype=torch.float32),
+        factors.new_empty(N - 1, dtype=torch.float32),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
@@ -202,15 +280,27 @@ def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
     factors, idx, W, scales, rstd = ctx.saved_tensors
     need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
     d_f, dW, ds = triton_lookup_bwd(grad_out, factors, idx, W, scales, rstd, ctx.use_norm, need_f)
-    return (d_f if need_f else None, None,
-            dW.to(W.dtype) if (W is not None and need_W) else None,
-            ds.to(scales.dtype) if (scales is not None and need_s) else None, None, None)
+    return (
+        d_f if need_f else None,
+        None,
+        dW.to(W.dtype) if (W is not None and need_W) else None,
+        ds.to(scales.dtype) if (scales is not None and need_s) else None,
+        None,
+        None,
+    )
 
 
 triton_lookup_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_lookup(factors: Tensor, idx: Tensor, W: Tensor | None, scales: Tensor | None,
-                  use_norm: bool, eps: float, chunk: int = 0) -> Tensor:
+def triton_lookup(
+    factors: Tensor,
+    idx: Tensor,
+    W: Tensor | None,
+    scales: Tensor | None,
+    use_norm: bool,
+    eps: float,
+    chunk: int = 0,
+) -> Tensor:
     """Same contract as `FusedTNGramLookup.apply` (chunk is ignored)."""
     return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps)[0]

@@ -16,9 +16,11 @@ from tngram.common import TngramError
 
 # kind -> "module:ConfigClass" of the built-in memories, imported on first use (so that
 # `import tngram.memory` stays light); register_memory adds more at run time.
-MEMORY_KINDS: dict[str, str] = {"tngram": "tngram.memory.tngram:TNGramConfig",
-                                "engram": "tngram.memory.engram:EngramConfig",
-                                "oe": "tngram.memory.overencoding:OverEncodingConfig"}
+MEMORY_KINDS: dict[str, str] = {
+    "tngram": "tngram.memory.tngram:TNGramConfig",
+    "engram": "tngram.memory.engram:EngramConfig",
+    "oe": "tngram.memory.overencoding:OverEncodingConfig",
+}
 _registered: dict[str, type] = {}
 
 
@@ -26,8 +28,13 @@ def register_memory(config_cls: type) -> type:
     """Make a MemoryConfig subclass available by its `kind` (recipes, --set model.memory.kind,
     config.json). Usable as a class decorator."""
     from tngram.memory.base import MemoryConfig
-    if not (isinstance(config_cls, type) and issubclass(config_cls, MemoryConfig) and config_cls.kind):
-        raise TngramError(f"register_memory expects a MemoryConfig subclass with a kind, got {config_cls!r}")
+
+    if not (
+        isinstance(config_cls, type) and issubclass(config_cls, MemoryConfig) and config_cls.kind
+    ):
+        raise TngramError(
+            f"register_memory expects a MemoryConfig subclass with a kind, got {config_cls!r}"
+        )
     _registered[config_cls.kind] = config_cls
     return config_cls
 
@@ -35,6 +42,7 @@ def register_memory(config_cls: type) -> type:
 def memory_config_classes() -> dict[str, type]:
     """{kind: config class} of every registered memory."""
     import importlib
+
     out = {}
     for kind, target in MEMORY_KINDS.items():
         module, _, name = target.partition(":")

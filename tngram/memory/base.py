@@ -72,8 +72,9 @@ class MemoryConfig:
                 elif not (math.isfinite(v) and v >= 0):
                     raise TngramError(f"{key} must be a finite float >= 0, got {v!r}")
             elif isinstance(v, tuple):
-                if not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= INT_MAX
-                           for x in v):
+                if not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= INT_MAX for x in v
+                ):
                     raise TngramError(f"{key} must be ints in [1, {INT_MAX}], got {v!r}")
         self.check_fields()
 
@@ -91,21 +92,35 @@ class MemoryConfig:
             raise TngramError(f"vocab_size must be >= 1, got {vocab_size}")
 
     # ---- building --------------------------------------------------------------------------
-    def build(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
-              layer_ids: tuple[int, ...] | None = None) -> nn.Module:
+    def build(
+        self,
+        *,
+        d_model: int,
+        vocab_size: int,
+        layer_id: int = 0,
+        layer_ids: tuple[int, ...] | None = None,
+    ) -> nn.Module:
         """The module of layer `layer_id` (a block index, or 0 for an embedding memory) in a
         model whose memory layers are `layer_ids` (default: just this one)."""
         self.check_vocab(vocab_size)
         layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
-        return self.make_module(d_model=d_model, vocab_size=vocab_size, layer_id=layer_id,
-                                layer_ids=layer_ids)
+        return self.make_module(
+            d_model=d_model, vocab_size=vocab_size, layer_id=layer_id, layer_ids=layer_ids
+        )
 
-    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
-                    layer_ids: tuple[int, ...]) -> nn.Module:
+    def make_module(
+        self, *, d_model: int, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    ) -> nn.Module:
         raise NotImplementedError
 
-    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
-                    layer_ids: tuple[int, ...] | None = None) -> int:
+    def param_count(
+        self,
+        *,
+        d_model: int,
+        vocab_size: int,
+        layer_id: int = 0,
+        layer_ids: tuple[int, ...] | None = None,
+    ) -> int:
         """Exact number of parameters of `build(...)` with the same arguments."""
         raise NotImplementedError
 

@@ -51,10 +51,28 @@ REPLACEMENT_CHAR = "\ufffd"
 SP_SPACE = "\u2581"  # SentencePiece's word-boundary mark
 _WS_RUN = re.compile(r"[ \t\r\n]+")
 # Unicode White_Space property = Rust char::is_whitespace (Strip normalizer).
-_UNICODE_WHITESPACE = "".join(map(chr, [
-    0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
-    0x2028, 0x2029, 0x202F, 0x205F, 0x3000,
-]))
+_UNICODE_WHITESPACE = "".join(
+    map(
+        chr,
+        [
+            0x09,
+            0x0A,
+            0x0B,
+            0x0C,
+            0x0D,
+            0x20,
+            0x85,
+            0xA0,
+            0x1680,
+            *range(0x2000, 0x200B),
+            0x2028,
+            0x2029,
+            0x202F,
+            0x205F,
+            0x3000,
+        ],
+    )
+)
 
 
 def normalize_text(text: str) -> str:

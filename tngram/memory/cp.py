@@ -29,10 +29,10 @@ def gather_factor_rows(factors: Tensor, ngrams: Tensor) -> Tensor:
     """
     N, V, R = factors.shape
     # column k (token x_{t-k}) uses factor index N-1-k (A_{N-k})
-    which = torch.arange(N - 1, -1, -1, device=ngrams.device) * V      # (N,)
-    flat = (ngrams + which).reshape(-1)                                  # (B*T*N,)
-    rows = torch.index_select(factors.reshape(N * V, R), 0, flat)        # index_select: fast CPU gather
-    return rows.view(*ngrams.shape, R)                                   # (B, T, N, R)
+    which = torch.arange(N - 1, -1, -1, device=ngrams.device) * V  # (N,)
+    flat = (ngrams + which).reshape(-1)  # (B*T*N,)
+    rows = torch.index_select(factors.reshape(N * V, R), 0, flat)  # index_select: fast CPU gather
+    return rows.view(*ngrams.shape, R)  # (B, T, N, R)
 
 
 def absorption_products(absorb: Tensor | None, N: int, R: int, like: Tensor) -> Tensor:
@@ -43,21 +43,22 @@ def absorption_products(absorb: Tensor | None, N: int, R: int, like: Tensor) -> 
     ones = like.new_ones(1, R)
     if absorb is None or N <= 2:
         return ones.expand(N - 1, R)
-    cum = torch.cumprod(absorb, dim=0)                                   # W_1..W_{N-2}: (N-2, R)
-    return torch.cat([ones, cum], dim=0).flip(0)                         # (N-1, R): W_{N-2}..W_0
+    cum = torch.cumprod(absorb, dim=0)  # W_1..W_{N-2}: (N-2, R)
+    return torch.cat([ones, cum], dim=0).flip(0)  # (N-1, R): W_{N-2}..W_0
 
 
 def order_vectors(factors: Tensor, absorb: Tensor | None, ngrams: Tensor) -> Tensor:
     """Unnormalised b_n for n = 2..N (Eq. 10): (B, T, N, ...) -> (B, T, N-1, R), index n-2."""
     N, V, R = factors.shape
-    rows = gather_factor_rows(factors, ngrams)                           # (B, T, N, R)
-    prefix = torch.cumprod(rows, dim=2)                                  # p_1..p_N
-    W = absorption_products(absorb, N, R, factors)                       # (N-1, R)
-    return prefix[:, :, 1:, :] * W                                       # (B, T, N-1, R)
+    rows = gather_factor_rows(factors, ngrams)  # (B, T, N, R)
+    prefix = torch.cumprod(rows, dim=2)  # p_1..p_N
+    W = absorption_products(absorb, N, R, factors)  # (N-1, R)
+    return prefix[:, :, 1:, :] * W  # (B, T, N-1, R)
 
 
-def order_embeddings(b: Tensor, log_scales: Tensor | None, use_norm: bool = True,
-                     eps: float = 1e-6) -> Tensor:
+def order_embeddings(
+    b: Tensor, log_scales: Tensor | None, use_norm: bool = True, eps: float = 1e-6
+) -> Tensor:
     """e_n = exp(l_n) * RMSNorm(b_n) (Eq. 11), concatenated: (B, T, N-1, R) -> (B, T, (N-1)*R).
 
     log_scales: (N-1,) or None (the "without learnable scales" ablation: s_n = 1).
@@ -77,12 +78,12 @@ def explicit_f_memory(e_orders: Tensor, F_mat: Tensor, W: Tensor) -> Tensor:
     paper's d_concat W_K before absorbing F: it equals e_concat M with M_n = F^T W_n (Eq. 13).
     """
     B, T, K, R = e_orders.shape
-    h = e_orders @ F_mat.T                                               # (B, T, N-1, D)
+    h = e_orders @ F_mat.T  # (B, T, N-1, D)
     return h.reshape(B, T, -1) @ W
 
 
 def absorb_f(F_mat: Tensor, W: Tensor, n_orders: int) -> Tensor:
     """M = blockdiag(F^T, ..., F^T) W, i.e. M_n = F^T W_n per order: ((N-1)*R, D_out)."""
     D, R = F_mat.shape
-    Wn = W.view(n_orders, D, -1)                                         # (N-1, D, D_out)
-    return (F_mat.T.unsqueeze(0) @ Wn).reshape(n_orders * R, -1)         # (N-1)*R x D_out
+    Wn = W.view(n_orders, D, -1)  # (N-1, D, D_out)
+    return (F_mat.T.unsqueeze(0) @ Wn).reshape(n_orders * R, -1)  # (N-1)*R x D_out

@@ -53,17 +53,19 @@ def order_energy(factors: Tensor, absorb: Tensor | None) -> Tensor:
     Row i is order n = i + 2 (it uses the n newest factors A_{N-n+1}..A_N).
     """
     N, V, R = factors.shape
-    q = factors.detach().double().pow(2).mean(dim=1)                     # (N, R)
-    newest_first = torch.cumprod(q.flip(0), dim=0)                        # row j: prod of the j+1 newest
-    W = absorption_products(None if absorb is None else absorb.detach().double(), N, R, q)   # (N-1, R)
-    return newest_first[1:] * W.pow(2)                                    # (N-1, R)
+    q = factors.detach().double().pow(2).mean(dim=1)  # (N, R)
+    newest_first = torch.cumprod(q.flip(0), dim=0)  # row j: prod of the j+1 newest
+    W = absorption_products(
+        None if absorb is None else absorb.detach().double(), N, R, q
+    )  # (N-1, R)
+    return newest_first[1:] * W.pow(2)  # (N-1, R)
 
 
 def component_scores(module: nn.Module) -> Tensor:
     """Energy score of every rank-1 component of a TNGram module: (R,), float64, >= 0."""
     c = module.config
     N, R = c.max_ngram, module.factors.shape[2]
-    eb = order_energy(module.factors, module.absorb)                      # (N-1, R)
+    eb = order_energy(module.factors, module.absorb)  # (N-1, R)
     if c.use_norm:
         ee = eb / eb.mean(dim=1, keepdim=True).clamp_min(1e-300)
     else:
@@ -73,9 +75,9 @@ def component_scores(module: nn.Module) -> Tensor:
     fusion = module.fusion
     proj = 0
     for lin in [*fusion.key_proj, fusion.value_proj]:
-        w = lin.weight.detach().double().view(-1, N - 1, R)              # (D, N-1, R)
-        proj = proj + w.pow(2).sum(dim=0)                                 # (N-1, R)
-    return (ee * proj).sum(dim=0)                                         # (R,)
+        w = lin.weight.detach().double().view(-1, N - 1, R)  # (D, N-1, R)
+        proj = proj + w.pow(2).sum(dim=0)  # (N-1, R)
+    return (ee * proj).sum(dim=0)  # (R,)
 
 
 def choose_keep(scores: Tensor, tol: float, min_cp_rank: int) -> Tensor:
@@ -87,7 +89,7 @@ def choose_keep(scores: Tensor, tol: float, min_cp_rank: int) -> Tensor:
     R = scores.numel()
     floor = max(1, min(int(min_cp_rank), R))
     order = torch.argsort(scores.double(), descending=True, stable=True)
-    cum = torch.cumsum(scores.double()[order], dim=0)                    # (R,)
+    cum = torch.cumsum(scores.double()[order], dim=0)  # (R,)
     total = cum[-1]
     if total <= 0:
         k = floor
@@ -100,16 +102,22 @@ def choose_keep(scores: Tensor, tol: float, min_cp_rank: int) -> Tensor:
 def log_scale_correction(module: nn.Module, keep: Tensor) -> Tensor:
     """Additive change of l_n (N-1,) so RMSNorm over the kept entries matches on average."""
     R, Rk = module.factors.shape[2], keep.numel()
-    eb = order_energy(module.factors, module.absorb)                      # (N-1, R)
+    eb = order_energy(module.factors, module.absorb)  # (N-1, R)
     full = eb.sum(dim=1) / R
     kept = eb[:, keep].sum(dim=1) / Rk
     ok = (full > 0) & (kept > 0)
-    return torch.where(ok, 0.5 * torch.log(kept.clamp_min(1e-300) / full.clamp_min(1e-300)),
-                       torch.zeros_like(full))
+    return torch.where(
+        ok, 0.5 * torch.log(kept.clamp_min(1e-300) / full.clamp_min(1e-300)), torch.zeros_like(full)
+    )
 
 
-def _slice_param(owner: nn.Module, attr: str, dim: int, index: Tensor,
-                 optimizers: Iterable[torch.optim.Optimizer]) -> None:
+def _slice_param(
+    owner: nn.Module,
+    attr: str,
+    dim: int,
+    index: Tensor,
+    optimizers: Iterable[torch.optim.Optimizer],
+) -> None:
     """owner.attr <- a new Parameter holding owner.attr.index_select(dim, index); the optimisers'
     param groups point to the new Parameter and every state tensor shaped like the old one is
     sliced the same way.
@@ -118,22 +126,30 @@ def _slice_param(owner: nn.Module, attr: str, dim: int, index: Tensor,
     accumulator, so a leaf that has already had a backward cannot change shape in place.
     """
     p = getattr(owner, attr)
-    new = nn.Parameter(p.detach().index_select(dim, index.to(p.device)).contiguous(),
-                       requires_grad=p.requires_grad)
+    new = nn.Parameter(
+        p.detach().index_select(dim, index.to(p.device)).contiguous(), requires_grad=p.requires_grad
+    )
     setattr(owner, attr, new)
     for opt in optimizers:
         for group in opt.param_groups:
             group["params"] = [new if q is p else q for q in group["params"]]
         state = opt.state.pop(p, None)
         if state:
-            opt.state[new] = {k: v.index_select(dim, index.to(v.device)).contiguous()
-                              if torch.is_tensor(v) and v.shape == p.shape else v
-                              for k, v in state.items()}
+            opt.state[new] = {
+                k: v.index_select(dim, index.to(v.device)).contiguous()
+                if torch.is_tensor(v) and v.shape == p.shape
+                else v
+                for k, v in state.items()
+            }
 
 
 @torch.no_grad()
-def prune_tngram(module: nn.Module, keep: Tensor, optimizers: Iterable[torch.optim.Optimizer] = (),
-                 correct_scales: bool = True) -> int:
+def prune_tngram(
+    module: nn.Module,
+    keep: Tensor,
+    optimizers: Iterable[torch.optim.Optimizer] = (),
+    correct_scales: bool = True,
+) -> int:
     """Keep only components `keep` (sorted indices into 0..R-1) of a TNGram module, in place.
 
     The sliced tensors become new Parameter objects; `optimizers` are updated to them (param
@@ -144,12 +160,19 @@ def prune_tngram(module: nn.Module, keep: Tensor, optimizers: Iterable[torch.opt
     c = module.config
     N, R = c.max_ngram, module.factors.shape[2]
     keep = keep.to(torch.long).cpu()
-    if keep.numel() < 1 or keep.min() < 0 or keep.max() >= R or keep.unique().numel() != keep.numel():
-        raise ValueError(f"keep must hold distinct indices in [0, {R}), got {keep.tolist()[:10]}...")
+    if (
+        keep.numel() < 1
+        or keep.min() < 0
+        or keep.max() >= R
+        or keep.unique().numel() != keep.numel()
+    ):
+        raise ValueError(
+            f"keep must hold distinct indices in [0, {R}), got {keep.tolist()[:10]}..."
+        )
     Rk = keep.numel()
     if correct_scales and c.use_norm and module.log_scales is not None:
         module.log_scales.add_(log_scale_correction(module, keep).to(module.log_scales.dtype))
-    cols = (torch.arange(N - 1).view(-1, 1) * R + keep.view(1, -1)).reshape(-1)   # ((N-1) R',)
+    cols = (torch.arange(N - 1).view(-1, 1) * R + keep.view(1, -1)).reshape(-1)  # ((N-1) R',)
     _slice_param(module, "factors", 2, keep, optimizers)
     if module.absorb is not None:
         _slice_param(module, "absorb", 1, keep, optimizers)
@@ -164,10 +187,13 @@ def prune_tngram(module: nn.Module, keep: Tensor, optimizers: Iterable[torch.opt
 
 def tngram_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     from tngram.memory.tngram import TNGram
+
     return [(name, m) for name, m in model.named_modules() if isinstance(m, TNGram)]
 
 
-def prune_model(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[tuple[str, int, int]]:
+def prune_model(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> list[tuple[str, int, int]]:
     """Prune every TN-gram module of `model` by its own config (tol, min_cp_rank).
 
     Each module picks its own rank. Returns (module name, rank before, rank after) per module.
@@ -188,13 +214,16 @@ def _shrink(module: nn.Module, cp_rank: int, optimizers: list[torch.optim.Optimi
     are about to be overwritten by a load); False when it is not larger than that."""
     if cp_rank >= module.factors.shape[2]:
         return False
-    with torch.device("cpu"):   # index tensors on CPU even inside a meta-device build (from_pretrained)
+    with torch.device(
+        "cpu"
+    ):  # index tensors on CPU even inside a meta-device build (from_pretrained)
         prune_tngram(module, torch.arange(cp_rank), optimizers, correct_scales=False)
     return True
 
 
-def shrink_to_state(model: nn.Module, tensors: dict[str, Tensor],
-                    optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[tuple[str, int, int]]:
+def shrink_to_state(
+    model: nn.Module, tensors: dict[str, Tensor], optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> list[tuple[str, int, int]]:
     """Before loading weights saved after pruning: shrink each TN-gram module whose stored
     factors have fewer components to that rank (the first R' components; the loaded values then
     overwrite them), pointing `optimizers` at the new parameters. Returns (module name, rank
@@ -214,8 +243,12 @@ def shrink_to_ranks(model: nn.Module, ranks: list[int]) -> None:
     """Shrink the TN-gram modules of a freshly built `model` to `ranks` (model order) keeping their
     first components, before loading weights saved at those ranks (e.g. a pruned run's HF export)."""
     mods = tngram_modules(model)
-    if len(ranks) != len(mods) or any(not 1 <= r <= m.factors.shape[2] for r, (_, m) in zip(ranks, mods)):
-        raise ValueError(f"cp_ranks {ranks} do not fit this model's TN-gram ranks {cp_ranks(model)}")
+    if len(ranks) != len(mods) or any(
+        not 1 <= r <= m.factors.shape[2] for r, (_, m) in zip(ranks, mods)
+    ):
+        raise ValueError(
+            f"cp_ranks {ranks} do not fit this model's TN-gram ranks {cp_ranks(model)}"
+        )
     for r, (_, m) in zip(ranks, mods):
         _shrink(m, r, [])
 

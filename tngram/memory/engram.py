@@ -34,8 +34,11 @@ from torch import Tensor, nn
 from tngram.common import TngramError
 from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
-from tngram.memory.compression import (build_compression_from_file, compressed_vocab_size,
-                                       lookup_fingerprint)
+from tngram.memory.compression import (
+    build_compression_from_file,
+    compressed_vocab_size,
+    lookup_fingerprint,
+)
 from tngram.memory.gating import GatedFusion
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
@@ -54,8 +57,13 @@ class EngramConfig(MemoryConfig):
     kind: ClassVar[str] = "engram"
     injection: ClassVar[str] = "block"  # added to a block's residual stream
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
-        "max_ngram": (1, 32), "n_head_per_ngram": (1, 1024), "n_embed_per_ngram": (1, INT_MAX),
-        "kernel_size": (1, 256), "dilation": (1, 1024), "hc_mult": (1, 64)}
+        "max_ngram": (1, 32),
+        "n_head_per_ngram": (1, 1024),
+        "n_embed_per_ngram": (1, INT_MAX),
+        "kernel_size": (1, 256),
+        "dilation": (1, 1024),
+        "hc_mult": (1, 64),
+    }
 
     max_ngram: int = 3
     n_head_per_ngram: int = 8
@@ -81,9 +89,11 @@ class EngramConfig(MemoryConfig):
             self._check_embed(self.n_embed_per_ngram)
         if self.table_budget is not None:
             if len(self.table_budget) != self.max_ngram - 1:
-                raise TngramError(f"table_budget needs one per-head budget per order 2.."
-                                  f"{self.max_ngram} ({self.max_ngram - 1} values), "
-                                  f"got {len(self.table_budget)}")
+                raise TngramError(
+                    f"table_budget needs one per-head budget per order 2.."
+                    f"{self.max_ngram} ({self.max_ngram - 1} values), "
+                    f"got {len(self.table_budget)}"
+                )
             if any(int(b) < 1 for b in self.table_budget):
                 raise TngramError(f"table_budget values must be >= 1, got {self.table_budget}")
         if self.compress and not self.tokenizer_path:
@@ -97,8 +107,10 @@ class EngramConfig(MemoryConfig):
 
     def _check_embed(self, E: int) -> None:
         if E < 1 or E % self.n_head_per_ngram != 0:
-            raise TngramError(f"n_embed_per_ngram ({E}) must be a positive multiple of "
-                              f"n_head_per_ngram ({self.n_head_per_ngram})")
+            raise TngramError(
+                f"n_embed_per_ngram ({E}) must be a positive multiple of "
+                f"n_head_per_ngram ({self.n_head_per_ngram})"
+            )
 
     # ---- derived sizes -------------------------------------------------------------------
     def embed_per_ngram(self, d_model: int) -> int:
@@ -114,22 +126,32 @@ class EngramConfig(MemoryConfig):
     def conv_dilation(self) -> int:
         return self.max_ngram if self.dilation is None else self.dilation
 
-    def layer_primes(self, vocab_size: int, layer_id: int,
-                     layer_ids: tuple[int, ...]) -> list[list[int]]:
+    def layer_primes(
+        self, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    ) -> list[list[int]]:
         """Primes [[p_{2,j}], [p_{3,j}], ...] of `layer_id` (depends on all of layer_ids)."""
         if layer_id not in layer_ids:
             raise TngramError(f"Engram layer {layer_id} is not in layer_ids {tuple(layer_ids)}")
-        primes = allocate_primes(self.budgets(vocab_size), self.max_ngram,
-                                 self.n_head_per_ngram, list(layer_ids))
+        primes = allocate_primes(
+            self.budgets(vocab_size), self.max_ngram, self.n_head_per_ngram, list(layer_ids)
+        )
         return primes[layer_id]
 
     def check_vocab(self, vocab_size: int) -> None:
         super().check_vocab(vocab_size)
         if not 0 <= self.pad_id < vocab_size:
-            raise TngramError(f"Engram pad_id {self.pad_id} is outside the vocabulary [0, {vocab_size})")
+            raise TngramError(
+                f"Engram pad_id {self.pad_id} is outside the vocabulary [0, {vocab_size})"
+            )
 
-    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
-                    layer_ids: tuple[int, ...] | None = None) -> int:
+    def param_count(
+        self,
+        *,
+        d_model: int,
+        vocab_size: int,
+        layer_id: int = 0,
+        layer_ids: tuple[int, ...] | None = None,
+    ) -> int:
         """Exact parameter count of `build(...)`, analytically (reference §4)."""
         layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
         E = self.embed_per_ngram(d_model)
@@ -137,13 +159,21 @@ class EngramConfig(MemoryConfig):
         rows = sum(sum(p) for p in self.layer_primes(vocab_size, layer_id, layer_ids))
         d_mem, d, M, k = (self.max_ngram - 1) * E, d_model, self.hc_mult, self.kernel_size
         proj = d_mem * d + (d if self.kv_bias else 0)
-        fusion = (M + 1) * proj + 2 * M * d + M * d + M * d * k  # K's+V, gate norms, conv norm, conv
+        fusion = (
+            (M + 1) * proj + 2 * M * d + M * d + M * d * k
+        )  # K's+V, gate norms, conv norm, conv
         return rows * Dh + fusion
 
-    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
-                    layer_ids: tuple[int, ...]) -> "Engram":
-        return Engram(self, d_model=d_model, vocab_size=vocab_size, layer_id=layer_id,
-                      layer_ids=tuple(layer_ids))
+    def make_module(
+        self, *, d_model: int, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    ) -> "Engram":
+        return Engram(
+            self,
+            d_model=d_model,
+            vocab_size=vocab_size,
+            layer_id=layer_id,
+            layer_ids=tuple(layer_ids),
+        )
 
 
 class Engram(MemoryModule, nn.Module):
@@ -153,19 +183,26 @@ class Engram(MemoryModule, nn.Module):
     # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
     sparse_grad = False
 
-    def __init__(self, config: EngramConfig, *, d_model: int, vocab_size: int, layer_id: int,
-                 layer_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: EngramConfig,
+        *,
+        d_model: int,
+        vocab_size: int,
+        layer_id: int,
+        layer_ids: tuple[int, ...],
+    ) -> None:
         super().__init__()
         cfg = config
         cfg.check_vocab(vocab_size)
         self.config, self.d_model, self.vocab_size = cfg, d_model, vocab_size
         self.layer_id, self.layer_ids = layer_id, tuple(layer_ids)
         self.max_ngram, self.n_head = cfg.max_ngram, cfg.n_head_per_ngram
-        self.n_embed = cfg.embed_per_ngram(d_model)                 # E
-        self.head_dim = self.n_embed // self.n_head                 # Dh
-        self.d_mem = (cfg.max_ngram - 1) * self.n_embed             # (N-1)*E
+        self.n_embed = cfg.embed_per_ngram(d_model)  # E
+        self.head_dim = self.n_embed // self.n_head  # Dh
+        self.d_mem = (cfg.max_ngram - 1) * self.n_embed  # (N-1)*E
         primes = cfg.layer_primes(vocab_size, layer_id, self.layer_ids)
-        flat = [p for per_order in primes for p in per_order]       # (N-1)*H, order-major
+        flat = [p for per_order in primes for p in per_order]  # (N-1)*H, order-major
 
         # ---- compression (§1) -----------------------------------------------------------
         self.compression_fingerprint: str | None = None
@@ -184,21 +221,31 @@ class Engram(MemoryModule, nn.Module):
         mult = hash_multipliers(self.compressed_vocab_size, cfg.max_ngram, layer_id, cfg.seed)
         self.register_buffer("multipliers", torch.from_numpy(mult.copy()), persistent=False)  # (N,)
         self.register_buffer("primes", torch.tensor(flat, dtype=torch.int64), persistent=False)
-        offsets = torch.tensor([0] + flat[:-1], dtype=torch.int64).cumsum(0)  # exclusive prefix sums
-        self.register_buffer("offsets", offsets)                              # ((N-1)*H,)
+        offsets = torch.tensor([0] + flat[:-1], dtype=torch.int64).cumsum(
+            0
+        )  # exclusive prefix sums
+        self.register_buffer("offsets", offsets)  # ((N-1)*H,)
         self.n_rows = sum(flat)
 
         # ---- table (§2.5): one per layer, N(0, 1) init (nn.Embedding default) -------------
         self.table = nn.Embedding(self.n_rows, self.head_dim)
         self.fusion = GatedFusion(
-            self.d_mem, d_model, hc_mult=cfg.hc_mult, kernel_size=cfg.kernel_size,
-            dilation=cfg.conv_dilation(), kv_bias=cfg.kv_bias,
-            zero_init_value=cfg.zero_init_value, zero_init_conv=cfg.zero_init_conv)
+            self.d_mem,
+            d_model,
+            hc_mult=cfg.hc_mult,
+            kernel_size=cfg.kernel_size,
+            dilation=cfg.conv_dilation(),
+            kv_bias=cfg.kv_bias,
+            zero_init_value=cfg.zero_init_value,
+            zero_init_conv=cfg.zero_init_conv,
+        )
 
     def extra_repr(self) -> str:
-        return (f"layer_id={self.layer_id}, max_ngram={self.max_ngram}, heads={self.n_head}, "
-                f"rows={self.n_rows}, head_dim={self.head_dim}, d_mem={self.d_mem}, "
-                f"V'={self.compressed_vocab_size}, pad'={self.pad_id_compressed}")
+        return (
+            f"layer_id={self.layer_id}, max_ngram={self.max_ngram}, heads={self.n_head}, "
+            f"rows={self.n_rows}, head_dim={self.head_dim}, d_mem={self.d_mem}, "
+            f"V'={self.compressed_vocab_size}, pad'={self.pad_id_compressed}"
+        )
 
     def table_parameters(self) -> list[nn.Parameter]:
         return [self.table.weight]
@@ -215,7 +262,7 @@ class Engram(MemoryModule, nn.Module):
     def hash_ids(self, input_ids: Tensor) -> Tensor:
         """Per-head bucket ids z in [0, p): (B, T) -> (B, T, (N-1)*H), ordered (n=2, heads), ..."""
         c = self.compress(input_ids)
-        ngrams = suffix_ngrams(c, self.max_ngram, self.pad_id_compressed)    # (B, T, N)
+        ngrams = suffix_ngrams(c, self.max_ngram, self.pad_id_compressed)  # (B, T, N)
         return ngram_hash(ngrams, self.multipliers, self.primes, self.n_head)
 
     def row_ids(self, input_ids: Tensor) -> Tensor:
@@ -224,24 +271,29 @@ class Engram(MemoryModule, nn.Module):
 
     def memory_vector(self, input_ids: Tensor) -> Tensor:
         """The lookup stage alone: (B, T) -> e (B, T, d_mem) = concat over (n, head) of table rows."""
-        rows = self.row_ids(input_ids)                                       # (B, T, (N-1)*H)
+        rows = self.row_ids(input_ids)  # (B, T, (N-1)*H)
         B, T, _ = rows.shape
         # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU (PERFORMANCE.md)
-        if self.sparse_grad and torch.is_grad_enabled():   # row-sparse table gradient (tngram.kernels.sparse_rows), same values
+        if (
+            self.sparse_grad and torch.is_grad_enabled()
+        ):  # row-sparse table gradient (tngram.kernels.sparse_rows), same values
             sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
             flat = torch.index_select(sub, 0, inv)
         else:
-            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*(N-1)*H, D_h)
-        return flat.view(B, T, self.d_mem)                                   # (B, T, (N-1)*E)
+            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))  # (B*T*(N-1)*H, D_h)
+        return flat.view(B, T, self.d_mem)  # (B, T, (N-1)*E)
 
-    def forward(self, h: Tensor, input_ids: Tensor, cache: dict | None = None,
-                valid: Tensor | None = None) -> Tensor:
+    def forward(
+        self, h: Tensor, input_ids: Tensor, cache: dict | None = None, valid: Tensor | None = None
+    ) -> Tensor:
         """h (B, T, D) or (B, T, M, D), input_ids (B, T) -> y shaped like h; `cache` and `valid`
         (padding mask) as TNGram."""
         if h.dim() not in (3, 4) or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
-            raise TngramError(f"Engram expects h of shape (B, T, {self.d_model}) or (B, T, M, "
-                              f"{self.d_model}) matching input_ids (B, T); got h "
-                              f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}")
+            raise TngramError(
+                f"Engram expects h of shape (B, T, {self.d_model}) or (B, T, M, "
+                f"{self.d_model}) matching input_ids (B, T); got h "
+                f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
+            )
         ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
-        e = self.memory_vector(ids)[:, P:]                                   # (B, T, d_mem)
-        return self.fusion(h, e, cache, valid)                               # same shape as h
+        e = self.memory_vector(ids)[:, P:]  # (B, T, d_mem)
+        return self.fusion(h, e, cache, valid)  # same shape as h

@@ -54,12 +54,19 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, dilation: int) -> Tensor:
 class ShortConv(nn.Module):
     """y = SiLU(Conv1D(RMSNorm(x))): per-branch RMSNorm (eps 1e-5), depthwise causal dilated conv."""
 
-    def __init__(self, d_model: int, hc_mult: int = 1, kernel_size: int = 4, dilation: int = 1,
-                 norm_eps: float = 1e-5, zero_init: bool = True) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        hc_mult: int = 1,
+        kernel_size: int = 4,
+        dilation: int = 1,
+        norm_eps: float = 1e-5,
+        zero_init: bool = True,
+    ) -> None:
         super().__init__()
         self.d_model, self.hc_mult = d_model, hc_mult
         self.kernel_size, self.dilation, self.norm_eps = kernel_size, dilation, norm_eps
-        self.norm_weight = nn.Parameter(torch.ones(hc_mult, d_model))       # (M, D)
+        self.norm_weight = nn.Parameter(torch.ones(hc_mult, d_model))  # (M, D)
         self.weight = nn.Parameter(torch.zeros(hc_mult * d_model, kernel_size))  # (M*D, w)
         if not zero_init:  # nn.Conv1d's default init, as DeepSeek's demo leaves it
             bound = 1.0 / math.sqrt(kernel_size)
@@ -83,17 +90,17 @@ class ShortConv(nn.Module):
         L = (self.kernel_size - 1) * self.dilation
         prev = cache.get("conv")
         if cache.get("keep_history"):
-            seen = u.new_zeros(B, 0, M * D) if prev is None else prev      # (B, T_seen, M*D)
-            window = seen[:, max(0, seen.shape[1] - L):]
+            seen = u.new_zeros(B, 0, M * D) if prev is None else prev  # (B, T_seen, M*D)
+            window = seen[:, max(0, seen.shape[1] - L) :]
             if window.shape[1] < L:
                 window = torch.cat([window.new_zeros(B, L - window.shape[1], M * D), window], 1)
             cache["conv"] = torch.cat([seen, u], dim=1)
-            ext = torch.cat([window, u], dim=1)                              # (B, L + T, M*D)
+            ext = torch.cat([window, u], dim=1)  # (B, L + T, M*D)
         else:
             if prev is None:
                 prev = u.new_zeros(B, L, M * D)
-            ext = torch.cat([prev, u], dim=1)                                # (B, L + T, M*D)
-            cache["conv"] = ext[:, ext.shape[1] - L:]
+            ext = torch.cat([prev, u], dim=1)  # (B, L + T, M*D)
+            cache["conv"] = ext[:, ext.shape[1] - L :]
         out = causal_depthwise_conv(ext, self.weight, self.dilation)[:, L:]
         return F.silu(out).reshape(B, T, M, D)
 
@@ -101,13 +108,24 @@ class ShortConv(nn.Module):
 class GatedFusion(nn.Module):
     """Memory vector e (B, T, E) + hidden h -> memory output y (same shape as h), App. D."""
 
-    def __init__(self, d_mem: int, d_model: int, *, hc_mult: int = 1, kernel_size: int = 4,
-                 dilation: int = 1, kv_bias: bool = True, zero_init_value: bool = True,
-                 zero_init_conv: bool = True) -> None:
+    def __init__(
+        self,
+        d_mem: int,
+        d_model: int,
+        *,
+        hc_mult: int = 1,
+        kernel_size: int = 4,
+        dilation: int = 1,
+        kv_bias: bool = True,
+        zero_init_value: bool = True,
+        zero_init_conv: bool = True,
+    ) -> None:
         super().__init__()
         self.d_mem, self.d_model, self.hc_mult = d_mem, d_model, hc_mult
         self.value_proj = nn.Linear(d_mem, d_model, bias=kv_bias)
-        self.key_proj = nn.ModuleList(nn.Linear(d_mem, d_model, bias=kv_bias) for _ in range(hc_mult))
+        self.key_proj = nn.ModuleList(
+            nn.Linear(d_mem, d_model, bias=kv_bias) for _ in range(hc_mult)
+        )
         if zero_init_value:  # the memory then starts as an exact no-op (y = 0)
             nn.init.zeros_(self.value_proj.weight)
             if kv_bias:
@@ -136,37 +154,40 @@ class GatedFusion(nn.Module):
         policy = current_policy()
         if self.hc_mult == 1 and policy.fuse_kv and e[..., 0].numel() >= policy.fuse_kv_min_rows:
             kp, vp = self.key_proj[0], self.value_proj
-            w = torch.cat([kp.weight, vp.weight], dim=0)                    # (2D, E)
+            w = torch.cat([kp.weight, vp.weight], dim=0)  # (2D, E)
             b = None if kp.bias is None else torch.cat([kp.bias, vp.bias])  # (2D,)
-            k, v = F.linear(e, w, b).split(self.d_model, dim=-1)            # (B, T, D) each
+            k, v = F.linear(e, w, b).split(self.d_model, dim=-1)  # (B, T, D) each
             return k.unsqueeze(2), v.unsqueeze(2)
-        keys = torch.stack([proj(e) for proj in self.key_proj], dim=2)      # (B, T, M, D)
-        return keys, self.value_proj(e).unsqueeze(2)                        # (B, T, 1, D)
+        keys = torch.stack([proj(e) for proj in self.key_proj], dim=2)  # (B, T, M, D)
+        return keys, self.value_proj(e).unsqueeze(2)  # (B, T, 1, D)
 
     def gate_from_keys(self, h: Tensor, keys: Tensor) -> Tensor:
         """Scalar gate per (token, branch): h (B, T, M, D), keys (B, T, M, D) -> (B, T, M, 1)."""
         D = self.d_model
         k_hat = F.rms_norm(keys, (D,)) * self.norm_k
         h_hat = F.rms_norm(h, (D,)) * self.norm_h
-        alpha = (k_hat * h_hat).sum(-1, keepdim=True) / math.sqrt(D)       # (B, T, M, 1)
+        alpha = (k_hat * h_hat).sum(-1, keepdim=True) / math.sqrt(D)  # (B, T, M, 1)
         return signed_sqrt_gate(alpha)
 
     def gates(self, h: Tensor, e: Tensor) -> Tensor:
         """Scalar gate per (token, branch): h (B, T, M, D), e (B, T, E) -> (B, T, M, 1)."""
         return self.gate_from_keys(h, self.keys_values(e)[0])
 
-    def forward(self, h: Tensor, e: Tensor, cache: dict | None = None,
-                valid: Tensor | None = None) -> Tensor:
+    def forward(
+        self, h: Tensor, e: Tensor, cache: dict | None = None, valid: Tensor | None = None
+    ) -> Tensor:
         """valid: optional (B, T) bool mask; y is 0 at invalid (padding) positions and they do not
         enter the conv state (see ShortConv)."""
         squeeze = h.dim() == 3
         if squeeze:
-            h = h.unsqueeze(2)                                              # (B, T, 1, D)
+            h = h.unsqueeze(2)  # (B, T, 1, D)
         if h.shape[2] != self.hc_mult:
-            raise ValueError(f"hidden has {h.shape[2]} branches, module expects hc_mult={self.hc_mult}")
-        keys, v = self.keys_values(e)                                       # (B,T,M,D), (B,T,1,D)
-        g = self.gate_from_keys(h, keys)                                    # (B, T, M, 1)
-        v_gated = g * v                                                     # (B, T, M, D)
+            raise ValueError(
+                f"hidden has {h.shape[2]} branches, module expects hc_mult={self.hc_mult}"
+            )
+        keys, v = self.keys_values(e)  # (B,T,M,D), (B,T,1,D)
+        g = self.gate_from_keys(h, keys)  # (B, T, M, 1)
+        v_gated = g * v  # (B, T, M, D)
         y = v_gated + self.conv(v_gated, cache, valid)
         if valid is not None:
             y = y.masked_fill(~valid.bool()[:, :, None, None], 0.0)

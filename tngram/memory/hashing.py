@@ -65,8 +65,12 @@ def is_prime(n: int) -> bool:
     return True
 
 
-def allocate_primes(budgets: list[int] | tuple[int, ...], max_ngram: int, n_head: int,
-                    layer_ids: list[int] | tuple[int, ...]) -> dict[int, list[list[int]]]:
+def allocate_primes(
+    budgets: list[int] | tuple[int, ...],
+    max_ngram: int,
+    n_head: int,
+    layer_ids: list[int] | tuple[int, ...],
+) -> dict[int, list[list[int]]]:
     """Per-head prime table sizes, reference §2.4.
 
     budgets[n-2] is the per-head bucket budget of order n. For each layer (in the given order),
@@ -79,8 +83,10 @@ def allocate_primes(budgets: list[int] | tuple[int, ...], max_ngram: int, n_head
     if n_head < 1:
         raise TngramError(f"n_head must be >= 1, got {n_head}")
     if len(budgets) != max_ngram - 1:
-        raise TngramError(f"need one table budget per order 2..{max_ngram} "
-                          f"({max_ngram - 1} values), got {len(budgets)}")
+        raise TngramError(
+            f"need one table budget per order 2..{max_ngram} "
+            f"({max_ngram - 1} values), got {len(budgets)}"
+        )
     if any(int(b) < 1 for b in budgets):
         raise TngramError(f"table budgets must be >= 1, got {list(budgets)}")
     if len(set(layer_ids)) != len(layer_ids):
@@ -111,8 +117,9 @@ def multiplier_bound(vocab_size_compressed: int) -> int:
     return max(1, (INT64_MAX // vocab_size_compressed) // 2)
 
 
-def hash_multipliers(vocab_size_compressed: int, max_ngram: int, layer_id: int,
-                     seed: int = 0) -> np.ndarray:
+def hash_multipliers(
+    vocab_size_compressed: int, max_ngram: int, layer_id: int, seed: int = 0
+) -> np.ndarray:
     """Odd int64 multipliers m_0..m_{N-1} of one layer, reference §2.3 -> np.ndarray (N,) int64."""
     bound = multiplier_bound(vocab_size_compressed)
     rng = np.random.default_rng(seed + LAYER_SEED_PRIME * layer_id)
@@ -133,15 +140,17 @@ def ngram_hash(ngrams: Tensor, multipliers: Tensor, primes: Tensor, n_head: int)
     if multipliers.shape != (N,):
         raise TngramError(f"multipliers must have shape ({N},), got {tuple(multipliers.shape)}")
     if primes.shape != ((N - 1) * n_head,):
-        raise TngramError(f"primes must have shape ({(N - 1) * n_head},), got {tuple(primes.shape)}")
+        raise TngramError(
+            f"primes must have shape ({(N - 1) * n_head},), got {tuple(primes.shape)}"
+        )
     ngrams = ngrams.long()
     mult = multipliers.to(device=ngrams.device, dtype=torch.int64)
-    prods = ngrams * mult                                   # (B, T, N) int64, all < 2^63
+    prods = ngrams * mult  # (B, T, N) int64, all < 2^63
     mixes = []
-    mix = prods[..., 0]                                     # (B, T)
+    mix = prods[..., 0]  # (B, T)
     for k in range(1, N):
-        mix = torch.bitwise_xor(mix, prods[..., k])         # mix_{k+1}: orders are nested
+        mix = torch.bitwise_xor(mix, prods[..., k])  # mix_{k+1}: orders are nested
         mixes.append(mix)
-    mix_all = torch.stack(mixes, dim=-1)                    # (B, T, N-1), order n at index n-2
-    mix_all = mix_all.repeat_interleave(n_head, dim=-1)     # (B, T, (N-1)*H)
+    mix_all = torch.stack(mixes, dim=-1)  # (B, T, N-1), order n at index n-2
+    mix_all = mix_all.repeat_interleave(n_head, dim=-1)  # (B, T, (N-1)*H)
     return torch.remainder(mix_all, primes.to(device=ngrams.device, dtype=torch.int64))

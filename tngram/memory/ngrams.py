@@ -75,8 +75,9 @@ def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
     return torch.stack(cols, dim=-1)  # (B, T, n_max)
 
 
-def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int,
-                        valid: Tensor | None = None) -> tuple[Tensor, int]:
+def extend_with_history(
+    ids: Tensor, cache: dict | None, n_max: int, pad_id: int, valid: Tensor | None = None
+) -> tuple[Tensor, int]:
     """Incremental decoding: prepend the previous n_max-1 token ids kept in `cache["ids"]`
     (pad_id before the sequence start) and store the new tail there.
 
@@ -97,14 +98,14 @@ def extend_with_history(ids: Tensor, cache: dict | None, n_max: int, pad_id: int
     hist = cache.get("ids")
     if cache.get("keep_history"):
         B = ids.shape[0]
-        seen = ids.new_zeros((B, 0)) if hist is None else hist              # (B, T_seen)
-        window = seen[:, max(0, seen.shape[1] - P):]
-        if window.shape[1] < P:                                             # pad_id before the start
+        seen = ids.new_zeros((B, 0)) if hist is None else hist  # (B, T_seen)
+        window = seen[:, max(0, seen.shape[1] - P) :]
+        if window.shape[1] < P:  # pad_id before the start
             window = torch.cat([window.new_full((B, P - window.shape[1]), pad_id), window], dim=1)
         cache["ids"] = torch.cat([seen, ids.to(seen.dtype)], dim=1)
         return torch.cat([window.to(ids.dtype), ids], dim=1), P
     if hist is None:
         hist = ids.new_full((ids.shape[0], P), pad_id)
-    ext = torch.cat([hist, ids], dim=1)                                  # (B, P + T)
-    cache["ids"] = ext[:, ext.shape[1] - P:] if P > 0 else ext[:, :0]
+    ext = torch.cat([hist, ids], dim=1)  # (B, P + T)
+    cache["ids"] = ext[:, ext.shape[1] - P :] if P > 0 else ext[:, :0]
     return ext, P

@@ -63,13 +63,16 @@ class OverEncodingConfig(MemoryConfig):
     kind: ClassVar[str] = "oe"
     injection: ClassVar[str] = "embedding"  # the GPT replaces its token embedding by forward(...)
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
-        "max_ngram": (1, 32), "n_slices": (1, 1024), "table_rows": (1, INT_MAX),
-        "slice_dim": (1, INT_MAX)}
+        "max_ngram": (1, 32),
+        "n_slices": (1, 1024),
+        "table_rows": (1, INT_MAX),
+        "slice_dim": (1, INT_MAX),
+    }
 
     max_ngram: int = 3
     n_slices: int = 2
-    table_rows: int | None = None   # None -> 5 * vocab_size (base modulus per slice table)
-    slice_dim: int | None = None    # None -> d_model // (n_slices * (max_ngram - 1))
+    table_rows: int | None = None  # None -> 5 * vocab_size (base modulus per slice table)
+    slice_dim: int | None = None  # None -> d_model // (n_slices * (max_ngram - 1))
     pad_id: int = 0
     average: bool = True
     zero_init_proj: bool = True
@@ -91,8 +94,10 @@ class OverEncodingConfig(MemoryConfig):
     def slice_width(self, d_model: int) -> int:
         ds = self.slice_dim if self.slice_dim is not None else d_model // self.n_tables
         if ds < 1:
-            raise TngramError(f"Over-Encoding slice width is 0 for d_model={d_model} and "
-                              f"{self.n_tables} slice tables; set slice_dim")
+            raise TngramError(
+                f"Over-Encoding slice width is 0 for d_model={d_model} and "
+                f"{self.n_tables} slice tables; set slice_dim"
+            )
         return ds
 
     def moduli(self, vocab_size: int) -> list[int]:
@@ -104,14 +109,21 @@ class OverEncodingConfig(MemoryConfig):
         if not 0 <= self.pad_id < vocab_size:
             raise TngramError(f"Over-Encoding pad_id {self.pad_id} is outside [0, {vocab_size})")
 
-    def param_count(self, *, d_model: int, vocab_size: int, layer_id: int = 0,
-                    layer_ids: tuple[int, ...] | None = None) -> int:
+    def param_count(
+        self,
+        *,
+        d_model: int,
+        vocab_size: int,
+        layer_id: int = 0,
+        layer_ids: tuple[int, ...] | None = None,
+    ) -> int:
         """Exact parameter count of `build(...)`: sum_s m_s * Ds + S * Ds * D."""
         ds = self.slice_width(d_model)
         return sum(self.moduli(vocab_size)) * ds + self.n_tables * ds * d_model
 
-    def make_module(self, *, d_model: int, vocab_size: int, layer_id: int,
-                    layer_ids: tuple[int, ...]) -> "OverEncoding":
+    def make_module(
+        self, *, d_model: int, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    ) -> "OverEncoding":
         """layer_id / layer_ids are ignored: OE has one module per model, at the input embedding."""
         return OverEncoding(self, d_model=d_model, vocab_size=vocab_size)
 
@@ -132,18 +144,19 @@ class OverEncoding(MemoryModule, nn.Module):
         self.slice_dim = cfg.slice_width(d_model)
         moduli = cfg.moduli(vocab_size)
         if max(moduli) * vocab_size > INT64_MAX:
-            raise TngramError(f"Over-Encoding modulus {max(moduli)} x vocab {vocab_size} "
-                              "overflows int64")
+            raise TngramError(
+                f"Over-Encoding modulus {max(moduli)} x vocab {vocab_size} overflows int64"
+            )
         # powers[s, l] = V^l mod m_s: the weight of digit x_{t-l} in table s
         powers = [[pow(vocab_size, l, m) for l in range(cfg.max_ngram)] for m in moduli]
         self.register_buffer("moduli", torch.tensor(moduli, dtype=torch.int64), persistent=False)
         self.register_buffer("powers", torch.tensor(powers, dtype=torch.int64), persistent=False)
-        order = [2 + s // cfg.n_slices for s in range(self.n_tables)]    # n-gram order of table s
+        order = [2 + s // cfg.n_slices for s in range(self.n_tables)]  # n-gram order of table s
         self.register_buffer("orders", torch.tensor(order, dtype=torch.int64), persistent=False)
         offsets = torch.tensor([0] + moduli[:-1], dtype=torch.int64).cumsum(0)
-        self.register_buffer("offsets", offsets)                         # (S,) row offset per table
+        self.register_buffer("offsets", offsets)  # (S,) row offset per table
         self.n_rows = sum(moduli)
-        self.table = nn.Embedding(self.n_rows, self.slice_dim)           # "mega" table, N(0, 1)
+        self.table = nn.Embedding(self.n_rows, self.slice_dim)  # "mega" table, N(0, 1)
         # W = [W_0 | W_1 | ... | W_{S-1}]: one bias-free Linear(S*Ds, D) == sum_s W_s e_s
         self.proj = nn.Linear(self.n_tables * self.slice_dim, d_model, bias=False)
         if cfg.zero_init_proj:
@@ -153,9 +166,11 @@ class OverEncoding(MemoryModule, nn.Module):
             nn.init.uniform_(self.proj.weight, -bound, bound)
 
     def extra_repr(self) -> str:
-        return (f"max_ngram={self.max_ngram}, n_slices={self.n_slices}, rows={self.n_rows}, "
-                f"slice_dim={self.slice_dim}, moduli={self.moduli.tolist()}, "
-                f"average={self.config.average}")
+        return (
+            f"max_ngram={self.max_ngram}, n_slices={self.n_slices}, rows={self.n_rows}, "
+            f"slice_dim={self.slice_dim}, moduli={self.moduli.tolist()}, "
+            f"average={self.config.average}"
+        )
 
     def table_parameters(self) -> list[nn.Parameter]:
         return [self.table.weight]
@@ -163,39 +178,53 @@ class OverEncoding(MemoryModule, nn.Module):
     def ngram_ids(self, input_ids: Tensor) -> Tensor:
         """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T, S) int64."""
         check_ids_in_forward(input_ids, self.vocab_size)
-        grams = suffix_ngrams(input_ids, self.max_ngram, self.config.pad_id)  # (B, T, N), col l = x_{t-l}
+        grams = suffix_ngrams(
+            input_ids, self.max_ngram, self.config.pad_id
+        )  # (B, T, N), col l = x_{t-l}
         B, T, N = grams.shape
         r = torch.zeros(B, T, self.n_tables, dtype=torch.int64, device=grams.device)
         for l in range(N):
             # digit l only counts for tables whose order exceeds l; every term stays < m_s * V
-            term = grams[..., l : l + 1] * self.powers[:, l]                  # (B, T, S)
+            term = grams[..., l : l + 1] * self.powers[:, l]  # (B, T, S)
             term = torch.where(self.orders > l, term, torch.zeros_like(term))
             r = torch.remainder(r + term, self.moduli)
         return r
 
     def memory_vector(self, input_ids: Tensor) -> Tensor:
         """Concatenated slice embeddings (B, T) -> (B, T, S*Ds), before the projections."""
-        rows = self.ngram_ids(input_ids) + self.offsets                      # (B, T, S)
+        rows = self.ngram_ids(input_ids) + self.offsets  # (B, T, S)
         B, T, _ = rows.shape
-        if self.sparse_grad and torch.is_grad_enabled():   # row-sparse table gradient (tngram.kernels.sparse_rows), same values
+        if (
+            self.sparse_grad and torch.is_grad_enabled()
+        ):  # row-sparse table gradient (tngram.kernels.sparse_rows), same values
             sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
             flat = torch.index_select(sub, 0, inv)
         else:
-            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))   # (B*T*S, Ds)
+            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))  # (B*T*S, Ds)
         return flat.view(B, T, self.n_tables * self.slice_dim)
 
-    def forward(self, tok_emb: Tensor, input_ids: Tensor, cache: dict | None = None,
-                valid: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tok_emb: Tensor,
+        input_ids: Tensor,
+        cache: dict | None = None,
+        valid: Tensor | None = None,
+    ) -> Tensor:
         """New input embedding (B, T, D); `cache` keeps the n-gram window for incremental decoding.
         valid: optional (B, T) bool mask (False = padding): padded ids read as pad_id in the
         windows and get no n-gram term."""
-        if tok_emb.dim() != 3 or tok_emb.shape[:2] != input_ids.shape or \
-                tok_emb.shape[-1] != self.d_model:
-            raise TngramError(f"Over-Encoding expects tok_emb (B, T, {self.d_model}) matching "
-                              f"input_ids (B, T); got {tuple(tok_emb.shape)} and "
-                              f"{tuple(input_ids.shape)}")
+        if (
+            tok_emb.dim() != 3
+            or tok_emb.shape[:2] != input_ids.shape
+            or tok_emb.shape[-1] != self.d_model
+        ):
+            raise TngramError(
+                f"Over-Encoding expects tok_emb (B, T, {self.d_model}) matching "
+                f"input_ids (B, T); got {tuple(tok_emb.shape)} and "
+                f"{tuple(input_ids.shape)}"
+            )
         ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
-        mem = self.proj(self.memory_vector(ids)[:, P:])                      # (B, T, D)
+        mem = self.proj(self.memory_vector(ids)[:, P:])  # (B, T, D)
         if valid is not None:
             mem = mem.masked_fill(~valid.bool().unsqueeze(-1), 0.0)
         out = tok_emb + mem

@@ -40,8 +40,9 @@ ORDER_COMBINES = ("concat", "sum")
 LEAN: dict[str, Any] = {"use_norm": False, "use_absorption": False}
 
 
-def hash_primes(cfg: Any, vocab_size: int, layer_id: int,
-                layer_ids: tuple[int, ...]) -> list[list[int]]:
+def hash_primes(
+    cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+) -> list[list[int]]:
     """Per-head table sizes [[p_{n,j}] for n in hash_orders] of one layer. Same allocation as
     Engram (tngram.memory.hashing.allocate_primes: global, distinct primes over layers, orders
     and heads), over the hashed orders only."""
@@ -60,7 +61,9 @@ class HashedOrders(nn.Module):
     # the instance by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
     sparse_grad = False
 
-    def __init__(self, cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    ) -> None:
         super().__init__()
         N, H = cfg.max_ngram, cfg.hash_heads
         self.orders, self.n_head = tuple(cfg.hash_orders), H
@@ -80,17 +83,17 @@ class HashedOrders(nn.Module):
         self.register_buffer("cols", cols, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
         self.n_rows = sum(flat)
-        self.table = nn.Embedding(self.n_rows, self.head_dim)             # N(0, 1), as Engram
+        self.table = nn.Embedding(self.n_rows, self.head_dim)  # N(0, 1), as Engram
 
     def rows(self, ngrams: Tensor) -> Tensor:
         """(B, T, N) n-grams (column k = x_{t-k}) -> table rows (B, T, |orders| * H)."""
-        z = ngram_hash(ngrams, self.multipliers, self.primes, self.n_head)   # (B, T, (N-1) H)
+        z = ngram_hash(ngrams, self.multipliers, self.primes, self.n_head)  # (B, T, (N-1) H)
         return z.index_select(-1, self.cols) + self.offsets
 
     def forward(self, ngrams: Tensor) -> Tensor:
         rows = self.rows(ngrams)
         B, T, _ = rows.shape
-        if self.sparse_grad and torch.is_grad_enabled():   # same values, row-sparse table gradient
+        if self.sparse_grad and torch.is_grad_enabled():  # same values, row-sparse table gradient
             sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
             return torch.index_select(sub, 0, inv).view(B, T, self.width)
         return torch.index_select(self.table.weight, 0, rows.reshape(-1)).view(B, T, self.width)
@@ -104,8 +107,9 @@ def lookup_width(cfg: Any) -> int:
     return cfg.cp_rank if cfg.order_combine == "sum" else (cfg.max_ngram - 1) * cfg.cp_rank
 
 
-def variant_param_count(cfg: Any, vocab_size: int, layer_id: int,
-                        layer_ids: tuple[int, ...]) -> tuple[int, int]:
+def variant_param_count(
+    cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+) -> tuple[int, int]:
     """(parameters of the variant stages: hash table + W_down, the K/V input width d_mem)."""
     n, d_mem = 0, lookup_width(cfg)
     if cfg.hash_orders:

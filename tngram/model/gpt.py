@@ -49,22 +49,26 @@ class GPTConfig:
     logit_softcap: float = 30.0
     qk_gain_init: float = 1.5
     tied_embed_init_std: float = 0.005
-    sequence_len: int = 1024            # longest sequence the model accepts
-    memory: Any = None                  # TNGramConfig | EngramConfig | OverEncodingConfig | None
+    sequence_len: int = 1024  # longest sequence the model accepts
+    memory: Any = None  # TNGramConfig | EngramConfig | OverEncodingConfig | None
     memory_layers: tuple[int, ...] = (1, 7)
     memory_seed: int = 0
 
     def validate(self) -> None:
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise TngramError(f"n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) "
-                              f"and n_head by n_kv_head ({self.n_kv_head})")
+            raise TngramError(
+                f"n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) "
+                f"and n_head by n_kv_head ({self.n_kv_head})"
+            )
         if (self.n_embd // self.n_head) % 2:
             raise TngramError("head dim must be even for RoPE")
         if self.memory is not None and getattr(self.memory, "injection", "block") == "block":
             bad = [i for i in self.memory_layers if not 0 <= i < self.n_layer]
             if bad or not self.memory_layers:
-                raise TngramError(f"memory_layers {tuple(self.memory_layers)} must be non-empty "
-                                  f"block indices in [0, {self.n_layer})")
+                raise TngramError(
+                    f"memory_layers {tuple(self.memory_layers)} must be non-empty "
+                    f"block indices in [0, {self.n_layer})"
+                )
             if len(set(self.memory_layers)) != len(self.memory_layers):
                 raise TngramError(f"memory_layers {tuple(self.memory_layers)} has duplicates")
 
@@ -88,7 +92,9 @@ def rms_norm(x: Tensor) -> Tensor:
 
 def rope_tables(T: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:
     """cos, sin of shape (T, head_dim/2), angles t * base^(-2i/head_dim)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    )
     angles = torch.outer(torch.arange(T, dtype=torch.float32, device=device), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -121,9 +127,9 @@ class Attention(nn.Module):
         """x (B, T, D) -> (B, T, D). With `cache` (incremental decoding) the keys/values of earlier
         positions are read from cache["k"], cache["v"] (B, K, T_past, E) and extended in place."""
         B, T, D = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, H, T, E)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, K, T, E)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)   # (B, K, T, E)
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, E)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, E)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, E)
         q, k = rms_norm(q), rms_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = q * self.q_gain.to(q.dtype).view(1, -1, 1, 1)
@@ -132,12 +138,15 @@ class Attention(nn.Module):
             past = cache["k"].shape[2]
             k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             # query i (absolute position past + i) sees keys 0..past + i
-            mask = torch.arange(past + T, device=x.device) <= (past + torch.arange(T, device=x.device)).unsqueeze(1)
+            mask = torch.arange(past + T, device=x.device) <= (
+                past + torch.arange(T, device=x.device)
+            ).unsqueeze(1)
             causal = False
         if cache is not None:
             cache["k"], cache["v"] = k, v
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_head != self.n_head
+        )
         return self.proj(y.transpose(1, 2).reshape(B, T, D))
 
 
@@ -159,11 +168,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.attn_scale = nn.Parameter(torch.ones(cfg.n_embd))
         self.mlp_scale = nn.Parameter(torch.ones(cfg.n_embd))
-        self.resid_mix = nn.Parameter(torch.stack([torch.ones(cfg.n_embd), torch.zeros(cfg.n_embd)]))
+        self.resid_mix = nn.Parameter(
+            torch.stack([torch.ones(cfg.n_embd), torch.zeros(cfg.n_embd)])
+        )
         self.memory = memory
 
-    def forward(self, x: Tensor, x0: Tensor, ids: Tensor, cos: Tensor, sin: Tensor,
-                cache: dict | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        x0: Tensor,
+        ids: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache: dict | None = None,
+    ) -> Tensor:
         mix = self.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
         if self.memory is not None:
@@ -196,20 +214,23 @@ class GPT(nn.Module):
             blocks.append(Block(cfg))  # backbone first: its RNG stream never sees memory init
         self.blocks = nn.ModuleList(blocks)
         self.n_enc = cfg.n_layer // 2
-        self.skip_weights = nn.Parameter(torch.ones(min(self.n_enc, cfg.n_layer - self.n_enc), cfg.n_embd))
+        self.skip_weights = nn.Parameter(
+            torch.ones(min(self.n_enc, cfg.n_layer - self.n_enc), cfg.n_embd)
+        )
         self.embed_memory = None
         if mem is not None:
             layers = tuple(cfg.memory_layers) if block_mem else (0,)
             for i in layers:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(memory_seed(cfg.memory_seed, i))
-                    module = mem.build(d_model=cfg.n_embd, vocab_size=cfg.vocab_size,
-                                       layer_id=i, layer_ids=layers)
+                    module = mem.build(
+                        d_model=cfg.n_embd, vocab_size=cfg.vocab_size, layer_id=i, layer_ids=layers
+                    )
                 if block_mem:
                     self.blocks[i].memory = module
                 else:
                     self.embed_memory = module
-            link = getattr(mem, "link_layers", None)   # e.g. TN-gram share_factors: one A_1..A_N
+            link = getattr(mem, "link_layers", None)  # e.g. TN-gram share_factors: one A_1..A_N
             if block_mem and link is not None:
                 link([self.blocks[i].memory for i in layers])
 
@@ -224,7 +245,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def memory_params(self) -> int:
-        n = sum(p.numel() for b in self.blocks if b.memory is not None for p in b.memory.parameters())
+        n = sum(
+            p.numel() for b in self.blocks if b.memory is not None for p in b.memory.parameters()
+        )
         if self.embed_memory is not None:
             n += sum(p.numel() for p in self.embed_memory.parameters())
         return n
@@ -243,13 +266,22 @@ class GPT(nn.Module):
         B, T = ids.shape
         pos = 0 if cache is None else cache.get("pos", 0)
         if pos + T > cfg.sequence_len:
-            raise TngramError(f"sequence length {pos + T} exceeds the model's sequence_len {cfg.sequence_len}")
+            raise TngramError(
+                f"sequence length {pos + T} exceeds the model's sequence_len {cfg.sequence_len}"
+            )
         check_ids_in_forward(ids, cfg.vocab_size)
-        caches = [None] * cfg.n_layer if cache is None else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
-        x = self.tok_emb(ids)                                               # (B, T, D)
+        caches = (
+            [None] * cfg.n_layer
+            if cache is None
+            else cache.setdefault("blocks", [{} for _ in range(cfg.n_layer)])
+        )
+        x = self.tok_emb(ids)  # (B, T, D)
         if self.embed_memory is not None:
-            x = (self.embed_memory(x, ids) if cache is None
-                 else self.embed_memory(x, ids, cache=cache.setdefault("embed_memory", {})))
+            x = (
+                self.embed_memory(x, ids)
+                if cache is None
+                else self.embed_memory(x, ids, cache=cache.setdefault("embed_memory", {}))
+            )
         x = rms_norm(x)
         x0 = x
         cos, sin = rope_tables(pos + T, cfg.n_embd // cfg.n_head, cfg.rope_base, ids.device)
@@ -267,18 +299,24 @@ class GPT(nn.Module):
         return rms_norm(x)
 
     def logits(self, h: Tensor) -> Tensor:
-        z = F.linear(h, self.tok_emb.weight.to(h.dtype))                   # (B, T, V)
+        z = F.linear(h, self.tok_emb.weight.to(h.dtype))  # (B, T, V)
         c = self.config.logit_softcap
         return c * torch.tanh(z / c)
 
-    def forward(self, ids: Tensor, targets: Tensor | None = None, reduction: str = "mean",
-                cache: dict | None = None) -> Tensor:
+    def forward(
+        self,
+        ids: Tensor,
+        targets: Tensor | None = None,
+        reduction: str = "mean",
+        cache: dict | None = None,
+    ) -> Tensor:
         """Logits (B, T, V) when targets is None, else the cross-entropy (fp32). See `hidden` for cache."""
         logits = self.logits(self.hidden(ids, cache))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                               reduction=reduction)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction
+        )
 
 
 def param_counts(cfg: GPTConfig) -> dict[str, int]:
@@ -288,5 +326,8 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
         model = GPT(cfg)
         raw = GPT(replace(cfg, memory=None))
     total = model.num_params()
-    return {"total_params": total, "memory_params": model.memory_params(),
-            "delta_params": total - raw.num_params()}
+    return {
+        "total_params": total,
+        "memory_params": model.memory_params(),
+        "delta_params": total - raw.num_params(),
+    }

@@ -37,6 +37,7 @@ GROUP_OPTIMIZER = {"embed": "adam", "memory_table": "adam", "scalar": "adam", "m
 
 class OptimLrs(Protocol):
     """The learning-rate fields build_param_groups reads (tngram.train.config.OptimConfig)."""
+
     matrix_lr: float
     tied_embed_lr: float
     memory_table_lr: float | None
@@ -45,9 +46,9 @@ class OptimLrs(Protocol):
 
 @dataclass(frozen=True)
 class ParamRule:
-    group: str                                           # key of GROUP_OPTIMIZER
-    what: str                                            # human description (printed, documented)
-    matches: Callable[[str, Tensor, nn.Module], bool]    # (full name, parameter, owning module)
+    group: str  # key of GROUP_OPTIMIZER
+    what: str  # human description (printed, documented)
+    matches: Callable[[str, Tensor, nn.Module], bool]  # (full name, parameter, owning module)
 
 
 def _leaf(name: str) -> str:
@@ -70,18 +71,29 @@ def default_rules(model: nn.Module) -> tuple[ParamRule, ...]:
     tables = {id(p) for p in declared_parameters(model, "table_parameters")}
     controls = {id(p) for p in declared_parameters(model, "control_parameters")}
     return (
-        ParamRule("embed", "token embedding tok_emb.weight (tied head)",
-                  lambda n, p, m: n == "tok_emb.weight"),
-        ParamRule("memory_table", "memory lookup tables (each memory's table_parameters(): TN-gram "
-                  "CP factors, Engram / Over-Encoding tables)",
-                  lambda n, p, m: id(p) in tables),
-        ParamRule("scalar", "control parameters (control_parameters() of the GPT and of each memory: "
-                  "gains, scales, absorption vectors, depthwise conv kernels)",
-                  lambda n, p, m: id(p) in controls),
-        ParamRule("scalar", "1-D parameters (biases, gains)",
-                  lambda n, p, m: p.dim() < 2),
-        ParamRule("muon", "nn.Linear weights (attention, MLP, memory K/V, OE projection)",
-                  lambda n, p, m: isinstance(m, nn.Linear) and _leaf(n) == "weight" and p.dim() == 2),
+        ParamRule(
+            "embed",
+            "token embedding tok_emb.weight (tied head)",
+            lambda n, p, m: n == "tok_emb.weight",
+        ),
+        ParamRule(
+            "memory_table",
+            "memory lookup tables (each memory's table_parameters(): TN-gram "
+            "CP factors, Engram / Over-Encoding tables)",
+            lambda n, p, m: id(p) in tables,
+        ),
+        ParamRule(
+            "scalar",
+            "control parameters (control_parameters() of the GPT and of each memory: "
+            "gains, scales, absorption vectors, depthwise conv kernels)",
+            lambda n, p, m: id(p) in controls,
+        ),
+        ParamRule("scalar", "1-D parameters (biases, gains)", lambda n, p, m: p.dim() < 2),
+        ParamRule(
+            "muon",
+            "nn.Linear weights (attention, MLP, memory K/V, OE projection)",
+            lambda n, p, m: isinstance(m, nn.Linear) and _leaf(n) == "weight" and p.dim() == 2,
+        ),
     )
 
 
@@ -105,22 +117,27 @@ def assign_groups(model: nn.Module, rules: tuple[ParamRule, ...] | None = None) 
         else:
             out[name] = group
     if unmatched:
-        raise TngramError("parameters matched no optimiser rule (add a rule in "
-                          "tngram/optim/groups.py): " + ", ".join(unmatched))
+        raise TngramError(
+            "parameters matched no optimiser rule (add a rule in "
+            "tngram/optim/groups.py): " + ", ".join(unmatched)
+        )
     return out
 
 
 def group_lrs(optim_cfg: OptimLrs) -> dict[str, float]:
     """Base learning rate of each group (before the schedule's multiplier)."""
     table_lr = optim_cfg.memory_table_lr
-    return {"embed": optim_cfg.tied_embed_lr,
-            "memory_table": optim_cfg.tied_embed_lr if table_lr is None else table_lr,
-            "scalar": optim_cfg.scalar_lr,
-            "muon": optim_cfg.matrix_lr}
+    return {
+        "embed": optim_cfg.tied_embed_lr,
+        "memory_table": optim_cfg.tied_embed_lr if table_lr is None else table_lr,
+        "scalar": optim_cfg.scalar_lr,
+        "muon": optim_cfg.matrix_lr,
+    }
 
 
-def build_param_groups(model: nn.Module, optim_cfg: OptimLrs,
-                       rules: tuple[ParamRule, ...] | None = None) -> list[dict]:
+def build_param_groups(
+    model: nn.Module, optim_cfg: OptimLrs, rules: tuple[ParamRule, ...] | None = None
+) -> list[dict]:
     """Param groups for torch optimisers, in the fixed order embed, memory_table, scalar, muon.
 
     Each dict: params, names, group, optimizer ("adam" | "muon"), lr and base_lr (equal at build
@@ -133,9 +150,16 @@ def build_param_groups(model: nn.Module, optim_cfg: OptimLrs,
     for group in GROUP_OPTIMIZER:
         names = [n for n, g in assignment.items() if g == group]
         if names:
-            groups.append({"params": [named[n] for n in names], "names": names, "group": group,
-                           "optimizer": GROUP_OPTIMIZER[group], "lr": lrs[group],
-                           "base_lr": lrs[group]})
+            groups.append(
+                {
+                    "params": [named[n] for n in names],
+                    "names": names,
+                    "group": group,
+                    "optimizer": GROUP_OPTIMIZER[group],
+                    "lr": lrs[group],
+                    "base_lr": lrs[group],
+                }
+            )
     return groups
 
 
@@ -146,12 +170,15 @@ def format_param_table(groups: list[dict]) -> str:
     for g in groups:
         n_t, n_p = len(g["params"]), sum(p.numel() for p in g["params"])
         total_t, total_p = total_t + n_t, total_p + n_p
-        lines.append(f"{g['group']:13s} {g['optimizer']:9s} {g['base_lr']:8.4g} {n_t:7d} {n_p:12,d}")
+        lines.append(
+            f"{g['group']:13s} {g['optimizer']:9s} {g['base_lr']:8.4g} {n_t:7d} {n_p:12,d}"
+        )
     lines.append(f"{'total':13s} {'':9s} {'':>8s} {total_t:7d} {total_p:12,d}")
     return "\n".join(lines)
 
 
 # ---- any model (e.g. a transformers model with tngram.hf.add_memory) -------------------------
+
 
 def memory_table_params(model: nn.Module) -> list[nn.Parameter]:
     """The memory lookup tables of any model, as its memory modules declare them
@@ -169,14 +196,15 @@ def split_memory_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.P
     """
     table_ids = {id(p) for p in memory_table_params(model)}
     tables, rest = [], []
-    for p in model.parameters():          # deduplicates shared parameters
+    for p in model.parameters():  # deduplicates shared parameters
         if p.requires_grad:
             (tables if id(p) in table_ids else rest).append(p)
     return tables, rest
 
 
-def memory_param_groups(model: nn.Module, table_lr: float, lr: float | None = None,
-                        table_weight_decay: float = 0.0) -> list[dict]:
+def memory_param_groups(
+    model: nn.Module, table_lr: float, lr: float | None = None, table_weight_decay: float = 0.0
+) -> list[dict]:
     """torch.optim param groups: [memory tables at table_lr (weight decay table_weight_decay,
     default 0), everything else (at `lr` if given, else the optimiser's default)]. Each group
     carries a "group" name ("memory_table" / "rest"); empty groups are left out.
@@ -186,8 +214,14 @@ def memory_param_groups(model: nn.Module, table_lr: float, lr: float | None = No
     tables, rest = split_memory_params(model)
     groups = []
     if tables:
-        groups.append({"params": tables, "lr": table_lr, "weight_decay": table_weight_decay,
-                       "group": "memory_table"})
+        groups.append(
+            {
+                "params": tables,
+                "lr": table_lr,
+                "weight_decay": table_weight_decay,
+                "group": "memory_table",
+            }
+        )
     if rest:
         groups.append({"params": rest, "group": "rest", **({} if lr is None else {"lr": lr})})
     return groups

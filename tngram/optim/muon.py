@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of the quintic iteration (parameter-golf §2.3)
-NS_EPS = 1e-7                          # added to the Frobenius norm before normalising
+NS_EPS = 1e-7  # added to the Frobenius norm before normalising
 
 
 def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = NS_EPS) -> Tensor:
@@ -70,9 +70,16 @@ class Muon(torch.optim.Optimizer):
     uses the default process group and is skipped when world_size == 1.
     """
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict], lr: float = 0.04,
-                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 ddp_rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 0.04,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ddp_rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if lr < 0:
             raise ValueError(f"Muon lr must be >= 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -98,7 +105,9 @@ class Muon(torch.optim.Optimizer):
             if not params:
                 continue
             lr, mu = group["lr"], group["momentum"]
-            if _sharded(params[0]):      # FSDP2 (tngram.train.fsdp): gather, orthogonalise, keep the shard
+            if _sharded(
+                params[0]
+            ):  # FSDP2 (tngram.train.fsdp): gather, orthogonalise, keep the shard
                 self._step_sharded(group)
                 continue
             total = sum(p.numel() for p in params)
@@ -117,14 +126,14 @@ class Muon(torch.optim.Optimizer):
                         u = g.add(buf, alpha=mu) if group["nesterov"] else buf
                         u = zeropower_newton_schulz(u, steps=group["ns_steps"])
                         u = u * muon_scale(u.shape)
-                        updates[offset: offset + n] = u.reshape(-1)
+                        updates[offset : offset + n] = u.reshape(-1)
                 offset += n
             if self.world_size > 1:
                 dist.all_reduce(updates, op=dist.ReduceOp.SUM)
             offset = 0
             for p in params:
                 n = p.numel()
-                u = updates[offset: offset + n].view_as(p).to(dtype=p.dtype)
+                u = updates[offset : offset + n].view_as(p).to(dtype=p.dtype)
                 p.add_(u, alpha=-lr)
                 offset += n
         return loss
@@ -135,6 +144,7 @@ class Muon(torch.optim.Optimizer):
         (the same bf16 result everywhere) and only the local shard is applied. Same numbers as
         the unsharded step given the same gradients (FSDP's are bitwise those of 1 process)."""
         from torch.distributed.tensor import distribute_tensor
+
         lr, mu = group["lr"], group["momentum"]
         for p in group["params"]:
             if p.grad is None:
@@ -148,10 +158,12 @@ class Muon(torch.optim.Optimizer):
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
             full = zeropower_newton_schulz(u.full_tensor(), steps=group["ns_steps"])
             full = (full * muon_scale(full.shape)).to(dtype=p.dtype)
-            p.add_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None),
-                   alpha=-lr)
+            p.add_(
+                distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None), alpha=-lr
+            )
 
 
 def _sharded(p: Tensor) -> bool:
     from torch.distributed.tensor import DTensor
+
     return isinstance(p, DTensor)

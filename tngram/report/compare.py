@@ -11,10 +11,16 @@ from tngram.report.runs import fmt_mean_std, fmt_params, mean_std
 
 # Paper Table 1 (L9: N=5, R=1024; L18: N=5, R=1800): delta params, train loss, val BPB, CORE.
 PAPER_TABLE1 = {
-    "paper-l9": {"raw": (None, 2.209, 1.251, 0.06), "engram": (26e6, 2.142, 1.209, 0.072),
-                 "tngram": (19e6, 2.141, 1.208, 0.083)},
-    "paper-l18": {"raw": (None, 1.792, 1.086, 0.107), "engram": (60e6, 1.771, 1.070, 0.115),
-                  "tngram": (48e6, 1.770, 1.071, 0.120)},
+    "paper-l9": {
+        "raw": (None, 2.209, 1.251, 0.06),
+        "engram": (26e6, 2.142, 1.209, 0.072),
+        "tngram": (19e6, 2.141, 1.208, 0.083),
+    },
+    "paper-l18": {
+        "raw": (None, 1.792, 1.086, 0.107),
+        "engram": (60e6, 1.771, 1.070, 0.115),
+        "tngram": (48e6, 1.770, 1.071, 0.120),
+    },
 }
 NAMES = {"raw": "Raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding"}
 
@@ -24,16 +30,24 @@ def compare_table(results: dict[str, Any]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     paper = PAPER_TABLE1.get(results.get("preset", ""), {})
     has_core = any(r.get("core") is not None for r in rows)
-    head = ["Method", "ΔParams", "Train loss", "Val loss", "Val BPB"] + (["CORE"] if has_core else []) + ["tokens/s"]
+    head = (
+        ["Method", "ΔParams", "Train loss", "Val loss", "Val BPB"]
+        + (["CORE"] if has_core else [])
+        + ["tokens/s"]
+    )
     if paper:
         head += ["paper ΔParams", "paper train loss", "paper val BPB", "paper CORE"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     raw_bpb = mean_std([r["val_bpb"] for r in rows if r["method"] == "raw"])[0]
     for m in methods:
         rs = [r for r in rows if r["method"] == m]
-        cells = [NAMES.get(m, m), fmt_params(rs[0].get("delta_params")),
-                 fmt_mean_std([r["train_loss"] for r in rs]), fmt_mean_std([r["val_loss"] for r in rs]),
-                 fmt_mean_std([r["val_bpb"] for r in rs])]
+        cells = [
+            NAMES.get(m, m),
+            fmt_params(rs[0].get("delta_params")),
+            fmt_mean_std([r["train_loss"] for r in rs]),
+            fmt_mean_std([r["val_loss"] for r in rs]),
+            fmt_mean_std([r["val_bpb"] for r in rs]),
+        ]
         if has_core:
             cells.append(fmt_mean_std([r.get("core") for r in rs]))
         cells.append(f"{mean_std([r['tokens_per_s'] for r in rs])[0]:,.0f}")
@@ -43,9 +57,13 @@ def compare_table(results: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     n = len({r["seed"] for r in rows})
     lines.append("")
-    lines.append(("Mean ± std over {n} seeds" if n > 1 else "One seed (no spread: run --seeds 3 for one)")
-                 .format(n=n) + ". Loss in nats/token; BPB = bits per UTF-8 byte of the "
-                 f"validation text. ΔParams against the raw GPT of the same backbone.")
+    lines.append(
+        (
+            "Mean ± std over {n} seeds" if n > 1 else "One seed (no spread: run --seeds 3 for one)"
+        ).format(n=n)
+        + ". Loss in nats/token; BPB = bits per UTF-8 byte of the "
+        f"validation text. ΔParams against the raw GPT of the same backbone."
+    )
     if raw_bpb == raw_bpb:  # not NaN
         for m in methods:
             if m != "raw":
@@ -55,8 +73,11 @@ def compare_table(results: dict[str, Any]) -> str:
     if paired:
         m, s = mean_std(paired)
         spread = f"mean {m:+.4f} ± {s:.4f}; " if len(paired) > 1 else ""
-        lines.append(f"- TN-gram − Engram val loss, paired by seed (same init and data order): "
-                     + ", ".join(f"{d:+.4f}" for d in paired) + f" ({spread}negative = TN-gram better)")
+        lines.append(
+            f"- TN-gram − Engram val loss, paired by seed (same init and data order): "
+            + ", ".join(f"{d:+.4f}" for d in paired)
+            + f" ({spread}negative = TN-gram better)"
+        )
     return "\n".join(lines)
 
 
@@ -68,7 +89,9 @@ def paired_val_loss(rows: list[dict[str, Any]], a: str, b: str) -> list[float]:
     return [d[a] - d[b] for _, d in sorted(by_seed.items()) if a in d and b in d]
 
 
-def paired_metric(rows: list[dict[str, Any]], a: str, b: str, metric: str = "val_loss") -> list[float]:
+def paired_metric(
+    rows: list[dict[str, Any]], a: str, b: str, metric: str = "val_loss"
+) -> list[float]:
     """metric(a) − metric(b) for every seed that has both methods, in seed order."""
     by_seed: dict[Any, dict[str, float]] = {}
     for r in rows:
@@ -80,7 +103,9 @@ def paired_metric(rows: list[dict[str, Any]], a: str, b: str, metric: str = "val
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
     """(later, earlier) for every pair, in the order given: raw, engram, tngram ->
     (engram, raw), (tngram, raw), (tngram, engram)."""
-    return [(methods[j], methods[i]) for i in range(len(methods)) for j in range(i + 1, len(methods))]
+    return [
+        (methods[j], methods[i]) for i in range(len(methods)) for j in range(i + 1, len(methods))
+    ]
 
 
 def _fmt_p(p: float) -> str:
@@ -94,12 +119,16 @@ def significance_table(by_corpus: dict[str, list[dict[str, Any]]], metric: str =
     from tngram.report.stats import paired_stats
 
     methods = list(dict.fromkeys(r["method"] for rows in by_corpus.values() for r in rows))
-    order = [m for m in ("raw", "engram", "tngram", "oe") if m in methods] + \
-        [m for m in methods if m not in ("raw", "engram", "tngram", "oe")]
-    lines = [f"Paired differences of {metric} (same seed = same backbone init and data order; negative = "
-             "the first method is better). 95% CI from the t distribution; p two-sided.", "",
-             "| pair | corpus | n | mean diff | 95% CI | t-test p | sign p | permutation p | first better / worse |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    order = [m for m in ("raw", "engram", "tngram", "oe") if m in methods] + [
+        m for m in methods if m not in ("raw", "engram", "tngram", "oe")
+    ]
+    lines = [
+        f"Paired differences of {metric} (same seed = same backbone init and data order; negative = "
+        "the first method is better). 95% CI from the t distribution; p two-sided.",
+        "",
+        "| pair | corpus | n | mean diff | 95% CI | t-test p | sign p | permutation p | first better / worse |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for a, b in method_pairs(order):
         pooled: list[float] = []
         groups = list(by_corpus.items())
@@ -107,16 +136,24 @@ def significance_table(by_corpus: dict[str, list[dict[str, Any]]], metric: str =
             d = paired_metric(rows, a, b, metric)
             pooled += d
             if d:
-                lines.append(_stats_row(f"{NAMES.get(a, a)} − {NAMES.get(b, b)}", corpus, paired_stats(d)))
+                lines.append(
+                    _stats_row(f"{NAMES.get(a, a)} − {NAMES.get(b, b)}", corpus, paired_stats(d))
+                )
         if len(groups) > 1 and pooled:
-            lines.append(_stats_row(f"{NAMES.get(a, a)} − {NAMES.get(b, b)}", "**pooled**", paired_stats(pooled)))
+            lines.append(
+                _stats_row(
+                    f"{NAMES.get(a, a)} − {NAMES.get(b, b)}", "**pooled**", paired_stats(pooled)
+                )
+            )
     return "\n".join(lines)
 
 
 def _stats_row(pair: str, corpus: str, s: Any) -> str:
     ci = "–" if s.ci_low != s.ci_low else f"[{s.ci_low:+.4f}, {s.ci_high:+.4f}]"
-    return (f"| {pair} | {corpus} | {s.n} | {s.mean:+.4f} | {ci} | {_fmt_p(s.t_p)} | {_fmt_p(s.sign_p)} | "
-            f"{_fmt_p(s.perm_p)} | {s.wins} / {s.losses} |")
+    return (
+        f"| {pair} | {corpus} | {s.n} | {s.mean:+.4f} | {ci} | {_fmt_p(s.t_p)} | {_fmt_p(s.sign_p)} | "
+        f"{_fmt_p(s.perm_p)} | {s.wins} / {s.losses} |"
+    )
 
 
 def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
@@ -124,6 +161,7 @@ def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
     folder/runs/<method>-s<i>/ (summary.json + config.json), so a half-finished `tngram compare`
     or one with seeds added later is reported in full; results.json only when runs/ is gone."""
     from tngram.readback import get, load_json, read_results_file, read_summary_file
+
     path = folder / "results.json"
     if not (folder / "runs").is_dir() and path.exists():
         return read_results_file(path)["rows"]
@@ -143,21 +181,28 @@ def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
     the table is still written; the significance table and the figure are replaced by a line
     saying what to install."""
     from tngram.common import MissingExtraError
+
     table = compare_table(results)
     if len({r["seed"] for r in results["rows"]}) > 1:
         try:
-            table += "\n\n" + significance_table({Path(str(results.get("data") or out)).name: results["rows"]})
+            table += "\n\n" + significance_table(
+                {Path(str(results.get("data") or out)).name: results["rows"]}
+            )
         except MissingExtraError as e:
             table += f"\n\nNo significance table: {e}."
     runs: dict[str, list[str]] = {}
     for r in results["rows"]:
         runs.setdefault(NAMES.get(r["method"], r["method"]), []).append(r["run_dir"])
     try:
-        png = loss_curves(runs, out / "loss_curves.png", title=f"tngram compare --preset {results['preset']}")
+        png = loss_curves(
+            runs, out / "loss_curves.png", title=f"tngram compare --preset {results['preset']}"
+        )
         figure = f"![loss curves]({png.name})"
     except MissingExtraError as e:
         png, figure = None, f"No figure: {e}."
-    text = (f"# tngram compare — preset {results['preset']}\n\n"
-            f"Data: `{results['data']}`\n\n{table}\n\n{figure}\n")
+    text = (
+        f"# tngram compare — preset {results['preset']}\n\n"
+        f"Data: `{results['data']}`\n\n{table}\n\n{figure}\n"
+    )
     atomic_write_text(out / "report.md", text)
     return {"table": table, "png": png}

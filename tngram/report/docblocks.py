@@ -35,9 +35,18 @@ from typing import Any
 
 from tngram.common import MissingFileError, TngramError
 from tngram.report.bench_blocks import render_contention, render_threads, render_vocab
+
 # the Markdown pieces (render_cell and render_table also importable from here, as before)
-from tngram.report.markdown import (block_names, current_block, provenance, render_cell,  # noqa: F401
-                                    render_table, replace_block, results_name, snapshot_path)
+from tngram.report.markdown import (
+    block_names,
+    current_block,
+    provenance,
+    render_cell,  # noqa: F401
+    render_table,
+    replace_block,
+    results_name,
+    snapshot_path,
+)
 from tngram.report.readme import render_block
 from tngram.report.summary import render_summary
 from tngram.report.summary import resolve as resolve_summary
@@ -51,12 +60,13 @@ def load_snapshot(doc: Path, name: str) -> dict[str, Any]:
         snap = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise TngramError(f"{path}: not valid JSON ({e})") from None
-    if isinstance(snap, dict) and snap.get("kind") == "summary":   # its numbers live in other files
+    if isinstance(snap, dict) and snap.get("kind") == "summary":  # its numbers live in other files
         snap = resolve_summary(snap, path.parent)
     return snap
 
 
 # --- rendering ---------------------------------------------------------------------------------
+
 
 def render(snap: dict[str, Any], name: str) -> str:
     """The text of block `name` from its results file."""
@@ -75,16 +85,21 @@ def render(snap: dict[str, Any], name: str) -> str:
         return render_vocab(snap, view) + "\n\n" + provenance(snap, source)
     if kind == "summary":
         return render_summary(snap) + "\n\n" + provenance(snap, source)
-    raise TngramError(f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads, "
-                      "bench-contention, bench-vocab or summary)")
+    raise TngramError(
+        f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads, "
+        "bench-contention, bench-vocab or summary)"
+    )
 
 
 # --- a whole document ----------------------------------------------------------------------------
 
+
 def check_doc(doc: Path) -> list[str]:
     """Names of the blocks of `doc` that differ from the rendering of their results file."""
     text = doc.read_text(encoding="utf-8")
-    return [n for n in block_names(text) if current_block(text, n) != render(load_snapshot(doc, n), n)]
+    return [
+        n for n in block_names(text) if current_block(text, n) != render(load_snapshot(doc, n), n)
+    ]
 
 
 def regenerate_doc(doc: Path, names: list[str] | None = None) -> tuple[str, list[str]]:

@@ -35,16 +35,18 @@ def _indent(text: str, name: str) -> str:
     a = begin_marker(name)
     if a not in text or end_marker(name) not in text:
         raise TngramError(f"no generated block {name!r} (markers {a} ... {end_marker(name)})")
-    line_start = text[:text.index(a)].rsplit("\n", 1)[-1]
+    line_start = text[: text.index(a)].rsplit("\n", 1)[-1]
     return line_start if not line_start.strip() else ""
 
 
 def current_block(text: str, name: str) -> str:
     """The text of block `name`, without the indentation of its markers."""
     ind = _indent(text, name)
-    body = text.split(begin_marker(name), 1)[1].split(end_marker(name), 1)[0].rstrip(" ").strip("\n")
+    body = (
+        text.split(begin_marker(name), 1)[1].split(end_marker(name), 1)[0].rstrip(" ").strip("\n")
+    )
     lines = body.split("\n")
-    return "\n".join(ln[len(ind):] if ln.startswith(ind) else ln for ln in lines)
+    return "\n".join(ln[len(ind) :] if ln.startswith(ind) else ln for ln in lines)
 
 
 def replace_block(text: str, name: str, block: str) -> str:
@@ -70,11 +72,15 @@ def snapshot_path(doc: Path, name: str) -> Path:
 def provenance(snap: dict[str, Any], source: str) -> str:
     for key in ("command", "commit", "machine"):
         if not snap.get(key):
-            raise TngramError(f"{source}: field {key!r} is missing (every results file names its "
-                              "command, commit and machine)")
+            raise TngramError(
+                f"{source}: field {key!r} is missing (every results file names its "
+                "command, commit and machine)"
+            )
     note = f" {snap['note']}" if snap.get("note") else ""
-    return (f"Generated from `{source}` (`{snap['command']}` at commit {snap['commit']}; "
-            f"{machine_text(snap['machine'])}).{note}")
+    return (
+        f"Generated from `{source}` (`{snap['command']}` at commit {snap['commit']}; "
+        f"{machine_text(snap['machine'])}).{note}"
+    )
 
 
 def machine_text(m: str | dict[str, Any]) -> str:
@@ -119,7 +125,9 @@ def render_cell(value: Any, fmt: str = "") -> str:
         if kind == "list":
             return ", ".join(_num(v, spec) for v in value)
         m, s = mean_std(value)
-        return _num(m, spec) if len(value) == 1 else f"{_num(m, spec)} ± {_num(s, spec.lstrip('+'))}"
+        return (
+            _num(m, spec) if len(value) == 1 else f"{_num(m, spec)} ± {_num(s, spec.lstrip('+'))}"
+        )
     if isinstance(value, list):
         raise TngramError(f"a list cell needs the format mean_std:SPEC or list:SPEC, got {fmt!r}")
     if kind == "pct":

@@ -10,9 +10,11 @@ from tngram.report.runs import read_metrics
 
 def _plt():
     from tngram.common import require_extra
+
     matplotlib = require_extra("matplotlib", "report", "figures")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -32,9 +34,14 @@ def loss_curves(runs: dict[str, list[str | Path]], out_png: str | Path, title: s
     loss goes into the legend instead."""
     plt = _plt()
     metrics = {m: [read_metrics(d) for d in dirs] for m, dirs in runs.items()}
-    curves = {m: [(_series(rows, "train_loss"), _series(rows, "val_loss")) for rows in ms] for m, ms in metrics.items()}
+    curves = {
+        m: [(_series(rows, "train_loss"), _series(rows, "val_loss")) for rows in ms]
+        for m, ms in metrics.items()
+    }
     val_panel = any(len(va) >= 2 for cs in curves.values() for _, va in cs)
-    fig, axes = plt.subplots(1, 2 if val_panel else 1, figsize=(11, 4) if val_panel else (6.5, 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, 2 if val_panel else 1, figsize=(11, 4) if val_panel else (6.5, 4), squeeze=False
+    )
     axes = list(axes[0])
     for ci, (method, cs) in enumerate(curves.items()):
         color = f"C{ci}"
@@ -62,32 +69,58 @@ def _series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
 
 
-def xy_plot(series: dict[str, list[tuple[float, float, float]]], out_png: str | Path, xlabel: str,
-            ylabel: str, title: str = "", panels: list[dict[str, Any]] | None = None,
-            front: list[tuple[float, float]] | None = None) -> Path:
+def xy_plot(
+    series: dict[str, list[tuple[float, float, float]]],
+    out_png: str | Path,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    panels: list[dict[str, Any]] | None = None,
+    front: list[tuple[float, float]] | None = None,
+) -> Path:
     """Mean ± std error bars per series: series[name] = [(x, mean, std), ...]. Optional extra panels
     (each {"series", "xlabel", "ylabel", "title"}, optionally "front") are drawn to the right.
     `front` / a panel's "front": [(x, y), ...] in ascending x, drawn as a dashed staircase."""
     plt = _plt()
-    all_panels = [{"series": series, "xlabel": xlabel, "ylabel": ylabel, "title": title, "front": front}] + (panels or [])
+    all_panels = [
+        {"series": series, "xlabel": xlabel, "ylabel": ylabel, "title": title, "front": front}
+    ] + (panels or [])
     fig, axes = plt.subplots(1, len(all_panels), figsize=(5.5 * len(all_panels), 4), squeeze=False)
     for ax, p in zip(axes[0], all_panels):
         for name, pts in p["series"].items():
             pts = sorted(pts)
-            ax.errorbar([x for x, _, _ in pts], [m for _, m, _ in pts], yerr=[s for _, _, s in pts],
-                        marker="o", capsize=3, label=name)
-        if p.get("front"):      # [(x, y), ...] in ascending x: drawn as a dashed staircase
+            ax.errorbar(
+                [x for x, _, _ in pts],
+                [m for _, m, _ in pts],
+                yerr=[s for _, _, s in pts],
+                marker="o",
+                capsize=3,
+                label=name,
+            )
+        if p.get("front"):  # [(x, y), ...] in ascending x: drawn as a dashed staircase
             fx, fy = zip(*p["front"])
-            ax.step(fx, fy, where="post", color="black", linestyle="--", linewidth=1, zorder=0,
-                    label=p.get("front_label", "Pareto front"))
+            ax.step(
+                fx,
+                fy,
+                where="post",
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                zorder=0,
+                label=p.get("front_label", "Pareto front"),
+            )
         ax.set(xlabel=p["xlabel"], ylabel=p["ylabel"], title=p.get("title", ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return _save(plt, fig, out_png)
 
 
-def bar_plot(groups: dict[str, dict[str, tuple[float, float]]], out_png: str | Path, ylabel: str,
-             title: str = "") -> Path:
+def bar_plot(
+    groups: dict[str, dict[str, tuple[float, float]]],
+    out_png: str | Path,
+    ylabel: str,
+    title: str = "",
+) -> Path:
     """Grouped bars with std error bars: groups[category][series] = (mean, std)."""
     plt = _plt()
     cats = list(groups)

@@ -18,14 +18,29 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import MissingFileError
-from tngram.report.markdown import (block_names, current_block, end_marker, begin_marker,  # noqa: F401
-                                    replace_block, snapshot_path)
+from tngram.report.markdown import (
+    block_names,
+    current_block,
+    end_marker,
+    begin_marker,  # noqa: F401
+    replace_block,
+    snapshot_path,
+)
 from tngram.report.compare import compare_table
 
 BLOCK = "demo-compare-cpu"
 SNAPSHOT = Path("docs/results/demo-compare-cpu.json")
-KEEP = ("method", "seed", "delta_params", "train_loss", "val_loss", "val_bpb", "core", "tokens_per_s",
-        "wall_s")
+KEEP = (
+    "method",
+    "seed",
+    "delta_params",
+    "train_loss",
+    "val_loss",
+    "val_bpb",
+    "core",
+    "tokens_per_s",
+    "wall_s",
+)
 
 
 def snapshot(compare_dir: Path) -> dict[str, Any]:
@@ -35,6 +50,7 @@ def snapshot(compare_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise MissingFileError(f"{path} not found: is {compare_dir} a `tngram compare` folder?")
     from tngram.readback import load_json, read_results_file
+
     results = read_results_file(path)
     envs, row_commits = [], []
     for r in results["rows"]:
@@ -47,13 +63,19 @@ def snapshot(compare_dir: Path) -> dict[str, Any]:
     first = next((e for e in envs if e), {})
     return {
         "command": f"tngram compare --preset {results.get('preset')} --seeds {results.get('seeds')}",
-        "commit": commits[0] if len(commits) == 1 else ", ".join(
+        "commit": commits[0]
+        if len(commits) == 1
+        else ", ".join(
             f"{c} ({', '.join(r['method'] for r, rc in zip(results['rows'], row_commits) if rc == c)})"
-            for c in commits),
+            for c in commits
+        ),
         "dirty": dirty,
-        "platform": first.get("platform"), "cpu_count": first.get("cpu_count"),
-        "torch": first.get("torch"), "torch_threads": first.get("torch_threads"),
-        "preset": results.get("preset"), "seeds": results.get("seeds"),
+        "platform": first.get("platform"),
+        "cpu_count": first.get("cpu_count"),
+        "torch": first.get("torch"),
+        "torch_threads": first.get("torch_threads"),
+        "preset": results.get("preset"),
+        "seeds": results.get("seeds"),
         "rows": [{k: r.get(k) for k in KEEP} for r in results["rows"]],
     }
 
@@ -64,8 +86,12 @@ def render_block(snap: dict[str, Any], source: str = str(SNAPSHOT)) -> str:
     wall = sum(r.get("wall_s") or 0 for r in snap["rows"])
     dirty = " (with uncommitted changes)" if snap.get("dirty") else ""
     note = f" Note: {snap['note']}" if snap.get("note") else ""
-    where = [f"{snap['cpu_count']} CPUs" if snap.get("cpu_count") else "",
-             f"{snap['torch_threads']} torch thread(s)" if snap.get("torch_threads") else "",
-             f"{wall:.0f} s of training in total"]
-    return (f"{table}\n\nGenerated from `{source}` (`{snap['command']}` at commit "
-            f"{snap['commit']}{dirty}; {', '.join(w for w in where if w)}).{note}")
+    where = [
+        f"{snap['cpu_count']} CPUs" if snap.get("cpu_count") else "",
+        f"{snap['torch_threads']} torch thread(s)" if snap.get("torch_threads") else "",
+        f"{wall:.0f} s of training in total",
+    ]
+    return (
+        f"{table}\n\nGenerated from `{source}` (`{snap['command']}` at commit "
+        f"{snap['commit']}{dirty}; {', '.join(w for w in where if w)}).{note}"
+    )

@@ -14,6 +14,7 @@ from tngram.common import MissingFileError
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     from tngram.readback import BadRecordError, parse_json
     from tngram.safefs import read_bytes
+
     path = Path(run_dir) / "metrics.jsonl"
     if not os.path.lexists(path):
         raise MissingFileError(f"{path} not found: is {run_dir} a tngram run folder?")
@@ -24,17 +25,24 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         row = parse_json(line, f"{path}: line {lineno}")
         step = row.get("step") if isinstance(row, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise BadRecordError(f"{path}: line {lineno}: a metrics row must be an object with an int "
-                                 f"step >= 0, got {line[:60]!r}")
+            raise BadRecordError(
+                f"{path}: line {lineno}: a metrics row must be an object with an int "
+                f"step >= 0, got {line[:60]!r}"
+            )
         for k, v in row.items():
-            if k != "step" and (isinstance(v, bool) or not (v is None or isinstance(v, (int, float)))):
-                raise BadRecordError(f"{path}: line {lineno}: field {k!r} must be a number, got {v!r}"[:200])
+            if k != "step" and (
+                isinstance(v, bool) or not (v is None or isinstance(v, (int, float)))
+            ):
+                raise BadRecordError(
+                    f"{path}: line {lineno}: field {k!r} must be a number, got {v!r}"[:200]
+                )
         rows.append(row)
     return rows
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     from tngram.readback import read_summary_file
+
     path = Path(run_dir) / "summary.json"
     if not os.path.lexists(path):
         raise MissingFileError(f"{path} not found: the run in {run_dir} has not finished")
@@ -49,7 +57,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def fmt_pm(mean: float, std: float, n: int, spec: str = ".4f") -> str:
-    """"mean ± std", or the mean alone when it is of one value (n < 2: there is no spread to
+    """ "mean ± std", or the mean alone when it is of one value (n < 2: there is no spread to
     show, and "± 0.0000" would read as a measured one)."""
     return f"{mean:{spec}}" if n < 2 else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
 
@@ -72,6 +80,7 @@ def read_core(run_dir: str | Path) -> dict[str, Any] | None:
     eval/core-max*.json; None when the run has not been evaluated."""
     from tngram.readback import read_core_file
     from tngram.safefs import check_chain, real_dir
+
     ev = Path(run_dir) / "eval"
     check_chain(run_dir, ev, include_self=True)
     if not real_dir(ev):
@@ -85,6 +94,7 @@ def read_core(run_dir: str | Path) -> dict[str, Any] | None:
 
 def run_name(run_dir: str | Path) -> str:
     from tngram.readback import load_json
+
     cfg = Path(run_dir) / "config.json"
     if os.path.lexists(cfg):
         name = load_json(cfg, run_dir).get("name", Path(run_dir).name)

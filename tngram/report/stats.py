@@ -32,14 +32,14 @@ __all__ = ["PairedStats", "paired_stats", "sign_flip_p", "sign_test_p"]
 class PairedStats:
     n: int
     mean: float
-    sd: float           # sample standard deviation (n - 1)
-    ci_low: float       # 95% t interval (nan for n < 2)
+    sd: float  # sample standard deviation (n - 1)
+    ci_low: float  # 95% t interval (nan for n < 2)
     ci_high: float
-    t_p: float          # paired t-test, two-sided (nan for n < 2 or sd = 0)
-    sign_p: float       # exact sign test, two-sided
-    perm_p: float       # sign-flip permutation test, two-sided
-    wins: int           # d < 0 (the first method has the lower loss)
-    losses: int         # d > 0
+    t_p: float  # paired t-test, two-sided (nan for n < 2 or sd = 0)
+    sign_p: float  # exact sign test, two-sided
+    perm_p: float  # sign-flip permutation test, two-sided
+    wins: int  # d < 0 (the first method has the lower loss)
+    losses: int  # d > 0
 
 
 def sign_test_p(diffs: list[float] | np.ndarray) -> float:
@@ -53,8 +53,9 @@ def sign_test_p(diffs: list[float] | np.ndarray) -> float:
     return float(binomtest(int((d > 0).sum()), int(d.size), 0.5, alternative="two-sided").pvalue)
 
 
-def sign_flip_p(diffs: list[float] | np.ndarray, exact_max: int = 16, samples: int = 20_000,
-                seed: int = 0) -> float:
+def sign_flip_p(
+    diffs: list[float] | np.ndarray, exact_max: int = 16, samples: int = 20_000, seed: int = 0
+) -> float:
     """Two-sided sign-flip permutation p of the mean: P(|mean(s * d)| >= |mean(d)|) over random
     signs s (all 2^n patterns for n <= exact_max, else `samples` seeded patterns, counting the
     observed one)."""
@@ -64,7 +65,7 @@ def sign_flip_p(diffs: list[float] | np.ndarray, exact_max: int = 16, samples: i
         return 1.0
     obs = abs(d.sum()) - 1e-12 * max(1.0, float(np.abs(d).sum()))  # tolerate float ties
     if n <= exact_max:
-        signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))   # (2^n, n)
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))  # (2^n, n)
         return float((np.abs(signs @ d) >= obs).mean())
     rng = np.random.default_rng(seed)
     signs = rng.choice((1.0, -1.0), size=(samples, n))
@@ -84,8 +85,20 @@ def paired_stats(diffs: list[float] | np.ndarray) -> PairedStats:
     if n > 1:
         half = float(student_t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
         lo, hi = mean - half, mean + half
-        t_p = float(2 * student_t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else math.nan
+        t_p = (
+            float(2 * student_t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else math.nan
+        )
     else:
         lo = hi = t_p = math.nan
-    return PairedStats(n=n, mean=mean, sd=sd, ci_low=lo, ci_high=hi, t_p=t_p, sign_p=sign_test_p(d),
-                       perm_p=sign_flip_p(d), wins=int((d < 0).sum()), losses=int((d > 0).sum()))
+    return PairedStats(
+        n=n,
+        mean=mean,
+        sd=sd,
+        ci_low=lo,
+        ci_high=hi,
+        t_p=t_p,
+        sign_p=sign_test_p(d),
+        perm_p=sign_flip_p(d),
+        wins=int((d < 0).sum()),
+        losses=int((d > 0).sum()),
+    )

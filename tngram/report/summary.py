@@ -34,8 +34,10 @@ def _row(table: dict[str, Any], key: int | str, where: str) -> list[Any]:
     for r in rows:
         if r and render_cell(r[0]) == key:
             return r
-    raise TngramError(f"{where}: no row whose first cell is {key!r}; rows: "
-                      f"{[render_cell(r[0]) for r in rows if r]}")
+    raise TngramError(
+        f"{where}: no row whose first cell is {key!r}; rows: "
+        f"{[render_cell(r[0]) for r in rows if r]}"
+    )
 
 
 def cell_text(table: dict[str, Any], row: int | str, column: str, where: str) -> str:
@@ -61,16 +63,27 @@ def resolve(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
             if name not in tables:
                 path = results_dir / f"{name}.json"
                 if not path.is_file():
-                    raise MissingFileError(f"summary finding {n + 1} cites {path}, which is missing")
+                    raise MissingFileError(
+                        f"summary finding {n + 1} cites {path}, which is missing"
+                    )
                 tables[name] = json.loads(path.read_text(encoding="utf-8"))
-            values[slot] = cell_text(tables[name], ref["row"], ref["column"],
-                                     f"docs/results/{name}.json (summary finding {n + 1}, {{{slot}}})")
+            values[slot] = cell_text(
+                tables[name],
+                ref["row"],
+                ref["column"],
+                f"docs/results/{name}.json (summary finding {n + 1}, {{{slot}}})",
+            )
         try:
             text = f["finding"].format(**values)
         except KeyError as e:
             raise TngramError(f"summary finding {n + 1}: slot {e} has no cell") from None
-        lines.append({"section": f["section"], "text": text,
-                      "files": sorted({ref["file"] for ref in (f.get("cells") or {}).values()})})
+        lines.append(
+            {
+                "section": f["section"],
+                "text": text,
+                "files": sorted({ref["file"] for ref in (f.get("cells") or {}).values()}),
+            }
+        )
     return {**snap, "resolved": lines}
 
 

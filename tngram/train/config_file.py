@@ -22,7 +22,7 @@ from typing import Any
 
 from tngram.common import MissingFileError, TngramError
 
-MAX_DEPTH = 8     # config keys nest at most model.memory.field
+MAX_DEPTH = 8  # config keys nest at most model.memory.field
 
 
 def _load_toml(path: Path) -> Any:
@@ -32,7 +32,9 @@ def _load_toml(path: Path) -> Any:
         try:
             import tomli as tomllib
         except ImportError:
-            raise TngramError(f"{path}: reading TOML on Python 3.10 needs `pip install tomli`") from None
+            raise TngramError(
+                f"{path}: reading TOML on Python 3.10 needs `pip install tomli`"
+            ) from None
     try:
         return tomllib.loads(_read_text(path))
     except tomllib.TOMLDecodeError as e:
@@ -45,7 +47,9 @@ def _load_yaml(path: Path) -> Any:
     try:
         import yaml
     except ImportError:
-        raise TngramError(f"{path}: reading YAML needs PyYAML (`pip install pyyaml`); or use TOML") from None
+        raise TngramError(
+            f"{path}: reading YAML needs PyYAML (`pip install pyyaml`); or use TOML"
+        ) from None
     try:
         return yaml.safe_load(_read_text(path))
     except yaml.YAMLError as e:
@@ -58,6 +62,7 @@ def _read_text(path: Path) -> str:
     """The config file as UTF-8 text: a regular file (a FIFO or device is refused, never waited
     on), at most 16 MiB; other encodings are one line naming the byte."""
     from tngram.safefs import read_text
+
     return read_text(path.resolve(), limit=16 << 20)
 
 
@@ -85,6 +90,7 @@ def load_config_file(path: str | os.PathLike) -> tuple[str | None, list[tuple[st
         data = _load_yaml(path)
     elif suffix == ".json":
         from tngram.readback import parse_json
+
         data = parse_json(_read_text(path), str(path))
     else:
         raise TngramError(f"--config {path}: expected a .toml, .yaml, .yml or .json file")
@@ -93,9 +99,12 @@ def load_config_file(path: str | os.PathLike) -> tuple[str | None, list[tuple[st
     if not isinstance(data, dict):
         raise TngramError(f"{path}: expected a table of config keys at the top level")
     from tngram.readback import depth
+
     if depth(data) > MAX_DEPTH:
-        raise TngramError(f"{path}: nested too deeply (more than {MAX_DEPTH} levels); config keys are "
-                          f"at most section.field or model.memory.field")
+        raise TngramError(
+            f"{path}: nested too deeply (more than {MAX_DEPTH} levels); config keys are "
+            f"at most section.field or model.memory.field"
+        )
     data = dict(data)
     recipe = data.pop("recipe", None)
     if recipe is not None and not isinstance(recipe, str):
@@ -120,7 +129,9 @@ def _toml_value(v: Any) -> str:
 def config_to_toml(cfg_dict: dict[str, Any], recipe: str | None = None) -> str:
     """A resolved config (TrainConfig.to_dict()) as a TOML file `load_config_file` reads back.
     (Hand-written: the stdlib reads TOML but does not write it, and the format here is flat.)"""
-    lines = [f"# tngram train --config FILE: the resolved config{f' (from recipe {recipe})' if recipe else ''}"]
+    lines = [
+        f"# tngram train --config FILE: the resolved config{f' (from recipe {recipe})' if recipe else ''}"
+    ]
     if recipe:
         lines.append(f"recipe = {_toml_value(recipe)}")
     lines.append(f"name = {_toml_value(cfg_dict['name'])}")

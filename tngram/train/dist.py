@@ -32,8 +32,8 @@ class DistContext:
     local_rank: int
     world_size: int
     device: torch.device
-    backend: str | None          # None when world_size == 1
-    owns_group: bool             # we created the process group (and destroy it at the end)
+    backend: str | None  # None when world_size == 1
+    owns_group: bool  # we created the process group (and destroy it at the end)
 
     @property
     def is_main(self) -> bool:
@@ -83,15 +83,17 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def grad_accum_steps(global_batch_tokens: int, micro_batch_seqs: int, seq_len: int,
-                     world_size: int) -> int:
+def grad_accum_steps(
+    global_batch_tokens: int, micro_batch_seqs: int, seq_len: int, world_size: int
+) -> int:
     """Micro-steps per optimiser step; TngramError unless the global batch divides evenly."""
     per_micro = world_size * micro_batch_seqs * seq_len
     if global_batch_tokens % per_micro:
         raise TngramError(
             f"data.global_batch_tokens ({global_batch_tokens}) must be a multiple of world_size x "
             f"data.micro_batch_seqs x model.sequence_len = {world_size} x {micro_batch_seqs} x "
-            f"{seq_len} = {per_micro}; change data.micro_batch_seqs or the number of processes")
+            f"{seq_len} = {per_micro}; change data.micro_batch_seqs or the number of processes"
+        )
     return global_batch_tokens // per_micro
 
 
@@ -131,9 +133,10 @@ def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
     if not ctx.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     sparse = {id(p) for p in sparse_grad_params(model)}
-    if sparse:   # row-sparse tables: DDP leaves them alone, sync_sparse_grads all-gathers the rows
+    if sparse:  # row-sparse tables: DDP leaves them alone, sync_sparse_grads all-gathers the rows
         names = [n for n, p in model.named_parameters() if id(p) in sparse]
         DDP._set_params_and_buffers_to_ignore_for_model(model, names)
     return DDP(model, device_ids=ids, broadcast_buffers=False)
@@ -148,13 +151,15 @@ def release_ddp(holder: Any, ctx: DistContext, attr: str = "fwd_model") -> None:
     if ctx.distributed and getattr(holder, attr, None) is not None:
         setattr(holder, attr, None)
         import gc
-        gc.collect()      # torch 2.13 frees it by reference count alone; this covers any cycle
+
+        gc.collect()  # torch 2.13 frees it by reference count alone; this covers any cycle
 
 
 def sparse_grad_params(model: nn.Module) -> list[nn.Parameter]:
     """The table parameters whose modules produce row-sparse gradients (optim.memory_update
     sparse / rowwise), in a fixed order (the same on every process)."""
     from tngram.optim.groups import memory_table_params
+
     if not any(getattr(m, "sparse_grad", False) for m in model.modules()):
         return []
     return [p for p in memory_table_params(model) if p.requires_grad]
@@ -172,7 +177,7 @@ def sync_sparse_grads(model: nn.Module, ctx: DistContext) -> None:
         return
     for p in sparse_grad_params(getattr(model, "module", model)):
         g = p.grad
-        k = len(p.shape) - 1                                  # sparse dims (rows)
+        k = len(p.shape) - 1  # sparse dims (rows)
         width = p.shape[-1]
         if g is None:
             ind = torch.zeros(k, 0, dtype=torch.int64, device=p.device)

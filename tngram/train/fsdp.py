@@ -44,6 +44,7 @@ PARALLEL = ("ddp", "fsdp")
 
 def _is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
+
     return isinstance(t, DTensor)
 
 
@@ -53,15 +54,17 @@ def apply_fsdp(model: nn.Module, device: torch.device, world_size: int) -> nn.Mo
     from torch.distributed.fsdp import fully_shard
 
     if any(getattr(m, "sparse_grad", False) for m in model.modules()):
-        raise TngramError("run.parallel=fsdp cannot train row-sparse tables "
-                          "(optim.memory_update sparse/rowwise); use run.parallel=ddp or "
-                          "optim.memory_update=dense")
+        raise TngramError(
+            "run.parallel=fsdp cannot train row-sparse tables "
+            "(optim.memory_update sparse/rowwise); use run.parallel=ddp or "
+            "optim.memory_update=dense"
+        )
     mesh = init_device_mesh(device.type, (world_size,))
     units = list(getattr(model, "blocks", []))
     emb = getattr(model, "embed_memory", None)
     if emb is not None:
         units.append(emb)
-    if not units:   # any other model (e.g. a transformers model): its decoder layers
+    if not units:  # any other model (e.g. a transformers model): its decoder layers
         units = [m for m in model.modules() if m.__class__.__name__.endswith("DecoderLayer")]
     for unit in units:
         fully_shard(unit, mesh=mesh)
@@ -92,10 +95,12 @@ def _split_repeated_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     items = list(args) + list(kwargs.values())
     last = {id(t): i for i, t in enumerate(items) if torch.is_tensor(t) and t.requires_grad}
     if len(last) == sum(1 for t in items if torch.is_tensor(t) and t.requires_grad):
-        return args, kwargs                     # no tensor passed twice: nothing to reorder
-    out = [t.view_as(t) if torch.is_tensor(t) and t.requires_grad and last[id(t)] != i else t
-           for i, t in enumerate(items)]
-    return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):]))
+        return args, kwargs  # no tensor passed twice: nothing to reorder
+    out = [
+        t.view_as(t) if torch.is_tensor(t) and t.requires_grad and last[id(t)] != i else t
+        for i, t in enumerate(items)
+    ]
+    return tuple(out[: len(args)]), dict(zip(kwargs, out[len(args) :]))
 
 
 def _full(t: Any) -> Any:
@@ -122,8 +127,9 @@ class FullStateModel:
     def load_state_dict(self, sd: dict[str, Tensor], strict: bool = True) -> Any:
         own = self._model.state_dict()
         if strict and set(own) != set(sd):
-            raise TngramError(f"checkpoint does not fit the sharded model: "
-                              f"{sorted(set(own) ^ set(sd))[:5]}")
+            raise TngramError(
+                f"checkpoint does not fit the sharded model: {sorted(set(own) ^ set(sd))[:5]}"
+            )
         for k, t in own.items():
             src = sd[k].to(device=t.device, dtype=t.dtype)
             if _is_dtensor(t):
@@ -135,6 +141,7 @@ class FullStateModel:
 
 def _shard_like(full: Tensor, like: Any) -> Any:
     from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
@@ -150,21 +157,30 @@ class FullStateOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         sd = self._opt.state_dict()
-        return {"state": {i: {k: _full(v) for k, v in st.items()} for i, st in sd["state"].items()},
-                "param_groups": sd["param_groups"]}
+        return {
+            "state": {i: {k: _full(v) for k, v in st.items()} for i, st in sd["state"].items()},
+            "param_groups": sd["param_groups"],
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         params = [p for g in self._opt.param_groups for p in g["params"]]
         state = {}
         for i, st in sd["state"].items():
             p = params[int(i)]
-            state[i] = {k: (_shard_like(v.to(p.device), p) if torch.is_tensor(v) and _is_dtensor(p)
-                            and tuple(v.shape) == tuple(p.shape) else v) for k, v in st.items()}
+            state[i] = {
+                k: (
+                    _shard_like(v.to(p.device), p)
+                    if torch.is_tensor(v) and _is_dtensor(p) and tuple(v.shape) == tuple(p.shape)
+                    else v
+                )
+                for k, v in st.items()
+            }
         self._opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
-def checkpoint_views(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
-                     sharded: bool) -> tuple[Any, dict[str, Any]]:
+def checkpoint_views(
+    model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], sharded: bool
+) -> tuple[Any, dict[str, Any]]:
     """(model, optimizers) as tngram.train.checkpoint should see them: unchanged unless sharded;
     then full-state views (their state_dict() gathers: call on every process, in the same order)."""
     if not sharded:
@@ -172,8 +188,9 @@ def checkpoint_views(model: nn.Module, optimizers: dict[str, torch.optim.Optimiz
     return FullStateModel(model), {k: FullStateOptimizer(o) for k, o in optimizers.items()}
 
 
-def gather_for_save(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
-                    sharded: bool) -> tuple[Any, dict[str, Any]]:
+def gather_for_save(
+    model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], sharded: bool
+) -> tuple[Any, dict[str, Any]]:
     """As checkpoint_views, with the gathers already done (every process must call this; only the
     main process then writes)."""
     if not sharded:

@@ -25,14 +25,16 @@ import torch
 
 from tngram.common import TngramError
 
-HEALTH_WINDOW = 20      # steps
-HEALTH_TOL = 0.02       # nats
+HEALTH_WINDOW = 20  # steps
+HEALTH_TOL = 0.02  # nats
 
 
 class LossHealth:
     """Feed every step's training loss; `verdict()` is (healthy, reason or None)."""
 
-    def __init__(self, vocab_size: int, window: int = HEALTH_WINDOW, tol: float = HEALTH_TOL) -> None:
+    def __init__(
+        self, vocab_size: int, window: int = HEALTH_WINDOW, tol: float = HEALTH_TOL
+    ) -> None:
         self.uniform = math.log(vocab_size)
         self.window, self.tol = window, tol
         self.recent: deque[float] = deque(maxlen=window)
@@ -43,8 +45,11 @@ class LossHealth:
         """Record the loss of `step`; returns a warning the first time the run looks stuck."""
         self.steps += 1
         self.recent.append(loss)
-        stuck = (self.steps >= 2 * self.window and len(self.recent) == self.window
-                 and all(abs(x - self.uniform) < self.tol for x in self.recent))
+        stuck = (
+            self.steps >= 2 * self.window
+            and len(self.recent) == self.window
+            and all(abs(x - self.uniform) < self.tol for x in self.recent)
+        )
         if stuck and self.stuck_since is None:
             self.stuck_since = step - self.window + 1
             return f"tngram: warning: {self.reason()}"
@@ -53,9 +58,11 @@ class LossHealth:
         return None
 
     def reason(self) -> str:
-        return (f"train loss stayed within {self.tol} of ln(V) = {self.uniform:.4f} (a uniform "
-                f"prediction) from step {self.stuck_since} on: the model is not learning; lower the "
-                f"learning rates or check the data")
+        return (
+            f"train loss stayed within {self.tol} of ln(V) = {self.uniform:.4f} (a uniform "
+            f"prediction) from step {self.stuck_since} on: the model is not learning; lower the "
+            f"learning rates or check the data"
+        )
 
     def verdict(self) -> tuple[bool, str | None]:
         if self.stuck_since is not None:
@@ -87,14 +94,17 @@ def available_memory(device: str) -> tuple[int | None, str]:
 def step_memory_lower_bound(cfg) -> dict[str, int]:
     """Lower bound, in bytes, of what one training step holds (see the module doc)."""
     from tngram.model.gpt import GPT
+
     m = cfg.model
     with torch.device("meta"):
         params = GPT(m).num_params()
     B, T, d, L, V = cfg.data.micro_batch_seqs, m.sequence_len, m.n_embd, m.n_layer, m.vocab_size
     tokens = B * T
-    return {"params": 12 * params,                                     # weight + grad + 1 moment, fp32
-            "logits": 8 * tokens * V,                                  # fp32 logits + their grad
-            "activations": 4 * L * tokens * d * (4 + 2 * m.mlp_mult)}  # x, q, k, v, attn out, MLP hidden
+    return {
+        "params": 12 * params,  # weight + grad + 1 moment, fp32
+        "logits": 8 * tokens * V,  # fp32 logits + their grad
+        "activations": 4 * L * tokens * d * (4 + 2 * m.mlp_mult),
+    }  # x, q, k, v, attn out, MLP hidden
 
 
 def _gib(n: float) -> str:
@@ -105,6 +115,7 @@ def check_step_memory(cfg) -> None:
     """TngramError (with the estimate) if a training step of `cfg` certainly cannot fit; also the
     other setting that can only fail late: run.threads far above the CPU cores."""
     from tngram.common import check_thread_count
+
     if cfg.run.threads > 0 and cfg.run.device in ("cpu", "auto"):
         check_thread_count(cfg.run.threads, "run.threads")
     parts = step_memory_lower_bound(cfg)
@@ -112,19 +123,28 @@ def check_step_memory(cfg) -> None:
     have, where = available_memory(cfg.run.device)
     if have is not None and need > have:
         detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-        raise TngramError(f"one training step needs at least {_gib(need)} ({detail}) but only {_gib(have)} "
-                          f"{where}; lower data.micro_batch_seqs (now {cfg.data.micro_batch_seqs}; "
-                          f"gradient accumulation keeps data.global_batch_tokens) or the model size")
+        raise TngramError(
+            f"one training step needs at least {_gib(need)} ({detail}) but only {_gib(have)} "
+            f"{where}; lower data.micro_batch_seqs (now {cfg.data.micro_batch_seqs}; "
+            f"gradient accumulation keeps data.global_batch_tokens) or the model size"
+        )
 
 
 def check_batch_vs_data(cfg, train_tokens: int) -> None:
     """A step that would read the whole training split more than once is a mistake (and would
     run for hours before its first update)."""
     if cfg.data.global_batch_tokens > train_tokens:
-        raise TngramError(f"data.global_batch_tokens = {cfg.data.global_batch_tokens:,} is more than the "
-                          f"whole training split ({train_tokens:,} tokens): one step would read it more "
-                          f"than once; lower data.global_batch_tokens")
+        raise TngramError(
+            f"data.global_batch_tokens = {cfg.data.global_batch_tokens:,} is more than the "
+            f"whole training split ({train_tokens:,} tokens): one step would read it more "
+            f"than once; lower data.global_batch_tokens"
+        )
 
 
-__all__ = ["LossHealth", "check_step_memory", "check_batch_vs_data", "step_memory_lower_bound",
-           "available_memory"]
+__all__ = [
+    "LossHealth",
+    "check_step_memory",
+    "check_batch_vs_data",
+    "step_memory_lower_bound",
+    "available_memory",
+]

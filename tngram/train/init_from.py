@@ -19,11 +19,13 @@ def check_init_from(path: str) -> None:
     """Cheap validation (before any data or model work): DIR exists and holds weights."""
     d = Path(path)
     if not (d / "config.json").is_file():
-        raise TngramError(f"run.init_from: {d} is not a run folder or an exported model "
-                          f"(no config.json)")
+        raise TngramError(
+            f"run.init_from: {d} is not a run folder or an exported model (no config.json)"
+        )
     if weights_file(d) is None:
-        raise TngramError(f"run.init_from: {d} has no weights (no model.safetensors and no "
-                          f"checkpoint)")
+        raise TngramError(
+            f"run.init_from: {d} has no weights (no model.safetensors and no checkpoint)"
+        )
 
 
 def weights_file(d: Path) -> Path | None:

@@ -34,10 +34,12 @@ METRICS_FILE = "metrics.jsonl"
 
 def git_info(path: str | os.PathLike) -> dict[str, Any]:
     """{"commit", "dirty"} of the git checkout holding `path`; None values outside a checkout."""
+
     def git(*args: str) -> str | None:
         try:
-            out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
@@ -52,6 +54,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
     import numpy
     import tngram
     from tngram.kernels import resolved_impl, self_check_results
+
     info: dict[str, Any] = {
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv,
@@ -66,8 +69,8 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
         "device": str(device),
         "world_size": world_size,
         "grad_accum_steps": grad_accum,
-        "tngram_lookup_impl": resolved_impl(device),   # what a TN-gram memory's fused lookup runs
-        "lookup_self_checks": self_check_results(),    # compiled kernels vs torch (first use)
+        "tngram_lookup_impl": resolved_impl(device),  # what a TN-gram memory's fused lookup runs
+        "lookup_self_checks": self_check_results(),  # compiled kernels vs torch (first use)
     }
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda
@@ -78,6 +81,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete row of DIR/metrics.jsonl (a torn last line is skipped)."""
     from tngram.safefs import read_bytes
+
     path = Path(run_dir) / METRICS_FILE
     if not os.path.lexists(path):
         return []
@@ -99,7 +103,7 @@ def parse_row(line: bytes) -> dict[str, Any] | None:
     """One metrics row: a JSON object whose "step" is an int >= 0; None for anything else."""
     try:
         row = json.loads(line)
-    except (ValueError, RecursionError):     # not JSON, not UTF-8, or absurdly nested
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
         return None
     if not isinstance(row, dict):
         return None
@@ -118,7 +122,7 @@ def kept_rows_bytes(data: bytes, keep_until_step: int | None) -> bytes:
     out = []
     for line in data.splitlines(keepends=True):
         if not line.endswith(b"\n"):
-            break                                   # torn last line
+            break  # torn last line
         row = parse_row(line)
         if row is None:
             continue
@@ -133,8 +137,15 @@ class MetricsLog:
     to TensorBoard (DIR/tb) or Weights & Biases (DIR/wandb; WANDB_MODE=offline needs no account)
     when `logger` asks for it."""
 
-    def __init__(self, run_dir: Path, enabled: bool, keep_until_step: int | None, logger: str = "none",
-                 run_name: str = "", config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        keep_until_step: int | None,
+        logger: str = "none",
+        run_name: str = "",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.tb = None
@@ -142,6 +153,7 @@ class MetricsLog:
         if not enabled:
             return
         from tngram.safefs import make_dirs, read_bytes, replace_for_append
+
         old = b""
         if keep_until_step is not None and os.path.lexists(self.path):
             old = read_bytes(self.path, run_dir)
@@ -149,21 +161,31 @@ class MetricsLog:
         self._file = replace_for_append(self.path, kept_rows_bytes(old, keep_until_step), run_dir)
         if logger == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # checked by check_logger before work
+
             self.tb = SummaryWriter(log_dir=str(make_dirs(run_dir, run_dir / "tb")))
         elif logger == "wandb":
             import wandb
-            make_dirs(run_dir, run_dir / "wandb")       # wandb writes under RUN/wandb: never a link
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "tngram"), name=run_name,
-                                    dir=str(run_dir), config=config, resume="allow",
-                                    id=_wandb_id(run_dir))
+
+            make_dirs(run_dir, run_dir / "wandb")  # wandb writes under RUN/wandb: never a link
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "tngram"),
+                name=run_name,
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+                id=_wandb_id(run_dir),
+            )
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._file.write((json.dumps(row) + "\n").encode("utf-8"))
         self._file.flush()
-        scalars = {k: v for k, v in row.items()
-                   if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        scalars = {
+            k: v
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)
+        }
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, row["step"])
@@ -183,12 +205,14 @@ class MetricsLog:
 def _wandb_id(run_dir: Path) -> str:
     """A W&B run id kept in DIR/wandb_id, so a resumed run continues the same W&B run."""
     from tngram.safefs import read_text, write_bytes
+
     path = run_dir / "wandb_id"
     if os.path.lexists(path):
         rid = read_text(path, run_dir, limit=4096).strip()
         if rid.isalnum():
             return rid
     import uuid
+
     rid = uuid.uuid4().hex[:12]
     write_bytes(path, (rid + "\n").encode(), run_dir)
     return rid
@@ -197,22 +221,35 @@ def _wandb_id(run_dir: Path) -> str:
 def check_logger(logger: str) -> None:
     """Fail before any work when the chosen logger is not installed."""
     from tngram.common import TngramError
+
     need = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}.get(logger)
     if logger not in ("none", "tensorboard", "wandb"):
         raise TngramError(f"--logger must be none, tensorboard or wandb, got {logger!r}")
     if need is not None:
         import importlib.util
+
         if importlib.util.find_spec(need[0]) is None:
-            raise TngramError(f"--logger {logger} needs the {need[1]} package: pip install 'tngram[{need[1]}]'")
+            raise TngramError(
+                f"--logger {logger} needs the {need[1]} package: pip install 'tngram[{need[1]}]'"
+            )
 
 
-def progress_line(desc: str, step: int, total: int, loss: float, tokens_per_s: float,
-                  elapsed_s: float, eta_s: float) -> str:
+def progress_line(
+    desc: str,
+    step: int,
+    total: int,
+    loss: float,
+    tokens_per_s: float,
+    elapsed_s: float,
+    eta_s: float,
+) -> str:
     """One plain progress line, e.g. "mini-tngram: step 40/200 loss 5.1234 9,868 tokens/s,
     1 min 05 s elapsed, ETA 4 min 20 s" (durations as tngram.cpu.fmt_duration; ETA "?" when
     unknown)."""
-    return (f"{desc}: step {step}/{total} loss {loss:.4f} {tokens_per_s:,.0f} tokens/s, "
-            f"{fmt_duration(elapsed_s)} elapsed, ETA {fmt_duration(eta_s)}")
+    return (
+        f"{desc}: step {step}/{total} loss {loss:.4f} {tokens_per_s:,.0f} tokens/s, "
+        f"{fmt_duration(elapsed_s)} elapsed, ETA {fmt_duration(eta_s)}"
+    )
 
 
 class Progress:
@@ -221,16 +258,30 @@ class Progress:
     plain line on stderr every `log_every` steps and at the last step, with the elapsed time of
     this session and the ETA at its mean step rate (`progress_line`)."""
 
-    def __init__(self, total: int, initial: int, desc: str, enabled: bool, bar: bool = True,
-                 log_every: int = 10) -> None:
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        desc: str,
+        enabled: bool,
+        bar: bool = True,
+        log_every: int = 10,
+    ) -> None:
         self.bar = None
         self.plain = enabled and not bar
         self.total, self.step, self.desc, self.log_every = total, initial, desc, max(1, log_every)
         self.initial, self.t0 = initial, time.monotonic()
         if enabled and bar:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step",
-                            dynamic_ncols=True, file=sys.stderr)
+
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
     def update(self, loss: float, tokens_per_s: float) -> None:
         self.step += 1
@@ -240,8 +291,11 @@ class Progress:
         elif self.plain and (self.step % self.log_every == 0 or self.step == self.total):
             elapsed = time.monotonic() - self.t0
             eta = eta_seconds(self.step - self.initial, self.total - self.initial, elapsed)
-            print(progress_line(self.desc, self.step, self.total, loss, tokens_per_s, elapsed, eta),
-                  file=sys.stderr, flush=True)
+            print(
+                progress_line(self.desc, self.step, self.total, loss, tokens_per_s, elapsed, eta),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write(self, text: str) -> None:
         if self.bar is not None:

@@ -38,11 +38,14 @@ RUN_DATASET = "dataset.json"
 ACCEPT_CHANGED_DATA_ENV = "TNGRAM_ACCEPT_CHANGED_DATA"
 
 
-def record_dataset(run_dir: str | os.PathLike, info: Any, accept_changed: bool | None = None) -> None:
+def record_dataset(
+    run_dir: str | os.PathLike, info: Any, accept_changed: bool | None = None
+) -> None:
     """Copy `info`'s tokenizer into RUN and write RUN/dataset.json (info: data.build.DatasetInfo).
     A run with checkpoints whose recorded fingerprint differs is refused (see the module doc)
     unless `accept_changed` (default: $TNGRAM_ACCEPT_CHANGED_DATA=1)."""
     from tngram.train.checkpoint import list_checkpoints
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if accept_changed is None:
@@ -58,14 +61,17 @@ def record_dataset(run_dir: str | os.PathLike, info: Any, accept_changed: bool |
                 raise TngramError(
                     f"cannot resume {run_dir}: the dataset {info.dir} is not the one it was trained on "
                     f"(fingerprint {str(new_fp)[:12]}, {RUN_DATASET} records {str(old_fp)[:12]}); use the "
-                    f"same dataset, or pass --accept-changed-data to continue on this one")
+                    f"same dataset, or pass --accept-changed-data to continue on this one"
+                )
             previous = previous + [{"fingerprint": old_fp, "absolute_dir": old.get("absolute_dir")}]
-            print0(f"tngram: note: continuing {run_dir} on a changed dataset {info.dir} (fingerprint "
-                   f"{str(new_fp)[:12]}, was {str(old_fp)[:12]}; both kept in {RUN_DATASET})")
+            print0(
+                f"tngram: note: continuing {run_dir} on a changed dataset {info.dir} (fingerprint "
+                f"{str(new_fp)[:12]}, was {str(old_fp)[:12]}; both kept in {RUN_DATASET})"
+            )
     tok = run_dir / RUN_TOKENIZER
     src = read_bytes(info.tokenizer_path)
     if not os.path.lexists(tok) or is_link(tok) or read_bytes(tok, run_dir) != src:
-        write_bytes(tok, src, run_dir)       # a new file renamed into place: never a link's target
+        write_bytes(tok, src, run_dir)  # a new file renamed into place: never a link's target
     data_dir = Path(info.dir).resolve()
     record = {
         "relative_dir": os.path.relpath(data_dir, run_dir.resolve()),
@@ -93,6 +99,7 @@ def check_run_tokenizer(run_dir: str | os.PathLike, path: Path) -> Path:
     """RUN/tokenizer.model must be a regular file with the sha256 RUN/dataset.json recorded for
     the dataset's tokenizer (when it records one): a swapped tokenizer is refused, naming it."""
     import hashlib
+
     check_regular(path, run_dir)
     rec = read_dataset_record(run_dir) or {}
     manifest = rec.get("manifest") if isinstance(rec.get("manifest"), dict) else {}
@@ -101,14 +108,17 @@ def check_run_tokenizer(run_dir: str | os.PathLike, path: Path) -> Path:
     if isinstance(want, str):
         got = hashlib.sha256(read_bytes(path, run_dir)).hexdigest()
         if got != want:
-            raise TngramError(f"{path}: sha256 {got[:12]} is not the tokenizer this run was trained with "
-                              f"({want[:12]} in {Path(run_dir) / RUN_DATASET}); restore it, or pass "
-                              f"--tokenizer MODEL to use another one deliberately")
+            raise TngramError(
+                f"{path}: sha256 {got[:12]} is not the tokenizer this run was trained with "
+                f"({want[:12]} in {Path(run_dir) / RUN_DATASET}); restore it, or pass "
+                f"--tokenizer MODEL to use another one deliberately"
+            )
     return path
 
 
-def run_tokenizer_path(run_dir: str | os.PathLike, cfg: dict[str, Any],
-                       override: str | os.PathLike | None = None) -> Path:
+def run_tokenizer_path(
+    run_dir: str | os.PathLike, cfg: dict[str, Any], override: str | os.PathLike | None = None
+) -> Path:
     """The tokenizer of a run: `override`, else RUN/tokenizer.model, else its dataset's (older runs)."""
     if override is not None:
         p = Path(override).expanduser()
@@ -121,8 +131,9 @@ def run_tokenizer_path(run_dir: str | os.PathLike, cfg: dict[str, Any],
     return check_regular(run_dataset(run_dir, cfg).tokenizer_path)
 
 
-def run_dataset(run_dir: str | os.PathLike, cfg: dict[str, Any],
-                override: str | os.PathLike | None = None) -> Any:
+def run_dataset(
+    run_dir: str | os.PathLike, cfg: dict[str, Any], override: str | os.PathLike | None = None
+) -> Any:
     """The run's dataset (data.build.DatasetInfo): `override`, else the first of config data.dir,
     RUN/dataset.json's relative then absolute path, the default corpus, that exists and has the
     recorded fingerprint. TngramError listing what was tried when none does."""
@@ -135,20 +146,38 @@ def run_dataset(run_dir: str | os.PathLike, cfg: dict[str, Any],
         info = open_dataset(override)
         vocab = (cfg.get("model") or {}).get("vocab_size")
         if isinstance(vocab, int) and info.vocab_size != vocab:
-            raise TngramError(f"--data {info.dir} has vocab {info.vocab_size}, but run {run_dir} was trained "
-                              f"with vocab {vocab}: its token ids mean other pieces there; choose a dataset "
-                              f"built with the run's tokenizer (tngram data build --tokenizer "
-                              f"{Path(run_dir) / RUN_TOKENIZER})")
-        rec_tok = ((record.get("manifest") or {}).get("tokenizer") or {}) if isinstance(record.get("manifest"), dict) else {}
-        got_tok = info.manifest.get("tokenizer") if isinstance(info.manifest.get("tokenizer"), dict) else {}
-        if isinstance(rec_tok, dict) and rec_tok.get("sha256") and got_tok.get("sha256") not in (None, rec_tok["sha256"]):
-            raise TngramError(f"--data {info.dir} uses another tokenizer (sha256 {str(got_tok.get('sha256'))[:12]}) "
-                              f"than run {run_dir} ({str(rec_tok['sha256'])[:12]}): its token ids mean other "
-                              f"pieces; choose a dataset built with the run's tokenizer (tngram data build "
-                              f"--tokenizer {Path(run_dir) / RUN_TOKENIZER})")
+            raise TngramError(
+                f"--data {info.dir} has vocab {info.vocab_size}, but run {run_dir} was trained "
+                f"with vocab {vocab}: its token ids mean other pieces there; choose a dataset "
+                f"built with the run's tokenizer (tngram data build --tokenizer "
+                f"{Path(run_dir) / RUN_TOKENIZER})"
+            )
+        rec_tok = (
+            ((record.get("manifest") or {}).get("tokenizer") or {})
+            if isinstance(record.get("manifest"), dict)
+            else {}
+        )
+        got_tok = (
+            info.manifest.get("tokenizer")
+            if isinstance(info.manifest.get("tokenizer"), dict)
+            else {}
+        )
+        if (
+            isinstance(rec_tok, dict)
+            and rec_tok.get("sha256")
+            and got_tok.get("sha256") not in (None, rec_tok["sha256"])
+        ):
+            raise TngramError(
+                f"--data {info.dir} uses another tokenizer (sha256 {str(got_tok.get('sha256'))[:12]}) "
+                f"than run {run_dir} ({str(rec_tok['sha256'])[:12]}): its token ids mean other "
+                f"pieces; choose a dataset built with the run's tokenizer (tngram data build "
+                f"--tokenizer {Path(run_dir) / RUN_TOKENIZER})"
+            )
         if want and info.manifest.get("fingerprint") != want:
-            print0(f"tngram: note: {info.dir} is not the dataset {run_dir} was trained on "
-                   f"(fingerprint {str(info.manifest.get('fingerprint'))[:12]} vs {want[:12]})")
+            print0(
+                f"tngram: note: {info.dir} is not the dataset {run_dir} was trained on "
+                f"(fingerprint {str(info.manifest.get('fingerprint'))[:12]} vs {want[:12]})"
+            )
         return info
     tried: list[str] = []
     candidates: list[Path] = []
@@ -170,5 +199,6 @@ def run_dataset(run_dir: str | os.PathLike, cfg: dict[str, Any],
             tried.append(f"{d} (a different dataset: fingerprint differs)")
             continue
         return info
-    raise TngramError(f"cannot find the dataset of run {run_dir}; tried " + ", ".join(tried)
-                      + "; pass --data DIR")
+    raise TngramError(
+        f"cannot find the dataset of run {run_dir}; tried " + ", ".join(tried) + "; pass --data DIR"
+    )

@@ -27,31 +27,57 @@ from typing import Any
 
 from tngram.common import TngramError
 from tngram.model.gpt import GPT, GPTConfig, param_counts
-from tngram.train.config import (DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig,
-                                 apply_overrides, apply_settings, check_memory_layers_used,
-                                 with_schedule_steps)
+from tngram.train.config import (
+    DataConfig,
+    OptimConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+    apply_overrides,
+    apply_settings,
+    check_memory_layers_used,
+    with_schedule_steps,
+)
 from tngram.train.config_file import load_config_file
 
 
 # ---- memory configurations
 
+
 def _engram(d_model: int, vocab: int, heads: int, max_ngram: int = 5, **kw: Any):
     from tngram.memory.engram import EngramConfig
-    return EngramConfig(max_ngram=max_ngram, n_head_per_ngram=heads, n_embed_per_ngram=kw.pop("n_embed", d_model),
-                        table_budget=None, pad_id=0, kernel_size=3, dilation=None, **kw)
+
+    return EngramConfig(
+        max_ngram=max_ngram,
+        n_head_per_ngram=heads,
+        n_embed_per_ngram=kw.pop("n_embed", d_model),
+        table_budget=None,
+        pad_id=0,
+        kernel_size=3,
+        dilation=None,
+        **kw,
+    )
 
 
 def _tngram(cp_rank: int, max_ngram: int = 5, **kw: Any):
     from tngram.memory.tngram import TNGramConfig
+
     return TNGramConfig(max_ngram=max_ngram, cp_rank=cp_rank, pad_id=0, kernel_size=3, **kw)
 
 
 def _oe(table_rows: int, max_ngram: int = 5, n_slices: int = 2, **kw: Any):
     from tngram.memory.overencoding import OverEncodingConfig
-    return OverEncodingConfig(max_ngram=max_ngram, n_slices=n_slices, table_rows=table_rows, pad_id=0, **kw)
+
+    return OverEncodingConfig(
+        max_ngram=max_ngram, n_slices=n_slices, table_rows=table_rows, pad_id=0, **kw
+    )
 
 
-LONGCAT = {"max_ngram": 4, "n_slices": 4, "average": True}   # LongCat-Flash's n-gram embedding settings
+LONGCAT = {
+    "max_ngram": 4,
+    "n_slices": 4,
+    "average": True,
+}  # LongCat-Flash's n-gram embedding settings
 
 
 def _longcat(table_rows: int):
@@ -60,31 +86,50 @@ def _longcat(table_rows: int):
 
 # ---- backbones
 
+
 def _paper_l9(memory: Any, name: str) -> TrainConfig:
-    return TrainConfig(name=name, model=GPTConfig(memory=memory, memory_layers=(1, 7)),
-                       schedule=ScheduleConfig(steps=6000, warmdown_steps=1200),
-                       data=DataConfig(global_batch_tokens=524_288, micro_batch_seqs=64))
+    return TrainConfig(
+        name=name,
+        model=GPTConfig(memory=memory, memory_layers=(1, 7)),
+        schedule=ScheduleConfig(steps=6000, warmdown_steps=1200),
+        data=DataConfig(global_batch_tokens=524_288, micro_batch_seqs=64),
+    )
 
 
 def _paper_l18(memory: Any, name: str) -> TrainConfig:
-    model = GPTConfig(n_layer=18, n_embd=1024, n_head=16, n_kv_head=8, memory=memory,
-                      memory_layers=(1, 14))
-    return TrainConfig(name=name, model=model, schedule=ScheduleConfig(steps=10_000, warmdown_steps=1200),
-                       data=DataConfig(global_batch_tokens=524_288, micro_batch_seqs=32))
+    model = GPTConfig(
+        n_layer=18, n_embd=1024, n_head=16, n_kv_head=8, memory=memory, memory_layers=(1, 14)
+    )
+    return TrainConfig(
+        name=name,
+        model=model,
+        schedule=ScheduleConfig(steps=10_000, warmdown_steps=1200),
+        data=DataConfig(global_batch_tokens=524_288, micro_batch_seqs=32),
+    )
 
 
 MINI_D, MINI_VOCAB = 128, 1024
 
 
 def _mini(memory: Any, name: str) -> TrainConfig:
-    model = GPTConfig(n_layer=4, n_embd=MINI_D, n_head=4, n_kv_head=2, mlp_mult=2, sequence_len=256,
-                      memory=memory, memory_layers=(1, 3))
+    model = GPTConfig(
+        n_layer=4,
+        n_embd=MINI_D,
+        n_head=4,
+        n_kv_head=2,
+        mlp_mult=2,
+        sequence_len=256,
+        memory=memory,
+        memory_layers=(1, 3),
+    )
     return TrainConfig(
-        name=name, model=model,
+        name=name,
+        model=model,
         optim=OptimConfig(muon_momentum_warmup_steps=50),
         schedule=ScheduleConfig(steps=256, warmdown_steps=80),
         data=DataConfig(global_batch_tokens=16 * 256, micro_batch_seqs=8, val_tokens=131_072),
-        run=RunConfig(dtype="bf16", log_every=10, val_every=0, checkpoint_every=100))
+        run=RunConfig(dtype="bf16", log_every=10, val_every=0, checkpoint_every=100),
+    )
 
 
 def _table_lr(cfg: TrainConfig, lr: float) -> TrainConfig:
@@ -104,13 +149,20 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-engram": lambda: _mini(_engram(MINI_D, MINI_VOCAB, heads=4), "mini-engram"),
     "mini-tngram": lambda: _mini(_tngram(352), "mini-tngram"),
     # the ablation winners (docs/RESULTS.md Fig. 4 right): no RMSNorm, no absorption
-    "mini-tngram-lean": lambda: _mini(_tngram(352, use_norm=False, use_absorption=False),
-                                      "mini-tngram-lean"),
+    "mini-tngram-lean": lambda: _mini(
+        _tngram(352, use_norm=False, use_absorption=False), "mini-tngram-lean"
+    ),
     # TN-gram R 64, orders summed, + Engram-style hashed orders 2..5 (104 wide), Δparams <= mini-engram's,
     # at Engram's tuned table lr (x4): the pareto family tngram-hsum at its 4.3 M point
-    "mini-tngram-hsum": lambda: _table_lr(_mini(_tngram(64, order_combine="sum", hash_orders=(2, 3, 4, 5),
-                                                        hash_embed=104, hash_budget=3929), "mini-tngram-hsum"),
-                                          0.2),     # 4 x the recipes' table lr 0.05
+    "mini-tngram-hsum": lambda: _table_lr(
+        _mini(
+            _tngram(
+                64, order_combine="sum", hash_orders=(2, 3, 4, 5), hash_embed=104, hash_budget=3929
+            ),
+            "mini-tngram-hsum",
+        ),
+        0.2,
+    ),  # 4 x the recipes' table lr 0.05
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
 }
@@ -135,21 +187,33 @@ def param_summary(cfg: TrainConfig) -> dict[str, Any]:
     """{"recipe", "total_params", "delta_params", "memory_params"}: model.gpt.param_counts (meta
     device, nothing allocated), the same count the trainer prints and writes to summary.json."""
     n = param_counts(cfg.model)
-    return {"recipe": cfg.name, "total_params": n["total_params"], "delta_params": n["delta_params"],
-            "memory_params": n["memory_params"]}
+    return {
+        "recipe": cfg.name,
+        "total_params": n["total_params"],
+        "delta_params": n["delta_params"],
+        "memory_params": n["memory_params"],
+    }
 
 
 # ---- a run's config: recipe + config file + --data + --steps + --set
 
-def resolve_config(recipe: str | None, overrides: list[str], data: str | None = None,
-                   config_file: str | None = None, steps: int | None = None) -> TrainConfig:
+
+def resolve_config(
+    recipe: str | None,
+    overrides: list[str],
+    data: str | None = None,
+    config_file: str | None = None,
+    steps: int | None = None,
+) -> TrainConfig:
     """The TrainConfig of recipe + config file + --data + --steps + --set, validated (no work done)."""
     settings: list[tuple[str, Any]] = []
     if config_file is not None:
         file_recipe, settings = load_config_file(config_file)
         recipe = recipe or file_recipe
     if recipe is None:
-        raise TngramError("name a RECIPE (see `tngram recipes`) or give a --config file with recipe = \"...\"")
+        raise TngramError(
+            'name a RECIPE (see `tngram recipes`) or give a --config file with recipe = "..."'
+        )
     cfg = get_recipe(recipe)
     if settings:
         cfg = apply_settings(cfg, settings, origin=str(config_file))

@@ -25,9 +25,22 @@ from tngram.safefs import check_chain, is_link, write_json
 from tngram.train.runlock import LOCK_FILE, RunLock
 
 # what a run folder may hold besides its own records (so a crashed fresh run can be restarted)
-_RUN_ENTRIES = {"config.json", "env.json", "metrics.jsonl", "summary.json", "model.safetensors",
-                "checkpoints", "eval", "tb", "wandb", "wandb_id", "tokenizer.model", "dataset.json",
-                "requested_config.json", LOCK_FILE}
+_RUN_ENTRIES = {
+    "config.json",
+    "env.json",
+    "metrics.jsonl",
+    "summary.json",
+    "model.safetensors",
+    "checkpoints",
+    "eval",
+    "tb",
+    "wandb",
+    "wandb_id",
+    "tokenizer.model",
+    "dataset.json",
+    "requested_config.json",
+    LOCK_FILE,
+}
 # a user's own notes / redirected output (`> DIR/train.log`) never make a folder "not a run"
 _NOTE_SUFFIXES = (".log", ".out", ".txt", ".md")
 
@@ -35,33 +48,45 @@ _NOTE_SUFFIXES = (".log", ".out", ".txt", ".md")
 def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train") -> RunLock:
     """Check and lock `run_dir` for a run of `recipe` (see the module doc); returns the held lock."""
     from tngram.train.checkpoint import read_run_config, remove_torn_temps
+
     check_writable_dir(run_dir, "--out")
     existed = run_dir.exists()
     lock = RunLock(run_dir, what).acquire()
     try:
         lock.created = not existed
         links = sorted(n for n in _RUN_ENTRIES if n != LOCK_FILE and is_link(run_dir / n))
-        if links:     # a received run folder must not lead a write (or a retention) outside it
-            raise TngramError(f"--out {run_dir}: {', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; "
-                              f"tngram never follows links in a run folder: replace them with real files/folders")
-        entries = {p.name for p in run_dir.iterdir()
-                   if p.name not in (LOCK_FILE, "requested_config.json")   # (tngram experiment's)
-                   and not (p.is_file() and p.name.endswith(_NOTE_SUFFIXES))}
+        if links:  # a received run folder must not lead a write (or a retention) outside it
+            raise TngramError(
+                f"--out {run_dir}: {', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; "
+                f"tngram never follows links in a run folder: replace them with real files/folders"
+            )
+        entries = {
+            p.name
+            for p in run_dir.iterdir()
+            if p.name not in (LOCK_FILE, "requested_config.json")  # (tngram experiment's)
+            and not (p.is_file() and p.name.endswith(_NOTE_SUFFIXES))
+        }
         if entries:
             if "config.json" not in entries:
-                raise TngramError(f"--out {run_dir} is not empty and is not a tngram run (no config.json); "
-                                  f"choose an empty or new folder")
+                raise TngramError(
+                    f"--out {run_dir} is not empty and is not a tngram run (no config.json); "
+                    f"choose an empty or new folder"
+                )
             saved = read_run_config(run_dir)["name"]
             if saved != recipe:
-                raise TngramError(f"--out {run_dir} holds a run of recipe {saved!r}, not {recipe!r}; "
-                                  f"choose another folder")
+                raise TngramError(
+                    f"--out {run_dir} holds a run of recipe {saved!r}, not {recipe!r}; "
+                    f"choose another folder"
+                )
             strange = sorted(e for e in entries if e not in _RUN_ENTRIES and not e.startswith("."))
             if strange:
-                raise TngramError(f"--out {run_dir} holds files that are not part of a run "
-                                  f"({', '.join(strange[:5])}); choose another folder")
+                raise TngramError(
+                    f"--out {run_dir} holds files that are not part of a run "
+                    f"({', '.join(strange[:5])}); choose another folder"
+                )
         remove_torn_temps(run_dir)
     except BaseException:
-        if lock.created_file:          # leave a folder we refused exactly as we found it
+        if lock.created_file:  # leave a folder we refused exactly as we found it
             (run_dir / LOCK_FILE).unlink(missing_ok=True)
         release_run_dir(lock)
         raise
@@ -99,7 +124,7 @@ def claim_output_file(path: Path, run_dir: Path | None, what: str) -> RunLock | 
     if path.exists() and path.is_dir():
         raise TngramError(f"--out {path} is a folder, expected a file path")
     if run_dir is not None and inside_lexically(path, run_dir):
-        check_chain(run_dir, path)          # RUN/eval as a link would write outside the run
+        check_chain(run_dir, path)  # RUN/eval as a link would write outside the run
     check_writable_dir(path.parent, "--out")
     if run_dir is not None:
         if not inside_lexically(path, run_dir):

@@ -20,15 +20,20 @@ _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 # ---- listing
 
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Checkpoint folders of a run (renamed into place, so complete when written), oldest first.
     They are not verified here: see tngram.train.checkpoint (`verify_checkpoint`,
     `newest_good_checkpoint`)."""
     root = Path(run_dir) / CKPT_DIR
-    check_chain(run_dir, root, include_self=True)      # never a linked checkpoints/ folder
+    check_chain(run_dir, root, include_self=True)  # never a linked checkpoints/ folder
     if not real_dir(root):
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and real_dir(p)]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_RE.match(p.name)) and real_dir(p)
+    ]
     return [p for _, p in sorted(found)]
 
 

@@ -37,16 +37,19 @@ def _holder_text(info: dict | None) -> str:
     if not info:
         return "another process (no holder info recorded yet)"
     cmd = " ".join(str(a) for a in info.get("argv", []))[:120]
-    return (f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')} "
-            f"({info.get('what', '?')}: {cmd})")
+    return (
+        f"pid {info.get('pid')} on host {info.get('host')} since {info.get('since')} "
+        f"({info.get('what', '?')}: {cmd})"
+    )
 
 
 def read_holder(run_dir: str | os.PathLike) -> dict | None:
     """The recorded holder of DIR's lock file (whether or not it still holds it), or None."""
     from tngram.safefs import read_text
+
     try:
         info = json.loads(read_text(Path(run_dir) / LOCK_FILE, limit=1 << 16) or "null")
-    except (OSError, ValueError):      # missing, a link, a FIFO, not JSON: no holder info
+    except (OSError, ValueError):  # missing, a link, a FIFO, not JSON: no holder info
         return None
     return info if isinstance(info, dict) else None
 
@@ -63,8 +66,8 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.what = what
         self._fd: int | None = None
-        self.created_file = False        # the lock file did not exist before acquire()
-        self.stale: dict | None = None   # holder info of a dead process whose lock we took over
+        self.created_file = False  # the lock file did not exist before acquire()
+        self.stale: dict | None = None  # holder info of a dead process whose lock we took over
 
     def acquire(self) -> "RunLock":
         path = self.run_dir / LOCK_FILE
@@ -76,9 +79,14 @@ class RunLock:
         fd = self._open_locked(path)
         prev = read_holder(self.run_dir)
         if prev and (prev.get("pid"), prev.get("host")) != (os.getpid(), socket.gethostname()):
-            self.stale = prev    # it was recorded but not locked: its process is gone
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "what": self.what,
-                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv}
+            self.stale = prev  # it was recorded but not locked: its process is gone
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "what": self.what,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "argv": sys.argv,
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self._fd = fd
@@ -90,26 +98,31 @@ class RunLock:
         a file of its own, so the other copy's lock file is never written."""
         for _ in range(20):
             try:
-                pre = os.lstat(path)       # before opening: a device or FIFO is never opened
+                pre = os.lstat(path)  # before opening: a device or FIFO is never opened
             except FileNotFoundError:
                 pre = None
             if pre is not None and not stat.S_ISREG(pre.st_mode) and not stat.S_ISLNK(pre.st_mode):
-                raise TngramError(f"{path} is not a regular file; remove it (it was not written by tngram)")
-            fd = self._open_one(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                raise TngramError(
+                    f"{path} is not a regular file; remove it (it was not written by tngram)"
+                )
+            fd = self._open_one(
+                path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
             try:
                 self._flock(fd, path)
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
-                    raise TngramError(f"{path} is not a regular file; remove it (it was not written by "
-                                      f"tngram)")
+                    raise TngramError(
+                        f"{path} is not a regular file; remove it (it was not written by tngram)"
+                    )
                 try:
                     now = os.lstat(path)
                 except FileNotFoundError:
                     now = None
                 if now is None or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-                    os.close(fd)         # replaced while we waited: lock the current file
+                    os.close(fd)  # replaced while we waited: lock the current file
                     continue
-                if st.st_nlink > 1:      # shared with another copy: lock a new file of our own
+                if st.st_nlink > 1:  # shared with another copy: lock a new file of our own
                     fd2 = self._fresh_lock_file(path)
                     os.close(fd)
                     fd = fd2
@@ -125,8 +138,10 @@ class RunLock:
             return os.open(path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise TngramError(f"{path} is a symbolic link; tngram never follows links in a run "
-                                  f"folder: remove it (the run lock is recreated)") from None
+                raise TngramError(
+                    f"{path} is a symbolic link; tngram never follows links in a run "
+                    f"folder: remove it (the run lock is recreated)"
+                ) from None
             raise TngramError(f"cannot create the run lock {path}: {e.strerror or e}") from None
 
     def _flock(self, fd: int, path: Path) -> None:
@@ -134,10 +149,13 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise TngramError(f"run folder {self.run_dir} is in use by {_holder_text(read_holder(self.run_dir))}; "
-                                  f"wait for it to finish or choose another folder") from None
-            raise TngramError(f"cannot lock {path}: {e.strerror or e} (does this filesystem support "
-                              f"flock?)") from None
+                raise TngramError(
+                    f"run folder {self.run_dir} is in use by {_holder_text(read_holder(self.run_dir))}; "
+                    f"wait for it to finish or choose another folder"
+                ) from None
+            raise TngramError(
+                f"cannot lock {path}: {e.strerror or e} (does this filesystem support flock?)"
+            ) from None
 
     def _fresh_lock_file(self, path: Path) -> int:
         """A new lock file, locked, renamed over `path` (we hold the old one's lock meanwhile)."""
@@ -158,7 +176,7 @@ class RunLock:
             return
         fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)          # an empty file = not held (kept: removing races a new holder)
+            os.ftruncate(fd, 0)  # an empty file = not held (kept: removing races a new holder)
         except OSError:
             pass
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -171,6 +189,7 @@ class RunLock:
     def __enter__(self) -> "RunLock":
         return self if self.held else self.acquire()
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()

@@ -40,10 +40,12 @@ def _strict_ok(v: Any, hint: Any) -> bool:
         return isinstance(v, str)
     if hint is Any or hint is typing.Any:
         return True
-    return True     # a type we do not know how to check: validate_config still runs
+    return True  # a type we do not know how to check: validate_config still runs
 
 
-def _check_fields(sd: dict[str, Any], cls: type, prefix: str, where: str, skip: tuple[str, ...] = ()) -> None:
+def _check_fields(
+    sd: dict[str, Any], cls: type, prefix: str, where: str, skip: tuple[str, ...] = ()
+) -> None:
     hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     for k, v in sd.items():
@@ -62,20 +64,34 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
     (one line naming `where` and the field) otherwise."""
     from tngram.memory import memory_config_classes
     from tngram.model.gpt import GPTConfig
-    from tngram.train.config import DataConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, validate_config
+    from tngram.train.config import (
+        DataConfig,
+        OptimConfig,
+        RunConfig,
+        ScheduleConfig,
+        TrainConfig,
+        validate_config,
+    )
 
     if not isinstance(d, dict):
         raise BadRecordError(f"{where}: expected a JSON object")
     if not isinstance(d.get("name"), str):
         raise BadRecordError(f"{where}: field 'name' must be a string (the recipe name)")
-    classes = {"model": GPTConfig, "optim": OptimConfig, "schedule": ScheduleConfig, "data": DataConfig,
-               "run": RunConfig}
+    classes = {
+        "model": GPTConfig,
+        "optim": OptimConfig,
+        "schedule": ScheduleConfig,
+        "data": DataConfig,
+        "run": RunConfig,
+    }
     for sec in _SECTIONS:
         if sec not in d:
             raise BadRecordError(f"{where}: section {sec!r} is missing")
         if not isinstance(d[sec], dict):
             raise BadRecordError(f"{where}: section {sec!r} must be an object")
-        _check_fields(d[sec], classes[sec], f"{sec}.", where, skip=("memory",) if sec == "model" else ())
+        _check_fields(
+            d[sec], classes[sec], f"{sec}.", where, skip=("memory",) if sec == "model" else ()
+        )
     extra = sorted(set(d) - set(_SECTIONS) - {"name"})
     if extra:
         raise BadRecordError(f"{where}: unknown field(s) {extra}")
@@ -86,13 +102,17 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
         kinds = memory_config_classes()
         kind = mem.get("kind")
         if not isinstance(kind, str) or kind not in kinds:
-            raise BadRecordError(f"{where}: field model.memory.kind must be one of {sorted(kinds)}, got {kind!r}")
+            raise BadRecordError(
+                f"{where}: field model.memory.kind must be one of {sorted(kinds)}, got {kind!r}"
+            )
         _check_fields(mem, kinds[kind], "model.memory.", where, skip=("kind",))
     try:
         cfg = TrainConfig.from_dict(d)
         validate_config(cfg)
     except (TngramError, TypeError, ValueError, KeyError) as e:
-        raise BadRecordError(f"{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise BadRecordError(
+            f"{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     if check_memory:
         check_model_fits(cfg, where)
     return cfg
@@ -101,7 +121,7 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
 def param_lower_bound(m: Any) -> int:
     """At most the GPT's parameter count: per block the q and output projections (d x d each)
     and the two MLP matrices (d x mlp_mult*d each), plus the token embedding (V x d)."""
-    return m.n_layer * (2 + 2 * m.mlp_mult) * m.n_embd ** 2 + m.vocab_size * m.n_embd
+    return m.n_layer * (2 + 2 * m.mlp_mult) * m.n_embd**2 + m.vocab_size * m.n_embd
 
 
 def check_model_fits(cfg: Any, where: str) -> None:
@@ -111,6 +131,7 @@ def check_model_fits(cfg: Any, where: str) -> None:
 
     from tngram.model.gpt import GPT
     from tngram.train.health import available_memory
+
     have, what = available_memory("cpu")
     m = cfg.model
     # a lower bound first (q + out projections, the two MLP matrices, the embedding), so an absurd
@@ -121,10 +142,14 @@ def check_model_fits(cfg: Any, where: str) -> None:
             with torch.device("meta"):
                 n = GPT(cfg.model).num_params()
         except (TngramError, ValueError, RuntimeError, TypeError) as e:
-            raise BadRecordError(f"{where}: the model cannot be built ({str(e).splitlines()[0][:160]})") from None
+            raise BadRecordError(
+                f"{where}: the model cannot be built ({str(e).splitlines()[0][:160]})"
+            ) from None
     need = 4 * n
     if have is not None and need > have:
-        raise BadRecordError(f"{where}: the model has at least {n:,} parameters ({need / 2**30:,.1f} GiB) but only "
-                             f"{have / 2**30:,.1f} GiB {what}; the config's sizes (model.n_layer {m.n_layer}, "
-                             f"model.n_embd {m.n_embd}, model.vocab_size {m.vocab_size}, model.memory) are "
-                             f"too large for this machine")
+        raise BadRecordError(
+            f"{where}: the model has at least {n:,} parameters ({need / 2**30:,.1f} GiB) but only "
+            f"{have / 2**30:,.1f} GiB {what}; the config's sizes (model.n_layer {m.n_layer}, "
+            f"model.n_embd {m.n_embd}, model.vocab_size {m.vocab_size}, model.memory) are "
+            f"too large for this machine"
+        )

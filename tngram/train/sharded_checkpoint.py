@@ -40,17 +40,41 @@ from torch import nn
 
 from tngram.common import TngramError
 from tngram.safefs import make_dirs, real_dir, remove_tree
-from tngram.train.checkpoint import (CKPT_DIR, DCP_DIR, MANIFEST, DiskFull, _cpu, _file_sha256,
-                                     _fsync_dir, _load_json, _load_tensors, _sha256, _short,
-                                     _write_file, check_free_space, list_checkpoints,
-                                     load_checkpoint, load_optimizer_checked, remove_torn_temps,
-                                     restore_rng_checked, rng_tensors, save_checkpoint)
+from tngram.train.checkpoint import (
+    CKPT_DIR,
+    DCP_DIR,
+    MANIFEST,
+    DiskFull,
+    _cpu,
+    _file_sha256,
+    _fsync_dir,
+    _load_json,
+    _load_tensors,
+    _sha256,
+    _short,
+    _write_file,
+    check_free_space,
+    list_checkpoints,
+    load_checkpoint,
+    load_optimizer_checked,
+    remove_torn_temps,
+    restore_rng_checked,
+    rng_tensors,
+    save_checkpoint,
+)
 from tngram.train.fsdp import FullStateModel, checkpoint_views
 
 
-def save_step_checkpoint(run_dir: Any, step: int, model: nn.Module,
-                         optimizers: dict[str, torch.optim.Optimizer], meta: dict[str, Any],
-                         keep: int, ctx: Any, sharded: bool) -> None:
+def save_step_checkpoint(
+    run_dir: Any,
+    step: int,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    meta: dict[str, Any],
+    keep: int,
+    ctx: Any,
+    sharded: bool,
+) -> None:
     """The trainer's checkpoint (every process calls this; ctx: its DistContext): sharded through
     DCP when the model is FSDP-sharded, else the main process writes the usual files."""
     if sharded:
@@ -59,8 +83,9 @@ def save_step_checkpoint(run_dir: Any, step: int, model: nn.Module,
         save_checkpoint(run_dir, step, model, optimizers, meta, keep=keep)
 
 
-def load_step_checkpoint(path: Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer],
-                         sharded: bool) -> dict[str, Any]:
+def load_step_checkpoint(
+    path: Path, model: nn.Module, optimizers: dict[str, torch.optim.Optimizer], sharded: bool
+) -> dict[str, Any]:
     """Resume from checkpoint folder `path` whatever wrote it: DCP shards (resharded to this world
     size) or the usual full tensors (each process keeps its shard when `sharded`). Its meta.json."""
     if is_sharded_checkpoint(path):
@@ -68,8 +93,9 @@ def load_step_checkpoint(path: Path, model: nn.Module, optimizers: dict[str, tor
     return load_checkpoint(path, *checkpoint_views(model, optimizers, sharded))
 
 
-def sharded_state(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+def sharded_state(
+    model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """What a sharded checkpoint writes through torch.distributed.checkpoint: the tensors
     ("model/NAME", "optim/OPT/IDX/KEY": DTensor shards, or plain tensors equal on every process
     such as Adam's step count) and each optimiser's JSON-able rest (param groups, non-tensor state;
@@ -89,9 +115,15 @@ def sharded_state(model: nn.Module, optimizers: dict[str, torch.optim.Optimizer]
     return tensors, info
 
 
-def save_sharded_checkpoint(run_dir: Any, step: int, model: nn.Module,
-                            optimizers: dict[str, torch.optim.Optimizer], meta: dict[str, Any],
-                            keep: int, ctx: Any) -> None:
+def save_sharded_checkpoint(
+    run_dir: Any,
+    step: int,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    meta: dict[str, Any],
+    keep: int,
+    ctx: Any,
+) -> None:
     """A checkpoint of a sharded model (every process calls this; ctx: the trainer's DistContext).
 
     Every process writes its own shards of the weights and optimiser state through
@@ -101,7 +133,7 @@ def save_sharded_checkpoint(run_dir: Any, step: int, model: nn.Module,
     process is raised on every process (one line), and the previous checkpoints stay intact."""
     from tngram.train.dist import broadcast_str
 
-    def agreed(fn: Any) -> Any:          # run fn on the main process; its error on every process
+    def agreed(fn: Any) -> Any:  # run fn on the main process; its error on every process
         out, err, exc = None, None, None
         if ctx.is_main:
             try:
@@ -113,12 +145,12 @@ def save_sharded_checkpoint(run_dir: Any, step: int, model: nn.Module,
             raise exc if exc is not None else TngramError(err)
         return out
 
-    full = FullStateModel(model).state_dict()            # collective: the weights for readers
+    full = FullStateModel(model).state_dict()  # collective: the weights for readers
     tensors, info = sharded_state(model, optimizers)
     needed = sum(v.numel() * v.element_size() for v in [*tensors.values(), *full.values()]) + 65536
     agreed(lambda: begin_sharded_checkpoint(run_dir, step, needed))
     try:
-        write_shards(sharded_temp(run_dir, step), tensors)   # collective
+        write_shards(sharded_temp(run_dir, step), tensors)  # collective
     except TngramError:
         if ctx.is_main:
             remove_tree(sharded_temp(run_dir, step))
@@ -134,7 +166,7 @@ def sharded_temp(run_dir: str | os.PathLike, step: int) -> Path:
 def begin_sharded_checkpoint(run_dir: str | os.PathLike, step: int, needed: int) -> Path:
     """(Main process, before the shards are written) check the free space for `needed` bytes and
     create the empty temporary folder with its dcp/ inside."""
-    root = make_dirs(run_dir, Path(run_dir) / CKPT_DIR)    # a linked checkpoints/ is refused
+    root = make_dirs(run_dir, Path(run_dir) / CKPT_DIR)  # a linked checkpoints/ is refused
     check_free_space(root, needed, f"checkpoint step_{step:06d}")
     tmp = sharded_temp(run_dir, step)
     try:
@@ -144,7 +176,9 @@ def begin_sharded_checkpoint(run_dir: str | os.PathLike, step: int, needed: int)
         (tmp / DCP_DIR).mkdir()
     except OSError as e:
         remove_tree(tmp)
-        raise TngramError(f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}") from None
+        raise TngramError(
+            f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}"
+        ) from None
     return tmp
 
 
@@ -156,18 +190,30 @@ def write_shards(tmp: Path, tensors: dict[str, Any]) -> None:
     so reading needs no pickle (DCP's default FileSystemReader unpickles its .metadata file)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
     try:
-        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR), save_distributed=True))
-    except Exception as e:     # DCP raises every process's failure on every process
+        dcp.save(
+            tensors,
+            storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR), save_distributed=True),
+        )
+    except Exception as e:  # DCP raises every process's failure on every process
         text = _short(e)
         if "No space left" in str(e) or "Disk quota" in str(e):
-            raise DiskFull(f"disk full while writing the shards of checkpoint {tmp.name} ({text}); "
-                           f"the previous checkpoints are intact, free some space and --resume") from None
+            raise DiskFull(
+                f"disk full while writing the shards of checkpoint {tmp.name} ({text}); "
+                f"the previous checkpoints are intact, free some space and --resume"
+            ) from None
         raise TngramError(f"cannot write the shards of checkpoint {tmp}: {text}") from None
 
 
-def finish_sharded_checkpoint(run_dir: str | os.PathLike, step: int, full_model: dict[str, torch.Tensor],
-                              optimizers_info: dict[str, Any], meta: dict[str, Any], keep: int) -> Path:
+def finish_sharded_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    full_model: dict[str, torch.Tensor],
+    optimizers_info: dict[str, Any],
+    meta: dict[str, Any],
+    keep: int,
+) -> Path:
     """(Main process, after every process wrote its shards) add the gathered weights (for
     `tngram eval/export` and every other reader of model.safetensors), the RNG state and
     meta.json, then the manifest (sizes and sha256 of these and of every file in dcp/) last;
@@ -175,17 +221,30 @@ def finish_sharded_checkpoint(run_dir: str | os.PathLike, step: int, full_model:
     root = Path(run_dir) / CKPT_DIR
     final, tmp = root / f"step_{step:06d}", sharded_temp(run_dir, step)
     blobs = {
-        "model.safetensors": save({k: _cpu(v) for k, v in full_model.items()}, metadata={"step": str(step)}),
+        "model.safetensors": save(
+            {k: _cpu(v) for k, v in full_model.items()}, metadata={"step": str(step)}
+        ),
         "state.safetensors": save(rng_tensors(), metadata={"step": str(step)}),
-        "meta.json": (json.dumps({**meta, "step": step, "format": "sharded", "optimizers": optimizers_info},
-                                 indent=1) + "\n").encode(),
+        "meta.json": (
+            json.dumps(
+                {**meta, "step": step, "format": "sharded", "optimizers": optimizers_info}, indent=1
+            )
+            + "\n"
+        ).encode(),
     }
     try:
-        shards = {f.name: {"size": f.stat().st_size, "sha256": _file_sha256(f)}
-                  for f in sorted((tmp / DCP_DIR).iterdir())}
-        check_free_space(root, sum(len(b) for b in blobs.values()) + 4096, f"checkpoint step_{step:06d}")
-        manifest = {"step": step, "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
-                    "shards": shards}
+        shards = {
+            f.name: {"size": f.stat().st_size, "sha256": _file_sha256(f)}
+            for f in sorted((tmp / DCP_DIR).iterdir())
+        }
+        check_free_space(
+            root, sum(len(b) for b in blobs.values()) + 4096, f"checkpoint step_{step:06d}"
+        )
+        manifest = {
+            "step": step,
+            "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
+            "shards": shards,
+        }
         for name, data in blobs.items():
             _write_file(tmp / name, data)
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
@@ -200,10 +259,14 @@ def finish_sharded_checkpoint(run_dir: str | os.PathLike, step: int, full_model:
         if isinstance(e, TngramError):
             raise
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(f"disk full while writing checkpoint step_{step:06d} to {root}; the torn copy "
-                           f"was removed and the previous checkpoints are intact; free some space and "
-                           f"--resume") from None
-        raise TngramError(f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}") from None
+            raise DiskFull(
+                f"disk full while writing checkpoint step_{step:06d} to {root}; the torn copy "
+                f"was removed and the previous checkpoints are intact; free some space and "
+                f"--resume"
+            ) from None
+        raise TngramError(
+            f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}"
+        ) from None
     for old in list_checkpoints(run_dir)[:-keep]:
         remove_tree(old, run_dir)
     remove_torn_temps(run_dir)
@@ -215,9 +278,12 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return real_dir(Path(path) / DCP_DIR)
 
 
-def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
-                            optimizers: dict[str, torch.optim.Optimizer] | None = None,
-                            restore_rng_state: bool = True) -> dict[str, Any]:
+def load_sharded_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    restore_rng_state: bool = True,
+) -> dict[str, Any]:
     """Restore weights, optimisers and RNG from a sharded checkpoint at any world size: the model
     and optimiser state may be FSDP-sharded (DTensors: each process reads the rows of its shard)
     or not (1 process, no process group: full tensors). torch.distributed.checkpoint reshards;
@@ -226,6 +292,7 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+
     path = Path(path)
     where = path / DCP_DIR
     meta = _load_json(path / "meta.json")
@@ -240,10 +307,12 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
     for k, v in own.items():
         got = shapes.get(f"model/{k}", (None,))[0]
         if got != tuple(v.shape):
-            raise TngramError(f"{where}: the weights do not fit the model: {k} has shape {got}, the model "
-                              f"needs {tuple(v.shape)}; was it written by another config?")
+            raise TngramError(
+                f"{where}: the weights do not fit the model: {k} has shape {got}, the model "
+                f"needs {tuple(v.shape)}; was it written by another config?"
+            )
         template[f"model/{k}"] = v
-    extra = [k for k in shapes if k.startswith("model/") and k[len("model/"):] not in own]
+    extra = [k for k in shapes if k.startswith("model/") and k[len("model/") :] not in own]
     if extra:
         raise TngramError(f"{where}: the weights do not fit the model: unexpected {extra[:5]}")
     for name, opt in (optimizers or {}).items():
@@ -255,15 +324,20 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
             if not key.startswith(prefix):
                 continue
             try:
-                p = params[int(key[len(prefix):].split("/", 1)[0])]
+                p = params[int(key[len(prefix) :].split("/", 1)[0])]
             except (ValueError, IndexError):
-                raise TngramError(f"{where}: optimiser {name!r} state {key} does not fit this model") from None
+                raise TngramError(
+                    f"{where}: optimiser {name!r} state {key} does not fit this model"
+                ) from None
             # a state shaped like its parameter is sharded like it (a DTensor under FSDP)
-            template[key] = (torch.zeros_like(p, dtype=dtype) if shape == tuple(p.shape)
-                             else torch.zeros(shape, dtype=dtype, device=p.device))
+            template[key] = (
+                torch.zeros_like(p, dtype=dtype)
+                if shape == tuple(p.shape)
+                else torch.zeros(shape, dtype=dtype, device=p.device)
+            )
     single = not (dist.is_available() and dist.is_initialized())
     try:
-        with warnings.catch_warnings():   # DCP warns that no_dist means one process: it does
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: it does
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(template, storage_reader=reader, no_dist=single)
     except Exception as e:
@@ -271,8 +345,10 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module,
     for k, v in template.items():
         local = v.to_local() if hasattr(v, "to_local") else v
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            raise TngramError(f"{where}: non-finite values in {k} (corrupt); move {path.name} away to "
-                              f"resume from an older checkpoint")
+            raise TngramError(
+                f"{where}: non-finite values in {k} (corrupt); move {path.name} away to "
+                f"resume from an older checkpoint"
+            )
     model.load_state_dict({k: template[f"model/{k}"] for k in own}, strict=True)
     for name, opt in (optimizers or {}).items():
         load_optimizer_checked(where, name, opt, template, meta["optimizers"][name])

@@ -80,11 +80,19 @@ class StopRequest(_Handlers):
         name = signal_name(signum)
         if self.signum is None:
             self.signum = signum
-            print(f"tngram: {name}: finishing this step and writing a checkpoint "
-                  f"(send it again to exit at once)", file=sys.stderr, flush=True)
+            print(
+                f"tngram: {name}: finishing this step and writing a checkpoint "
+                f"(send it again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
-        print(f"tngram: second {name}: exiting at once (exit {exit_code(signum)}); the last "
-              f"checkpoint written is kept", file=sys.stderr, flush=True)
+        print(
+            f"tngram: second {name}: exiting at once (exit {exit_code(signum)}); the last "
+            f"checkpoint written is kept",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(exit_code(signum))
 
 
@@ -101,9 +109,12 @@ class ForwardSignals(_Handlers):
         first = self.signum is None
         if first:
             self.signum = signum
-            print(f"tngram: {signal_name(signum)}: the running training run(s) finish their step and "
-                  f"write a checkpoint; no further run starts (send it again to stop at once)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"tngram: {signal_name(signum)}: the running training run(s) finish their step and "
+                f"write a checkpoint; no further run starts (send it again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         with self._lock:
             children = list(self._children)
         for p in children:
@@ -119,7 +130,7 @@ class ForwardSignals(_Handlers):
         with self._lock:
             self._children.add(proc)
         try:
-            if self.signum is not None:          # a signal came while the child was starting
+            if self.signum is not None:  # a signal came while the child was starting
                 proc.send_signal(self.signum)
             return proc.wait()
         finally:

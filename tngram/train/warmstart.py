@@ -28,8 +28,8 @@ from tngram.common import TngramError
 from tngram.train.checkpoint import load_run_model
 from tngram.train.init_from import TRAINABLE, check_init_from
 
-HF_MODEL_TYPE = "tngram_gpt"   # model_type of tngram.hf.gpt_model.TngramGPTConfig
-HF_PREFIX = "model."           # TngramGPTForCausalLM keeps our GPT as `.model`
+HF_MODEL_TYPE = "tngram_gpt"  # model_type of tngram.hf.gpt_model.TngramGPTConfig
+HF_PREFIX = "model."  # TngramGPTForCausalLM keeps our GPT as `.model`
 
 
 def is_memory_param(name: str) -> bool:
@@ -44,8 +44,8 @@ def source_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     cfg = json.loads((d / "config.json").read_text())
     if cfg.get("model_type") == HF_MODEL_TYPE:
         tensors = load_file(str(d / "model.safetensors"))
-        return {k[len(HF_PREFIX):]: v for k, v in tensors.items() if k.startswith(HF_PREFIX)}
-    model, _ = load_run_model(d)          # newest of final weights / latest checkpoint
+        return {k[len(HF_PREFIX) :]: v for k, v in tensors.items() if k.startswith(HF_PREFIX)}
+    model, _ = load_run_model(d)  # newest of final weights / latest checkpoint
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -55,10 +55,15 @@ def load_init_weights(model: nn.Module, path: str | Path) -> list[str]:
     own = model.state_dict()
     extra = sorted(set(src) - set(own))
     if extra:
-        raise TngramError(f"run.init_from: {path} has weights the model lacks: {extra[:5]} "
-                          f"(the backbones differ: use the same model.* settings as that run)")
-    bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in src.items()
-           if v.shape != own[k].shape]
+        raise TngramError(
+            f"run.init_from: {path} has weights the model lacks: {extra[:5]} "
+            f"(the backbones differ: use the same model.* settings as that run)"
+        )
+    bad = [
+        f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}"
+        for k, v in src.items()
+        if v.shape != own[k].shape
+    ]
     if bad:
         raise TngramError(f"run.init_from: shapes differ from {path}: {bad[:5]}")
     missing = sorted(set(own) - set(src))
@@ -76,8 +81,10 @@ def freeze_backbone(model: nn.Module) -> int:
         p.requires_grad_(is_memory_param(name))
         n += p.numel() if p.requires_grad else 0
     if n == 0:
-        raise TngramError("optim.trainable=memory but the model has no memory module "
-                          "(choose a recipe with model.memory)")
+        raise TngramError(
+            "optim.trainable=memory but the model has no memory module "
+            "(choose a recipe with model.memory)"
+        )
     return n
 
 
