@@ -23,7 +23,7 @@ from tngram.common import TngramError
 from tngram.eval.bundle import (STAMP_NAME, arrow_rows, build_bundle, format_build_report,
                                 read_arrow_stream)
 from tngram.eval.core import evaluate_core
-from tngram.eval.tasks import load_bundle, load_task_data
+from tngram.eval.bundle_read import load_bundle, load_task_data
 
 # A 2-row SuperGLUE-COPA-shaped Arrow IPC stream (columns premise, choice1, choice2, question: utf8;
 # idx: int32; label: int64), written once with pyarrow 26 (ipc.new_stream) from these rows:

@@ -21,8 +21,8 @@ from tngram.eval.core import (centered_accuracy, continuation_spans, core_metric
                               evaluate_core, fewshot_indices, format_core_table, plan_batches,
                               prepare_examples, render_lm, render_mc, render_schema, score_batch,
                               select_examples)
-from tngram.eval.tasks import (LM, MC, SCHEMA, TASKS_BY_LABEL, BundleTask, load_bundle,
-                               parse_core_yaml)
+from tngram.eval.bundle_read import BundleTask, load_bundle, parse_core_yaml
+from tngram.eval.tasks import LM, MC, SCHEMA, TASKS_BY_LABEL
 
 
 # ---------------------------------------------------------------- centring vs the public nanochat log

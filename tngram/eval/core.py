@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tngram.common import MissingFileError, TngramError, print0
-from tngram.eval.tasks import LM, MC, SCHEMA, BundleTask, load_bundle, load_task_data
+from tngram.eval.bundle_read import BundleTask, load_bundle, load_task_data
+from tngram.eval.tasks import LM, MC, SCHEMA
 
 FEWSHOT_SEED_BASE = 1234  # nanochat: random.Random(1234 + idx)
 FEWSHOT_SEP = "\n\n"

