@@ -21,7 +21,8 @@ import torch
 from test_train_support import single_thread, tiny_config, tiny_data, weights  # noqa: F401
 from tngram.common import TngramError
 from tngram.kernels.sparse_rows import sparse_row_grad
-from tngram.optim.memory_update import LazyAdam, RowwiseAdam, _horizon, settle_tables
+from tngram.optim.lazy_rows import _horizon
+from tngram.optim.memory_update import LazyAdam, RowwiseAdam, settle_tables
 from tngram.train.loop import train
 
 ROWS, WIDTH = 12, 5

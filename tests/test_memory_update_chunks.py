@@ -1,4 +1,4 @@
-"""LazyAdam / RowwiseAdam update the touched rows in chunks (tngram.optim.memory_update,
+"""LazyAdam / RowwiseAdam update the touched rows in chunks (tngram.optim.lazy_rows,
 `_ROW_CHUNK_ELEMS`): the chunking is a memory-locality choice only, so several chunks (with a
 partial last one) must give the same weights and state, bit for bit, as one chunk; and LazyAdam in
 chunks still equals torch.optim.SparseAdam. clip_grad_norm with sparse gradients skips the scaling
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tngram.kernels.sparse_rows import sparse_row_grad
-from tngram.optim import memory_update
+from tngram.optim import lazy_rows
 from tngram.optim.memory_update import LazyAdam, RowwiseAdam, clip_grad_norm
 
 SHAPE = (3, 20, 6)          # TN-gram-like (N, V, R) table: 60 rows of width 6
@@ -41,7 +41,7 @@ def _run(make_opt, steps: int = 5) -> tuple[torch.Tensor, dict]:
 def test_chunks_of_touched_rows_give_the_one_chunk_numbers(cls, monkeypatch):
     make = lambda p: cls(p, lr=0.05, betas=(0.9, 0.95), eps=1e-8)  # noqa: E731
     w_one, st_one = _run(make)                                      # 11 rows, one chunk
-    monkeypatch.setattr(memory_update, "_ROW_CHUNK_ELEMS", 3 * SHAPE[-1])   # 3 rows per chunk
+    monkeypatch.setattr(lazy_rows, "_ROW_CHUNK_ELEMS", 3 * SHAPE[-1])   # 3 rows per chunk
     w_chunks, st_chunks = _run(make)                                # chunks of 3, 3, 3, 2 rows
     assert torch.equal(w_chunks, w_one)
     assert st_chunks.keys() == st_one.keys()
@@ -53,7 +53,7 @@ def test_chunks_of_touched_rows_give_the_one_chunk_numbers(cls, monkeypatch):
 
 
 def test_lazy_adam_in_chunks_is_torch_sparse_adam(monkeypatch):
-    monkeypatch.setattr(memory_update, "_ROW_CHUNK_ELEMS", 2 * SHAPE[-1])   # 2 rows per chunk
+    monkeypatch.setattr(lazy_rows, "_ROW_CHUNK_ELEMS", 2 * SHAPE[-1])   # 2 rows per chunk
     kw = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8)
     got, _ = _run(lambda p: LazyAdam(p, **kw))
     ref, _ = _run(lambda p: torch.optim.SparseAdam(p, **kw))
