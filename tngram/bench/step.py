@@ -48,6 +48,12 @@ def matmul_params(model: nn.Module) -> int:
     return n + model.tok_emb.weight.numel()
 
 
+def train_flops(model: nn.Module, n_layer: int, n_embd: int, seq: int, tokens: int) -> float:
+    """Analytic FLOPs of a training step over `tokens` tokens (forward + backward): 6 x matmul
+    params x tokens + 12 x L x d x T x tokens (module docstring; `tngram plan` uses it too)."""
+    return float(6 * matmul_params(model) * tokens + 12 * n_layer * n_embd * seq * tokens)
+
+
 def build_step(
     recipe: str, dtype: str, paper_batch: int, compiled: bool = False
 ) -> tuple[Callable[[], None], dict[str, Any]]:
@@ -109,7 +115,7 @@ def build_step_for(
 
     tokens = accum * B * T
     m = cfg.model
-    flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
+    flops = train_flops(model, m.n_layer, m.n_embd, T, tokens)
     facts = {
         "recipe": recipe,
         "dtype": dtype,

@@ -124,7 +124,7 @@ def plan(
     margin: float = 0.1,
     overrides: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    from tngram.bench.step import matmul_params
+    from tngram.bench.step import train_flops
     from tngram.common import TngramError
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
@@ -183,7 +183,7 @@ def plan(
         }
 
     tokens = seqs_per_step * T
-    flops = 6 * matmul_params(model) * tokens + 12 * m.n_layer * m.n_embd * T * tokens
+    flops = train_flops(model, m.n_layer, m.n_embd, T, tokens)
     step_s = flops / (gpus * peak_tflops * 1e12 * mfu)
     return {
         "recipe": recipe,
