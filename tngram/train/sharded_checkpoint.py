@@ -28,6 +28,7 @@ checkpoint; the optimiser state, 2/3, is never gathered).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -45,24 +46,17 @@ from tngram.train.checkpoint import (
     DCP_DIR,
     MANIFEST,
     DiskFull,
-    _cpu,
-    _file_sha256,
     _fsync_dir,
-    _load_json,
-    _load_tensors,
-    _sha256,
-    _short,
     _write_file,
     check_free_space,
     list_checkpoints,
     load_checkpoint,
-    load_optimizer_checked,
     remove_torn_temps,
-    restore_rng_checked,
-    rng_tensors,
     save_checkpoint,
 )
+from tngram.train.ckpt_files import _cpu, _file_sha256, _load_json, _load_tensors, _sha256, _short
 from tngram.train.fsdp import FullStateModel, checkpoint_views
+from tngram.train.optim_state import load_optimizer_checked, restore_rng_checked, rng_tensors
 
 
 def save_step_checkpoint(

@@ -1,0 +1,146 @@
+"""Model weights files: loading them into a model (names and shapes checked first), the final
+weights' in-header digest, and the finiteness checks of loaded weights."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+from torch import nn
+
+from tngram.common import TngramError
+from tngram.safefs import check_regular, open_read
+from tngram.train.ckpt_files import _load_tensors, _sha256, _short
+
+
+def load_weights(
+    model: nn.Module, file: str | os.PathLike, optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> None:
+    """Load a safetensors state dict into `model`; names and shapes are checked first, so a file
+    that does not fit raises one TngramError naming it (and loads nothing)."""
+    file = Path(file)
+    tensors = _load_tensors(file)
+    # weights saved after adaptive CP-rank pruning have smaller TN-gram shapes than the config's
+    # starting rank: shrink those modules first (the loaded values then overwrite them; the
+    # optimisers are pointed at the new, smaller parameters)
+    from tngram.memory.cp_rank import shrink_to_state
+
+    shrink_to_state(model, tensors, optimizers)
+    own = model.state_dict()
+    missing = [k for k in own if k not in tensors]
+    unexpected = [k for k in tensors if k not in own]
+    if missing or unexpected:
+        raise TngramError(
+            f"weights in {file} do not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    bad = [
+        (k, tuple(tensors[k].shape), tuple(v.shape))
+        for k, v in own.items()
+        if tensors[k].shape != v.shape
+    ]
+    if bad:
+        k, got, want = bad[0]
+        raise TngramError(
+            f"weights in {file} do not fit the model: {k} has shape {got}, the model "
+            f"needs {want} ({len(bad)} mismatched tensor(s)); was it written by another config?"
+        )
+    model.load_state_dict(tensors, strict=True)
+
+
+def weights_with_digest(tensors: dict[str, torch.Tensor], step: int) -> bytes:
+    """A safetensors file whose header records its payload's size and sha256 (the final weights'
+    manifest, inside the file so a copied model.safetensors carries it): `verify_weights_file`."""
+    data = save(tensors, metadata={"step": str(step)})
+    payload = memoryview(data)[8 + int.from_bytes(data[:8], "little") :]
+    meta = {
+        "step": str(step),
+        "payload_bytes": str(len(payload)),
+        "payload_sha256": _sha256(payload),
+    }
+    return save(tensors, metadata=meta)  # the payload does not depend on the metadata
+
+
+def verify_weights_file(file: Path) -> None:
+    """A weights file whose header records a payload digest must match it (size and sha256);
+    files without one (checkpoints, verified by their manifest; older runs) pass."""
+    from safetensors import safe_open
+
+    try:
+        check_regular(file)
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+    except TngramError:
+        raise
+    except Exception as e:
+        raise TngramError(
+            f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
+            f"use the newest checkpoint, or re-run the last step with --resume"
+        ) from None
+    want = meta.get("payload_sha256")
+    if want is None:
+        return
+    h = hashlib.sha256()
+    with open_read(file) as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.seek(8 + n)
+        size = 0
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+            size += len(chunk)
+    if str(size) != meta.get("payload_bytes") or h.hexdigest() != want:
+        raise TngramError(
+            f"{file}: the weights do not match the size and sha256 recorded in their header "
+            f"(corrupt or replaced); delete it to use the newest checkpoint"
+        )
+
+
+def check_finite_model(model: nn.Module, file: Path) -> None:
+    """Loaded weights must be finite and give finite logits on a first probe (8 tokens)."""
+    bad = [
+        n
+        for n, p in model.state_dict().items()
+        if p.is_floating_point() and not bool(torch.isfinite(p).all())
+    ]
+    if bad:
+        raise TngramError(
+            f"{file}: non-finite values in {bad[0]} ({len(bad)} tensor(s)); the weights are "
+            f"corrupt or diverged"
+        )
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    T = min(8, int(cfg.sequence_len))
+    ids = (
+        torch.arange(T, device=next(model.parameters()).device)
+        .remainder(int(cfg.vocab_size))
+        .view(1, T)
+    )
+    with torch.no_grad():
+        out = model(ids)
+    logits = out[0] if isinstance(out, tuple) else out
+    if not bool(torch.isfinite(logits).all()):
+        raise TngramError(
+            f"{file}: the weights give non-finite logits on a first probe; they are corrupt "
+            f"or diverged"
+        )
+
+
+def _weights_step(file: Path) -> int:
+    from safetensors import safe_open
+
+    try:
+        check_regular(file)
+        with safe_open(str(file), framework="pt") as f:
+            return int((f.metadata() or {}).get("step", -1))
+    except TngramError:
+        raise
+    except Exception as e:
+        raise TngramError(
+            f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
+            f"use the newest checkpoint, or re-run the last step with --resume"
+        ) from None
