@@ -106,7 +106,7 @@ def test_continue_from_the_returned_cache():
 def test_left_padding_matters_for_the_memory(monkeypatch):
     """Negative control: the padded row only matches because of the valid mask. With the mask
     ignored by the memory (pads enter its windows and conv state) the logits move."""
-    import tngram.hf.attach as attach
+    import tngram.hf.hooks as attach
 
     model = with_memory("llama", "tngram")
     short = prompt(1, 4, seed=3)

@@ -1,0 +1,246 @@
+"""The hooks that hand each call's token ids, padding mask and cache state to the memories.
+
+    token ids:        a forward pre-hook on `base` (and on the top model) reads input_ids,
+                      attention_mask and past_key_values of each call into `_State.ctx`
+    block memory:     a forward pre-hook on layers[i] makes its input h + memory(h, ids)
+    embedding memory: a forward hook on the input embedding replaces its output by OE(emb, ids)
+    generate():       prepare_inputs_for_generation keeps the 2-D mask before it becomes 4-D
+
+The hooks trace under torch.compile(fullgraph=True): the call's argument positions are looked
+up once per class, and the token-id range is read only outside compilation
+(tngram.memory.ngrams.check_ids_in_forward, as in our GPT).
+Per-call context lives on the model from the pre-hook to the forward's end: one forward at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tngram.common import TngramError
+from tngram.hf.cache_state import check_and_advance, memory_states
+from tngram.hf.classes import MEMORY_ATTR
+from tngram.hf.spec import _embedding_rows
+from tngram.memory.ngrams import check_ids_in_forward
+
+_CALL_ARGS = ("input_ids", "attention_mask", "past_key_values", "cache", "use_cache")
+CACHE_NAMES = ("cache", "past_key_values")  # transformers >= 5.24 calls it `cache`
+
+
+class _State:
+    """Shared by a base model, its memory layers and its embedding (a plain object, so deepcopy
+    keeps the sharing); `ctx` is the current call's ids / padding mask / cache state."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.ctx: dict[str, Any] | None = None
+        self.pending_mask: Tensor | None = (
+            None  # 2-D mask recorded by prepare_inputs_for_generation
+        )
+        self.handles: list = []
+
+
+@functools.lru_cache(maxsize=64)
+def _call_positions(cls: type) -> tuple[tuple[str, int], ...]:
+    """(name, positional index) of the call arguments the hooks read, for cls.forward."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    out = []
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if p.name in _CALL_ARGS:
+            out.append((p.name, i))
+    return tuple(out)
+
+
+def _install_call_hooks(module: nn.Module, state: _State) -> None:
+    """Hooks reading input_ids / attention_mask / cache of each call of `module` (the base
+    model, and the top model too: some heads, e.g. OPT's, call an inner decoder directly)."""
+    module._tngram_state = state
+    module._tngram_call = dict(_call_positions(type(module)))
+    params = inspect.signature(type(module).forward).parameters
+    module._tngram_cache_name = next((n for n in CACHE_NAMES if n in params), None)
+    state.handles.append(module.register_forward_pre_hook(_base_pre_hook, with_kwargs=True))
+    state.handles.append(module.register_forward_hook(_base_post_hook, always_call=True))
+
+
+# ---- hooks ---------------------------------------------------------------------------------
+
+
+def _call_arg(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    i = module._tngram_call.get(name)
+    return args[i] if i is not None and i < len(args) else None
+
+
+def _valid_mask(mask: Any, ids: Tensor, state: _State) -> Tensor | None:
+    """(B, T) bool mask of real tokens from the call's attention mask, or None (no padding).
+
+    A 4-D (or per-layer dict) mask carries no padding we can read: generate() records its 2-D
+    mask in prepare_inputs_for_generation; without one (transformers drops an all-ones mask)
+    there is no padding."""
+    B, T = ids.shape
+    if mask is not None and not (isinstance(mask, Tensor) and mask.dim() == 2):
+        mask = state.pending_mask
+    if mask is None:
+        return None
+    if mask.shape[0] != B or mask.shape[1] < T:
+        raise TngramError(
+            f"attention_mask of shape {tuple(mask.shape)} does not cover input_ids "
+            f"of shape {(B, T)}"
+        )
+    valid = mask[:, mask.shape[1] - T :].to(device=ids.device).bool()
+    if torch.compiler.is_compiling():
+        return valid  # no data-dependent branch in a graph (an all-True mask is exact)
+    return None if bool(valid.all()) else valid
+
+
+def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    state: _State = base._tngram_state
+    if state.ctx is not None:  # an outer hooked module (the top model) already read the call
+        return None
+    ids = _call_arg(base, args, kwargs, "input_ids")
+    if ids is None:
+        raise TngramError(
+            "the n-gram memory needs token ids: call the model with input_ids "
+            "(inputs_embeds alone carries no ids; generate(inputs_embeds=...) is "
+            "not supported with a memory)"
+        )
+    if ids.dim() != 2:
+        raise TngramError(f"input_ids must have shape (batch, seq), got {tuple(ids.shape)}")
+    vocab = int(state.spec["vocab_size"])
+    rows = _embedding_rows(base)
+    if rows != vocab:
+        raise TngramError(
+            f"vocab mismatch: the memory was built for {vocab} tokens but the input "
+            f"embedding now has {rows} rows (resize_token_embeddings after "
+            "add_memory?); add the memory after resizing"
+        )
+    check_ids_in_forward(ids, vocab)
+    changed = False
+    cache = _call_arg(base, args, kwargs, "past_key_values")
+    if cache is None:
+        cache = _call_arg(base, args, kwargs, "cache")
+    use_cache = _call_arg(base, args, kwargs, "use_cache")
+    if use_cache is None:
+        use_cache = getattr(base.config, "use_cache", False)
+    if cache is None and use_cache and not base.training:
+        # the model would create its cache after this hook and the memory state would be lost
+        # (not in training: no decoding follows, and activation checkpointing drops the cache)
+        name = base._tngram_cache_name
+        if name is None:
+            raise TngramError(
+                f"{type(base).__name__}.forward takes no past_key_values; call it "
+                "with use_cache=False"
+            )
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=base.config)
+        pos = base._tngram_call.get(name)
+        if pos is not None and pos < len(args):  # passed positionally (as None)
+            args = (*args[:pos], cache, *args[pos + 1 :])
+        else:
+            kwargs = {**kwargs, name: cache}
+        changed = True
+    states = None
+    if cache is not None:
+        states = memory_states(cache)
+        check_and_advance(cache, ids.shape[1])
+    state.ctx = {
+        "ids": ids,
+        "valid": _valid_mask(_call_arg(base, args, kwargs, "attention_mask"), ids, state),
+        "states": states,
+        "owner": base,
+        "base": getattr(base, "base_model", base),
+    }
+    return (args, kwargs) if changed else None
+
+
+def _base_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    state: _State = module._tngram_state
+    if state.ctx is not None and state.ctx["owner"] is module:
+        state.ctx = None
+        state.pending_mask = None
+
+
+def _context(module: nn.Module) -> dict[str, Any]:
+    ctx = module._tngram_state.ctx
+    if ctx is None:
+        raise TngramError(
+            "a layer with an n-gram memory ran outside its model's forward, so the "
+            "token ids are unknown; call the model (or model.base_model) itself"
+        )
+    return ctx
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _layer_pre_hook(key: str, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    ctx = layer._tngram_state.ctx
+    if ctx is None and "_tngram_replay" in layer.__dict__ and _in_backward():
+        # activation checkpointing that wraps the layer's __call__ (transformers < 5.23)
+        # recomputes it in backward, after the model's forward: replay that forward's ids
+        ctx = layer.__dict__["_tngram_replay"]
+    else:
+        ctx = _context(layer)
+        if layer.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            layer._tngram_replay = {"ids": ctx["ids"], "valid": ctx["valid"], "states": None}
+    h = args[0] if args else kwargs["hidden_states"]
+    ids = ctx["ids"]
+    if h.shape[:2] != ids.shape:
+        raise TngramError(
+            f"decoder layer input {tuple(h.shape)} does not match input_ids "
+            f"{tuple(ids.shape)}; this architecture needs its own integration"
+        )
+    mem_state = (
+        None if ctx["states"] is None else ctx["states"].setdefault(key, {"keep_history": True})
+    )
+    h = h + getattr(layer, MEMORY_ATTR)(h, ids, cache=mem_state, valid=ctx["valid"])
+    if args:
+        return (h, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": h}
+
+
+def _embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    ctx = emb._tngram_state.ctx
+    if ctx is None or output.shape[:2] != ctx["ids"].shape:
+        return output  # a call outside the model's forward (e.g. computing inputs_embeds)
+    mem_state = (
+        None if ctx["states"] is None else ctx["states"].setdefault("embed", {"keep_history": True})
+    )
+    return getattr(ctx["base"], MEMORY_ATTR)(
+        output, ctx["ids"], cache=mem_state, valid=ctx["valid"]
+    )
+
+
+# ---- generate(): keep the 2-D mask before it becomes 4-D; refuse inputs_embeds --------------
+
+
+def _wrap_prepare_inputs(model: nn.Module) -> None:
+    orig = getattr(type(model), "prepare_inputs_for_generation", None)
+    if orig is None:
+        return
+
+    @functools.wraps(orig)  # keeps the signature generate() inspects (inputs_embeds, kwargs)
+    def prepare_inputs_for_generation(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("inputs_embeds") is not None:
+            raise TngramError(
+                "generate(inputs_embeds=...) is not supported with an n-gram memory: "
+                "the memory needs the prompt's token ids; pass input_ids"
+            )
+        state = getattr(self.base_model, "_tngram_state", None)
+        if state is not None:
+            mask = kwargs.get("attention_mask")
+            state.pending_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        return orig(self, *args, **kwargs)
+
+    # a bound method on the instance: deepcopy rebinds it to the copy
+    model.prepare_inputs_for_generation = types.MethodType(prepare_inputs_for_generation, model)

@@ -1,0 +1,160 @@
+"""The memory spec of a model with a memory (`model.config.tngram_memory`) and its checks.
+
+A spec is {"memory": memory config dict, "layers": decoder-layer ids, "layers_attr": dotted
+path of the decoder-layer list, "memory_seed": int, "vocab_size": int}. `check_spec` checks it
+field by field against a base model before anything is built; one TngramError names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from tngram.common import TngramError
+from tngram.hf.classes import CONFIG_KEY, TngramConfigMixin
+from tngram.hf.families import find_decoder_layers
+from tngram.memory import memory_config_classes, memory_config_from_dict
+
+SPEC_KEYS = ("memory", "layers", "layers_attr", "memory_seed", "vocab_size")
+
+
+def _hidden_size(config: Any) -> int:
+    for name in ("hidden_size", "n_embd", "d_model"):
+        v = getattr(config, name, None)
+        if isinstance(v, int):
+            return v
+    raise TngramError(
+        f"cannot find the hidden size in {type(config).__name__} (hidden_size / n_embd / d_model)"
+    )
+
+
+def _base(model: nn.Module) -> nn.Module:
+    if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
+        raise TngramError(
+            f"add_memory expects a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    return getattr(model, "base_model", model)
+
+
+def _embedding_rows(base: nn.Module) -> int:
+    emb = base.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None)
+    if not isinstance(rows, int):
+        raise TngramError(f"the input embedding of {type(base).__name__} is not an nn.Embedding")
+    return rows
+
+
+def _family(config: Any) -> str | None:
+    cls = type(config)
+    if issubclass(cls, TngramConfigMixin):
+        return cls.base_model_type
+    return getattr(config, "model_type", None)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _layer_ids(layers: Any, n: int, what: str) -> tuple[int, ...]:
+    """Distinct decoder-layer indices in [0, n) from ints in [-n, n); one error otherwise."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, list, tuple)):
+        raise TngramError(f"{what} must be a list of decoder-layer indices (ints), got {layers!r}")
+    if not all(_is_int(i) for i in layers):
+        raise TngramError(f"{what} must hold ints, got {list(layers)!r}")
+    ids = tuple(i + n if i < 0 else i for i in layers)
+    if not ids or any(not 0 <= i < n for i in ids) or len(set(ids)) != len(ids):
+        raise TngramError(
+            f"{what} {list(layers)} must be distinct decoder-layer indices in "
+            f"[-{n}, {n}) (the model has {n} decoder layers)"
+        )
+    return ids
+
+
+def _check_memory_fields(memory: Any, where: str) -> Any:
+    """The memory config of a spec's `memory` dict; JSON types checked against the fields'."""
+    if not isinstance(memory, dict):
+        raise TngramError(f"{where}.memory must be an object, got {type(memory).__name__}")
+    classes = memory_config_classes()
+    kind = memory.get("kind")
+    if kind not in classes:
+        raise TngramError(f"{where}.memory.kind must be one of {sorted(classes)}, got {kind!r}")
+    for f in dataclasses.fields(classes[kind]):
+        if f.name not in memory:
+            continue
+        v, default = memory[f.name], f.default
+        if default is dataclasses.MISSING or default is None:
+            continue
+        key = f"{where}.memory.{f.name}"
+        if isinstance(default, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(default, int):
+            ok = _is_int(v)
+        elif isinstance(default, float):
+            ok = (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+        elif isinstance(default, str):
+            ok = isinstance(v, str)
+        elif isinstance(default, tuple):
+            ok = isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)
+        else:
+            ok = True
+        if not ok:
+            tname = type(default).__name__
+            raise TngramError(
+                f"{key} must be {'an' if tname[0] in 'aeiou' else 'a'} {tname} "
+                f"like its default {default!r}, got {v!r}"
+            )
+    try:
+        return memory_config_from_dict(memory)
+    except TngramError as e:
+        raise TngramError(f"{where}.memory: {e}") from None
+
+
+def check_spec(
+    spec: Any, base: nn.Module, where: str = "config.tngram_memory"
+) -> tuple[Any, tuple[int, ...], nn.ModuleList]:
+    """(memory config, layer ids, decoder-layer list) of a spec, or one TngramError naming the
+    field (types, ranges, duplicates, the model's layer count and vocabulary)."""
+    if not isinstance(spec, dict):
+        raise TngramError(f"{where} must be an object, got {type(spec).__name__}")
+    missing = [k for k in SPEC_KEYS if k not in spec]
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if missing or unknown:
+        raise TngramError(
+            f"{where} must have exactly the keys {list(SPEC_KEYS)}; "
+            f"missing {missing}, unknown {unknown}"
+        )
+    cfg = _check_memory_fields(spec["memory"], where)
+    seed, vocab, attr = spec["memory_seed"], spec["vocab_size"], spec["layers_attr"]
+    if not _is_int(seed) or not 0 <= seed < 2**63:
+        raise TngramError(f"{where}.memory_seed must be an int in [0, 2^63), got {seed!r}")
+    if not _is_int(vocab) or vocab < 1:
+        raise TngramError(f"{where}.vocab_size must be a positive int, got {vocab!r}")
+    if not isinstance(attr, str) or not attr:
+        raise TngramError(f"{where}.layers_attr must be a dotted path (str), got {attr!r}")
+    rows = _embedding_rows(base)
+    if rows != vocab:
+        raise TngramError(
+            f"vocab mismatch: {where}.vocab_size is {vocab} but the input embedding has {rows} rows"
+        )
+    _, layer_list = find_decoder_layers(base, _family(base.config), attr)
+    if cfg.injection == "embedding":
+        if spec["layers"] != []:
+            raise TngramError(
+                f"{where}.layers must be [] for an embedding memory "
+                f"({cfg.kind}), got {spec['layers']!r}"
+            )
+        return cfg, (), layer_list
+    ids = _layer_ids(spec["layers"], len(layer_list), f"{where}.layers")
+    if list(ids) != list(spec["layers"]):
+        raise TngramError(f"{where}.layers must be non-negative, got {spec['layers']!r}")
+    return cfg, ids, layer_list
+
+
+def memory_spec(model: nn.Module) -> dict[str, Any] | None:
+    """The memory spec of a model with a memory (model.config.tngram_memory), else None."""
+    config = getattr(model, "config", None)
+    return getattr(config, CONFIG_KEY, None) if isinstance(config, TngramConfigMixin) else None
