@@ -24,7 +24,6 @@ says so (`note`).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

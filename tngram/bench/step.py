@@ -221,7 +221,7 @@ def profile_step(step: Callable[[], None], rows: int = 12) -> list[list[Any]]:
 def report(res: dict[str, Any]) -> str:
     mc, pk = res["machine"], res["matmul_peak_flops"]
     lines = [
-        f"tngram bench step: forward + backward + Adam/Muon step, median (min) of the timed reps",
+        "tngram bench step: forward + backward + Adam/Muon step, median (min) of the timed reps",
         f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, load "
         f"{mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
         f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 {fmt_si(pk['bf16'], 'FLOP/s')}",

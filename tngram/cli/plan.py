@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, Iterator
 
 import torch

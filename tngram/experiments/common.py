@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, print0
+from tngram.common import TngramError
 from tngram.train.recipes import get_recipe
 from tngram.train.config import TrainConfig
 

@@ -14,7 +14,6 @@ Both reuse finished runs (one `tngram compare`-style folder per corpus or budget
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path

@@ -44,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tngram.common import TngramError, atomic_write_json, atomic_write_text, print0
+from tngram.common import TngramError, atomic_write_json, print0
 from tngram.experiments.common import (
     SCALES,
     base_recipe,

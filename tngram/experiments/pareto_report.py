@@ -456,7 +456,7 @@ def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: 
     paired = paired_rows(rows, bench, sizes, corpus_sizes) if sizes else []
     atomic_write_json(out / "pareto.json", {"factors": factors, "rows": rows, "points": points,
                                             "bench": bench, "tables": tables, "paired": paired})
-    md = [f"# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
+    md = ["# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
           + ", ".join(f"{k} ×{v:g}" for k, v in factors.items()) + f". {len(rows)} of {len(specs)} runs finished.\n"]
     from tngram.report.docblocks import render_table
     for c in corpora:

@@ -23,7 +23,7 @@ Dimension letters: B batch, T time, D model width, H heads, K kv heads, E head d
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch

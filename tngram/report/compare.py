@@ -62,7 +62,7 @@ def compare_table(results: dict[str, Any]) -> str:
             "Mean ± std over {n} seeds" if n > 1 else "One seed (no spread: run --seeds 3 for one)"
         ).format(n=n)
         + ". Loss in nats/token; BPB = bits per UTF-8 byte of the "
-        f"validation text. ΔParams against the raw GPT of the same backbone."
+        "validation text. ΔParams against the raw GPT of the same backbone."
     )
     if raw_bpb == raw_bpb:  # not NaN
         for m in methods:
@@ -74,7 +74,7 @@ def compare_table(results: dict[str, Any]) -> str:
         m, s = mean_std(paired)
         spread = f"mean {m:+.4f} ± {s:.4f}; " if len(paired) > 1 else ""
         lines.append(
-            f"- TN-gram − Engram val loss, paired by seed (same init and data order): "
+            "- TN-gram − Engram val loss, paired by seed (same init and data order): "
             + ", ".join(f"{d:+.4f}" for d in paired)
             + f" ({spread}negative = TN-gram better)"
         )

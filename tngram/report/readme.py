@@ -1,8 +1,9 @@
-"""Numbers in the README come from a results file in the repository, never by hand.
+"""The demo's table comes from a results file in the repository, never by hand.
 
 `tngram report readme DIR` takes a `tngram compare` folder (e.g. the `runs/compare-cpu` of `make
 demo`), writes a snapshot of it to docs/results/demo-compare-cpu.json (rows + the commit, machine
-and command the runs recorded) and regenerates the README block between
+and command the runs recorded) and regenerates the block of docs/RESULTS.md (the default --doc;
+the README links to it rather than carrying tables and their provenance) between
 
     <!-- BEGIN generated: demo-compare-cpu -->
     <!-- END generated: demo-compare-cpu -->
@@ -18,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import MissingFileError
-from tngram.report.markdown import (
+# names kept importable from here (tngram.cli.report and tests import them from this module)
+from tngram.report.markdown import (  # noqa: F401
+    begin_marker,
     block_names,
     current_block,
     end_marker,
-    begin_marker,  # noqa: F401
     replace_block,
     snapshot_path,
 )
