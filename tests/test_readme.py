@@ -1,6 +1,6 @@
-"""The README runs as written: every Python snippet is executed (in a folder where `runs/mini`
-is a tiny trained run), every TOML snippet is loaded as a config file, and every shell command
-line is parsed by the CLI (flags, choices, recipe names and --set keys checked; the cheap
+"""The README runs as written: every Python snippet is executed (in a folder where
+`runs/compare-cpu/runs/tngram-s0`, the demo's TN-gram run, is a tiny trained run), every TOML
+snippet is loaded as a config file, and every shell command line is parsed by the CLI (flags, choices, recipe names and --set keys checked; the cheap
 `--print-config` / `--config` pair is run for real). The docs stand alone (no paths outside the
 repository, no issue numbers), and LICENSE / CITATION.cff match pyproject and the README."""
 
@@ -27,13 +27,14 @@ def blocks(lang: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, tiny_data):  # noqa: F811
-    """A folder with runs/mini: a tiny TN-gram run trained for 2 steps."""
+    """A folder holding a tiny TN-gram run (2 steps) where `make demo` puts its TN-gram run, which
+    the README's load_run snippet opens."""
     from test_train_support import single_thread
     from tngram.train.loop import train
     root = tmp_path_factory.mktemp("readme")
     with single_thread():
         train(tiny_config(tiny_data, extra=["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0"]),
-              root / "runs" / "mini", progress=False)
+              root / "runs" / "compare-cpu" / "runs" / "tngram-s0", progress=False)
     return root
 
 
@@ -119,13 +120,13 @@ def test_parameter_table_equals_param_summary():
 
 @pytest.mark.parametrize("path", [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
 def test_generated_results_blocks_equal_their_results_files(path):
-    """Every generated table (README's demo and speed tables, docs/PERFORMANCE.md's and
-    docs/RESULTS.md's) is `tngram report doc`'s rendering of the results file it cites."""
+    """Every generated table (docs/PERFORMANCE.md's and docs/RESULTS.md's, the demo's included)
+    is `tngram report doc`'s rendering of the results file it cites."""
     from tngram.cli import main
     from tngram.report.docblocks import block_names
     names = block_names(path.read_text())
-    if path.name == "README.md":
-        assert {"demo-compare-cpu", "bench-threads-bbf1675:speed"} <= set(names)
+    if path.name == "RESULTS.md":    # the README links here instead of carrying tables
+        assert {"demo-compare-cpu", "pareto-best-params", "pareto-best-step"} <= set(names)
     if path.name == "PERFORMANCE.md":
         assert {"bench-threads-bbf1675:candidates", "bench-threads-bbf1675:targets"} <= set(names)
     assert main(["report", "doc", "--check", str(path)]) == 0
@@ -143,10 +144,10 @@ def test_report_readme_regenerates_the_block(tmp_path):
     rows[0]["val_bpb"] = 9.8765
     (d).mkdir()
     (d / "results.json").write_text(json.dumps({"preset": snap["preset"], "seeds": snap["seeds"], "rows": rows}))
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
     (tmp_path / "docs" / "results").mkdir(parents=True)
-    for f in (ROOT / "docs/results").glob("*.json"):   # the README's other generated blocks cite these
+    readme = tmp_path / "docs" / "RESULTS.md"              # where the demo's table lives
+    shutil.copy(ROOT / "docs" / "RESULTS.md", readme)
+    for f in (ROOT / "docs/results").glob("*.json"):   # the doc's other generated blocks cite these
         if f.name != "demo-compare-cpu.json":
             shutil.copy(f, tmp_path / "docs/results/")
     assert main(["report", "readme", str(d), "--readme", str(readme)]) == 0

@@ -47,7 +47,8 @@ def add_commands(sub: Any) -> None:
     c.set_defaults(func=_cmd_compare)
     r = rs.add_parser(
         "readme",
-        help="regenerate a results table of the README (or a doc) from a `tngram compare` folder",
+        help="regenerate the demo's results table (docs/RESULTS.md, or --doc FILE) from a "
+        "`tngram compare` folder",
         description="Snapshot a `tngram compare` folder (the runs/compare-cpu of `make demo`) "
         "into docs/results/NAME.json and regenerate the Markdown block that cites it "
         "(between <!-- BEGIN generated: NAME --> and <!-- END generated: NAME -->). With "
@@ -66,7 +67,7 @@ def add_commands(sub: Any) -> None:
         "--doc",
         dest="readme",
         type=Path,
-        default=Path("README.md"),
+        default=Path("docs/RESULTS.md"),
         metavar="FILE",
         help="the Markdown file to update or check",
     )
@@ -141,7 +142,6 @@ def _cmd_doc(args: Any) -> int:
 
 
 def _cmd_readme(args: Any) -> int:
-    import sys
 
     from tngram.common import MissingFileError, TngramError, atomic_write_json, atomic_write_text
     from tngram.report.readme import render_block, replace_block, snapshot, snapshot_path

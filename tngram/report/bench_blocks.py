@@ -1,6 +1,6 @@
 """Generated-block views of a `tngram bench threads --json` results file (see docblocks).
 
-speed       the README's table: Engram vs TN-gram per measurement and thread count, with targets
+speed       Engram vs TN-gram per measurement and thread count, with targets (compact)
 candidates  every candidate at 1 and 2 threads, median (min) ms, 2-thread speed-up, Amdahl p and
             the 16-core projection (docs/PERFORMANCE.md)
 targets     the TN-gram / Engram ratios against their targets, met or not
