@@ -150,10 +150,18 @@ class GatedFusion(nn.Module):
         same numbers up to summation order. Only from `fuse_kv_min_rows` (64) rows of e: the
         concatenation copies both weights on every call, which at decode time (1 row per step)
         cost more than the saved matmul (tngram bench decode, docs/PERFORMANCE.md "Decode").
+        Only when both projections are plain nn.Linear: a wrapped one (a PEFT LoRA layer, a
+        subclass) is called, so its own forward (adapter included) holds at every length.
         """
         policy = current_policy()
-        if self.hc_mult == 1 and policy.fuse_kv and e[..., 0].numel() >= policy.fuse_kv_min_rows:
-            kp, vp = self.key_proj[0], self.value_proj
+        kp, vp = self.key_proj[0], self.value_proj
+        if (
+            self.hc_mult == 1
+            and policy.fuse_kv
+            and type(kp) is nn.Linear  # a wrapped projection (e.g. PEFT LoRA) runs its own forward
+            and type(vp) is nn.Linear
+            and e[..., 0].numel() >= policy.fuse_kv_min_rows
+        ):
             w = torch.cat([kp.weight, vp.weight], dim=0)  # (2D, E)
             b = None if kp.bias is None else torch.cat([kp.bias, vp.bias])  # (2D,)
             k, v = F.linear(e, w, b).split(self.d_model, dim=-1)  # (B, T, D) each
