@@ -1,4 +1,5 @@
-"""`tngram bench modules|threads|step|trainer|vocab|data|decode|contention`: performance measurements.
+"""`tngram bench modules|threads|step|trainer|vocab|data|decode|contention|gpu`: performance
+measurements.
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
 machine they were taken on are in docs/PERFORMANCE.md.
@@ -10,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from tngram.cli.argtypes import int_range
+from tngram.cli.argtypes import float_range, int_range
 
 # optim.memory_update options, "+catchup" with optim.memory_catchup (tngram.bench.vocab.UPDATE_CHOICES;
 # spelled out here so that building the parser does not import torch)
@@ -201,6 +202,63 @@ def _decode(args: argparse.Namespace) -> int:
         hf=not args.no_hf,
     )
     _emit(res, decode.report(res), args)
+    return 0
+
+
+def _gpu_out(out: str | None, slug: str) -> Any:
+    """The results file: --out FILE.json, or gpu-<card>.json in --out DIR (default docs/results)."""
+    from pathlib import Path
+
+    from tngram.common import TngramError
+
+    p = Path(out) if out else Path("docs/results")
+    path = p if p.suffix == ".json" else p / f"gpu-{slug}.json"
+    if not path.parent.is_dir():
+        raise TngramError(f"--out: folder {path.parent} does not exist")
+    return path
+
+
+def _gpu(args: argparse.Namespace) -> int:
+    """Validate everything before any measurement (exit 2 on bad input), then run and write."""
+    import torch
+
+    from tngram.bench import gpu
+    from tngram.cli.doctor import diagnose
+    from tngram.common import TngramError, atomic_write_json
+    from tngram.train.recipes import recipe_names
+
+    known = recipe_names()
+    bad = [r for r in args.recipes or [] if r not in known or not r.startswith("paper-l9-")]
+    if bad:
+        raise TngramError(f"--recipes: {bad} are not paper-l9-* recipes (`tngram recipes`)")
+    if args.data is not None:
+        from tngram.data.dataset import open_dataset
+
+        open_dataset(args.data)  # a clear error now rather than after the other sections
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    path = _gpu_out(args.out, gpu.card_slug(card))
+    if path.exists() and not args.force:
+        raise TngramError(f"--out: {path} exists (pass --force to replace it)")
+    res = gpu.run(
+        budget_s=args.budget,
+        recipes=args.recipes,
+        sections=tuple(args.sections),
+        steps=args.steps,
+        data=args.data,
+        reps=args.reps,
+        compile=not args.no_compile,
+        doctor=diagnose,
+        say=lambda line: print(line, flush=True),
+    )
+    res.update(results_file_fields("bench-gpu", getattr(args, "argv", [])))
+    res["machine"] = (
+        f"{res['card']}"
+        + (f" ({res['card_memory_gb']} GiB, driver {res['driver']})" if res.get("driver") else "")
+        + f", torch {res['torch']}, triton {res['triton'] or 'none'}"
+    )
+    atomic_write_json(path, res)
+    print(gpu.report(res))
+    print(f"wrote {path}")
     return 0
 
 
@@ -449,3 +507,46 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--prompt", type=int_range(1), default=16, help="prompt length")
     c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")
     c.set_defaults(func=_decode)
+
+    g = bs.add_parser(
+        "gpu",
+        help="the GPU numbers in one command inside a time budget (doctor, Triton vs torch, "
+        "fwd+bwd eager/compiled, trainer tokens/s, sparse vs dense tables, MFU) -> "
+        "docs/results/gpu-<card>.json; tiny shapes on the CPU",
+        description="tngram.bench.gpu: every section and what it measures. Writes one results "
+        "file; docs/GPU.md's tables are generated from it (`tngram report doc docs/GPU.md`).",
+    )
+    g.add_argument(
+        "--out",
+        metavar="PATH",
+        help="results file (.json) or folder for gpu-<card>.json (default: docs/results)",
+    )
+    g.add_argument("--force", action="store_true", help="replace an existing results file")
+    g.add_argument(
+        "--budget",
+        type=float_range(1.0),
+        default=420.0,
+        metavar="S",
+        help="seconds for all sections; an item that no longer fits is skipped and listed "
+        "(default 420: the command with start-up stays under 8 minutes on one H100/H200)",
+    )
+    g.add_argument(
+        "--recipes",
+        nargs="+",
+        metavar="RECIPE",
+        help="paper-l9-* recipes (default: every recipe named paper-l9-*)",
+    )
+    g.add_argument(
+        "--sections",
+        nargs="+",
+        choices=("doctor", "lookup", "fwdbwd", "trainer", "tables"),
+        default=["doctor", "lookup", "fwdbwd", "trainer", "tables"],
+        help="sections to run (default: all)",
+    )
+    g.add_argument(
+        "--steps", type=int_range(3), default=12, metavar="N", help="trainer steps per recipe"
+    )
+    g.add_argument("--data", metavar="DIR", help="dataset folder for the trainer section")
+    g.add_argument("--reps", type=int_range(1), default=None, help="timed reps (GPU 15, CPU 3)")
+    g.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
+    g.set_defaults(func=_gpu)

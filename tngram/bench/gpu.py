@@ -1,0 +1,308 @@
+"""`tngram bench gpu`: the GPU numbers of issue 39 in one command and one results file.
+
+Sections, run in this order while the time budget lasts (an item whose estimated time no longer
+fits is skipped and listed with the reason, so the command stays inside one GPU call):
+
+  doctor   `tngram doctor`'s self-checks (passed in by the CLI: the doctor's own code path)
+  lookup   TN-gram's compiled lookup (Triton on CUDA, C on the CPU) against the torch path: inside
+           paper-l9-tngram the loss and the memory gradients (fp32 and bf16), and the lookup of
+           one paper-l9 TN-gram module alone, forward + backward, timed for each implementation
+  fwdbwd   forward + backward of every `paper-l9-*` recipe (tngram.bench.gpu_parts), eager, then
+           under torch.compile (raw / Engram / TN-gram first, the other recipes last)
+  trainer  tokens/s of N optimiser steps through the real trainer (tngram.train.loop.train),
+           median of the per-step windows from step 3 on, as `tngram train --stop-after N`
+  tables   one optimiser step with optim.memory_update dense / sparse / rowwise at V 1k / 32k /
+           128k (Engram and TN-gram), beside the raw model's step at the same V
+
+Every timed item records its peak GPU memory (torch.cuda.max_memory_allocated; none on the
+CPU) and, for fwdbwd, the FLOP count it used (tngram.bench.step.train_flops, the count of
+`tngram plan`) and the MFU against the card's bf16 dense peak from its spec sheet (PEAK_BF16)
+and against the bf16 matmul peak measured in the same run.
+
+Without CUDA everything runs at tiny shapes (TINY_SETS: 2 layers, d 32, seq 64), so the command
+and its results file are checked on the CPU by the tests; those numbers are no GPU figures.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BASE = ("paper-l9-raw", "paper-l9-engram", "paper-l9-tngram")
+SECTIONS = ("doctor", "lookup", "fwdbwd", "trainer", "tables")
+UPDATES = ("dense", "sparse", "rowwise")
+GPU_VOCABS = (1024, 32768, 131072)
+TINY_VOCABS = (128, 256, 512)
+# the tiny shapes of a CPU run: applied with --set semantics to every recipe
+TINY_SETS = (
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.n_kv_head=1",
+    "model.sequence_len=64",
+)
+TINY_MEMORY_SETS = ("model.memory_layers=1",)  # only for recipes with a memory
+# bf16 dense tensor-core peak (FLOP/s) from NVIDIA's spec sheets, by a substring of the card name
+PEAK_BF16 = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100 NVL", 835.0e12),
+    ("H100", 989.4e12),
+    ("A100", 312.0e12),
+)
+# estimated seconds per item on a GPU, from the first check (fb2264d, one H200): a compiled
+# paper-l9 model 28-44 s to its first step, eager set-up 2 s + 18 steps of < 0.12 s, a trainer
+# step of 524,288 tokens 0.8-1.0 s eager; a table step at V = 128k builds up to 2.8 B parameters
+GPU_COST = {
+    "doctor": 30,
+    "lookup": 25,
+    "eager": 6,
+    "compile": 50,
+    "trainer": 15,
+    "trainer_step": 1.2,
+    "table": 3,
+}
+
+
+def card_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; 'cpu' -> 'cpu'."""
+    s = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.IGNORECASE).lower()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "unknown"
+
+
+def paper_recipes(names: list[str]) -> list[str]:
+    """Every recipe named paper-l9-*: raw, Engram, TN-gram first, the rest in name order."""
+    rest = sorted(n for n in names if n.startswith("paper-l9-") and n not in BASE)
+    return [n for n in BASE if n in names] + rest
+
+
+def spec_peak(card: str) -> float | None:
+    for key, flops in PEAK_BF16:
+        if key in card:
+            return flops
+    return None
+
+
+class Budget:
+    """Seconds left of `seconds`; `fits(cost)` says whether an item estimated at `cost` s fits."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.t0 = seconds, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def fits(self, cost: float) -> bool:
+        return self.left() >= cost
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What one run measures at: the paper's on a GPU, tiny ones on the CPU."""
+
+    device: str
+    tiny: bool
+    batch: int  # sequences per fwdbwd step
+    lookup_batch: int  # sequences of the lookup check / timing
+    table_batch: int  # sequences per tables step
+    reps: int
+    warmup: int
+    vocabs: tuple[int, ...]
+
+    def sets(self, has_memory: bool) -> list[str]:
+        if not self.tiny:
+            return []
+        return list(TINY_SETS) + (list(TINY_MEMORY_SETS) if has_memory else [])
+
+    def cost(self, what: str, steps: int = 0, vocab: int = 0) -> float:
+        """Estimated seconds of one item on the GPU (GPU_COST); 0.5 s at tiny shapes."""
+        if self.tiny:
+            return 0.5
+        if what == "trainer":
+            return GPU_COST["trainer"] + GPU_COST["trainer_step"] * steps
+        if what == "table":
+            return GPU_COST["table"] * (1 + vocab / 32768)
+        return GPU_COST[what]
+
+
+def shapes_for(device: str, reps: int | None = None) -> Shapes:
+    if device == "cuda":
+        return Shapes("cuda", False, 64, 8, 16, reps or 10, 3, GPU_VOCABS)
+    return Shapes("cpu", True, 2, 2, 2, reps or 2, 1, TINY_VOCABS)
+
+
+def versions() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    out: dict[str, Any] = {
+        "card": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": None,
+        "python": platform.python_version(),
+    }
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        out["card_memory_gb"] = round(props.total_memory / 2**30, 1)
+        out["driver"] = _driver()
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:  # not installed (CPU machines) or broken: recorded as None
+        pass
+    return out
+
+
+def _driver() -> str | None:
+    import subprocess
+
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        return r.stdout.strip().splitlines()[0] if r.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run(
+    *,
+    budget_s: float = 420.0,
+    recipes: list[str] | None = None,
+    sections: tuple[str, ...] = SECTIONS,
+    steps: int = 12,
+    data: str | None = None,
+    reps: int | None = None,
+    compile: bool = True,
+    doctor: Callable[[], dict[str, Any]] | None = None,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure `sections` for `recipes` (default: every paper-l9-*) inside `budget_s` seconds."""
+    from tngram.bench import gpu_parts as parts
+    from tngram.train.recipes import recipe_names
+
+    budget = Budget(budget_s)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = shapes_for(device, reps)
+    names = paper_recipes(recipes if recipes is not None else recipe_names())
+    ver = versions()
+    res: dict[str, Any] = {
+        "benchmark": "gpu",
+        **ver,
+        "card_slug": card_slug(ver["card"]),
+        "device": device,
+        "tiny": shapes.tiny,
+        "shapes": {
+            "batch": shapes.batch,
+            "lookup_batch": shapes.lookup_batch,
+            "table_batch": shapes.table_batch,
+            "reps": shapes.reps,
+            "warmup": shapes.warmup,
+            "vocabs": list(shapes.vocabs),
+            "tiny_sets": list(TINY_SETS) if shapes.tiny else [],
+            "trainer_steps": steps,
+        },
+        "budget_s": budget_s,
+        "recipes": names,
+        "sections": {s: {} for s in sections},
+        "skipped": [],
+    }
+    peak_spec = spec_peak(ver["card"])
+    res["flops"] = {
+        "count": "tngram.bench.step.train_flops: 6 x matmul params x tokens + 12 x L x d x T x "
+        "tokens (the count of `tngram plan`; lookups and elementwise work not counted)",
+        "peak_bf16_spec": peak_spec,
+        "peak_matmul_measured": parts.matmul_peak(device, shapes.tiny),
+    }
+
+    def item(section: str, key: str, cost: float, fn: Callable[[], dict[str, Any]]) -> None:
+        if section not in sections:
+            return
+        if not budget.fits(cost):
+            why = f"time budget: {budget.left():.0f} s left of {budget_s:.0f}, needs ~{cost:.0f} s"
+            res["sections"][section][key] = {"skipped": why}
+            res["skipped"].append(f"{section} {key}: {why}")
+            say(f"[{budget.elapsed():5.0f}s] skip {section} {key} ({why})")
+            return
+        say(f"[{budget.elapsed():5.0f}s] {section} {key}")
+        try:
+            out = fn()
+        except Exception as e:  # one failed item must not lose the others' numbers
+            out = {"error": f"{type(e).__name__}: {e}"[:400]}
+        res["sections"][section][key] = out
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    if doctor is not None:
+        item("doctor", "self_checks", shapes.cost("doctor"), lambda: parts.doctor_summary(doctor()))
+    item("lookup", "paper-l9-tngram", shapes.cost("lookup"), lambda: parts.lookup(shapes))
+    peaks = (peak_spec, res["flops"]["peak_matmul_measured"])
+    for r in names:
+        item(
+            "fwdbwd",
+            f"{r}/eager",
+            shapes.cost("eager"),
+            lambda r=r: parts.fwdbwd(r, shapes, False, peaks),
+        )
+
+    def compiled(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
+        fn = lambda: parts.fwdbwd(r, shapes, True, peaks)
+        return ("fwdbwd", f"{r}/compile", shapes.cost("compile"), fn)
+
+    def trained(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
+        cost = shapes.cost("trainer", steps) + shapes.cost("compile") * parts.trainer_compiles(
+            r, shapes
+        )
+        return ("trainer", r, cost, lambda: parts.trainer(r, shapes, steps, data))
+
+    base, rest = [r for r in names if r in BASE], [r for r in names if r not in BASE]
+    for r in base if compile else []:
+        item(*compiled(r))
+    for r in base:
+        item(*trained(r))
+    for V in shapes.vocabs:
+        for model in ("raw", "engram", "tngram"):
+            for upd in UPDATES if model != "raw" else ("dense",):
+                key = f"{model}@{V}" + ("" if model == "raw" else f"/{upd}")
+                fn = lambda m=model, V=V, u=upd: parts.table_step(m, V, u, shapes)
+                item("tables", key, shapes.cost("table", vocab=V), fn)
+    for r in rest:
+        if compile:
+            item(*compiled(r))
+        item(*trained(r))
+    res["elapsed_s"] = round(budget.elapsed(), 1)
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    """A short text summary (the JSON file is the result)."""
+    head = (
+        f"tngram bench gpu: {res['card']} (torch {res['torch']}, triton {res['triton']}), "
+        f"{'tiny shapes' if res['tiny'] else 'paper shapes'}, {res['elapsed_s']} s of "
+        f"{res['budget_s']:.0f} s budget"
+    )
+    lines = [head]
+    for sec, items in res["sections"].items():
+        for key, r in items.items():
+            if "skipped" in r or "error" in r:
+                lines.append(f"  {sec:8s} {key:32s} {r.get('skipped') or 'ERROR ' + r['error']}")
+            elif "median_ms" in r:
+                lines.append(f"  {sec:8s} {key:32s} {r['median_ms']:9.2f} ms")
+            elif "tokens_per_s" in r:
+                lines.append(f"  {sec:8s} {key:32s} {r['tokens_per_s']:12,.0f} tokens/s")
+            else:
+                lines.append(f"  {sec:8s} {key:32s} done")
+    return "\n".join(lines)

@@ -1,0 +1,327 @@
+"""The measurements of `tngram bench gpu` (tngram.bench.gpu runs them inside its time budget).
+
+Each function returns one JSON-ready dict. Times are CUDA-event milliseconds on a GPU (synchronised
+after every rep) and wall-clock milliseconds on the CPU; "median_ms" is the median of the timed
+reps after untimed warm-up reps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 2**30
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], reps: int, warmup: int, dev: str) -> dict[str, Any]:
+    """median / min / max ms of `reps` calls of fn after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    ts = []
+    for _ in range(reps):
+        if dev == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
+
+
+def _reset_peak(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gb(dev: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / GIB if dev == "cuda" else None
+
+
+def _amp(dev: str) -> Any:
+    """The trainer's run.dtype=auto: bf16 autocast on CUDA, fp32 on the CPU."""
+    return torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda")
+
+
+def matmul_peak(dev: str, tiny: bool) -> dict[str, Any]:
+    """Measured matmul FLOP/s: bf16 8192^3 on CUDA, fp32 512^3 on the CPU (tiny run)."""
+    if dev == "cuda":
+        n, dt = 8192, torch.bfloat16
+        a = torch.randn(n, n, device=dev, dtype=dt)
+        b = torch.randn(n, n, device=dev, dtype=dt)
+        t = timed(lambda: a @ b, 10, 3, dev)
+    else:
+        n, dt = 512, torch.float32
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t = timed(lambda: a @ b, 5, 1, dev)
+    return {"flops": 2 * n**3 / (t["median_ms"] / 1e3), "n": n, "dtype": str(dt)[6:]}
+
+
+def config(
+    recipe: str, shapes: Any, extra: list[str] | None = None, data: str | None = None
+) -> Any:
+    """The recipe's TrainConfig at the run's shapes (tiny sets on the CPU) plus `extra` settings."""
+    from tngram.train.recipes import get_recipe, resolve_config
+
+    has_memory = get_recipe(recipe).model.memory is not None
+    return resolve_config(recipe, shapes.sets(has_memory) + list(extra or []), data)
+
+
+def _batch(V: int, B: int, T: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
+    return s[:, :-1].contiguous(), s[:, 1:].contiguous()
+
+
+def doctor_summary(info: dict[str, Any]) -> dict[str, Any]:
+    """The parts of `tngram doctor --json` a GPU results file keeps."""
+    checks = info.get("self_checks") or {}
+    return {
+        "passed": all(r.get("passed") for r in checks.values()),
+        "self_checks": checks,
+        "tngram_lookup": info.get("tngram_lookup"),
+        "gpus": info.get("gpus"),
+        "advice": info.get("advice"),
+    }
+
+
+def _memory_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: p.grad.detach().double().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None and ".memory." in n
+    }
+
+
+def lookup(shapes: Any) -> dict[str, Any]:
+    """Compiled lookup (Triton on CUDA, C on the CPU) vs the torch path: inside paper-l9-tngram
+    (loss, max relative memory-gradient error), and one paper-l9 TN-gram module's lookup alone,
+    forward + backward, timed per implementation and precision."""
+    from tngram.bench import modules
+    from tngram.kernels import kernel_policy
+    from tngram.model.gpt import GPT
+
+    dev = shapes.device
+    kernel = "triton" if dev == "cuda" else "c"
+    cfg = config("paper-l9-tngram", shapes)
+    T = cfg.model.sequence_len
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(dev)
+    x, y = _batch(cfg.model.vocab_size, shapes.lookup_batch, T, dev)
+    out: dict[str, Any] = {"kernel": kernel, "batch": shapes.lookup_batch, "seq": T}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        got = {}
+        for impl in ("torch", kernel):
+            model.zero_grad(set_to_none=True)
+            with kernel_policy(lookup_impl=impl):
+                with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(x, y)
+                loss.backward()
+            got[impl] = (loss.item(), _memory_grads(model))
+        (l0, g0), (l1, g1) = got["torch"], got[kernel]
+        rel = max(((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)).item() for n in g0)
+        out[f"model_{name}"] = {
+            "loss_torch": l0,
+            "loss_kernel": l1,
+            "max_rel_grad_err": rel,
+            "n_grads": len(g0),
+        }
+    del model
+    m = modules.build("tngram").to(dev)
+    ids = (
+        x[:, : min(T, 1024)]
+        if shapes.tiny
+        else torch.randint(0, 1024, (shapes.lookup_batch, 1024), device=dev)
+    )
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        for impl in ("torch", kernel):
+
+            def f(impl: str = impl, bf16: bool = bf16) -> None:
+                with kernel_policy(lookup_impl=impl):
+                    with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+                        v = m.memory_vector(ids)
+                    v.backward(torch.ones_like(v))
+                m.zero_grad(set_to_none=True)
+
+            out[f"time_{impl}_{name}"] = timed(f, shapes.reps, shapes.warmup, dev)
+        out[f"speedup_{name}"] = (
+            out[f"time_torch_{name}"]["median_ms"] / out[f"time_{kernel}_{name}"]["median_ms"]
+        )
+    out["lookup_tokens"] = int(ids.numel())
+    return out
+
+
+def fwdbwd(recipe: str, shapes: Any, compiled: bool, peaks: tuple[Any, Any]) -> dict[str, Any]:
+    """Forward + backward of the recipe's model on one micro-batch (bf16 autocast on CUDA),
+    eager or torch.compile(dynamic=False) as the trainer compiles; tokens/s, peak memory, MFU."""
+    from tngram.bench.step import train_flops
+    from tngram.model.gpt import GPT
+
+    dev = shapes.device
+    cfg = config(recipe, shapes)
+    m = cfg.model
+    torch.manual_seed(0)
+    model = GPT(m).to(dev)
+    x, y = _batch(m.vocab_size, shapes.batch, m.sequence_len, dev)
+    fwd = torch.compile(model, dynamic=False) if compiled else model
+
+    def step() -> None:
+        with _amp(dev):
+            loss = fwd(x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    _reset_peak(dev)
+    t0 = time.perf_counter()
+    step()  # the first call compiles; counted in setup_s
+    _sync(dev)
+    setup_s = time.perf_counter() - t0
+    t = timed(step, shapes.reps, shapes.warmup, dev)
+    tokens = shapes.batch * m.sequence_len
+    flops = train_flops(model, m.n_layer, m.n_embd, m.sequence_len, tokens)
+    spec, measured = peaks
+    achieved = flops / (t["median_ms"] / 1e3)
+    return {
+        **t,
+        "tokens": tokens,
+        "tokens_per_s": tokens / (t["median_ms"] / 1e3),
+        "setup_s": setup_s,
+        "params": sum(p.numel() for p in model.parameters()),
+        "flops": flops,
+        "mfu_spec": achieved / spec if spec else None,
+        "of_measured_matmul_peak": achieved / measured["flops"],
+        "peak_gb": _peak_gb(dev),
+    }
+
+
+def _dataset_vocab(data: str | None) -> int | None:
+    if data is None:
+        return None
+    from tngram.data.dataset import open_dataset
+
+    return int(open_dataset(data).vocab_size)
+
+
+def trainer_compiles(recipe: str, shapes: Any) -> bool:
+    """Whether the trainer will compile the recipe's model here (run.compile true, or "auto" on
+    CUDA): the trainer item's time estimate then includes a compile."""
+    c = config(recipe, shapes).run.compile
+    return c is True or (c == "auto" and shapes.device == "cuda")
+
+
+def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str, Any]:
+    """`tngram train RECIPE --stop-after steps` (log every step, no checkpoints, a short final
+    evaluation) in a throw-away folder; tokens/s = median of the per-step windows from step 3."""
+    from tngram.train.loop import train
+
+    sets = ["run.log_every=1", "run.checkpoint_every=0", "run.val_every=0"]
+    if shapes.tiny:
+        sets += ["data.global_batch_tokens=128", "data.micro_batch_seqs=2", "data.val_tokens=2048"]
+        sets += ["run.device=cpu"]
+    else:
+        sets += ["data.val_tokens=1048576"]
+    V = _dataset_vocab(data)
+    if V is not None:
+        sets.append(f"model.vocab_size={V}")
+    cfg = config(recipe, shapes, sets, data)
+    out = Path(tempfile.mkdtemp(prefix="tngram-bench-gpu-"))
+    _reset_peak(shapes.device)
+    try:
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # the run's own lines
+            summary = train(cfg, out / "run", max_steps=steps, progress=False)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
+        env = json.loads((out / "run" / "env.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    tr = [r for r in rows if "tokens_per_s" in r and "train_loss" in r]
+    tps = [r["tokens_per_s"] for r in tr[2:]] or [r["tokens_per_s"] for r in tr]
+    return {
+        "steps": len(tr),
+        "tokens_per_step": cfg.data.global_batch_tokens,
+        "tokens_per_s": statistics.median(tps) if tps else None,
+        "losses": [round(float(r["train_loss"]), 4) for r in tr],
+        "last_train_loss": float(tr[-1]["train_loss"]) if tr else None,
+        "val_bpb": summary.get("val_bpb"),
+        "wall_s": wall,
+        "peak_gb": _peak_gb(shapes.device),
+        "lookup_impl": env.get("tngram_lookup_impl"),
+        "compile": {k: v for k, v in env.items() if "compile" in k} or cfg.run.compile,
+    }
+
+
+def table_step(model: str, V: int, update: str, shapes: Any) -> dict[str, Any]:
+    """One optimiser step (forward, backward, Adam/Muon and the table optimiser of
+    optim.memory_update, as the trainer sets them up) of paper-l9-MODEL at vocabulary V."""
+    from tngram.model.gpt import GPT
+    from tngram.optim.groups import build_param_groups, memory_table_params
+    from tngram.optim.memory_update import setup_memory_update
+    from tngram.optim.muon import Muon
+
+    dev = shapes.device
+    from dataclasses import replace
+
+    extra = [] if model == "raw" else [f"optim.memory_update={update}"]
+    cfg = config(f"paper-l9-{model}", shapes, extra)
+    # V above 65536 is refused by the config (uint16 token shards), not by the model: set directly
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=V))
+    o, m = cfg.optim, cfg.model
+    torch.manual_seed(0)
+    with torch.device(dev):  # initialised on the card: 2.8 B parameters at V 128k
+        net = GPT(m)
+    groups = build_param_groups(net, o)
+    table_opt, rest = setup_memory_update(
+        net, groups, o.memory_update, (o.beta1, o.beta2), o.adam_eps, o.memory_catchup
+    )
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.Adam(
+            [g for g in rest if g["optimizer"] == "adam"],
+            betas=(o.beta1, o.beta2),
+            eps=o.adam_eps,
+            fused=dev == "cuda",
+        )
+    ]
+    muon = [g for g in rest if g["optimizer"] == "muon"]
+    if muon:
+        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
+    if table_opt is not None:
+        opts.append(table_opt)
+    x, y = _batch(V, shapes.table_batch, m.sequence_len, dev)
+
+    def step() -> None:
+        with _amp(dev):
+            loss = net(x, y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        net.zero_grad(set_to_none=True)
+
+    _reset_peak(dev)
+    t = timed(step, shapes.reps, shapes.warmup, dev)
+    return {
+        **t,
+        "tokens": shapes.table_batch * m.sequence_len,
+        "params": sum(p.numel() for p in net.parameters()),
+        "table_params": sum(p.numel() for p in memory_table_params(net)),
+        "peak_gb": _peak_gb(dev),
+    }
