@@ -238,7 +238,8 @@ def read_tuning_file(
             or (isinstance(v, float) and not math.isfinite(v))
         ):
             raise BadRecordError(
-                f"{where}: field best.{k} must be a setting name or a finite number, got {_short(v)}"
+                f"{where}: field best.{k} must be a setting name or a finite number, "
+                f"got {_short(v)}"
             )
     if "rows" in d:
         get(d, "rows", "list", where)

@@ -266,7 +266,10 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
             except (OSError, TngramError) as e:
                 return f"{name} is missing" if isinstance(e, FileNotFoundError) else _short(e)
             if size != rec.get("size"):
-                return f"{name} has {size} bytes, the manifest says {rec.get('size')} (truncated or replaced)"
+                return (
+                    f"{name} has {size} bytes, the manifest says {rec.get('size')} "
+                    f"(truncated or replaced)"
+                )
             if _file_sha256(f) != rec.get("sha256"):
                 return f"{name} does not match its sha256 in the manifest (corrupt)"
         return None
@@ -315,6 +318,8 @@ def load_checkpoint(
     Every problem is a TngramError naming the file."""
     path = Path(path)
     meta = _load_json(path / "meta.json")
+    if not isinstance(meta, dict):
+        raise TngramError(f"{path / 'meta.json'}: expected a JSON object")
     load_weights(model, path / "model.safetensors", (optimizers or {}).values())
     bad = [
         k
@@ -342,7 +347,12 @@ def load_checkpoint(
             if name not in meta.get("optimizers", {}):
                 raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
             load_optimizer_checked(
-                path / "state.safetensors", name, opt, state, meta["optimizers"][name]
+                path / "state.safetensors",
+                name,
+                opt,
+                state,
+                meta["optimizers"][name],
+                meta.get("step"),
             )
         if restore_rng_state:
             restore_rng_checked(path, state)

@@ -10,6 +10,7 @@ import torch
 
 from tngram.common import TngramError
 from tngram.train.ckpt_files import _cpu, _short
+from tngram.train.optim_check import check_optimizer_state
 
 
 def optimizer_to_flat(
@@ -71,8 +72,11 @@ def load_optimizer_checked(
     opt: torch.optim.Optimizer,
     tensors: dict[str, torch.Tensor],
     layout: Any,
+    step: Any,
 ) -> None:
-    """`optimizer_from_flat`, any failure one line naming `where` (state that does not fit)."""
+    """`optimizer_from_flat` after every field was checked (tngram.train.optim_check, at the
+    checkpoint's `step`); any failure one line naming `where` (state that does not fit)."""
+    check_optimizer_state(where, name, opt, tensors, layout, step)
     try:
         optimizer_from_flat(name, opt, tensors, layout)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:

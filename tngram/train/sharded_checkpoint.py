@@ -1,14 +1,17 @@
 """Sharded checkpoints of FSDP2 runs with > 1 process, through torch.distributed.checkpoint (DCP).
 
     DIR/checkpoints/step_000500/
-        dcp/shard-0000R-model-00001-of-00001.safetensors   one file per process R: its shards of
-                                       every weight ("model/NAME") and optimiser tensor
-                                       ("optim/OPT/IDX/KEY"), the shard offsets as JSON in the header
-        model.safetensors              the weights gathered to full tensors (every reader of weights:
-                                       tngram eval/export, run.init_from, load_run_model)
+        dcp/shard-0000R-model-00001-of-00001.safetensors   one file per process R: its shards
+                                       of every weight ("model/NAME") and optimiser tensor
+                                       ("optim/OPT/IDX/KEY"), the shard offsets as JSON in the
+                                       header
+        model.safetensors              the weights gathered to full tensors (every reader of
+                                       weights: tngram eval/export, run.init_from,
+                                       load_run_model)
         state.safetensors              the RNG state (main process)
         meta.json                      as in tngram.train.checkpoint, plus "format": "sharded"
-        manifest.json                  size and sha256 of the three files and of every dcp/ file ("shards")
+        manifest.json                  size and sha256 of the three files and of every dcp/ file
+                                       ("shards")
 
 Writing: every process writes its own shards (DCP's safetensors writer, HuggingFaceStorageWriter
 with save_distributed) into one temporary folder (a name every process computes); the main
@@ -345,7 +348,9 @@ def load_sharded_checkpoint(
             )
     model.load_state_dict({k: template[f"model/{k}"] for k in own}, strict=True)
     for name, opt in (optimizers or {}).items():
-        load_optimizer_checked(where, name, opt, template, meta["optimizers"][name])
+        load_optimizer_checked(
+            where, name, opt, template, meta["optimizers"][name], meta.get("step")
+        )
     if optimizers and restore_rng_state:
         restore_rng_checked(path, _load_tensors(path / "state.safetensors"))
     return meta
