@@ -1,6 +1,6 @@
 """Docs describe the present: no section is titled by its age ("Earlier", "Previous", "Before ...",
-"Current: ..."); measurements of older code live in the log (docs/LOG.md, its archive docs/history/) under headings
-naming their commit."""
+"Current: ..."); measurements of older code live in the log (docs/LOG.md and its archive
+docs/history/) under headings naming their commit."""
 
 from __future__ import annotations
 
