@@ -78,10 +78,13 @@ from tngram.train.runfiles import (  # noqa: F401
     list_checkpoints,
 )
 from tngram.train.saved import config_from_saved
-from tngram.train.weights import (
+from tngram.train.weights import (  # noqa: F401  (final_problem .. resume_suspect: the trainer's)
     _weights_step,
     check_finite_model,
+    final_problem,
     load_weights,
+    refuse_final,
+    resume_suspect,
     verify_weights_file,
     weights_with_digest,
 )

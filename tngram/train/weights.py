@@ -4,9 +4,11 @@ weights' in-header digest, and the finiteness checks of loaded weights."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save
@@ -15,6 +17,7 @@ from torch import nn
 from tngram.common import TngramError
 from tngram.safefs import check_regular, open_read
 from tngram.train.ckpt_files import _load_tensors, _sha256, _short
+from tngram.train.runfiles import latest_checkpoint
 
 
 def load_weights(
@@ -144,3 +147,41 @@ def _weights_step(file: Path) -> int:
             f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
             f"use the newest checkpoint, or re-run the last step with --resume"
         ) from None
+
+
+def final_problem(params: Iterable[torch.Tensor], val_loss: Any) -> str | None:
+    """What makes a run's end unfit to be written as "done", or None: a non-finite parameter (of
+    this process: call on every process and combine) or a non-finite validation loss."""
+    flags = [torch.isfinite(p.detach()).all() for p in params if p.is_floating_point()]
+    if flags and not bool(torch.stack(flags).all()):
+        return "non-finite final weights"
+    if not isinstance(val_loss, (int, float)) or not math.isfinite(val_loss):
+        return f"non-finite validation loss ({val_loss})"
+    return None
+
+
+def refuse_final(run_dir: str | os.PathLike, problem: str, step: int) -> None:
+    """Raise the one line that stops a run whose end is `problem` before its final weights and
+    summary are written, naming the last good checkpoint to resume or inspect."""
+    last = latest_checkpoint(run_dir)
+    raise TngramError(
+        f"{problem} at step {step}; not writing the final weights or summary.json. Last good "
+        f"checkpoint: {last if last else 'none'} (resume from an older one by moving newer ones "
+        f"away, or lower the learning rates)"
+    )
+
+
+SUSPECT_STEPS = 10  # a non-finite loss this soon after a resume points at the checkpoint
+
+
+def resume_suspect(resumed_from: Path | None, resumed_step: int, step: int) -> str:
+    """The sentence naming the checkpoint a run resumed from as a suspect when a non-finite loss
+    comes within SUSPECT_STEPS steps of the resume (damaged or edited state shows there first),
+    else ""."""
+    if resumed_from is None or step - resumed_step > SUSPECT_STEPS:
+        return ""
+    return (
+        f"The run resumed from {resumed_from} {step - resumed_step} step(s) earlier: that "
+        f"checkpoint is a suspect (damaged or edited weights or optimiser state); move it away "
+        f"to resume from an older one. "
+    )
