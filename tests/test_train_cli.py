@@ -23,7 +23,7 @@ def run_cli(args, capsys):
     (["mini-raw", "--set", "nope.x=1"], ["unknown config section 'nope'", "schedule.steps"]),
     (["mini-raw", "--set", "optim.matrix_lr=fast"], ["optim.matrix_lr expects a float, got 'fast'"]),
     (["mini-raw", "--set", "schedule.steps=1.5"], ["schedule.steps expects an int"]),
-    (["mini-raw", "--set", "run.compile=maybe"], ["run.compile expects a bool"]),
+    (["mini-raw", "--set", "run.compile=maybe"], ["run.compile must be true, false or auto"]),
     (["mini-raw", "--set", "model.memory_layers=a,b"], ["model.memory_layers expects a comma-separated list of int"]),
     (["mini-raw", "--set", "model.memory.cp_rank=8"], ["has no memory module"]),
     (["mini-tngram", "--set", "model.memory.nope=8"], ["unknown config key 'model.memory.nope'",

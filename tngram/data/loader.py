@@ -30,7 +30,7 @@ from tngram.data.shards import check_vocab, read_shard, read_shard_header
 
 STATE_VERSION = 1
 
-__all__ = ["TokenLoader", "load_val_tokens", "bench_read", "shard_order"]
+__all__ = ["DeviceBatches", "TokenLoader", "bench_read", "load_val_tokens", "shard_order"]
 
 
 def _hash_int(text: str) -> int:
@@ -184,6 +184,57 @@ class TokenLoader:
         self.seed = int(d.get("seed", self.seed))
         self.order, self._k, self._pos = order, k, pos
         self.batches = int(d.get("batches", 0))
+
+
+class DeviceBatches:
+    """A TokenLoader's batches on `device`. On CUDA each batch goes through pinned host memory
+    with a non_blocking copy (a copy from pageable memory makes the host wait for the GPU), and
+    the next batch is read and sent as soon as the current one is handed out (one ahead), as
+    parameter-golf's loader sends its batches non_blocking. Elsewhere (`ahead` False) this is
+    the loader itself plus `.to(device)`, batch for batch.
+
+    `state_dict()` is the loader's position BEFORE the batch held ahead, so a checkpoint resumes
+    at the first batch not yet trained on; `load_state_dict()` drops the held batch.
+    """
+
+    def __init__(
+        self,
+        loader: TokenLoader,
+        device: torch.device,
+        pin: bool | None = None,
+        ahead: bool | None = None,
+    ) -> None:
+        cuda = device.type == "cuda"
+        self.loader, self.device = loader, device
+        self.pin = cuda if pin is None else pin
+        self.ahead = cuda if ahead is None else ahead
+        self._held: tuple[dict[str, Any], Tensor, Tensor] | None = None
+
+    def _fetch(self) -> tuple[dict[str, Any], Tensor, Tensor]:
+        state = self.loader.state_dict() if self.ahead else {}
+        x, y = self.loader.next_batch()
+        n = x.numel()
+        buf = x.reshape(-1).as_strided((n + 1,), (1,))  # (B*T+1,): x and y are views of it
+        if self.pin:
+            buf = buf.pin_memory()
+        buf = buf.to(self.device, non_blocking=self.pin)  # one copy for x and y
+        return state, buf[:n].view_as(x), buf[1:].view_as(y)
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """(x, y) on the device, int64 (batch_size, seq_len) each; the next one is sent ahead."""
+        if not self.ahead:
+            return self._fetch()[1:]
+        current = self._held if self._held is not None else self._fetch()
+        self._held = self._fetch()
+        return current[1], current[2]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position before any batch held ahead (TokenLoader.state_dict)."""
+        return dict(self._held[0]) if self._held is not None else self.loader.state_dict()
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self._held = None
+        self.loader.load_state_dict(d)
 
 
 def load_val_tokens(

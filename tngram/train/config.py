@@ -60,7 +60,7 @@ class DataConfig:
 class RunConfig:
     seed: int = 1337
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
-    compile: bool = False
+    compile: bool | str = "auto"  # true | false | "auto" (compiled on CUDA, eager on CPU)
     device: str = "auto"
     threads: int = 0  # CPU threads for torch (0: torch's default / OMP_NUM_THREADS; fewer when the CPUs are busy, tngram.cpu)
     log_every: int = 10
@@ -284,6 +284,12 @@ def validate_config(cfg: TrainConfig) -> None:
         d.val_tokens,
     )
     _check(r.dtype in DTYPES, "run.dtype", f"one of {DTYPES}", r.dtype)
+    _check(
+        isinstance(r.compile, bool) or r.compile == "auto",
+        "run.compile",
+        "true, false or auto",
+        r.compile,
+    )
     _check(r.log_every >= 1, "run.log_every", ">= 1", r.log_every)
     for k in ("val_every", "checkpoint_every"):
         _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from tngram.common import TngramError, atomic_write_json
 from tngram.cpu import StepWatch
@@ -53,6 +54,7 @@ from tngram.train.dist import (
     release_ddp,
     shutdown,
     sync_sparse_grads,
+    wrap_ddp,
 )
 from tngram.train.fsdp import gather_for_save, local_parameters
 from tngram.train.health import LossHealth, check_step_memory
@@ -60,6 +62,7 @@ from tngram.train.metrics import Progress, check_logger, last_logged_loss
 from tngram.train.rundir import release_run_dir
 from tngram.train.sharded_checkpoint import save_step_checkpoint
 from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
+from tngram.train.step_reads import StepLosses, first_nonfinite, reads_every_step
 from tngram.train.trainer_setup import (  # noqa: F401  (re-exported: the trainer's public names)
     RESUMABLE_RUN_FIELDS,
     StepClock,
@@ -181,21 +184,34 @@ class Trainer(TrainerSetup):
         self._setup_data()
         self._setup_model()
         self.step, self.tokens, self.clock = 0, 0, StepClock()
+        self.resumed_from, self.resumed_step = latest, 0  # named if the loss soon goes NaN
         if latest is not None:
             self._load(latest)
+            self.resumed_step = self.step
         self._setup_forward()
         self._write_records(logger)
         self.last_loss, self.last_eval = float("nan"), None
         self.lr_mult, self.momentum = 1.0, cfg.optim.muon_momentum_start
+        # the losses stay on the device until a sync point on CUDA (tngram.train.step_reads)
+        self.every_step = reads_every_step(self.device)
+        self.losses, self.health, self.progress = StepLosses(), None, None
+        self._since: float | None = None  # start of the steps not yet on the clock
+        self._pending_tokens = 0
 
     # ---- one optimiser step ------------------------------------------------------------------
-    def train_step(self) -> float:
+    def train_step(self) -> Tensor:
         """grad_accum micro-steps (forward, backward), the loss check, the schedule (lr, Muon
-        momentum), clipping and the update. Returns the mean training loss of the step."""
-        cfg, o, device = self.cfg, self.cfg.optim, self.device
+        momentum), clipping and the update. Returns the mean training loss of the step, a 0-d
+        tensor on the device; where losses are read every step (the CPU) it is checked before
+        the update, elsewhere at the next sync point (tngram.train.step_reads)."""
+        cfg, o = self.cfg, self.cfg.optim
         t0 = time.perf_counter()
-        loss = self._forward_backward()
-        self._check_finite_loss(loss)
+        if self._since is None:
+            self._since = t0
+        loss = self._first_step() if self.compile_state.armed else self._forward_backward()
+        self.losses.add(self.step + 1, loss)
+        if self.every_step:
+            self._read_losses()  # a non-finite loss stops here, before the update
         self.lr_mult = lr_multiplier(self.step, cfg.schedule.steps, cfg.schedule.warmdown_steps)
         self.momentum = muon_momentum(
             self.step, o.muon_momentum_start, o.muon_momentum, o.muon_momentum_warmup_steps
@@ -211,37 +227,89 @@ class Trainer(TrainerSetup):
         for opt in self.optimizers.values():
             opt.step()
         self.model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         self.step += 1
         self.tokens += cfg.data.global_batch_tokens
-        self.clock.add(time.perf_counter() - t0, cfg.data.global_batch_tokens)
-        self.last_loss = loss
+        self._pending_tokens += cfg.data.global_batch_tokens
+        if self.every_step:
+            self._flush_clock()
         return loss
 
-    def _forward_backward(self) -> float:
-        """Sum of gradients over the micro-steps (DDP all-reduces on the last only); mean loss."""
+    def _forward_backward(self) -> Tensor:
+        """Sum of gradients over the micro-steps (DDP all-reduces on the last only); the mean
+        loss, on the device (averaged over processes)."""
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.accum):
-            x, y = self.loader.next_batch()
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+            x, y = self.batches.next_batch()  # on the device (CUDA: pinned, sent one ahead)
             with no_sync(self.fwd_model, micro == self.accum - 1):
                 with self.autocast():
                     loss = self.fwd_model(x, y)
                 (loss / self.accum).backward()
             loss_sum += loss.detach()
-        return float(all_reduce_mean(loss_sum / self.accum, self.ctx))
+        return all_reduce_mean(loss_sum / self.accum, self.ctx)
 
-    def _check_finite_loss(self, loss: float) -> None:
-        if not math.isfinite(loss):
-            last = ckpt.latest_checkpoint(self.run_dir)
-            raise TngramError(
-                f"non-finite training loss ({loss}) at step {self.step + 1}; stopped before the "
-                f"update. Last good checkpoint: {last if last else 'none (none written yet)'}. "
-                f"Lower the learning rates (optim.matrix_lr, optim.tied_embed_lr, "
-                f"optim.scalar_lr) or check the data."
-            )
+    def _first_step(self) -> Tensor:
+        """The first step of run.compile=auto (tngram.train.compile_mode): torch.compile
+        compiles here; if that fails, one line says why and the step runs again eager, from
+        the same batches, and so does the rest of the run (env.json records it)."""
+        state = self.batches.state_dict()
+        try:
+            loss = self._forward_backward()
+        except TngramError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (dynamo / inductor / backend errors vary)
+            self.say(self.compile_state.fall_back(exc), flush=True)
+            self.model.zero_grad(set_to_none=True)
+            self.batches.load_state_dict(state)
+            release_ddp(self, self.ctx)  # a DDP wrapper around the compiled module
+            self.fwd_model = self.model if self.sharded else wrap_ddp(self.model, self.ctx)
+            self.write_env()
+            return self._forward_backward()
+        self.compile_state.armed = False
+        return loss
+
+    def _read_losses(self) -> float:
+        """The pending losses to the host (one transfer): a non-finite one stops the run, the
+        others feed the health check. Returns the newest."""
+        got = self.losses.read()
+        bad = first_nonfinite(got)
+        if bad is not None:
+            self._stop_nonfinite(*bad)
+        for step, loss in got:
+            warning = self.health.update(step, loss) if self.health is not None else None
+            if warning:
+                self.progress.write(warning) if self.progress.bar is not None else self.say(warning)
+        self.last_loss = self.losses.last
+        return self.last_loss
+
+    def _stop_nonfinite(self, step: int, loss: float) -> None:
+        last = ckpt.latest_checkpoint(self.run_dir)
+        when = (
+            "stopped before the update"
+            if self.every_step
+            else f"read at step {self.step} (on CUDA the losses are read at log, checkpoint and "
+            f"the last steps); stopped there, nothing written after step {step - 1}"
+        )
+        raise TngramError(
+            f"non-finite training loss ({loss}) at step {step}; {when}. Last good checkpoint: "
+            f"{last if last else 'none (none written yet)'}. "
+            f"{ckpt.resume_suspect(self.resumed_from, self.resumed_step, step)}"
+            f"Lower the learning rates "
+            f"(optim.matrix_lr, optim.tied_embed_lr, optim.scalar_lr) or check the data."
+        )
+
+    def _flush_clock(self) -> None:
+        """Put the steps since the last flush on the clock (after the GPU finished them)."""
+        if self._since is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.clock.add(time.perf_counter() - self._since, self._pending_tokens)
+        self._since, self._pending_tokens = None, 0
+
+    def sync_due(self) -> bool:
+        """A step after which the host reads the device: a metrics row (validation, the last
+        step), a checkpoint or the CP-rank pruning."""
+        return self.should_log() or self.should_save() or self.step == self.prune_at
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, signals: StopRequest | None = None) -> dict[str, Any]:
@@ -257,22 +325,27 @@ class Trainer(TrainerSetup):
             bar=self.bar,
             log_every=cfg.run.log_every,
         )
-        health = LossHealth(cfg.model.vocab_size)
+        health = self.health = LossHealth(cfg.model.vocab_size)
+        self.progress = progress
         self.clock.begin()
         self.model.train()
         try:
             while self.step < self.stop:
                 t_step = time.perf_counter()
-                loss = self.train_step()
+                self.train_step()
                 if self.watch is not None:
                     self._watch_threads(time.perf_counter() - t_step, progress)
-                self._after_step(loss, health, progress)
-                progress.update(loss, self.clock.window_tokens_per_s())
+                stop = self.stop_requested(signals)
+                if len(self.losses) and (stop or self.sync_due()):  # CUDA: only here
+                    self._read_losses()
+                    self._flush_clock()
+                self._after_step()
+                progress.update(self.last_loss, self.clock.window_tokens_per_s())
                 if self.should_log():
-                    self.log_row(loss, progress)
+                    self.log_row(self.last_loss, progress)
                 if self.should_save():
                     self.save()
-                if self.stop_requested(signals):
+                if stop:
                     self.stop_now(signals)
             if self.last_eval is None:  # resumed a run that had already reached `stop`
                 self.last_eval = self.evaluate()
@@ -320,11 +393,8 @@ class Trainer(TrainerSetup):
         every = self.cfg.run.checkpoint_every
         return self.step == self.stop or (every > 0 and self.step % every == 0)
 
-    def _after_step(self, loss: float, health: LossHealth, progress: Progress) -> None:
-        """The loss-health warning, and the adaptive CP-rank pruning at its step."""
-        warning = health.update(self.step, loss)
-        if warning:
-            progress.write(warning) if progress.bar is not None else self.say(warning)
+    def _after_step(self) -> None:
+        """The adaptive CP-rank pruning at its step."""
         if self.prune_at and self.step == self.prune_at:  # tngram.memory.cp_rank
             from tngram.memory.cp_rank import prune_model
 
@@ -383,9 +453,11 @@ class Trainer(TrainerSetup):
         """A checkpoint of this step: every process checks its weights are finite; the main one writes
         (FSDP-sharded: every process writes its shards through DCP, tngram.train.sharded_checkpoint)."""
         ctx = self.ctx
-        if not all_true(
-            all(bool(torch.isfinite(p).all()) for p in local_parameters(self.model)), ctx
-        ):
+        if len(self.losses):  # the losses first: a non-finite one is reported as such
+            self._read_losses()
+            self._flush_clock()
+        flags = [torch.isfinite(p).all() for p in local_parameters(self.model)]
+        if not all_true(bool(torch.stack(flags).all()) if flags else True, ctx):  # one read
             raise TngramError(
                 f"non-finite parameters after step {self.step}; not writing a checkpoint "
                 f"(the last good one is kept in {self.run_dir / ckpt.CKPT_DIR})"
@@ -414,6 +486,9 @@ class Trainer(TrainerSetup):
     def finish(self, health: LossHealth) -> dict[str, Any]:
         """The summary (RUN/summary.json) and the final weights, written by the main process."""
         cfg, ctx, ev = self.cfg, self.ctx, self.last_eval
+        if len(self.losses):
+            self._read_losses()
+            self._flush_clock()
         total_train_time = self.clock.total_train_time()
         summary = {
             "recipe": cfg.name,
@@ -445,6 +520,9 @@ class Trainer(TrainerSetup):
             summary["prune_at_step"] = self.prune_at
         settle_tables(self.optimizers.values())  # optim.memory_catchup: rows owed moves get them
         final_model = gather_for_save(self.model, {}, self.sharded)[0]  # FSDP: full tensors
+        bad = ckpt.final_problem(local_parameters(self.model), ev["val_loss"])
+        if not all_true(bad is None, ctx):  # refused before anything final is written
+            ckpt.refuse_final(self.run_dir, bad or "non-finite final weights elsewhere", self.step)
         if ctx.is_main:
             ckpt.save_final_weights(self.run_dir, final_model, self.step)
             atomic_write_json(self.run_dir / "summary.json", summary)

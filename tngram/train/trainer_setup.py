@@ -18,6 +18,7 @@ from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import setup_memory_update
 from tngram.optim.muon import Muon
 from tngram.train import checkpoint as ckpt
+from tngram.train.compile_mode import compile_forward
 from tngram.train.config import TrainConfig
 from tngram.train.dist import DistContext, broadcast_str, wrap_ddp
 from tngram.train.fsdp import shard_model
@@ -30,6 +31,7 @@ from tngram.train.warmstart import apply_warmstart
 
 # run.* fields that may change between an interrupted run and its resumption
 RESUMABLE_RUN_FIELDS = (
+    "compile",  # how the forward runs, not what it computes
     "log_every",
     "val_every",
     "checkpoint_every",
@@ -210,7 +212,7 @@ class TrainerSetup:
         """The dataset (built on first use), the train loader, the validation tokens and the
         tokenizer's byte tables (for bits per byte)."""
         from tngram.data.bpb import token_byte_luts
-        from tngram.data.loader import TokenLoader, load_val_tokens
+        from tngram.data.loader import DeviceBatches, TokenLoader, load_val_tokens
         from tngram.data.tokenizer import load_tokenizer
 
         cfg, ctx = self.cfg, self.ctx
@@ -226,6 +228,8 @@ class TrainerSetup:
             vocab_size=V,
         )
         check_batch_vs_data(cfg, sum(self.loader.counts))
+        # on CUDA: pinned, non_blocking, one batch ahead (tngram.data.loader.DeviceBatches)
+        self.batches = DeviceBatches(self.loader, ctx.device)
         self.val_tokens = load_val_tokens(self.data.val_files, T, vocab_size=V)
         self.luts = token_byte_luts(load_tokenizer(self.data.tokenizer_path), V)
 
@@ -279,7 +283,7 @@ class TrainerSetup:
         meta = load_step_checkpoint(
             latest, self.model, self.optimizers, self.sharded
         )  # any world size
-        self.loader.load_state_dict(meta["loader"])
+        self.batches.load_state_dict(meta["loader"])
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.clock = StepClock(meta["train_time_s"], meta["wall_s"])
         self.sizes = live_sizes(self.model, self.sizes)  # smaller if written after pruning
@@ -291,15 +295,22 @@ class TrainerSetup:
         self.say(f"tngram: resumed {self.run_dir} from {latest.name}")
 
     def _setup_forward(self) -> None:
-        """Autocast (bf16 on CUDA, fp32 on CPU unless run.dtype=bf16), torch.compile, DDP."""
+        """Autocast (bf16 on CUDA, fp32 on CPU unless run.dtype=bf16), run.compile
+        (tngram.train.compile_mode: compiled on CUDA by default), DDP."""
         self.amp = amp = autocast_dtype(self.cfg.run.dtype, self.device)
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=amp))
             if amp is not None
             else nullcontext
         )
-        fwd = torch.compile(self.model, dynamic=False) if self.cfg.run.compile else self.model
+        fwd, self.compile_state = compile_forward(self.model, self.cfg.run.compile, self.device)
         self.fwd_model = fwd if self.sharded else wrap_ddp(fwd, self.ctx)
+
+    def write_env(self) -> None:
+        """RUN/env.json (main process), with what the forward runs (compiled / eager, why)."""
+        if self.ctx.is_main:
+            self.env["compile"] = self.compile_state.record()
+            atomic_write_json(self.run_dir / "env.json", self.env)
 
     def _write_records(self, logger: str) -> None:
         """config.json, the dataset record, env.json, the metrics log; then the run's header."""
@@ -310,9 +321,8 @@ class TrainerSetup:
             record_dataset(
                 run_dir, self.data
             )  # tokenizer + manifest copy: the run folder stands alone
-            atomic_write_json(
-                run_dir / "env.json", env_info(self.device, ctx.world_size, self.accum)
-            )
+            self.env = env_info(self.device, ctx.world_size, self.accum)
+            self.write_env()
         self.log = MetricsLog(
             run_dir,
             ctx.is_main,

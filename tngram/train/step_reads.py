@@ -1,0 +1,63 @@
+"""When the trainer reads the device: every step on the CPU, only at sync points on CUDA.
+
+Reading a CUDA tensor on the host (`.item()`, `float()`, `.tolist()`, `bool()`) waits for every
+kernel queued before it, so a read per step keeps the host from queueing the next step while the
+GPU works. parameter-golf's train_gpt.py reads the loss only on its logging steps. Here:
+
+    CPU (and MPS)  each step's loss is read right after its backward, before the update, as
+                   before: a non-finite loss stops the run before the update (the read is free).
+    CUDA           each step's mean loss stays on the device (`StepLosses.add`); all the losses
+                   since the last read are moved to the host in ONE transfer at the next sync
+                   point: a metrics row (run.log_every, validation), a checkpoint, the CP-rank
+                   pruning step, a stop signal, the last step. A non-finite loss is then reported
+                   with the step it first appeared at; the run stops there. The steps between
+                   it and the sync point did update the weights in memory, but no checkpoint,
+                   final weights or summary is written after a non-finite loss: every write is
+                   at a sync point, and the read comes first.
+
+`reads_every_step(device)` is the choice; `StepLosses` holds the pending losses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def reads_every_step(device: torch.device) -> bool:
+    """True where a host read costs nothing (the CPU) or MPS; False on CUDA."""
+    return device.type != "cuda"
+
+
+class StepLosses:
+    """The training losses not yet read: (step, 0-d device tensor) pairs; `read()` moves them
+    to the host in one transfer and returns [(step, loss)]; `last` is the newest read loss."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.values: list[Tensor] = []
+        self.last = float("nan")
+
+    def add(self, step: int, loss: Tensor) -> None:
+        self.steps.append(step)
+        self.values.append(loss.detach())
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def read(self) -> list[tuple[int, float]]:
+        """Every pending loss as (step, float), oldest first; none pending afterwards."""
+        if not self.values:
+            return []
+        host = self.values[0].item() if len(self.values) == 1 else torch.stack(self.values).tolist()
+        got = list(zip(self.steps, host if isinstance(host, list) else [host]))
+        self.steps, self.values = [], []
+        self.last = got[-1][1]
+        return got
+
+
+def first_nonfinite(losses: list[tuple[int, float]]) -> tuple[int, float] | None:
+    """The first (step, loss) whose loss is nan or infinite, or None."""
+    return next(((s, v) for s, v in losses if not math.isfinite(v)), None)
