@@ -189,8 +189,11 @@ def run(
     compile: bool = True,
     doctor: Callable[[], dict[str, Any]] | None = None,
     say: Callable[[str], None] = print,
+    save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure `sections` for `recipes` (default: every paper-l9-*) inside `budget_s` seconds."""
+    """Measure `sections` for `recipes` (default: every paper-l9-*) inside `budget_s` seconds.
+    `save(res)` runs after every item ("complete" false until the last), so a run killed from
+    outside still leaves the numbers it had."""
     from tngram.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names
 
@@ -219,6 +222,7 @@ def run(
         "recipes": names,
         "sections": {s: {} for s in sections},
         "skipped": [],
+        "complete": False,
     }
     peak_spec = spec_peak(ver["card"])
     res["flops"] = {
@@ -243,8 +247,11 @@ def run(
         except Exception as e:  # one failed item must not lose the others' numbers
             out = {"error": f"{type(e).__name__}: {e}"[:400]}
         res["sections"][section][key] = out
+        res["elapsed_s"] = round(budget.elapsed(), 1)
         if device == "cuda":
             torch.cuda.empty_cache()
+        if save is not None:
+            save(res)
 
     if doctor is not None:
         item("doctor", "self_checks", shapes.cost("doctor"), lambda: parts.doctor_summary(doctor()))
@@ -284,6 +291,7 @@ def run(
             item(*compiled(r))
         item(*trained(r))
     res["elapsed_s"] = round(budget.elapsed(), 1)
+    res["complete"] = True
     return res
 
 

@@ -239,6 +239,21 @@ def _gpu(args: argparse.Namespace) -> int:
     path = _gpu_out(args.out, gpu.card_slug(card))
     if path.exists() and not args.force:
         raise TngramError(f"--out: {path} exists (pass --force to replace it)")
+    fields = results_file_fields("bench-gpu", getattr(args, "argv", []))
+
+    def save(res: dict[str, Any]) -> None:
+        res.update(fields)
+        res["machine"] = (
+            f"{res['card']}"
+            + (
+                f" ({res['card_memory_gb']} GiB, driver {res['driver']})"
+                if res.get("driver")
+                else ""
+            )
+            + f", torch {res['torch']}, triton {res['triton'] or 'none'}"
+        )
+        atomic_write_json(path, res)
+
     res = gpu.run(
         budget_s=args.budget,
         recipes=args.recipes,
@@ -249,14 +264,9 @@ def _gpu(args: argparse.Namespace) -> int:
         compile=not args.no_compile,
         doctor=diagnose,
         say=lambda line: print(line, flush=True),
+        save=save,
     )
-    res.update(results_file_fields("bench-gpu", getattr(args, "argv", [])))
-    res["machine"] = (
-        f"{res['card']}"
-        + (f" ({res['card_memory_gb']} GiB, driver {res['driver']})" if res.get("driver") else "")
-        + f", torch {res['torch']}, triton {res['triton'] or 'none'}"
-    )
-    atomic_write_json(path, res)
+    save(res)
     print(gpu.report(res))
     print(f"wrote {path}")
     return 0

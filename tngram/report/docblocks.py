@@ -16,6 +16,8 @@ the renderer:
   "targets");
 - "bench-contention": the output of `tngram bench contention --json` (view "table");
 - "bench-vocab": the output of `tngram bench vocab --json` (views "table", "goals");
+- "gpu-index" (docs/results/gpu.json): every `tngram bench gpu` results file beside it and the
+  numbers still open (tngram.report.gpu_blocks); "gpu-check": the first GPU check's raw numbers;
 - "summary": sentences whose numbers are cells of other results files (tngram.report.summary;
   the summary that opens docs/RESULTS.md);
 - "table": a table stored as it is shown: "columns" (each a header and an optional "fmt") and
@@ -35,6 +37,7 @@ from typing import Any
 
 from tngram.common import MissingFileError, TngramError
 from tngram.report.bench_blocks import render_contention, render_threads, render_vocab
+from tngram.report.gpu_blocks import render_check, render_index, resolve_index
 
 # the Markdown pieces (render_cell and render_table also importable from here, as before)
 from tngram.report.markdown import (
@@ -62,6 +65,8 @@ def load_snapshot(doc: Path, name: str) -> dict[str, Any]:
         raise TngramError(f"{path}: not valid JSON ({e})") from None
     if isinstance(snap, dict) and snap.get("kind") == "summary":  # its numbers live in other files
         snap = resolve_summary(snap, path.parent)
+    if isinstance(snap, dict) and snap.get("kind") == "gpu-index":  # lists the gpu-*.json files
+        snap = resolve_index(snap, path.parent)
     return snap
 
 
@@ -85,9 +90,13 @@ def render(snap: dict[str, Any], name: str) -> str:
         return render_vocab(snap, view) + "\n\n" + provenance(snap, source)
     if kind == "summary":
         return render_summary(snap) + "\n\n" + provenance(snap, source)
+    if kind == "gpu-index":  # its own closing line names every file it read
+        return render_index(snap)
+    if kind == "gpu-check":
+        return render_check(snap) + "\n\n" + provenance(snap, source)
     raise TngramError(
         f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads, "
-        "bench-contention, bench-vocab or summary)"
+        "bench-contention, bench-vocab, summary, gpu-index or gpu-check)"
     )
 
 

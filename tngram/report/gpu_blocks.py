@@ -1,0 +1,306 @@
+"""Generated-block views of the GPU results files (docs/GPU.md; see tngram.report.docblocks).
+
+Three kinds of file:
+
+- "bench-gpu": the output of `tngram bench gpu` (tngram.bench.gpu), one card, one commit.
+  `render_run` draws its tables: forward + backward (eager, compiled, MFU, peak memory), trainer
+  tokens/s, table updates by vocabulary, lookup check and timing, the self-checks.
+- "gpu-index" (docs/results/gpu.json): words only. `resolve_index` lists every bench-gpu file
+  beside it (gpu-*.json; runs at tiny CPU shapes are left out: they are no GPU figures) and
+  `render_index` draws each run's tables and one table of the numbers the issue asks for ("wanted",
+  each a list of section:key items of a bench-gpu file) saying, per number, which file measured
+  it or that it is still open, and what the first GPU check (a "gpu-check" file) covered.
+- "gpu-check": the raw numbers of the first GPU check (scripts outside the package, copied into
+  docs/results/ with card, torch, triton and commit); `render_check` draws them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tngram.common import TngramError
+from tngram.report.markdown import md_row
+
+MODELS = (("raw", "raw"), ("engram", "Engram"), ("tngram", "TN-gram"))
+UPDATES = ("dense", "sparse", "rowwise")
+
+
+def _ok(r: Any) -> bool:
+    return isinstance(r, dict) and "skipped" not in r and "error" not in r
+
+
+def _cell(r: Any, field: str, spec: str, scale: float = 1.0) -> str:
+    """A number of an item, or why there is none (skipped / error / not run)."""
+    if r is None:
+        return "not run"
+    if "skipped" in r:
+        return "skipped (budget)"
+    if "error" in r:
+        return "error"
+    v = r.get(field)
+    return "–" if v is None else format(v * scale, spec)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if _ok(a) and _ok(b):
+        return f"{a['median_ms'] / b['median_ms']:.2f}×"
+    return "–"
+
+
+def run_heading(snap: dict[str, Any], source: str) -> str:
+    return (
+        f"**{snap['card']}** (torch {snap['torch']}, triton {snap.get('triton') or 'none'}, "
+        f"commit {snap['commit']}; `{source}`; {snap.get('elapsed_s', '?')} s of a "
+        f"{snap.get('budget_s', 0):.0f} s budget"
+        + ("" if snap.get("complete") else "; INCOMPLETE: the run stopped before its end")
+        + ")"
+    )
+
+
+def fwdbwd_table(snap: dict[str, Any]) -> str:
+    sec = snap["sections"].get("fwdbwd", {})
+    sh = snap["shapes"]
+    lines = [
+        f"Forward + backward, {sh['batch']} sequences a step, bf16 autocast on CUDA, median ms "
+        f"of {sh['reps']}:",
+        "",
+        "| recipe | eager ms | compiled ms | eager ÷ raw | compiled ÷ raw | compiled tokens/s "
+        "| MFU (compiled) | peak GiB (compiled) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    raw_e, raw_c = sec.get("paper-l9-raw/eager"), sec.get("paper-l9-raw/compile")
+    for r in snap["recipes"]:
+        e, c = sec.get(f"{r}/eager"), sec.get(f"{r}/compile")
+        lines.append(
+            md_row(
+                [
+                    r,
+                    _cell(e, "median_ms", ".1f"),
+                    _cell(c, "median_ms", ".1f"),
+                    _ratio(e, raw_e),
+                    _ratio(c, raw_c),
+                    _cell(c, "tokens_per_s", ",.0f"),
+                    _cell(c, "mfu_spec", ".1f", 100.0) + ("%" if _ok(c) and c["mfu_spec"] else ""),
+                    _cell(c, "peak_gb", ".1f"),
+                ]
+            )
+        )
+    fl = snap.get("flops", {})
+    peak = fl.get("peak_bf16_spec")
+    lines += [
+        "",
+        f"MFU = FLOPs ÷ time ÷ {f'{peak / 1e12:.1f} TFLOP/s' if peak else 'no spec peak'} "
+        f"(bf16 dense spec peak); FLOPs: {fl.get('count', '?')}.",
+    ]
+    return "\n".join(lines)
+
+
+def trainer_table(snap: dict[str, Any]) -> str:
+    sec = snap["sections"].get("trainer", {})
+    lines = [
+        f"`tngram train RECIPE --stop-after {snap['shapes']['trainer_steps']}` (recipe defaults), "
+        "tokens/s as the median of the per-step windows from step 3 on:",
+        "",
+        "| recipe | tokens/s | last train loss | compiled | lookup | peak GiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in snap["recipes"]:
+        t = sec.get(r)
+        comp = t.get("compile") if _ok(t) else None
+        lines.append(
+            md_row(
+                [
+                    r,
+                    _cell(t, "tokens_per_s", ",.0f"),
+                    _cell(t, "last_train_loss", ".4f"),
+                    "–" if comp is None else json.dumps(comp),
+                    str(t.get("lookup_impl")) if _ok(t) else "–",
+                    _cell(t, "peak_gb", ".1f"),
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
+def tables_table(snap: dict[str, Any]) -> str:
+    sec = snap["sections"].get("tables", {})
+    heads = ["V", "raw ms"] + [f"{lab} {u}" for m, lab in MODELS[1:] for u in UPDATES]
+    lines = [
+        f"One optimiser step, {snap['shapes']['table_batch']} sequences, per "
+        "`optim.memory_update`: ms (÷ the raw step at the same V):",
+        "",
+        "| " + " | ".join(heads) + " |",
+        "|" + "---|" * len(heads),
+    ]
+    for V in snap["shapes"]["vocabs"]:
+        raw = sec.get(f"raw@{V}")
+        cells = [f"{V:,}", _cell(raw, "median_ms", ".1f")]
+        for m, _ in MODELS[1:]:
+            for u in UPDATES:
+                r = sec.get(f"{m}@{V}/{u}")
+                ms = _cell(r, "median_ms", ".1f")
+                cells.append(ms + (f" ({_ratio(r, raw)})" if _ok(r) and _ok(raw) else ""))
+        lines.append(md_row(cells))
+    return "\n".join(lines)
+
+
+def lookup_lines(snap: dict[str, Any]) -> str:
+    lk = snap["sections"].get("lookup", {}).get("paper-l9-tngram")
+    doc = snap["sections"].get("doctor", {}).get("self_checks")
+    out = []
+    if _ok(doc):
+        checks = ", ".join(
+            f"{k} {'passed' if v.get('passed') else 'FAILED'} ({v.get('max_rel_err', 0):.2e})"
+            for k, v in doc["self_checks"].items()
+        )
+        out.append(f"- `tngram doctor` self-checks: {checks or 'none run'}.")
+    else:
+        out.append(f"- `tngram doctor` self-checks: {_cell(doc, 'passed', '')}.")
+    if _ok(lk):
+        k = lk["kernel"]
+        for dt in ("fp32", "bf16"):
+            m = lk[f"model_{dt}"]
+            out.append(
+                f"- {k} vs torch inside paper-l9-tngram ({lk['batch']} × {lk['seq']} tokens, "
+                f"{dt}): loss {m['loss_torch']:.6f} vs {m['loss_kernel']:.6f}, memory gradients "
+                f"within {m['max_rel_grad_err']:.1e}; one module's lookup fwd+bwd "
+                f"{lk[f'time_torch_{dt}']['median_ms']:.2f} ms (torch) vs "
+                f"{lk[f'time_{k}_{dt}']['median_ms']:.2f} ms ({k})."
+            )
+    else:
+        out.append(f"- lookup check: {_cell(lk, 'kernel', '')}.")
+    return "\n".join(out)
+
+
+def render_run(snap: dict[str, Any], source: str) -> str:
+    """Every table of one bench-gpu results file."""
+    parts = [run_heading(snap, source), lookup_lines(snap)]
+    if "fwdbwd" in snap["sections"]:
+        parts.append(fwdbwd_table(snap))
+    if "trainer" in snap["sections"]:
+        parts.append(trainer_table(snap))
+    if "tables" in snap["sections"]:
+        parts.append(tables_table(snap))
+    return "\n\n".join(parts)
+
+
+# --- the index ---------------------------------------------------------------------------------
+
+
+def resolve_index(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
+    """`snap` with "runs": [(file name, bench-gpu snapshot)] of docs/results/gpu-*.json, in name
+    order, tiny CPU runs left out."""
+    runs = []
+    for path in sorted(results_dir.glob("gpu-*.json")):
+        try:
+            other = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise TngramError(f"{path}: not valid JSON ({e})") from None
+        if isinstance(other, dict) and other.get("kind") == "bench-gpu" and not other.get("tiny"):
+            runs.append((path.name, other))
+    return {**snap, "runs": runs}
+
+
+def _items(want: dict[str, Any], run: dict[str, Any], base: list[str]) -> list[tuple[str, str]]:
+    """(section, key) pairs of one wanted number in `run`; {recipe} expands per recipe group."""
+    others = [r for r in run.get("recipes", []) if r not in base]
+    out = []
+    for item in want["items"]:
+        sec, key = item.split(":", 1)
+        if "{base}" in key:
+            out += [(sec, key.replace("{base}", r)) for r in base]
+        elif "{other}" in key:
+            out += [(sec, key.replace("{other}", r)) for r in others]
+        else:
+            out.append((sec, key))
+    return out
+
+
+def measured_in(want: dict[str, Any], run: dict[str, Any], base: list[str]) -> bool:
+    items = _items(want, run, base)
+    return bool(items) and all(_ok(run["sections"].get(s, {}).get(k)) for s, k in items)
+
+
+def open_table(snap: dict[str, Any]) -> str:
+    base = snap["base_recipes"]
+    lines = [
+        "| number | `tngram bench gpu` | first GPU check (fb2264d) |",
+        "|---|---|---|",
+    ]
+    for want in snap["wanted"]:
+        where = [f"`{name}`" for name, run in snap["runs"] if measured_in(want, run, base)]
+        lines.append(
+            md_row([want["label"], ", ".join(where) if where else "**open**", want["first_check"]])
+        )
+    return "\n".join(lines)
+
+
+def render_index(snap: dict[str, Any]) -> str:
+    if "runs" not in snap:
+        raise TngramError("a 'gpu-index' results file must be resolved against docs/results first")
+    parts = []
+    for name, run in snap["runs"]:
+        parts.append(render_run(run, f"docs/results/{name}"))
+    if not snap["runs"]:
+        parts.append(
+            "No `tngram bench gpu` results file (`docs/results/gpu-<card>.json`) is in the "
+            "repository yet: every number of that command is open. What each number is, and "
+            "what the first GPU check measured of it at commit fb2264d (its table above):"
+        )
+    else:
+        parts.append("Each number the issue asks for, and the results files that measured it:")
+    parts.append(open_table(snap))
+    files = ", ".join(f"`docs/results/{n}`" for n, _ in snap["runs"]) or "none yet"
+    parts.append(
+        f"Generated from `docs/results/gpu.json` (the list of numbers) and every `tngram bench "
+        f"gpu` results file beside it ({files}); runs at tiny CPU shapes are not shown."
+    )
+    return "\n\n".join(parts)
+
+
+# --- the first check -----------------------------------------------------------------------------
+
+
+def render_check(snap: dict[str, Any]) -> str:
+    """The first GPU check's table: fwd+bwd eager/compiled, trainer tokens/s, ratios to raw."""
+    st, runs = snap["steps"]["steps"], snap["train"]["runs"]
+    sh = snap["steps"]
+
+    def ms_row(label: str, mode: str) -> list[str]:
+        raw = st[f"raw/{mode}"]["median_ms"]
+        cells = [label]
+        for m, _ in MODELS:
+            v = st[f"{m}/{mode}"]["median_ms"]
+            cells.append(f"{v:.1f} ms" + ("" if m == "raw" else f" ({v / raw:.2f}× raw)"))
+        return cells
+
+    def tps_row(label: str, sfx: str) -> list[str]:
+        cells = [label]
+        for m, _ in MODELS:
+            r = runs.get(m + sfx)
+            cells.append("–" if r is None else f"{r['median_tokens_per_s'] / 1e3:,.0f}k")
+        return cells
+
+    head = "| paper-l9, bf16 autocast | raw | Engram | TN-gram |"
+    lines = [head, "|---|---|---|---|"]
+    n = f"{sh['B']} × {sh['T']} tokens"
+    lines.append(md_row(ms_row(f"forward+backward, {n}, eager (median of 15)", "eager")))
+    lines.append(md_row(ms_row("the same, `torch.compile`", "compile")))
+    steps = snap["train"]["runs"]["raw"]["steps"]
+    lines.append(md_row(tps_row(f"`tngram train … --stop-after {steps}`, tokens/s", "")))
+    lines.append(md_row(tps_row("the same with `run.compile=true`", "+compile")))
+    lines.append(md_row(tps_row("the same with `optim.memory_update=sparse`", "+sparse")))
+    sc = ", ".join(f"{k} {v['max_rel_err']:.2e}" for k, v in snap["doctor"]["self_checks"].items())
+    lc = "; ".join(
+        f"{dt}: loss {snap['steps'][f'lookup_check_{dt}']['loss_torch']:.6f} both, memory "
+        f"gradients within {snap['steps'][f'lookup_check_{dt}']['max_rel_grad_err']:.1e}"
+        for dt in ("fp32", "bf16")
+    )
+    lines += [
+        "",
+        f"`tngram doctor` self-checks passed (max rel err {sc}). Triton vs torch lookup inside "
+        f"paper-l9-tngram ({snap['steps']['lookup_batch']} × {sh['T']} tokens): {lc}.",
+    ]
+    return "\n".join(lines)
