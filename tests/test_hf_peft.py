@@ -13,14 +13,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_tiny import prompt, with_memory  # noqa: E402
+from hf_tiny import prompt, with_memory
 
 peft = pytest.importorskip("peft", reason="peft is not installed (the hf extra has it)")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments
 
-from tngram.kernels.policy import current_policy  # noqa: E402
+from tngram.kernels.policy import current_policy
 
 MEMORY_LINEARS = ["fusion.key_proj.0", "fusion.value_proj"]
 
@@ -93,9 +93,17 @@ def test_trainer_trains_lora_inside_the_memory(tmp_path):
 
     before = {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
     assert before and all("ngram_memory" in n and "lora_" in n for n in before)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, learning_rate=1e-2,
-                             per_device_train_batch_size=4, use_cpu=True, report_to=[],
-                             save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     Trainer(model=pm, args=args, train_dataset=Data()).train()
     after = dict(pm.named_parameters())
     assert all(not torch.equal(after[n], p) for n, p in before.items())

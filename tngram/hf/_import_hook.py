@@ -1,7 +1,7 @@
 """Register tngram with transformers when (and only when) transformers is imported.
 
 `import tngram` must stay cheap, so it does not import transformers. Instead it installs a
-`sys.meta_path` finder that waits for two modules and runs a callback right after each executes:
+`sys.meta_path` finder that waits for three modules and runs a callback right after each executes:
 
     transformers.modeling_utils  ->  tngram.hf.attach.install_transformers_patches()
                                      (the Auto classes resolve the model types
@@ -9,6 +9,9 @@
                                      loading such a folder raises instead of dropping the memory)
     transformers                 ->  tngram.hf.register_auto_classes()
                                      (modules listed in tngram.hf register their Auto classes)
+    peft.peft_model              ->  tngram.hf.peft_compat.install_peft_patches()
+                                     (an adapter holding memory weights refuses a base
+                                     without the memory)
 
 Modules already imported get their callback at once. Waiting for modeling_utils (not the top
 package) keeps `import transformers` itself as cheap as without tngram. This is what makes
@@ -36,7 +39,17 @@ def _on_modeling_utils() -> None:
     install_transformers_patches()
 
 
-CALLBACKS = {"transformers": _on_transformers, "transformers.modeling_utils": _on_modeling_utils}
+def _on_peft_model() -> None:
+    from tngram.hf.peft_compat import install_peft_patches
+
+    install_peft_patches()
+
+
+CALLBACKS = {
+    "transformers": _on_transformers,
+    "transformers.modeling_utils": _on_modeling_utils,
+    "peft.peft_model": _on_peft_model,
+}
 
 
 class _Loader(importlib.abc.Loader):

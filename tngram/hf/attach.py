@@ -49,6 +49,7 @@ from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     _State,
     _wrap_prepare_inputs,
 )
+from tngram.hf.peft_compat import refuse_peft
 from tngram.hf.spec import (  # noqa: F401  (re-exported)
     SPEC_KEYS,
     _base,
@@ -63,6 +64,8 @@ from tngram.hf.spec import (  # noqa: F401  (re-exported)
 from tngram.memory import memory_config_classes, memory_config_to_dict
 from tngram.model.gpt import memory_seed as _memory_seed
 
+TRAINABLE = ("all", "memory")
+
 
 def add_memory(
     model: nn.Module,
@@ -72,6 +75,7 @@ def add_memory(
     layers_attr: str | None = None,
     memory_seed: int = 0,
     vocab_size: int | None = None,
+    trainable: str = "all",
 ) -> nn.Module:
     """Add an n-gram memory to a decoder-only transformers model, in place; returns the model.
 
@@ -84,13 +88,19 @@ def add_memory(
         families outside tngram.hf.families.DECODER_LAYERS whose list is not `layers`.
     memory_seed: memory init seed (the model's own RNG stream is not touched).
     vocab_size: optional check: must equal the model's embedding rows.
+    trainable: "all" (parameters keep their requires_grad) or "memory" (only the memory's
+        parameters train: the backbone is frozen).
 
-    The model's class becomes Tngram<Class> and its config a Tngram<Config> copy carrying the
+    A PeftModel, or a model already holding PEFT adapter layers, is refused (tngram.hf.peft_compat
+    says which order works). The model's class becomes Tngram<Class> and its config a Tngram<Config> copy carrying the
     spec (`model.config.tngram_memory`); the config object you built the model from is not edited.
     """
     from tngram.hf import register
 
     register()
+    refuse_peft(model)
+    if trainable not in TRAINABLE:
+        raise TngramError(f"trainable must be one of {list(TRAINABLE)}, got {trainable!r}")
     base = _base(model)
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
@@ -131,6 +141,17 @@ def add_memory(
     }
     _convert(model, spec)
     attach_from_spec(model, spec)
+    return set_trainable(model, trainable)
+
+
+def set_trainable(model: nn.Module, trainable: str) -> nn.Module:
+    """trainable="memory": only the memory's parameters require grad; "all": every parameter
+    keeps its requires_grad. Returns the model."""
+    if trainable not in TRAINABLE:
+        raise TngramError(f"trainable must be one of {list(TRAINABLE)}, got {trainable!r}")
+    if trainable == "memory":
+        for name, p in model.named_parameters():
+            p.requires_grad_(MEMORY_ATTR in name.split("."))
     return model
 
 

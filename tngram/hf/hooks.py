@@ -34,7 +34,10 @@ CACHE_NAMES = ("cache", "past_key_values")  # transformers >= 5.24 calls it `cac
 
 class _State:
     """Shared by a base model, its memory layers and its embedding (a plain object, so deepcopy
-    keeps the sharing); `ctx` is the current call's ids / padding mask / cache state."""
+    keeps the sharing); `ctx` is the current call's ids / padding mask / cache state;
+    `disabled` (tngram.hf.adapter.disable_memory): every hook passes its call through."""
+
+    disabled: bool = False
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
@@ -103,7 +106,7 @@ def _valid_mask(mask: Any, ids: Tensor, state: _State) -> Tensor | None:
 
 def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _State = base._tngram_state
-    if state.ctx is not None:  # an outer hooked module (the top model) already read the call
+    if state.ctx is not None or state.disabled:  # an outer hooked module already read the call
         return None
     ids = _call_arg(base, args, kwargs, "input_ids")
     if ids is None:
@@ -183,7 +186,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _layer_pre_hook(key: str, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _layer_pre_hook(
+    key: str, layer: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    if layer._tngram_state.disabled:
+        return None
     ctx = layer._tngram_state.ctx
     if ctx is None and "_tngram_replay" in layer.__dict__ and _in_backward():
         # activation checkpointing that wraps the layer's __call__ (transformers < 5.23)
@@ -211,7 +218,7 @@ def _layer_pre_hook(key: str, layer: nn.Module, args: tuple, kwargs: dict) -> tu
 
 def _embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
     ctx = emb._tngram_state.ctx
-    if ctx is None or output.shape[:2] != ctx["ids"].shape:
+    if ctx is None or emb._tngram_state.disabled or output.shape[:2] != ctx["ids"].shape:
         return output  # a call outside the model's forward (e.g. computing inputs_embeds)
     mem_state = (
         None if ctx["states"] is None else ctx["states"].setdefault("embed", {"keep_history": True})

@@ -1,0 +1,146 @@
+"""The memory as an adapter (tngram.hf.adapter): save_memory writes only the memory and the
+base's identity, load_memory puts it onto the same base (exactly the saved model) and refuses
+another one; trainable="memory" freezes the backbone; the parameter report counts by hand;
+disable_memory gives the plain model's numbers; remove_memory gives back the family class."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_tiny import MEMORIES, prompt, tiny_config, tiny_model, with_memory
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from tngram.common import TngramError
+from tngram.hf import (
+    add_memory,
+    disable_memory,
+    load_memory,
+    memory_modules,
+    print_trainable_parameters,
+    remove_memory,
+    save_memory,
+    trainable_parameters,
+)
+from tngram.hf.adapter import SPEC_FILE, WEIGHTS_FILE
+
+
+@pytest.mark.parametrize("kind", ["tngram", "engram", "oe"])
+def test_save_memory_then_load_onto_the_same_base_is_exact(tmp_path, kind):
+    """The base comes back through save_pretrained / from_pretrained (another name_or_path,
+    a loaded config): the identity still matches and the logits equal the saved model's."""
+    model = with_memory("llama", kind)
+    x = prompt(2, 9)
+    save_memory(model, tmp_path / "mem")
+    tiny_model("llama").save_pretrained(tmp_path / "base")  # the same seed: the same weights
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    load_memory(base, tmp_path / "mem")
+    with torch.no_grad():
+        assert torch.equal(base(x).logits, model(x).logits)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(base.generate(x, **kw), model.generate(x, **kw))
+    assert type(base).__name__ == "TngramLlamaForCausalLM"
+
+
+def test_saved_file_holds_only_the_memory(tmp_path):
+    from safetensors.torch import load_file
+
+    model = with_memory("llama", "tngram")
+    save_memory(model, tmp_path / "mem")
+    tensors = load_file(tmp_path / "mem" / WEIGHTS_FILE)
+    want = {k for k in model.state_dict() if ".ngram_memory." in k}
+    assert set(tensors) == want
+    meta = json.loads((tmp_path / "mem" / SPEC_FILE).read_text())
+    assert meta["spec"] == model.config.tngram_memory
+    assert meta["base"]["vocab_size"] == model.get_input_embeddings().num_embeddings
+    assert meta["base"]["model_type"] == "llama" and len(meta["base"]["config_hash"]) == 64
+    with pytest.raises(TngramError, match="exists; save to a new directory"):
+        save_memory(model, tmp_path / "mem")
+    save_memory(model, tmp_path / "mem", overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: tiny_model("qwen2"),  # another family
+        lambda: LlamaForCausalLM(
+            tiny_config("llama").__class__(  # another width
+                **{**tiny_config("llama").to_dict(), "hidden_size": 48, "model_type": "llama"}
+            )
+        ),
+        lambda: LlamaForCausalLM(
+            tiny_config("llama").__class__(  # another vocabulary
+                **{**tiny_config("llama").to_dict(), "vocab_size": 67, "model_type": "llama"}
+            )
+        ),
+    ],
+)
+def test_load_memory_refuses_another_base(tmp_path, other):
+    save_memory(with_memory("llama", "tngram"), tmp_path / "mem")
+    base = other()
+    cls = type(base)
+    with pytest.raises(TngramError, match="saved from a different base"):
+        load_memory(base, tmp_path / "mem")
+    assert type(base) is cls and not memory_modules(base)
+
+
+def test_load_memory_refuses_edited_weights_and_a_model_with_memory(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_memory(with_memory("llama", "tngram"), tmp_path / "mem")
+    with pytest.raises(TngramError, match="already has an n-gram memory"):
+        load_memory(with_memory("llama", "engram"), tmp_path / "mem")
+    tensors = load_file(tmp_path / "mem" / WEIGHTS_FILE)
+    tensors.pop(sorted(tensors)[0])
+    save_file(tensors, tmp_path / "mem" / WEIGHTS_FILE)
+    base = tiny_model("llama")
+    with pytest.raises(TngramError, match="do not match the spec"):
+        load_memory(base, tmp_path / "mem")
+    assert type(base) is LlamaForCausalLM and not memory_modules(base)  # left as it was
+
+
+def test_trainable_memory_and_the_report(capsys):
+    model = add_memory(tiny_model("llama"), MEMORIES["tngram"], layers=(0, 2), trainable="memory")
+    mem = {id(p): p for m in memory_modules(model).values() for p in m.parameters()}
+    n_mem = sum(p.numel() for p in mem.values())
+    n_all = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert all(p.requires_grad == (id(p) in mem) for p in model.parameters())
+    assert trainable_parameters(model) == {
+        "trainable": n_mem,
+        "all": n_all,
+        "memory": n_mem,
+        "memory_trainable": n_mem,
+    }
+    line = print_trainable_parameters(model)
+    assert f"trainable params: {n_mem:,}" in capsys.readouterr().out
+    assert f"all params: {n_all:,}" in line and f"{100 * n_mem / n_all:.4f}" in line
+    with pytest.raises(TngramError, match="trainable must be one of"):
+        add_memory(tiny_model("llama"), MEMORIES["tngram"], trainable="backbone")
+
+
+def test_disable_memory_gives_the_plain_model():
+    model, plain = with_memory("llama", "tngram"), tiny_model("llama")
+    x = prompt(2, 9)
+    with torch.no_grad():
+        with_mem = model(x).logits
+        with disable_memory(model):
+            assert torch.equal(model(x).logits, plain(x).logits)
+            cache = model(x, use_cache=True).past_key_values
+        assert torch.equal(model(x).logits, with_mem)  # back on after the block
+        assert not torch.equal(with_mem, plain(x).logits)  # the memory does change them
+        with pytest.raises(TngramError, match="memory state holds"):
+            model(x[:, :1], past_key_values=cache)
+
+
+def test_remove_memory_gives_back_the_family_model():
+    model = with_memory("llama", "engram")
+    remove_memory(model)
+    x = prompt(2, 9)
+    assert type(model) is LlamaForCausalLM and not memory_modules(model)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, tiny_model("llama")(x).logits)

@@ -1,0 +1,256 @@
+"""The memory as an adapter: saved apart from its base, loaded onto the same base elsewhere.
+
+    save_memory(model, dir)      dir/tngram_memory.safetensors  the memory weights only (tables,
+                                                                projections, gates, conv, hash
+                                                                constants), keys as in the model
+                                 dir/tngram_memory.json         {"format", "spec", "base"}
+    load_memory(base, dir)       attaches the memory to a plain base model, refusing a base
+                                 whose identity differs from the saved one
+    set_trainable(model, "memory")   freezes everything but the memory
+    trainable_parameters / print_trainable_parameters   counts, like peft's report
+    disable_memory(model)        a context manager: the model runs as if it had no memory
+
+The base's identity is its configuration, hashed (`config_hash`: SHA-256 of the family
+config's JSON without the fields that do not change the network: name_or_path, dtype,
+transformers version, attention implementation, output flags), its vocabulary size (the input
+embedding's rows) and its model type; `name_or_path` is recorded but not compared (the same base
+may sit at another path on another machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tngram.common import TngramError
+from tngram.hf.attach import (  # noqa: F401  (set_trainable re-exported)
+    TRAINABLE,
+    _check_constants,
+    _convert,
+    attach_from_spec,
+    memory_modules,
+    remove_memory,
+    set_trainable,
+)
+from tngram.hf.classes import CONFIG_KEY, MEMORY_ATTR, TngramConfigMixin, base_class
+from tngram.hf.spec import _base, _embedding_rows, _family, check_spec, memory_spec
+
+WEIGHTS_FILE = "tngram_memory.safetensors"
+SPEC_FILE = "tngram_memory.json"
+FORMAT = 1
+# config fields that do not change the network a memory was trained on
+_RUNTIME_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "architectures",
+        "model_type",
+        CONFIG_KEY,
+        "dtype",
+        "torch_dtype",
+        "_commit_hash",
+        "use_cache",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_experts_implementation",
+        "attn_implementation",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel (the model itself otherwise)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) and hasattr(model, "peft_config") else model
+
+
+def config_hash(config: Any) -> str:
+    """SHA-256 (hex) of the family config's fields that shape the network (_RUNTIME_FIELDS out)."""
+    plain = copy.deepcopy(config)
+    if isinstance(plain, TngramConfigMixin):
+        plain.__class__ = base_class(type(plain))
+        plain.__dict__.pop(CONFIG_KEY, None)
+    fields = {k: v for k, v in plain.to_dict().items() if k not in _RUNTIME_FIELDS}
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def base_identity(model: nn.Module) -> dict[str, Any]:
+    """{"name_or_path", "model_type", "config_hash", "vocab_size"} of a model's base."""
+    model = _unwrap(model)
+    config = model.config
+    return {
+        "name_or_path": str(getattr(config, "_name_or_path", "") or ""),
+        "model_type": _family(config),
+        "config_hash": config_hash(config),
+        "vocab_size": _embedding_rows(_base(model)),
+    }
+
+
+def memory_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The memory's tensors (parameters and hash constants), keyed as in model.state_dict().
+    A peft ModulesToSaveWrapper around a memory contributes its trained copy."""
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in memory_modules(_unwrap(model)).items():
+        wrapped = getattr(mod, "modules_to_save", None)
+        if isinstance(wrapped, nn.ModuleDict) and len(wrapped) > 0:
+            mod = wrapped[mod.active_adapters[0]]
+        for key, t in mod.state_dict().items():
+            out[f"{name}.{key}"] = t.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def save_memory(model: nn.Module, directory: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the memory of `model` (a model with add_memory, or a PeftModel around one) to
+    `directory`: its weights and spec with the base's identity, nothing of the base. Each file is
+    written whole under a temporary name and renamed into place; an existing file is refused
+    unless overwrite=True. Returns the directory."""
+    from safetensors.torch import save as save_tensors
+
+    from tngram import safefs
+
+    inner = _unwrap(model)
+    spec = memory_spec(inner)
+    if spec is None:
+        raise TngramError("save_memory: the model has no n-gram memory (tngram.hf.add_memory)")
+    directory = Path(directory)
+    for name in (WEIGHTS_FILE, SPEC_FILE):
+        if (directory / name).exists() and not overwrite:
+            raise TngramError(
+                f"{directory / name} exists; save to a new directory or pass overwrite=True"
+            )
+    tensors = memory_state_dict(inner)
+    meta = {"format": FORMAT, "spec": spec, "base": base_identity(inner)}
+    safefs.write_bytes(directory / WEIGHTS_FILE, save_tensors(tensors), root=directory.parent)
+    safefs.write_json(directory / SPEC_FILE, meta, root=directory.parent)
+    return directory
+
+
+def read_memory_meta(directory: str | Path) -> dict[str, Any]:
+    """The checked contents of directory/tngram_memory.json (one TngramError naming the field)."""
+    from tngram import safefs
+
+    path = Path(directory) / SPEC_FILE
+    if not path.is_file():
+        raise TngramError(f"{path}: not found (save_memory writes it)")
+    try:
+        meta = json.loads(safefs.read_text(path, limit=MAX_SPEC_BYTES))
+    except json.JSONDecodeError as e:
+        raise TngramError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise TngramError(f"{path}: format must be {FORMAT}, got {got!r}")
+    base = meta.get("base")
+    keys = ("name_or_path", "model_type", "config_hash", "vocab_size")
+    if not isinstance(base, dict) or any(k not in base for k in keys):
+        raise TngramError(f"{path}: base must be an object with the keys {list(keys)}")
+    if not isinstance(meta.get("spec"), dict):
+        raise TngramError(f"{path}: spec must be an object (the memory spec)")
+    return meta
+
+
+def check_base(base: nn.Module, saved: dict[str, Any], where: str) -> None:
+    """One TngramError if `base` is not the base the memory was saved from."""
+    have = base_identity(base)
+    for key in ("model_type", "vocab_size", "config_hash"):
+        if have[key] != saved[key]:
+            raise TngramError(
+                f"{where}: the memory was saved from a different base ({key} "
+                f"{saved[key]!r}, base {saved['name_or_path']!r}) than this model ({key} "
+                f"{have[key]!r}); load it onto the base it was trained on"
+            )
+
+
+def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "all") -> nn.Module:
+    """Attach the memory saved in `directory` (save_memory) to `model`, a plain transformers
+    model of the same base; returns the model. Refused with one line: a different base (config
+    hash, vocabulary size, model type), a model that already has a memory, weights that do not
+    match the spec. On refusal the model is left as it was."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    where = str(directory / SPEC_FILE)
+    meta = read_memory_meta(directory)
+    if memory_spec(model) is not None or memory_modules(model):
+        raise TngramError(f"{where}: the model already has an n-gram memory (remove_memory first)")
+    check_base(model, meta["base"], where)
+    spec = meta["spec"]
+    check_spec(spec, _base(model), where=f"{where} spec")
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise TngramError(f"{weights}: not found (save_memory writes it beside {SPEC_FILE})")
+    tensors = load_file(str(weights))
+    _convert(model, spec)
+    try:
+        attach_from_spec(model, spec)
+        want = set(memory_state_dict(model))
+        if set(tensors) != want:
+            missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
+            raise TngramError(
+                f"{weights}: the weights do not match the spec in {SPEC_FILE}: missing "
+                f"{missing[:3]}, unexpected {extra[:3]}"
+            )
+        model.load_state_dict(tensors, strict=False)
+        _check_constants(model, str(weights))
+    except BaseException:
+        remove_memory(model)
+        raise
+    set_trainable(model, trainable)
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, int]:
+    """{"trainable", "all", "memory", "memory_trainable"}: parameter counts (shared ones once)."""
+    counts = dict.fromkeys(("trainable", "all", "memory", "memory_trainable"), 0)
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        in_memory = MEMORY_ATTR in name.split(".")
+        counts["all"] += p.numel()
+        counts["trainable"] += p.numel() if p.requires_grad else 0
+        counts["memory"] += p.numel() if in_memory else 0
+        counts["memory_trainable"] += p.numel() if in_memory and p.requires_grad else 0
+    return counts
+
+
+def print_trainable_parameters(model: nn.Module) -> str:
+    """Print (and return) one line like peft's: trainable, memory and all parameters."""
+    c = trainable_parameters(model)
+    line = (
+        f"trainable params: {c['trainable']:,} || memory params: {c['memory']:,} "
+        f"(trainable {c['memory_trainable']:,}) || all params: {c['all']:,} || "
+        f"trainable%: {100 * c['trainable'] / max(c['all'], 1):.4f}"
+    )
+    print(line)
+    return line
+
+
+@contextlib.contextmanager
+def disable_memory(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model computes as if it had no memory (its hooks pass every call
+    through). A cache filled inside the block holds no memory state, so the memory refuses it
+    afterwards; start a new cache."""
+    state = getattr(_base(_unwrap(model)), "_tngram_state", None)
+    if state is None:
+        raise TngramError("disable_memory: the model has no n-gram memory (tngram.hf.add_memory)")
+    before = state.disabled
+    state.disabled = True
+    try:
+        yield model
+    finally:
+        state.disabled = before
