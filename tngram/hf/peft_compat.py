@@ -57,10 +57,8 @@ def refuse_peft(model: nn.Module) -> None:
 
 def check_adapter_keys(model: nn.Module, keys: Any, where: str = "the PEFT adapter") -> None:
     """An adapter whose weights include memory tensors needs a base with the memory."""
-    from tngram.hf.attach import memory_modules
-
     tagged = [k for k in keys if MEMORY_ATTR in str(k).split(".")]
-    if tagged and not memory_modules(model):
+    if tagged and not any(n.split(".")[-1] == MEMORY_ATTR for n, _ in model.named_modules()):
         raise TngramError(
             f"{where} holds n-gram memory weights ({tagged[0]}, ...) but the base model has no "
             "memory: add_memory with the same spec (or tngram.hf.load_memory) before loading "
