@@ -60,6 +60,7 @@ from tngram.train.ckpt_files import (
     _short,
     model_tensors,
 )
+from tngram.train.optim_check import check_checkpoint_meta
 from tngram.train.optim_state import (
     load_optimizer_checked,
     optimizer_to_flat,
@@ -320,9 +321,7 @@ def load_checkpoint(
     """Restore weights (and optimisers, RNG) from a checkpoint folder; returns its meta.json.
     Every problem is a TngramError naming the file."""
     path = Path(path)
-    meta = _load_json(path / "meta.json")
-    if not isinstance(meta, dict):
-        raise TngramError(f"{path / 'meta.json'}: expected a JSON object")
+    meta = check_checkpoint_meta(_load_json(path / "meta.json"), path / "meta.json")
     load_weights(model, path / "model.safetensors", (optimizers or {}).values())
     bad = [
         k

@@ -166,3 +166,19 @@ def _check_groups(
             for x in b:
                 check_number(x, meta, f"{field}.betas", lo=0.0, hi=1.0 - 1e-12)
     return groups
+
+
+def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
+    """A checkpoint's meta.json: an object whose counters the trainer resumes from are in range
+    (step, tokens: whole numbers >= 0; train_time_s, wall_s: finite >= 0; loader: an object)."""
+    file = str(file)
+    if not isinstance(meta, dict):
+        raise BadRecordError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    get(meta, "step", "int", file, lo=0)
+    for k in ("tokens",):
+        get(meta, k, "int", file, lo=0, default=0)
+    for k in ("train_time_s", "wall_s"):
+        get(meta, k, "float", file, lo=0, default=0.0)
+    get(meta, "loader", "dict", file, default={})
+    get(meta, "optimizers", "dict", file, default={})
+    return meta

@@ -59,6 +59,7 @@ from tngram.train.checkpoint import (
 )
 from tngram.train.ckpt_files import _cpu, _file_sha256, _load_json, _load_tensors, _sha256, _short
 from tngram.train.fsdp import FullStateModel, checkpoint_views
+from tngram.train.optim_check import check_checkpoint_meta
 from tngram.train.optim_state import load_optimizer_checked, restore_rng_checked, rng_tensors
 
 
@@ -292,7 +293,7 @@ def load_sharded_checkpoint(
 
     path = Path(path)
     where = path / DCP_DIR
-    meta = _load_json(path / "meta.json")
+    meta = check_checkpoint_meta(_load_json(path / "meta.json"), path / "meta.json")
     reader = HuggingFaceStorageReader(str(where))
     try:
         md = reader.read_metadata().state_dict_metadata
