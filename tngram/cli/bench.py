@@ -534,7 +534,7 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--force", action="store_true", help="replace an existing results file")
     g.add_argument(
         "--budget",
-        type=float_range(1.0),
+        type=float_range(0.0, lo_open=True),
         default=420.0,
         metavar="S",
         help="seconds for all sections; an item that no longer fits is skipped and listed "

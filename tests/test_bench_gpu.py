@@ -1,0 +1,226 @@
+"""`tngram bench gpu` at tiny shapes on the CPU (tngram.bench.gpu), its results file, and the
+docs/GPU.md blocks generated from the GPU results files (tngram.report.gpu_blocks)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tngram.bench.gpu import TINY_VOCABS, card_slug, paper_recipes
+from tngram.cli.main import main
+from tngram.report.docblocks import check_doc, load_snapshot, render
+from tngram.report.gpu_blocks import measured_in, render_run
+
+from test_train_support import one_thread, tiny_data  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ["paper-l9-raw", "paper-l9-tngram"]
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tiny_data, tmp_path_factory):  # noqa: F811
+    """One CLI run at tiny shapes: raw and TN-gram, every section, no compile (CPU compile takes
+    tens of seconds), 3 trainer steps on the tiny dataset."""
+    out = tmp_path_factory.mktemp("bench-gpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = ["bench", "gpu", "--out", str(out), "--data", str(tiny_data), "--steps", "3"]
+        rc = main(args + ["--recipes", *RECIPES, "--no-compile"])
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 0
+    path = out / "gpu-cpu.json"  # the card slug of a CPU run
+    return path, json.loads(path.read_text())
+
+
+def test_card_slug_from_device_names():
+    assert card_slug("NVIDIA H200") == "h200"
+    assert card_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert card_slug("cpu") == "cpu"
+
+
+def test_every_paper_l9_recipe_is_picked_up_base_first():
+    names = ["mini-raw", "paper-l9-zz-fast", "paper-l9-tngram", "paper-l18-raw", "paper-l9-raw"]
+    names += ["paper-l9-engram", "paper-l9-a-sum"]
+    assert paper_recipes(names) == [
+        "paper-l9-raw",
+        "paper-l9-engram",
+        "paper-l9-tngram",
+        "paper-l9-a-sum",
+        "paper-l9-zz-fast",
+    ]
+    from tngram.train.recipes import recipe_names
+
+    every = [n for n in recipe_names() if n.startswith("paper-l9-")]
+    assert sorted(paper_recipes(recipe_names())) == sorted(every)
+
+
+def test_results_file_schema_and_provenance(cpu_run):
+    path, r = cpu_run
+    assert r["kind"] == "bench-gpu" and r["complete"] is True and r["tiny"] is True
+    assert r["card"] == "cpu" and r["card_slug"] == "cpu" and r["torch"] == torch.__version__
+    assert (
+        "triton" in r
+        and r["commit"]
+        and r["machine"]
+        and r["command"].startswith("tngram bench gpu")
+    )
+    assert r["recipes"] == RECIPES and r["skipped"] == []
+    assert set(r["sections"]) == {"doctor", "lookup", "fwdbwd", "trainer", "tables"}
+    for sec in r["sections"].values():
+        for key, item in sec.items():
+            assert "error" not in item and "skipped" not in item, (key, item)
+    doc = r["sections"]["doctor"]["self_checks"]
+    assert (
+        doc["passed"] is True
+        and doc["tngram_lookup"]["cpu/float32"] in ("c", "torch")
+        or (doc["tngram_lookup"]["cpu/float32"].startswith("torch"))
+    )
+
+
+def test_lookup_check_kernel_agrees_with_torch(cpu_run):
+    lk = cpu_run[1]["sections"]["lookup"]["paper-l9-tngram"]
+    assert lk["kernel"] == "c"
+    # fp32: the C kernel's documented self-check tolerance (tngram.kernels.choice, 1e-4)
+    assert abs(lk["model_fp32"]["loss_kernel"] - lk["model_fp32"]["loss_torch"]) < 1e-5
+    assert lk["model_fp32"]["max_rel_grad_err"] < 1e-4 and lk["model_fp32"]["n_grads"] > 0
+    assert lk["model_bf16"]["max_rel_grad_err"] < 3e-2  # the bf16 tolerance
+    for dt in ("fp32", "bf16"):
+        t, c = lk[f"time_torch_{dt}"]["median_ms"], lk[f"time_c_{dt}"]["median_ms"]
+        assert lk[f"speedup_{dt}"] == pytest.approx(t / c)
+
+
+def _tiny_model(recipe):
+    from tngram.bench.gpu import shapes_for
+    from tngram.bench.gpu_parts import config
+    from tngram.model.gpt import GPT
+
+    cfg = config(recipe, shapes_for("cpu"))
+    return cfg.model, GPT(cfg.model)
+
+
+def test_fwdbwd_flops_and_mfu_from_an_independent_count(cpu_run):
+    r = cpu_run[1]
+    peak = r["flops"]["peak_matmul_measured"]["flops"]
+    for recipe in RECIPES:
+        e = r["sections"]["fwdbwd"][f"{recipe}/eager"]
+        m, model = _tiny_model(recipe)
+        linear = sum(mod.weight.numel() for mod in model.modules() if isinstance(mod, nn.Linear))
+        tokens = r["shapes"]["batch"] * m.sequence_len
+        # 6 x (linear weights + tied head V x d) x tokens + 12 L d T x tokens (PaLM's count)
+        flops = 6 * (linear + m.vocab_size * m.n_embd) * tokens
+        flops += 12 * m.n_layer * m.n_embd * m.sequence_len * tokens
+        assert e["tokens"] == tokens and e["flops"] == flops
+        assert e["tokens_per_s"] == pytest.approx(tokens / (e["median_ms"] / 1e3))
+        assert e["of_measured_matmul_peak"] == pytest.approx(flops / (e["median_ms"] / 1e3) / peak)
+        assert e["mfu_spec"] is None and e["peak_gb"] is None  # no spec peak / no CUDA memory
+        assert e["min_ms"] <= e["median_ms"] <= e["max_ms"]
+        assert f"{recipe}/compile" not in r["sections"]["fwdbwd"]  # --no-compile
+
+
+def test_trainer_section_runs_the_real_trainer(cpu_run):
+    r = cpu_run[1]
+    for recipe in RECIPES:
+        t = r["sections"]["trainer"][recipe]
+        assert t["steps"] == 3 and len(t["losses"]) == 3 and t["tokens_per_step"] == 128
+        assert t["last_train_loss"] == pytest.approx(t["losses"][-1], abs=1e-4)
+        assert t["tokens_per_s"] > 0 and t["val_bpb"] > 0
+    assert r["sections"]["trainer"]["paper-l9-tngram"]["lookup_impl"] in ("c", "torch")
+
+
+def test_tables_every_vocab_and_update(cpu_run):
+    tab = cpu_run[1]["sections"]["tables"]
+    for V in TINY_VOCABS:
+        assert tab[f"raw@{V}"]["table_params"] == 0
+        for m in ("engram", "tngram"):
+            for u in ("dense", "sparse", "rowwise"):
+                assert tab[f"{m}@{V}/{u}"]["median_ms"] > 0
+    # TN-gram's factor tables are V x cp_rank per order: their count grows linearly with V
+    lo, hi = TINY_VOCABS[0], TINY_VOCABS[-1]
+    t_lo, t_hi = (
+        tab[f"tngram@{lo}/dense"]["table_params"],
+        tab[f"tngram@{hi}/dense"]["table_params"],
+    )
+    assert t_hi * lo == t_lo * hi
+    assert tab[f"tngram@{hi}/sparse"]["table_params"] == t_hi
+
+
+def test_run_renders_its_numbers(cpu_run):
+    r = cpu_run[1]
+    text = render_run(r, "docs/results/gpu-cpu.json")
+    e = r["sections"]["fwdbwd"]["paper-l9-tngram/eager"]
+    assert f"{e['median_ms']:.1f}" in text
+    assert f"{r['sections']['trainer']['paper-l9-raw']['tokens_per_s']:,.0f}" in text
+    assert "not run" in text  # the compiled column (--no-compile)
+
+
+def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path):
+    assert check_doc(ROOT / "docs" / "GPU.md") == []
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "docs" / "GPU.md", docs / "GPU.md")
+    for name in ("gpu.json", "gpu-h200-fb2264d.json"):
+        shutil.copy(ROOT / "docs" / "results" / name, docs / "results" / name)
+    shutil.copy(cpu_run[0], docs / "results" / "gpu-cpu.json")
+    snap = load_snapshot(docs / "GPU.md", "gpu")
+    assert snap["runs"] == []  # a tiny CPU run is left out
+    assert check_doc(docs / "GPU.md") == []
+    # the open table's logic on a run taken as full-size (a copy; nothing committed)
+    run = dict(cpu_run[1], tiny=False)
+    (docs / "results" / "gpu-cpu.json").write_text(json.dumps(run))
+    snap = load_snapshot(docs / "GPU.md", "gpu")
+    assert [n for n, _ in snap["runs"]] == ["gpu-cpu.json"]
+    wanted = {w["label"]: w for w in snap["wanted"]}
+    base = snap["base_recipes"]
+    eager = wanted["fwd+bwd eager, paper-l9 raw / Engram / TN-gram"]
+    assert not measured_in(eager, run, base)  # Engram was not run
+    run3 = dict(run, recipes=["paper-l9-raw", "paper-l9-tngram"])
+    assert not measured_in(wanted["fwd+bwd compiled, paper-l9 raw / Engram / TN-gram"], run3, base)
+    v1k = wanted["one step with dense / sparse / rowwise tables at V 1,024"]
+    assert not measured_in(v1k, run, base)  # tiny vocabularies, not 1,024
+    assert measured_in(wanted["`tngram doctor` Triton self-checks on the card"], run, base)
+    assert "`gpu-cpu.json`" in render(snap, "gpu")
+    assert check_doc(docs / "GPU.md") == ["gpu"]  # the block is stale until regenerated
+
+
+def test_budget_skips_items_and_names_them(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["bench", "gpu", "--out", str(out), "--budget", "0.01", "--sections", "fwdbwd"]
+    assert main(args + ["tables", "--recipes", "paper-l9-raw", "--no-compile"]) == 0
+    r = json.loads(out.read_text())
+    items = [(s, k) for s, sec in r["sections"].items() for k in sec]
+    assert len(items) == 1 + 7 * len(TINY_VOCABS) and len(r["skipped"]) == len(items)
+    assert all("time budget" in r["sections"][s][k]["skipped"] for s, k in items)
+    assert "skipped (budget)" in render_run(r, "x.json")
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--recipes", "mini-raw"], "--recipes"),
+        (["--out", "/nonexistent-h39c/dir"], "does not exist"),
+        (["--data", "/nonexistent-h39c-data"], "nonexistent-h39c-data"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(extra, needle, tmp_path, capsys):
+    out = [] if "--out" in extra else ["--out", str(tmp_path)]
+    assert main(["bench", "gpu", "--sections", "fwdbwd", "--no-compile"] + out + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+def test_budget_must_be_positive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "gpu", "--out", str(tmp_path), "--budget", "0"])
+    assert exc.value.code == 2 and "--budget" in capsys.readouterr().err
+
+
+def test_existing_results_file_is_kept_without_force(tmp_path, capsys):
+    path = tmp_path / "gpu-cpu.json"
+    path.write_text("keep")
+    assert main(["bench", "gpu", "--out", str(tmp_path), "--sections", "fwdbwd"]) == 2
+    assert "--force" in capsys.readouterr().err and path.read_text() == "keep"
