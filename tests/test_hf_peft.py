@@ -107,3 +107,105 @@ def test_trainer_trains_lora_inside_the_memory(tmp_path):
     Trainer(model=pm, args=args, train_dataset=Data()).train()
     after = dict(pm.named_parameters())
     assert all(not torch.equal(after[n], p) for n, p in before.items())
+
+
+# ---- the two orders ------------------------------------------------------------------------
+
+
+def test_add_memory_after_get_peft_model_is_refused_naming_the_order():
+    from tngram.common import TngramError
+    from tngram.hf import add_memory
+
+    from hf_tiny import MEMORIES, tiny_model
+
+    pm = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    for target in (pm, pm.base_model.model):
+        with pytest.raises(TngramError, match="add the memory to the base model first"):
+            add_memory(target, MEMORIES["tngram"])
+    assert not any("ngram_memory" in n for n, _ in pm.named_modules())
+
+
+def memory_adapter(kind: str = "tngram"):
+    """add_memory first, then LoRA on the attention with the memory in modules_to_save; the
+    memory's trained copy is moved off its start so that a lost memory would show."""
+    model = with_memory("llama", kind)
+    cfg = peft.LoraConfig(
+        r=2,
+        target_modules=["q_proj", "v_proj"],
+        init_lora_weights=False,
+        modules_to_save=["ngram_memory"],
+    )
+    torch.manual_seed(4)
+    pm = peft.get_peft_model(model, cfg).eval()
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".modules_to_save." in n:
+                p.add_(0.05 * torch.randn_like(p))
+    return pm
+
+
+@pytest.mark.parametrize("kind", ["tngram", "engram"])
+def test_adapter_saves_the_memory_and_reloads_exactly(tmp_path, kind):
+    from safetensors.torch import load_file
+
+    pm = memory_adapter(kind)
+    x = prompt(2, 9)
+    pm.save_pretrained(tmp_path / "adapter")
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(".ngram_memory." in k for k in keys)
+    again = peft.PeftModel.from_pretrained(with_memory("llama", kind), tmp_path / "adapter").eval()
+    fresh = with_memory("llama", kind)
+    with torch.no_grad():
+        want = pm(x).logits
+        assert torch.equal(again(x).logits, want)
+        assert not torch.equal(fresh(x).logits, want)  # the adapter's memory is not the start
+
+
+def test_adapter_with_memory_refuses_a_base_without_memory(tmp_path):
+    from tngram.common import TngramError
+
+    from hf_tiny import tiny_model
+
+    memory_adapter().save_pretrained(tmp_path / "adapter")
+    with pytest.raises(TngramError, match="the base model has no memory"):
+        peft.PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "adapter")
+
+
+def test_save_memory_from_a_peft_model_keeps_the_trained_copy(tmp_path):
+    """save_memory(peft_model) writes the memory's modules_to_save copy (the one that trains),
+    so the base with load_memory equals the PeftModel with its LoRA at zero."""
+    from tngram.hf import load_memory, save_memory
+
+    from hf_tiny import tiny_model
+
+    pm = memory_adapter()
+    for m in pm.modules():
+        if hasattr(m, "lora_B"):
+            torch.nn.init.zeros_(m.lora_B["default"].weight)
+    save_memory(pm, tmp_path / "mem")
+    base = load_memory(tiny_model("llama"), tmp_path / "mem")
+    x = prompt(2, 9)
+    with torch.no_grad():
+        assert torch.equal(base(x).logits, pm(x).logits)
+
+
+def test_memory_optimizer_groups_the_trained_copy_of_a_peft_model(tmp_path):
+    """Under modules_to_save the memory that trains is peft's copy: its tables get the table
+    group (no decay), the frozen original none."""
+    from tngram.hf import memory_optimizer
+
+    pm = memory_adapter("engram")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], weight_decay=0.1)
+    groups = {
+        g["group"]: {id(p) for p in g["params"]}
+        for g in memory_optimizer(pm, args, 0.1).param_groups
+    }
+    trained = [
+        p
+        for n, p in pm.named_parameters()
+        if n.endswith("ngram_memory.modules_to_save.default.table.weight")
+    ]
+    assert len(trained) == 2 and {id(p) for p in trained} == groups["memory_table"]
+    for name, p in pm.named_parameters():
+        if "original_module" in name:
+            assert not any(id(p) in g for g in groups.values())
