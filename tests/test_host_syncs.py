@@ -162,3 +162,23 @@ def test_device_batches_defaults_by_device(tiny_data):
     assert not cpu.pin and not cpu.ahead
     x, _ = cpu.next_batch()
     assert cpu.loader.batches == 1 and x.shape == (3, 16)  # batch for batch, nothing ahead
+
+
+def test_trainer_resume_exact_with_batches_ahead(tiny_data, tmp_path, monkeypatch):
+    """The trainer with batches sent one ahead (the CUDA default, forced here): stopped after
+    step 3 and resumed, it trains on exactly the batches of an uninterrupted run (the
+    checkpoint holds the position before the held batch)."""
+    import tngram.data.loader as loader_mod
+    from test_train_support import weights
+
+    real = loader_mod.DeviceBatches
+    monkeypatch.setattr(
+        loader_mod, "DeviceBatches", lambda lo, dev: real(lo, dev, pin=False, ahead=True)
+    )
+    cfg = tiny_config(tiny_data, extra=["schedule.steps=5", "run.val_every=0"])
+    loop.train(cfg, tmp_path / "whole", progress=False)
+    loop.train(cfg, tmp_path / "split", max_steps=3, progress=False)
+    loop.train(cfg, tmp_path / "split", resume=True, progress=False)
+    assert losses(tmp_path / "split") == losses(tmp_path / "whole")
+    wa, wb = weights(tmp_path / "whole"), weights(tmp_path / "split")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

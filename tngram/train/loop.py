@@ -467,7 +467,7 @@ class Trainer(TrainerSetup):
             "wall_s": self.clock.wall(),
             "train_time_s": self.clock.total_train_time(),
             "world_size": ctx.world_size,
-            "loader": self.loader.state_dict(),
+            "loader": self.batches.state_dict(),  # before any batch held ahead
             "train_loss": self.last_loss,
             "config": self.cfg.to_dict(),
         }
