@@ -15,6 +15,12 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 import torch
 from torch import Tensor
 
+from tngram.kernels.row_update import (
+    forced_row_impl,
+    row_kernel_failed,
+    row_update,
+    row_update_impl,
+)
 from tngram.kernels.sparse_rows import set_read_hook
 
 
@@ -89,6 +95,74 @@ class _LazyRowAdam(torch.optim.Optimizer):
         float64 factor `coef` (catch-up; module docstring); m, v: the moments after the last step."""
         raise NotImplementedError
 
+    # the Triton path (tngram.kernels.row_update): a subclass says which formula it is
+    _ROWWISE = False
+
+    def _kernel_factor(self, v_rows: Tensor, coef: Tensor, dtype: torch.dtype) -> Tensor:
+        """(rows,) factor f of the missed moves in the kernel (missed = m f, or m/sqrt(v) f),
+        computed in torch exactly as `_missed_moves` computes it; v_rows: the rows' moments."""
+        raise NotImplementedError
+
+    def _kernel_consts(self, t: int, lr: float, b1: float, b2: float) -> tuple[float, float]:
+        """(c, bc2): the step's factor of m / denominator and sqrt(1 - b2^t) (rowwise's)."""
+        raise NotImplementedError
+
+    def _kernel_rows(
+        self, p: Tensor, state: dict, rows: Tensor, vals: Tensor | None, group: dict
+    ) -> bool:
+        """Update p's touched `rows` (distinct flat ids; gradient rows `vals`, or None to only
+        settle them before a read) with the Triton kernel when the table's device and dtype
+        choose it (`row_update_impl`): True if done. False: torch does it (not chosen, or the
+        kernel raised: one warning line, torch from then on, state untouched)."""
+        if row_update_impl(p.device, p.dtype) != "triton":
+            return False
+        try:
+            self._kernel_update(p, state, rows, vals, group)
+        except Exception as e:  # any kernel failure falls back to torch
+            if forced_row_impl() == "triton":
+                raise
+            row_kernel_failed(p.device, p.dtype, e)
+            return False
+        return True
+
+    def _kernel_update(
+        self, p: Tensor, state: dict, rows: Tensor, vals: Tensor | None, group: dict
+    ) -> None:
+        """The kernel's update of the touched rows: catch-up (when on) and the step (when vals),
+        the same arithmetic as the torch path (tngram.kernels.row_update_triton)."""
+        lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
+        t = state["step"]
+        m_all, v_all = self._moments(p, state)
+        last, mark, cu = None, 0, None
+        if group.get("catchup", False):
+            last, mark = state["last_step"], 1 if vals is not None else 2
+            upto = t - 1 if vals is not None else t
+            kc = _missed_steps(last.index_select(0, rows), upto, state["lr_history"], b1, b2)
+            if kc is None and vals is None:
+                return  # nothing owed: the rows stay as they are (the torch path's `continue`)
+            if kc is not None:
+                kd = kc[0].to(torch.float64)
+                f = self._kernel_factor(v_all.index_select(0, rows), kc[1], m_all.dtype)
+                cu = (f, (b1**kd).to(m_all.dtype), (b2**kd).to(v_all.dtype))
+        c_step, bc2 = self._kernel_consts(t, lr, b1, b2) if vals is not None else (0.0, 1.0)
+        row_update(
+            p.view(-1, p.shape[-1]),
+            m_all,
+            v_all,
+            rows.contiguous(),
+            None if vals is None else vals.contiguous(),
+            rowwise=self._ROWWISE,
+            t_mark=t,
+            b1=b1,
+            b2=b2,
+            c_step=c_step,
+            bc2=bc2,
+            eps=eps,
+            last=last,
+            mark=mark,
+            catchup=cu,
+        )
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -118,6 +192,9 @@ class _LazyRowAdam(torch.optim.Optimizer):
                 flat = p.view(-1, p.shape[-1])
                 if catchup:
                     _record_lr(state, lr)
+                if rows is not None and self._kernel_rows(p, state, rows, vals, group):
+                    continue
+                if catchup:
                     if rows is None:
                         rows = torch.arange(flat.shape[0], device=p.device)
                     self._step_rows_catchup(flat, m_all, v_all, rows, vals, state, lr, b1, b2, eps)
@@ -182,24 +259,10 @@ class _LazyRowAdam(torch.optim.Optimizer):
     ) -> Tensor | None:
         """Rows whose last step is `last` (0 = never): their moves at steps last+1..upto (None when
         there are none), and their moments decayed to step `upto` in place."""
-        s = last.to(torch.int64)
-        k = torch.where(s > 0, upto - s, torch.zeros_like(s))  # missed steps per row
-        if not k.numel() or int(k.max()) <= 0:
+        kc = _missed_steps(last, upto, lr_history, b1, b2)
+        if kc is None:
             return None
-        # the factor depends on the row only through its last step: compute it once per distinct one
-        starts, which = torch.unique(s, return_inverse=True)
-        n_missed = torch.where(starts > 0, upto - starts, torch.zeros_like(starts))  # (U,)
-        horizon = _horizon(b1, b2)  # a fixed length: the same sums whichever rows come along
-        J = int(n_missed.max()) if horizon is None else horizon
-        j = torch.arange(1, J + 1, dtype=torch.int64, device=s.device)  # (J,)
-        u = starts.unsqueeze(1) + j.unsqueeze(0)  # (U, J) the missed step ids
-        valid = j.unsqueeze(0) <= n_missed.unsqueeze(1)
-        uf, jf = u.clamp(1, max(upto, 1)).to(torch.float64), j.to(torch.float64)
-        lr_u = lr_history.to(s.device)[u.clamp(1, max(upto, 1)) - 1]
-        # step u's move of a row last stepped at s = u - j, eps left out:
-        #   lr_u sqrt(1 - b2^u)/(1 - b1^u) (b1/sqrt(b2))^j * m_s/sqrt(v_s)
-        a = lr_u * torch.sqrt(1 - b2**uf) / (1 - b1**uf) * (b1 / math.sqrt(b2)) ** jf
-        coef = torch.where(valid, a, torch.zeros_like(a)).sum(1)[which]  # (rows,)
+        k, coef = kc
         moves = self._missed_moves(m, v, coef)
         kd = k.to(torch.float64)
         m.mul_((b1**kd).to(m.dtype).view(-1, *([1] * (m.dim() - 1))))
@@ -280,6 +343,8 @@ class _LazyRowAdam(torch.optim.Optimizer):
         if not state or "last_step" not in state or self._settled_depth:
             return
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        if self._kernel_rows(p, state, rows, None, group):
+            return
         (b1, b2), eps = group["betas"], group["eps"]
         t, last = state["step"], state["last_step"]
         m_all, v_all = self._moments(p, state)
@@ -308,6 +373,33 @@ def _settle_on_read(opt_ref: Callable, p_ref: Callable, rows: Tensor) -> None:
     opt, p = opt_ref(), p_ref()
     if opt is not None and p is not None:
         opt.settle_rows(p, rows)
+
+
+def _missed_steps(
+    last: Tensor, upto: int, lr_history: Tensor, b1: float, b2: float
+) -> tuple[Tensor, Tensor] | None:
+    """Rows whose last step is `last` (0 = never), brought to step `upto`: (k (rows,) int64 missed
+    steps, coef (rows,) float64 factor of their summed missed moves, -coef m/sqrt(v)), or None when
+    no row missed a step (catch-up; tngram.optim.memory_update's docstring)."""
+    s = last.to(torch.int64)
+    k = torch.where(s > 0, upto - s, torch.zeros_like(s))  # missed steps per row
+    if not k.numel() or int(k.max()) <= 0:
+        return None
+    # the factor depends on the row only through its last step: compute it once per distinct one
+    starts, which = torch.unique(s, return_inverse=True)
+    n_missed = torch.where(starts > 0, upto - starts, torch.zeros_like(starts))  # (U,)
+    horizon = _horizon(b1, b2)  # a fixed length: the same sums whichever rows come along
+    J = int(n_missed.max()) if horizon is None else horizon
+    j = torch.arange(1, J + 1, dtype=torch.int64, device=s.device)  # (J,)
+    u = starts.unsqueeze(1) + j.unsqueeze(0)  # (U, J) the missed step ids
+    valid = j.unsqueeze(0) <= n_missed.unsqueeze(1)
+    uf, jf = u.clamp(1, max(upto, 1)).to(torch.float64), j.to(torch.float64)
+    lr_u = lr_history.to(s.device)[u.clamp(1, max(upto, 1)) - 1]
+    # step u's move of a row last stepped at s = u - j, eps left out:
+    #   lr_u sqrt(1 - b2^u)/(1 - b1^u) (b1/sqrt(b2))^j * m_s/sqrt(v_s)
+    a = lr_u * torch.sqrt(1 - b2**uf) / (1 - b1**uf) * (b1 / math.sqrt(b2)) ** jf
+    coef = torch.where(valid, a, torch.zeros_like(a)).sum(1)[which]  # (rows,)
+    return k, coef
 
 
 def _record_lr(state: dict, lr: float) -> None:

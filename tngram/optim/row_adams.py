@@ -50,8 +50,16 @@ class RowwiseAdam(_LazyRowAdam):
         return (m / denom.to(m.dtype).unsqueeze(1)).mul_(-lr / (1 - b1**t))
 
     def _missed_moves(self, m: Tensor, v: Tensor, coef: Tensor) -> Tensor:
-        inv = torch.where(v > 0, v.rsqrt(), torch.zeros_like(v))  # one v per row
-        return m * (-coef * inv.to(torch.float64)).to(m.dtype).unsqueeze(1)
+        return m * self._kernel_factor(v, coef, m.dtype).unsqueeze(1)
+
+    _ROWWISE = True
+
+    def _kernel_factor(self, v_rows: Tensor, coef: Tensor, dtype: torch.dtype) -> Tensor:
+        inv = torch.where(v_rows > 0, v_rows.rsqrt(), torch.zeros_like(v_rows))  # one v per row
+        return (-coef * inv.to(torch.float64)).to(dtype)
+
+    def _kernel_consts(self, t: int, lr: float, b1: float, b2: float) -> tuple[float, float]:
+        return -lr / (1 - b1**t), math.sqrt(1 - b2**t)
 
 
 class LazyAdam(_LazyRowAdam):
@@ -88,4 +96,10 @@ class LazyAdam(_LazyRowAdam):
 
     def _missed_moves(self, m: Tensor, v: Tensor, coef: Tensor) -> Tensor:
         ratio = torch.where(v > 0, m / v.sqrt(), torch.zeros_like(m))
-        return ratio * (-coef).to(m.dtype).unsqueeze(1)
+        return ratio * self._kernel_factor(v, coef, m.dtype).unsqueeze(1)
+
+    def _kernel_factor(self, v_rows: Tensor, coef: Tensor, dtype: torch.dtype) -> Tensor:
+        return (-coef).to(dtype)
+
+    def _kernel_consts(self, t: int, lr: float, b1: float, b2: float) -> tuple[float, float]:
+        return -lr * math.sqrt(1 - b2**t) / (1 - b1**t), 1.0
