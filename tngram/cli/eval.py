@@ -301,7 +301,7 @@ def cmd_bpb(args: argparse.Namespace) -> int:
                 f"{seq_len}; use at least {seq_len}"
             )
         t0 = time.perf_counter()
-        res = dict(
+        res: dict[str, Any] = dict(
             evaluate_bpb(
                 model,
                 val,

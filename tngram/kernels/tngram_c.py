@@ -321,4 +321,6 @@ def c_lookup(
     return c_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_dtype == torch.bfloat16)[0]
 
 
-c_lookup.out_dtypes = (torch.bfloat16,)  # dtypes it writes directly (fused_lookup's out_dtype)
+# dtypes it writes directly (fused_lookup's out_dtype); a function attribute, which mypy
+# cannot see on a def
+c_lookup.out_dtypes = (torch.bfloat16,)  # type: ignore[attr-defined]

@@ -36,12 +36,20 @@ GROUP_OPTIMIZER = {"embed": "adam", "memory_table": "adam", "scalar": "adam", "m
 
 
 class OptimLrs(Protocol):
-    """The learning-rate fields build_param_groups reads (tngram.train.config.OptimConfig)."""
+    """The learning-rate fields build_param_groups reads (tngram.train.config.OptimConfig, a
+    frozen dataclass: read-only members)."""
 
-    matrix_lr: float
-    tied_embed_lr: float
-    memory_table_lr: float | None
-    scalar_lr: float
+    @property
+    def matrix_lr(self) -> float: ...
+
+    @property
+    def tied_embed_lr(self) -> float: ...
+
+    @property
+    def memory_table_lr(self) -> float | None: ...
+
+    @property
+    def scalar_lr(self) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,8 @@ def load_json(
 
 
 def _describe(kind: str, lo: float | None, hi: float | None) -> str:
-    rng = [f">= {lo:g}" if lo is not None else "", f"<= {hi:g}" if hi is not None else ""]
-    rng = " and ".join(r for r in rng if r)
+    parts = [f">= {lo:g}" if lo is not None else "", f"<= {hi:g}" if hi is not None else ""]
+    rng = " and ".join(r for r in parts if r)
     return f"{kind}{' ' + rng if rng else ''}"
 
 

@@ -169,14 +169,16 @@ def save_checkpoint(
     check_free_space(root, needed, f"checkpoint step_{step:06d}")
     try:
         if os.path.lexists(tmp):
-            remove_tree(tmp) or os.unlink(tmp)
+            if not remove_tree(tmp):  # a file or a link in its place
+                os.unlink(tmp)
         tmp.mkdir()
         for name, data in blobs.items():
             _write_file(tmp / name, data)
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
         _fsync_dir(tmp)
         if os.path.lexists(final):  # re-saving the same step (a resumed run that was complete)
-            remove_tree(final) or os.unlink(final)
+            if not remove_tree(final):  # a file or a link in its place
+                os.unlink(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except OSError as e:

@@ -62,7 +62,6 @@ def _check_fields(
 def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
     """The TrainConfig of a saved config dict, checked (see the module doc); BadRecordError
     (one line naming `where` and the field) otherwise."""
-    from tngram.memory import memory_config_classes
     from tngram.model.gpt import GPTConfig
     from tngram.train.config import (
         DataConfig,
@@ -95,17 +94,7 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
     extra = sorted(set(d) - set(_SECTIONS) - {"name"})
     if extra:
         raise BadRecordError(f"{where}: unknown field(s) {extra}")
-    mem = d["model"].get("memory")
-    if mem is not None:
-        if not isinstance(mem, dict):
-            raise BadRecordError(f"{where}: field model.memory must be an object or null")
-        kinds = memory_config_classes()
-        kind = mem.get("kind")
-        if not isinstance(kind, str) or kind not in kinds:
-            raise BadRecordError(
-                f"{where}: field model.memory.kind must be one of {sorted(kinds)}, got {kind!r}"
-            )
-        _check_fields(mem, kinds[kind], "model.memory.", where, skip=("kind",))
+    _check_memory_dict(d["model"].get("memory"), "model.", where)
     try:
         cfg = TrainConfig.from_dict(d)
         validate_config(cfg)
@@ -116,6 +105,61 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
     if check_memory:
         check_model_fits(cfg, where)
     return cfg
+
+
+def _check_memory_dict(mem: Any, prefix: str, where: str) -> None:
+    """A saved memory config dict (or null): its kind known, its fields of their types."""
+    from tngram.memory import memory_config_classes
+
+    if mem is None:
+        return
+    if not isinstance(mem, dict):
+        raise BadRecordError(f"{where}: field {prefix}memory must be an object or null")
+    kinds = memory_config_classes()
+    kind = mem.get("kind")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise BadRecordError(
+            f"{where}: field {prefix}memory.kind must be one of {sorted(kinds)}, got {kind!r}"
+        )
+    _check_fields(mem, kinds[kind], f"{prefix}memory.", where, skip=("kind",))
+
+
+def model_config_from_saved(d: Any, where: str, prefix: str = "gpt.") -> Any:
+    """The GPTConfig of a saved model dict (an exported folder's config.json `gpt`), checked like
+    a run's config.json model section: every key known, every value of its type, the ranges of
+    validate_config, the memory's own rules and vocabulary, the memory layers distinct block
+    indices. BadRecordError naming `where` and the field otherwise."""
+    from tngram.model.gpt import GPTConfig
+
+    # the model checks validate_config runs on a run's config (private there: one list of rules)
+    from tngram.train.config import _validate_memory, _validate_model
+
+    if not isinstance(d, dict):
+        raise BadRecordError(f"{where}: field {prefix.rstrip('.')} must be an object")
+    _check_fields(d, GPTConfig, prefix, where, skip=("memory",))
+    _check_memory_dict(d.get("memory"), prefix, where)
+    try:
+        m = GPTConfig.from_dict(d)
+        _validate_model(m)
+        _validate_memory(m.memory)
+        if m.memory is not None:
+            m.memory.check_vocab(m.vocab_size)
+    except (TngramError, TypeError, ValueError, KeyError) as e:
+        raise BadRecordError(
+            f"{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
+    layers = list(m.memory_layers)
+    if m.memory is not None and m.memory.injection == "block":
+        if (
+            not layers
+            or len(set(layers)) != len(layers)
+            or not all(0 <= i < m.n_layer for i in layers)
+        ):
+            raise BadRecordError(
+                f"{where}: field {prefix}memory_layers must be distinct block indices in "
+                f"[0, {m.n_layer}), got {layers}"
+            )
+    return m
 
 
 def param_lower_bound(m: Any) -> int:

@@ -169,7 +169,8 @@ def begin_sharded_checkpoint(run_dir: str | os.PathLike, step: int, needed: int)
     tmp = sharded_temp(run_dir, step)
     try:
         if os.path.lexists(tmp):
-            remove_tree(tmp) or os.unlink(tmp)
+            if not remove_tree(tmp):  # a file or a link in its place
+                os.unlink(tmp)
         tmp.mkdir()
         (tmp / DCP_DIR).mkdir()
     except OSError as e:
@@ -249,7 +250,8 @@ def finish_sharded_checkpoint(
         _fsync_dir(tmp / DCP_DIR)
         _fsync_dir(tmp)
         if os.path.lexists(final):
-            remove_tree(final) or os.unlink(final)
+            if not remove_tree(final):  # a file or a link in its place
+                os.unlink(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except (OSError, TngramError) as e:
@@ -290,6 +292,7 @@ def load_sharded_checkpoint(
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
     where = path / DCP_DIR
@@ -297,7 +300,13 @@ def load_sharded_checkpoint(
     reader = HuggingFaceStorageReader(str(where))
     try:
         md = reader.read_metadata().state_dict_metadata
-        shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in md.items()}
+        shapes = {
+            k: (tuple(v.size), v.properties.dtype)
+            for k, v in md.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
+        if len(shapes) != len(md):  # tngram writes only tensors
+            raise ValueError("an entry is not a tensor")
     except Exception as e:
         raise TngramError(f"{where}: corrupt sharded checkpoint ({_short(e)})") from None
     own = model.state_dict()
