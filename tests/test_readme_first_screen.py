@@ -37,7 +37,7 @@ def test_first_60_lines_hold_the_setup_commands_and_a_code_block():
     assert setup, "no bash block in the first 60 lines"
     lines = [ln.split("#")[0].strip() for ln in setup.group(1).splitlines()]
     assert lines == ["make demo", "make test"]
-    assert re.search(r"```python\n(.+?)```", head, flags=re.S), "no Python block in the first 60 lines"
+    assert re.search(r"```python\n(.+?)```", head, flags=re.S), "no Python block in 60 lines"
     assert "## Which memory should I use?" in head
 
 

@@ -7,11 +7,19 @@ import json
 from typing import Any
 
 from tngram.cli.common import add_config_arguments, add_json_argument
-from tngram.train.recipes import RECIPES, get_recipe, param_summary, resolve_config
+from tngram.train.recipes import (
+    DESCRIPTIONS,
+    RECIPES,
+    get_recipe,
+    param_summary,
+    resolve_config,
+)
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("recipes", help="list the named recipes")
+    p = sub.add_parser(
+        "recipes", help="list the named recipes, one line each: what it is and its size"
+    )
     add_json_argument(p)
     p.set_defaults(func=_cmd_recipes)
     p = sub.add_parser(
@@ -36,13 +44,14 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps({name: get_recipe(name).to_dict() for name in RECIPES}, indent=1))
         return 0
+    width = max(map(len, RECIPES))
     for name in RECIPES:
         cfg = get_recipe(name)
         m = cfg.model
-        mem = "none" if m.memory is None else m.memory.kind
         print(
-            f"{name:18s} L{m.n_layer} d{m.n_embd} V{m.vocab_size} T{m.sequence_len} memory={mem} "
-            f"steps={cfg.schedule.steps} batch={cfg.data.global_batch_tokens} tokens"
+            f"{name:{width}s}  {DESCRIPTIONS[name]}  [L{m.n_layer} d{m.n_embd} V{m.vocab_size} "
+            f"T{m.sequence_len}, {cfg.schedule.steps} steps x "
+            f"{cfg.data.global_batch_tokens} tokens]"
         )
     return 0
 

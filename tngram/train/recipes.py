@@ -168,6 +168,27 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
 }
 
 
+# what each recipe is, in one line (`tngram recipes`; tests/test_recipes_listing.py checks each
+# claim against the config: ranks, orders, heads, "no memory", Over-Encoding at TN-gram's Δparams)
+DESCRIPTIONS: dict[str, str] = {
+    "paper-l9-raw": "the paper's L9 GPT (parameter-golf's), no memory",
+    "paper-l9-engram": "L9 + Engram N 5, 8 heads per order (the paper's Table 1)",
+    "paper-l9-tngram": "L9 + TN-gram N 5, R 1024 (the paper's Table 1)",
+    "paper-l9-oe": "L9 + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
+    "paper-l9-oe-longcat": "L9 + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
+    "paper-l18-raw": "the paper's L18 GPT, no memory",
+    "paper-l18-engram": "L18 + Engram N 5, 8 heads per order",
+    "paper-l18-tngram": "L18 + TN-gram N 5, R 1800",
+    "mini-raw": "CPU-sized GPT (4 layers, d 128), no memory: the baseline",
+    "mini-engram": "mini + Engram N 5, 4 heads per order",
+    "mini-tngram": "mini + TN-gram N 5, R 352 (the paper's module)",
+    "mini-tngram-lean": "mini + TN-gram N 5, R 352, no RMSNorm, no absorption (ablation winners)",
+    "mini-tngram-hsum": "mini + TN-gram R 64, orders summed, + hashed orders 2-5, table lr x4",
+    "mini-oe": "mini + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
+    "mini-oe-longcat": "mini + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
+}
+
+
 def recipe_names() -> list[str]:
     return list(RECIPES)
 
