@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tngram.kernels.choice import triton_available
+from tngram.kernels.choice import SELF_CHECKS, triton_available
 
 ROW_IMPLS = ("auto", "torch", "triton")
 ROW_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -58,14 +58,29 @@ def row_update_impl(device: torch.device, dtype: torch.dtype) -> str:
         else:
             rec = row_self_check(device, dtype)
             ROW_SELF_CHECKS[f"row_update/{rec['dtype']}"] = rec
+            SELF_CHECKS[f"row_update/{rec['dtype']}"] = (
+                rec  # env.json and `tngram doctor` list them
+            )
             _CHOICE[key] = ("triton", "") if rec["passed"] else ("torch", _failed(rec))
             if not rec["passed"]:
                 warnings.warn(f"tngram: {_CHOICE[key][1]}; using torch", RuntimeWarning, 2)
     return _CHOICE[key][0]
 
 
+def resolved_row_impl(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """Which path a row-sparse table on `device`/`dtype` takes, with the reason when it is not
+    the kernel (for run provenance; runs the self-check if not done yet)."""
+    forced = forced_row_impl()
+    if forced != "auto":
+        return f"{forced} (TNGRAM_ROW_UPDATE_IMPL)"
+    device = torch.device(device)
+    impl = row_update_impl(device, dtype)
+    why = _CHOICE[(device.type, str(dtype))][1]
+    return impl if not why else f"{impl} ({why})"
+
+
 def row_kernel_failed(device: torch.device, dtype: torch.dtype, err: BaseException) -> None:
-    """The kernel raised during a step: one warning line, torch for this (device, dtype) from now."""
+    """The kernel raised in a step: one warning line, torch for this (device, dtype) from now."""
     why = f"row-update kernel raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
     _CHOICE[(device.type, str(dtype))] = ("torch", why)
     warnings.warn(f"tngram: {why}; using torch", RuntimeWarning, 3)
@@ -82,7 +97,7 @@ def _failed(rec: dict[str, Any]) -> str:
 def row_update(
     w: Tensor, m: Tensor, v: Tensor, rows: Tensor, grad: Tensor | None, **kw: Any
 ) -> None:
-    """The Triton kernel (`row_update_triton.triton_row_update`, same arguments); imported lazily."""
+    """The Triton kernel (`row_update_triton.triton_row_update`, same arguments), lazily."""
     from tngram.kernels.row_update_triton import triton_row_update
 
     triton_row_update(w, m, v, rows, grad, **kw)
@@ -228,6 +243,8 @@ def row_self_check(device: torch.device | str, dtype: torch.dtype) -> dict[str, 
 def reset_row_choices() -> None:
     """Forget the choices and self-checks (tests)."""
     _CHOICE.clear()
+    for k in ROW_SELF_CHECKS:
+        SELF_CHECKS.pop(k, None)
     ROW_SELF_CHECKS.clear()
 
 
@@ -236,6 +253,7 @@ __all__ = [
     "forced_row_impl",
     "reference_row_update",
     "reset_row_choices",
+    "resolved_row_impl",
     "row_kernel_failed",
     "row_self_check",
     "row_update",
