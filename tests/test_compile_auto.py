@@ -55,6 +55,7 @@ def test_compile_forward_per_setting(monkeypatch):
         "setting": "auto",
         "ran": "eager",
         "reason": "run.compile=auto on cpu",
+        "newton_schulz": "eager",
     }
     fwd, st = cm.compile_forward(model, False, CUDA)
     assert fwd is model and st.ran == "eager" and st.reason == "run.compile=false"
@@ -88,6 +89,7 @@ def test_forced_compile_failure_falls_back_to_eager(tiny_data, tmp_path, monkeyp
         "setting": False,
         "ran": "eager",
         "reason": "run.compile=false",
+        "newton_schulz": "eager",
     }
     capsys.readouterr()
 
@@ -111,18 +113,69 @@ def test_forced_compile_failure_falls_back_to_eager(tiny_data, tmp_path, monkeyp
     reason = "torch.compile failed: BackendCompilerFailed (RuntimeError: forced backend failure)"
     assert lines == [f"tngram: note: run.compile=auto: {reason}; running eager"]
     env = json.loads((run / "env.json").read_text())
-    assert env["compile"] == {"setting": "auto", "ran": "eager", "reason": reason}
+    assert env["compile"] == {
+        "setting": "auto",
+        "ran": "eager",
+        "reason": reason,
+        "newton_schulz": "eager",  # compiled only once the forward compiled
+    }
     assert losses(run) == losses(ref) and sorted(losses(run)) == [1, 2, 3]
 
 
 def test_auto_compiled_records_compiled(tiny_data, tmp_path, monkeypatch, capsys):
     """The compiled branch (dynamo with its "eager" backend, so no C++ build): no fallback line,
-    env.json says compiled, and the run finishes."""
+    env.json says the forward and Muon's Newton-Schulz ran compiled, and the run finishes."""
     real_compile = torch.compile
     _as_on_cuda(monkeypatch)
     monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, backend="eager", **kw))
     summary = train(tiny_config(tiny_data, extra=EXTRA), tmp_path / "run", progress=False)
     assert "torch.compile failed" not in capsys.readouterr().out
     env = json.loads((tmp_path / "run" / "env.json").read_text())
-    assert env["compile"] == {"setting": "auto", "ran": "compiled"}
+    assert env["compile"] == {"setting": "auto", "ran": "compiled", "newton_schulz": "compiled"}
     assert summary["steps"] == 3 and sorted(losses(tmp_path / "run")) == [1, 2, 3]
+
+
+def _muon_runs():
+    """make() -> (parameters, Muon) from the same weights and gradients each time."""
+    from tngram.optim.muon import Muon
+
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 4), torch.randn(4, 6)]
+    grads = [torch.randn_like(w) for w in ws]
+
+    def make():
+        ps = [torch.nn.Parameter(w.clone()) for w in ws]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        return ps, Muon(ps, lr=0.1, momentum=0.9)
+
+    return make
+
+
+def test_muon_compiled_newton_schulz_and_its_fallback(monkeypatch):
+    """use_compiled_ns: the same updates as the eager function (dynamo's "eager" backend runs
+    the same ops); a backend that raises at the first step falls back to the eager function,
+    same updates, and ns_compile_error says why."""
+    from tngram.optim.muon import zeropower_newton_schulz
+
+    make = _muon_runs()
+    ref_ps, ref = make()
+    ref.step()
+    ref.step()
+    real = torch.compile
+
+    def boom(gm, example_inputs):
+        raise RuntimeError("forced backend failure")
+
+    for backend, error in (("eager", None), (boom, "BackendCompilerFailed")):
+        monkeypatch.setattr(torch, "compile", lambda f, b=backend, **kw: real(f, backend=b, **kw))
+        ps, opt = make()
+        opt.use_compiled_ns()
+        assert opt._ns is not zeropower_newton_schulz
+        opt.step()
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+        if error is None:
+            assert opt.ns_compile_error is None and opt._ns is not zeropower_newton_schulz
+        else:
+            assert opt.ns_compile_error.startswith(error) and opt._ns is zeropower_newton_schulz

@@ -22,6 +22,12 @@ momentum buffers; we keep all buffers up to date on every process (an elementwis
 so the optimiser state is identical across processes and one copy serves any world size. With
 world_size == 1 the same path runs without the all-reduce, so the update is bf16-rounded in both
 cases and 1 process equals N processes.
+
+Compiled Newton-Schulz (`use_compiled_ns()`, which the trainer calls on CUDA when its forward is
+compiled): the iteration runs through `torch.compile`, as parameter-golf compiles its
+`zeropower_via_newtonschulz5` (fewer kernels per matrix: the scale-and-add of each iteration is
+fused). A failure to compile at the first use falls back to the eager function for good, and
+`ns_compile_error` says why. Off by default: CPU runs keep the eager function's bits.
 """
 
 from __future__ import annotations
@@ -93,6 +99,24 @@ class Muon(torch.optim.Optimizer):
                 if p.dim() != 2:
                     raise ValueError(f"Muon only takes 2-D parameters, got shape {tuple(p.shape)}")
         self.ddp_rank, self.world_size = ddp_rank, world_size
+        self._ns: Callable[..., Tensor] = zeropower_newton_schulz
+        self._ns_checked = True  # False until a step with the compiled NS has finished
+        self.ns_compile_error: str | None = None
+
+    def use_compiled_ns(self) -> None:
+        """Run Newton-Schulz through torch.compile from the next step on (module docstring)."""
+        self._ns, self._ns_checked = torch.compile(zeropower_newton_schulz), False
+
+    def _newton_schulz(self, u: Tensor, steps: int) -> Tensor:
+        if self._ns_checked:
+            return self._ns(u, steps=steps)
+        try:  # the first step compiles every matrix shape
+            return self._ns(u, steps=steps)
+        except Exception as exc:  # noqa: BLE001  (dynamo / inductor / backend errors vary)
+            lines = str(exc).strip().splitlines()
+            self.ns_compile_error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            self._ns = zeropower_newton_schulz
+            return self._ns(u, steps=steps)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -124,7 +148,7 @@ class Muon(torch.optim.Optimizer):
                     buf.mul_(mu).add_(g)
                     if i % self.world_size == self.ddp_rank:
                         u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-                        u = zeropower_newton_schulz(u, steps=group["ns_steps"])
+                        u = self._newton_schulz(u, group["ns_steps"])
                         u = u * muon_scale(u.shape)
                         updates[offset : offset + n] = u.reshape(-1)
                 offset += n
@@ -136,6 +160,7 @@ class Muon(torch.optim.Optimizer):
                 u = updates[offset : offset + n].view_as(p).to(dtype=p.dtype)
                 p.add_(u, alpha=-lr)
                 offset += n
+        self._ns_checked = True
         return loss
 
     def _step_sharded(self, group: dict) -> None:

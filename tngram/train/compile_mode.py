@@ -43,12 +43,14 @@ class CompileState:
     ran: str
     reason: str | None = None
     armed: bool = False
+    newton_schulz: str = "eager"  # Muon's (tngram.optim.muon): compiled with the forward
 
     def record(self) -> dict[str, object]:
-        """The env.json entry: {"setting", "ran", "reason"?}."""
+        """The env.json entry: {"setting", "ran", "reason"?, "newton_schulz"}."""
         out: dict[str, object] = {"setting": self.setting, "ran": self.ran}
         if self.reason is not None:
             out["reason"] = self.reason
+        out["newton_schulz"] = self.newton_schulz
         return out
 
     def fall_back(self, exc: BaseException) -> str:

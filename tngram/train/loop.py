@@ -123,7 +123,8 @@ def train(
         shutdown(ctx)
     if ctx.is_main:  # the lock is released: the run can be resumed right away
         print(
-            f"tngram: {cfg.name} stopped by {signal_name(stopped.signum)} after step {stopped.step}; "
+            f"tngram: {cfg.name} stopped by {signal_name(stopped.signum)} after step "
+            f"{stopped.step}; "
             f"checkpoint {stopped.checkpoint}; to continue, run the same command with --resume "
             f"(exit {exit_code(stopped.signum)})",
             file=sys.stderr,
@@ -226,6 +227,8 @@ class Trainer(TrainerSetup):
             clip_grad_norm(self.model.parameters(), o.grad_clip_norm)
         for opt in self.optimizers.values():
             opt.step()
+        if self.compile_state.newton_schulz == "compiled":
+            self._check_compiled_ns()
         self.model.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += cfg.data.global_batch_tokens
@@ -265,7 +268,18 @@ class Trainer(TrainerSetup):
             self.write_env()
             return self._forward_backward()
         self.compile_state.armed = False
+        self.compile_newton_schulz()
+        self.write_env()
         return loss
+
+    def _check_compiled_ns(self) -> None:
+        """Muon's compiled Newton-Schulz fell back to eager at its first step: one line and
+        env.json say so."""
+        error = getattr(self.optimizers["muon"], "ns_compile_error", None)
+        if error is not None:
+            self.compile_state.newton_schulz = f"eager (torch.compile failed: {error})"
+            self.say(f"tngram: note: Muon's Newton-Schulz: torch.compile failed: {error}; eager")
+            self.write_env()
 
     def _read_losses(self) -> float:
         """The pending losses to the host (one transfer): a non-finite one stops the run, the
@@ -363,8 +377,8 @@ class Trainer(TrainerSetup):
         torch.set_num_threads(choice.threads)
         msg = (
             f"tngram: note: step {self.step}: steps took {self.watch.last:.2f} s (median of "
-            f"{self.watch.window}), {self.watch.last / self.watch.best:.1f}x the best {self.watch.best:.2f} s; "
-            + choice.reason.replace("training with", "continuing with")
+            f"{self.watch.window}), {self.watch.last / self.watch.best:.1f}x the best "
+            f"{self.watch.best:.2f} s; " + choice.reason.replace("training with", "continuing with")
         )
         progress.write(msg) if progress.bar is not None else self.say(msg)
 
@@ -409,7 +423,8 @@ class Trainer(TrainerSetup):
             )
 
     def evaluate(self) -> dict[str, Any]:
-        """Val loss and BPB; rows owed moves (optim.memory_catchup) settled for it, then restored."""
+        """Val loss and BPB; rows owed moves (optim.memory_catchup) settled for it, then
+        restored."""
         cfg = self.cfg
         with settled_tables(self.optimizers.values()):
             return evaluate_bpb(
@@ -426,7 +441,8 @@ class Trainer(TrainerSetup):
             )
 
     def log_row(self, loss: float, progress: Progress) -> None:
-        """One metrics row (tokens/s over the steps since the previous row), with validation when due."""
+        """One metrics row (tokens/s over the steps since the previous row), with validation
+        when due."""
         row = {
             "step": self.step,
             "train_loss": loss,
@@ -450,8 +466,9 @@ class Trainer(TrainerSetup):
         self.log.log(row)
 
     def save(self) -> None:
-        """A checkpoint of this step: every process checks its weights are finite; the main one writes
-        (FSDP-sharded: every process writes its shards through DCP, tngram.train.sharded_checkpoint)."""
+        """A checkpoint of this step: every process checks its weights are finite; the main one
+        writes (FSDP-sharded: every process writes its shards through DCP,
+        tngram.train.sharded_checkpoint)."""
         ctx = self.ctx
         if len(self.losses):  # the losses first: a non-finite one is reported as such
             self._read_losses()
@@ -527,9 +544,10 @@ class Trainer(TrainerSetup):
             ckpt.save_final_weights(self.run_dir, final_model, self.step)
             atomic_write_json(self.run_dir / "summary.json", summary)
             self.say(
-                f"tngram: {cfg.name} done: step {self.step}, train {summary['train_loss']:.4f}, val "
-                f"{summary['val_loss']:.4f} (bpb {summary['val_bpb']:.4f}), "
-                f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['wall_s']:.0f} s -> {self.run_dir}"
+                f"tngram: {cfg.name} done: step {self.step}, train "
+                f"{summary['train_loss']:.4f}, val {summary['val_loss']:.4f} (bpb "
+                f"{summary['val_bpb']:.4f}), {summary['tokens_per_s']:,.0f} tokens/s, "
+                f"{summary['wall_s']:.0f} s -> {self.run_dir}"
             )
             if not healthy:
                 self.say(

@@ -18,6 +18,7 @@ from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import setup_memory_update
 from tngram.optim.muon import Muon
 from tngram.train import checkpoint as ckpt
+from tngram.train import compile_mode
 from tngram.train.compile_mode import compile_forward
 from tngram.train.config import TrainConfig
 from tngram.train.dist import DistContext, broadcast_str, wrap_ddp
@@ -49,7 +50,8 @@ def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
 
 
 def live_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
-    """`sizes` (from model.gpt.param_counts) updated to the model's actual shapes (after CP-rank pruning)."""
+    """`sizes` (from model.gpt.param_counts) updated to the model's actual shapes (after CP-rank
+    pruning)."""
     raw_total = sizes["total_params"] - sizes["delta_params"]
     total = model.num_params()
     return {
@@ -78,14 +80,16 @@ def prune_at_step(cfg: TrainConfig, world_size: int) -> int:
 
 
 def claim(run_dir: Path, cfg: TrainConfig, resume: bool, ctx: DistContext):
-    """The main process checks and locks the run folder; every process fails together if it can't."""
+    """The main process checks and locks the run folder; every process fails together if it
+    can't."""
     lock, err = None, None
     if ctx.is_main:
         try:
             lock = claim_run_dir(run_dir, cfg.name, resume)
             if lock.stale:
                 print(
-                    f"tngram: note: took over the lock of {run_dir} from pid {lock.stale.get('pid')} "
+                    f"tngram: note: took over the lock of {run_dir} from pid "
+                    f"{lock.stale.get('pid')} "
                     f"on {lock.stale.get('host')}, which is no longer running"
                 )
         except TngramError as e:
@@ -304,7 +308,19 @@ class TrainerSetup:
             else nullcontext
         )
         fwd, self.compile_state = compile_forward(self.model, self.cfg.run.compile, self.device)
+        if not self.compile_state.armed:  # "auto": once the first step compiled (loop.py)
+            self.compile_newton_schulz()
         self.fwd_model = fwd if self.sharded else wrap_ddp(fwd, self.ctx)
+
+    def compile_newton_schulz(self) -> None:
+        """Muon's Newton-Schulz through torch.compile where the forward is compiled on CUDA, as
+        parameter-golf compiles its own (tngram.optim.muon); eager on the CPU, even under
+        run.compile=true (the CPU's bf16 Newton-Schulz keeps its bits)."""
+        muon = self.optimizers.get("muon")
+        on_cuda = compile_mode.compiles("auto", self.device)  # "auto" compiles on CUDA only
+        if isinstance(muon, Muon) and self.compile_state.ran == "compiled" and on_cuda:
+            muon.use_compiled_ns()
+            self.compile_state.newton_schulz = "compiled"
 
     def write_env(self) -> None:
         """RUN/env.json (main process), with what the forward runs (compiled / eager, why)."""
@@ -332,7 +348,8 @@ class TrainerSetup:
             config=cfg.to_dict(),
         )
         self.say(
-            f"tngram: {cfg.name}: {sizes['total_params']:,} params (memory {sizes['memory_params']:,}, "
+            f"tngram: {cfg.name}: {sizes['total_params']:,} params "
+            f"(memory {sizes['memory_params']:,}, "
             f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {self.accum} "
             f"micro-step(s) x {cfg.data.micro_batch_seqs} x {cfg.model.sequence_len} tokens = "
             f"{cfg.data.global_batch_tokens:,} tokens/step; steps {self.step}->{self.stop} of "
