@@ -12,12 +12,14 @@ an existing non-empty DIR is never overwritten.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError
+from tngram.safefs import check_regular
 
 
 def check_export_target(out_dir: str | os.PathLike) -> Path:
@@ -36,8 +38,8 @@ def export_run(
     """Convert RUN to an HF folder at out_dir; returns out_dir."""
     import torch
 
+    from tngram.hf.gpt_folder import MEMORY_TOKENIZER, memory_tokenizer_for_export
     from tngram.hf.gpt_model import from_gpt, register
-    from tngram.hf.tokenizer import save_hf_tokenizer
     from tngram.train.checkpoint import load_run_model
     from tngram.train.portable import run_tokenizer_path
 
@@ -49,6 +51,7 @@ def export_run(
     sp_path = run_tokenizer_path(run_dir, cfg, tokenizer)
     register()
     hf = from_gpt(model)
+    mem_tok = memory_tokenizer_for_export(hf)  # Engram's compression tokenizer goes inside
     if dtype == "bf16":
         hf = hf.to(torch.bfloat16)
     gen = hf.generation_config
@@ -58,13 +61,45 @@ def export_run(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf.save_pretrained(str(tmp))
-        save_hf_tokenizer(sp_path, tmp)
+        if mem_tok is not None:
+            shutil.copyfile(check_regular(mem_tok), tmp / MEMORY_TOKENIZER)
+        _save_tokenizer(sp_path, tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
+    except Exception as e:
+        if _disk_full(e):  # the project's disk-full line (exit 2), nothing left behind
+            from tngram.train.checkpoint import DiskFull
+
+            raise DiskFull(
+                f"disk full while writing the export to {out.parent}; nothing was written to "
+                f"{out}; free some space and export again"
+            ) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _disk_full(e: BaseException) -> bool:
+    """An OSError ENOSPC / EDQUOT, or a library's error carrying its text (safetensors)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
+
+
+def _save_tokenizer(sp_path: Path, folder: Path) -> None:
+    """save_hf_tokenizer, a file that is not a SentencePiece model one line naming it."""
+    from tngram.hf.tokenizer import save_hf_tokenizer
+
+    try:
+        save_hf_tokenizer(sp_path, folder)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+        if isinstance(e, TngramError) or _disk_full(e):
+            raise
+        raise TngramError(
+            f"{sp_path}: not a SentencePiece tokenizer model ({str(e).splitlines()[0][:100]})"
+        ) from None
 
 
 def export_summary(out: Path) -> dict[str, Any]:

@@ -24,6 +24,7 @@ trust_remote_code; tngram.hf calls it on import.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -60,6 +61,8 @@ class TngramGPTConfig(PreTrainedConfig):
 
     gpt: dict | None = None
     cp_ranks: list | None = None  # TN-gram modules' CP ranks after adaptive pruning (model order)
+    # sha256 of gpt and cp_ranks (tngram.hf.gpt_folder): from_pretrained refuses an edited config
+    gpt_digest: str | None = None
     vocab_size: int = 1024
     hidden_size: int = 512
     num_hidden_layers: int = 9
@@ -73,8 +76,12 @@ class TngramGPTConfig(PreTrainedConfig):
 
     @classmethod
     def from_gpt_config(cls, cfg: GPTConfig, **kw: Any) -> "TngramGPTConfig":
+        from tngram.hf.gpt_folder import gpt_digest
+
+        gpt = cfg.to_dict()
+        kw.setdefault("gpt_digest", gpt_digest(gpt, kw.get("cp_ranks")))
         return cls(
-            gpt=cfg.to_dict(),
+            gpt=gpt,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.n_embd,
             num_hidden_layers=cfg.n_layer,
@@ -360,10 +367,35 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.tok_emb  # the head is tok_emb (tied; logits 30·tanh(h Eᵀ / 30))
 
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "TngramGPTForCausalLM":
-        model = super().from_pretrained(*args, **kwargs)
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """transformers' from_pretrained, with the folder checked before a model is built and
+        the weights after they are read (tngram.hf.gpt_folder): one line naming the file and
+        the field for a config edited after export, a path outside the folder, a missing or
+        unexpected weight."""
+        from tngram.hf.gpt_folder import (
+            HUB_KWARGS,
+            check_folder_config,
+            check_loaded_weights,
+            pin_tokenizer_path,
+        )
+
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        where = f"{source}/config.json" if isinstance(source, (str, os.PathLike)) else "config"
+        config = kwargs.pop("config", None)
+        if config is None or isinstance(config, (str, os.PathLike)):
+            hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+            config = cls.config_class.from_pretrained(config or source, **hub)
+        check_folder_config(config, where)
+        saved_name = pin_tokenizer_path(config, source, where, kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            *args, config=config, output_loading_info=True, **kwargs
+        )
+        check_loaded_weights(info, where.replace("config.json", "model.safetensors"))
+        if saved_name is not None:  # the config keeps the folder's own name, never a full path
+            model.config.gpt["memory"]["tokenizer_path"] = saved_name
         model.recompute_buffers()
-        return model
+        return (model, info) if want_info else model
 
     @torch.no_grad()
     def recompute_buffers(self) -> None:

@@ -145,7 +145,10 @@ def _cached_compression(path: str, size: int, mtime_ns: int, vocab_size: int | N
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=path)
-    return build_compression(sp, vocab_size)
+    # real values even while a model is built on the meta device (from_pretrained): the table
+    # sizes depend on them
+    with torch.device("cpu"):
+        return build_compression(sp, vocab_size)
 
 
 def build_compression_from_file(path: str | os.PathLike, vocab_size: int | None = None) -> Tensor:
