@@ -222,11 +222,10 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     state = _State(spec)
     for i, owner in _memory_layers(base, cfg, ids, layer_list):
         owner.add_module(MEMORY_ATTR, _build(cfg, d_model, vocab, i, ids or (0,), seed, ref))
-    link = getattr(cfg, "link_layers", None)  # e.g. TN-gram share_factors: one A_1..A_N
-    if link is not None:
-        link(
-            [getattr(owner, MEMORY_ATTR) for _, owner in _memory_layers(base, cfg, ids, layer_list)]
-        )
+    # e.g. TN-gram share_factors: one A_1..A_N (tngram.memory.base.MemoryConfig.link_layers)
+    cfg.link_layers(
+        [getattr(owner, MEMORY_ATTR) for _, owner in _memory_layers(base, cfg, ids, layer_list)]
+    )
     if cfg.injection == "embedding":
         emb = base.get_input_embeddings()
         emb._tngram_state = state

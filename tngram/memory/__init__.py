@@ -57,7 +57,7 @@ def memory_config_to_dict(cfg: Any) -> dict[str, Any] | None:
     # fields added after runs were saved (e.g. TN-gram's variant switches) are written only when
     # set, so the config.json of every existing setting (resume, run reuse) stays unchanged
     for f in fields(cfg):
-        if f.name in getattr(cfg, "omit_at_default", ()) and d[f.name] == f.default:
+        if f.name in cfg.omit_at_default and d[f.name] == f.default:
             del d[f.name]
     return d
 

@@ -10,6 +10,19 @@ A memory is two classes, written in one file of `tngram/memory/` and registered 
       build(*, d_model, vocab_size, layer_id, layer_ids)
       param_count(*, same arguments)   exact count of build(...)
 
+Optional hooks, declared below with their defaults (a memory overrides only what it has; callers
+use them directly, never through getattr/hasattr):
+
+    config                                      module
+      omit_at_default   fields left out of        sparse_grad   (RowSparse modules only) True
+                        config.json at default                  while the tables train row-sparse
+      row_sparse        modules are RowSparse     row_sparse_problem()  why not now ("" = can)
+      row_sparse_problem()  why the tables cannot
+                        train row-sparse ("" = can)
+      link_layers(modules)  tie the layers'
+                        modules after building
+      reshape_step()    step of a shape change
+
 `injection` is "block" (the module's output is added to the residual stream of each block in
 `model.memory_layers`, before attention) or "embedding" (one module; its output replaces the
 token embedding). Config validation (tngram.train.config) and optimiser grouping
@@ -50,8 +63,32 @@ class MemoryConfig:
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {}
     positive_floats: ClassVar[frozenset[str]] = frozenset()
 
+    # ---- optional hooks: declared with their defaults --------------------------------------
+    # fields written to config.json only when not at their default, so the config.json of runs
+    # saved before a field existed stays unchanged (tngram.memory.memory_config_to_dict)
+    omit_at_default: ClassVar[tuple[str, ...]] = ()
+    # True when the memory's modules are RowSparse (below): their lookup tables can get a
+    # row-sparse gradient, which optim.memory_update=sparse|rowwise needs
+    row_sparse: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         self.check()
+
+    def link_layers(self, modules: list[nn.Module]) -> None:
+        """Called once after one module per memory layer is built (`modules` in layer order), by
+        the GPT and by tngram.hf.add_memory: ties the layers' modules together (e.g. TN-gram
+        share_factors: the first module owns A_1..A_N). Default: the layers are independent."""
+
+    def row_sparse_problem(self) -> str:
+        """Why this memory's tables cannot train row-sparse (optim.memory_update=sparse|rowwise),
+        as one line naming the setting to change; "" when they can. Checked with the training
+        config, before any data or weights are touched. Default: supported iff `row_sparse`."""
+        if self.row_sparse:
+            return ""
+        return (
+            f"optim.memory_update sparse/rowwise needs row-sparse table gradients, which "
+            f"model.memory.kind={self.kind} does not provide; use optim.memory_update=dense"
+        )
 
     # ---- checks ----------------------------------------------------------------------------
     def check(self) -> None:
@@ -123,6 +160,21 @@ class MemoryConfig:
     ) -> int:
         """Exact number of parameters of `build(...)` with the same arguments."""
         raise NotImplementedError
+
+
+class RowSparse:
+    """Mixin of a module whose lookup tables can produce a row-sparse gradient
+    (tngram.kernels.sparse_rows: only the rows a step read). tngram.optim.memory_update sets
+    `sparse_grad` on the instance when optim.memory_update is "sparse" / "rowwise"; the module
+    then returns the same values with a row-sparse table gradient. A memory whose module (or a
+    submodule, e.g. TN-gram's hashed table) is RowSparse sets `row_sparse = True` on its
+    config."""
+
+    sparse_grad: bool = False
+
+    def row_sparse_problem(self) -> str:
+        """Why this instance cannot produce a row-sparse gradient now (one line; "" = it can)."""
+        return ""
 
 
 class MemoryModule:

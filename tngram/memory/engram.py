@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.kernels.sparse_rows import compact_rows
-from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
+from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule, RowSparse
 from tngram.memory.compression import (
     build_compression_from_file,
     compressed_vocab_size,
@@ -55,6 +55,7 @@ class EngramConfig(MemoryConfig):
     """
 
     kind: ClassVar[str] = "engram"
+    row_sparse: ClassVar[bool] = True  # the table trains row-sparse (Engram is RowSparse)
     injection: ClassVar[str] = "block"  # added to a block's residual stream
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
         "max_ngram": (1, 32),
@@ -176,12 +177,8 @@ class EngramConfig(MemoryConfig):
         )
 
 
-class Engram(MemoryModule, nn.Module):
+class Engram(RowSparse, MemoryModule, nn.Module):
     """One Engram layer: forward(h (B,T,D) or (B,T,M,D), input_ids (B,T)) -> y, same shape as h."""
-
-    # True: the table gets a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
-    # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
-    sparse_grad = False
 
     def __init__(
         self,

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.kernels.sparse_rows import compact_rows
-from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
+from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule, RowSparse
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
 
 INT64_MAX = 2**63 - 1
@@ -61,6 +61,7 @@ class OverEncodingConfig(MemoryConfig):
     """Over-Encoding hyper-parameters; `build` makes the module (one per model, at the input)."""
 
     kind: ClassVar[str] = "oe"
+    row_sparse: ClassVar[bool] = True  # the table trains row-sparse (OverEncoding is RowSparse)
     injection: ClassVar[str] = "embedding"  # the GPT replaces its token embedding by forward(...)
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
         "max_ngram": (1, 32),
@@ -128,12 +129,8 @@ class OverEncodingConfig(MemoryConfig):
         return OverEncoding(self, d_model=d_model, vocab_size=vocab_size)
 
 
-class OverEncoding(MemoryModule, nn.Module):
+class OverEncoding(RowSparse, MemoryModule, nn.Module):
     """forward(tok_emb (B,T,D), input_ids (B,T)) -> new input embedding (B,T,D)."""
-
-    # True: the table gets a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
-    # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
-    sparse_grad = False
 
     def __init__(self, config: OverEncodingConfig, *, d_model: int, vocab_size: int) -> None:
         super().__init__()

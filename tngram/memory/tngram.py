@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.kernels import fused_lookup, lookup_out_dtype, lookup_output_for
-from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule
+from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule, RowSparse
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
@@ -45,6 +45,11 @@ from tngram.memory.tngram_variants import (
     link_shared_factors,
     lookup_width,
     variant_param_count,
+)
+
+
+FUSED_NEEDED = (
+    "optim.memory_update sparse/rowwise needs the fused TN-gram lookup: set model.memory.fused=true"
 )
 
 
@@ -84,10 +89,11 @@ class TNGramConfig(MemoryConfig):
     hash_seed: int = 0  # hybrid: hash multiplier seed (as Engram's seed)
 
     kind: ClassVar[str] = "tngram"
+    row_sparse: ClassVar[bool] = True  # the factors (and hashed table) train row-sparse
     injection: ClassVar[str] = "block"
     reshape_step_field: ClassVar[str] = "prune_at_step"  # adaptive CP rank (cp_rank.py)
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
-        "max_ngram": (1, 32),
+        "max_ngram": (2, 32),  # N: orders 2..N
         "cp_rank": (1, INT_MAX),
         "min_cp_rank": (1, INT_MAX),
         "kernel_size": (1, 256),
@@ -110,14 +116,7 @@ class TNGramConfig(MemoryConfig):
     )
 
     def check_fields(self) -> None:
-        if self.max_ngram < 2:
-            raise TngramError(f"TN-gram max_ngram (N) must be >= 2, got {self.max_ngram}")
-        if self.cp_rank < 1:
-            raise TngramError(f"TN-gram cp_rank must be >= 1, got {self.cp_rank}")
-        if self.prune_at_step < 0:
-            raise TngramError(
-                f"TN-gram prune_at_step must be >= 0 (0: no pruning), got {self.prune_at_step}"
-            )
+        # max_ngram, cp_rank and prune_at_step ranges: int_bounds / check() (checked once there)
         if not 0.0 <= self.prune_energy_tol < 1.0:
             raise TngramError(
                 f"TN-gram prune_energy_tol must be in [0, 1), got {self.prune_energy_tol}"
@@ -172,6 +171,10 @@ class TNGramConfig(MemoryConfig):
         if self.share_factors:
             link_shared_factors(modules)
 
+    def row_sparse_problem(self) -> str:
+        """The row-sparse factor gradient comes from the fused lookup only."""
+        return "" if self.fused else FUSED_NEEDED
+
     def check_vocab(self, vocab_size: int) -> None:
         super().check_vocab(vocab_size)
         if not 0 <= self.pad_id < vocab_size:
@@ -203,11 +206,7 @@ class TNGramConfig(MemoryConfig):
         return n
 
 
-class TNGram(MemoryModule, nn.Module):
-    # True: the factors get a row-sparse gradient (tngram.kernels.sparse_rows); set on the instance
-    # by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
-    sparse_grad = False
-
+class TNGram(RowSparse, MemoryModule, nn.Module):
     def __init__(
         self,
         config: TNGramConfig,
@@ -272,6 +271,9 @@ class TNGram(MemoryModule, nn.Module):
                 return owner[0].factors
         return super().__getattr__(name)
 
+    def row_sparse_problem(self) -> str:
+        return self.config.row_sparse_problem()
+
     def control_parameters(self) -> list[nn.Parameter]:
         own = [p for p in (self.absorb, self.log_scales) if p is not None]
         return own + self.fusion.control_parameters()
@@ -311,10 +313,7 @@ class TNGram(MemoryModule, nn.Module):
                 sparse_grad=self.sparse_grad and torch.is_grad_enabled(),
             )
         if self.sparse_grad:
-            raise TngramError(
-                "a row-sparse factor gradient (optim.memory_update sparse/rowwise) "
-                "needs the fused lookup: set model.memory.fused=true"
-            )
+            raise TngramError(FUSED_NEEDED)
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))  # (B, T, N-1, R)
         return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
 

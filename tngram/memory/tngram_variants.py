@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.kernels.sparse_rows import compact_rows
+from tngram.memory.base import RowSparse
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
 
 ORDER_COMBINES = ("concat", "sum")
@@ -52,14 +53,10 @@ def hash_primes(
     return allocate_primes([budget] * k, k + 1, cfg.hash_heads, list(layers))[layer_id]
 
 
-class HashedOrders(nn.Module):
+class HashedOrders(RowSparse, nn.Module):
     """The hybrid's hashed table: for each order n in `hash_orders` and head j, row
     z_{n,j}(t) = (XOR_{k<n} x_{t-k} m_k) mod p_{n,j} of one table (Engram's hash, §2.2, on the raw
     ids), rows concatenated over (order, head): (B, T, N) n-grams -> (B, T, |orders| * E)."""
-
-    # True: the table gets a row-sparse gradient (tngram.kernels.sparse_rows), as Engram's; set on
-    # the instance by tngram.optim.memory_update when optim.memory_update is "sparse" / "rowwise"
-    sparse_grad = False
 
     def __init__(
         self, cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]

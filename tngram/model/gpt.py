@@ -62,7 +62,7 @@ class GPTConfig:
             )
         if (self.n_embd // self.n_head) % 2:
             raise TngramError("head dim must be even for RoPE")
-        if self.memory is not None and getattr(self.memory, "injection", "block") == "block":
+        if self.memory is not None and self.memory.injection == "block":
             bad = [i for i in self.memory_layers if not 0 <= i < self.n_layer]
             if bad or not self.memory_layers:
                 raise TngramError(
@@ -230,9 +230,8 @@ class GPT(nn.Module):
                     self.blocks[i].memory = module
                 else:
                     self.embed_memory = module
-            link = getattr(mem, "link_layers", None)  # e.g. TN-gram share_factors: one A_1..A_N
-            if block_mem and link is not None:
-                link([self.blocks[i].memory for i in layers])
+            if block_mem:  # e.g. TN-gram share_factors: one A_1..A_N (MemoryConfig.link_layers)
+                mem.link_layers([self.blocks[i].memory for i in layers])
 
     # ---- bookkeeping
     def control_parameters(self) -> list[nn.Parameter]:

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.memory.base import MemoryModule, RowSparse
 from tngram.optim.groups import memory_table_params
 from tngram.optim.lazy_rows import settle_tables, settled_tables
 from tngram.optim.row_adams import LazyAdam, RowwiseAdam
@@ -66,13 +67,20 @@ MEMORY_UPDATES = ("dense", "sparse", "rowwise")
 def set_sparse_grads(model: nn.Module, on: bool = True) -> list[nn.Parameter]:
     """Switch the row-sparse table gradients of every memory module of `model` on (or off);
     returns the table parameters that now get sparse gradients."""
-    for m in model.modules():
-        if hasattr(type(m), "sparse_grad"):
-            if getattr(getattr(m, "config", None), "fused", True) is False and on:
+    mods = list(model.modules())
+    if on:  # every memory module must be able to (tngram.memory.base.RowSparse); one line if not
+        for m in mods:
+            if isinstance(m, MemoryModule) and not isinstance(m, RowSparse):
                 raise TngramError(
-                    "optim.memory_update sparse/rowwise needs the fused TN-gram "
-                    "lookup: set model.memory.fused=true"
+                    "optim.memory_update sparse/rowwise needs row-sparse table gradients, "
+                    f"which the memory module {type(m).__name__} does not provide; "
+                    "use optim.memory_update=dense"
                 )
+            problem = m.row_sparse_problem() if isinstance(m, RowSparse) else ""
+            if problem:
+                raise TngramError(problem)
+    for m in mods:
+        if isinstance(m, RowSparse):
             m.sparse_grad = on
     return memory_table_params(model) if on else []
 

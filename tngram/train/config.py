@@ -5,15 +5,24 @@ A run = a recipe function (tngram.train.recipes) + dotted overrides (`--set opti
 
 from __future__ import annotations
 
+import difflib
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tngram.common import TngramError
-from tngram.memory.base import MemoryConfig
 from tngram.model.gpt import GPTConfig
+from tngram.train.config_checks import (  # noqa: F401  (_validate_*: used by train.saved)
+    _check,
+    _validate_memory,
+    _validate_model,
+    check_data,
+    check_finite,
+    check_optim,
+    check_run,
+    check_train,
+)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,11 +49,19 @@ class OptimConfig:
     # in the steps it was not read (closed form; tngram.optim.memory_update). Omitted when false
     memory_catchup: bool = False
 
+    def __post_init__(self) -> None:
+        check_optim(self)
+
 
 @dataclass(kw_only=True, frozen=True)
 class ScheduleConfig:
     steps: int = 6000
     warmdown_steps: int = 1200  # constant lr, then linear decay to 0 over the last steps
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        _check(self.steps >= 1, "schedule.steps", ">= 1", self.steps)
+        _check(self.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", self.warmdown_steps)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,6 +72,9 @@ class DataConfig:
     val_tokens: int | None = None  # cap on validation tokens (None -> the whole val split)
     seed: int = 0  # loader seed
 
+    def __post_init__(self) -> None:
+        check_data(self)
+
 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
@@ -62,7 +82,9 @@ class RunConfig:
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "fp32" | "bf16"
     compile: bool | str = "auto"  # true | false | "auto" (compiled on CUDA, eager on CPU)
     device: str = "auto"
-    threads: int = 0  # CPU threads for torch (0: torch's default / OMP_NUM_THREADS; fewer when the CPUs are busy, tngram.cpu)
+    # CPU threads for torch (0: torch's default / OMP_NUM_THREADS; fewer when the CPUs are busy,
+    # tngram.cpu)
+    threads: int = 0
     log_every: int = 10
     val_every: int = 250  # 0: only at the end
     checkpoint_every: int = 500  # 0: only at the end
@@ -71,6 +93,9 @@ class RunConfig:
     # multi-process training: "ddp" (replicas) | "fsdp" (FSDP2 shards, tngram.train.fsdp);
     # config.json omits it when "ddp"
     parallel: str = "ddp"
+
+    def __post_init__(self) -> None:
+        check_run(self)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -81,6 +106,9 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        check_train(self)
 
     def to_dict(self) -> dict[str, Any]:
         optim = asdict(self.optim)
@@ -114,208 +142,18 @@ class TrainConfig:
 
 # ---- validation and dotted overrides (`--set section.field=value`)
 
-DTYPES = ("auto", "fp32", "bf16")
-_SECTION_NAME = {
-    "OptimConfig": "optim",
-    "ScheduleConfig": "schedule",
-    "DataConfig": "data",
-    "RunConfig": "run",
-}
-
-
-def _check(ok: bool, key: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise TngramError(f"{key} must be {expected}, got {got!r}")
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-MODEL_INT_MIN = {
-    "vocab_size": 2,
-    "n_layer": 1,
-    "n_embd": 2,
-    "n_head": 1,
-    "n_kv_head": 1,
-    "mlp_mult": 1,
-    "sequence_len": 1,
-    "memory_seed": 0,
-}
-MAX_VOCAB = 65536  # token shards store uint16 ids
-# upper bounds far above any real model, so a typo (an extra zero run) fails here instead of
-# looping for hours while the model is built
-MODEL_INT_MAX = {
-    "n_layer": 1024,
-    "n_head": 1024,
-    "n_kv_head": 1024,
-    "n_embd": 65536,
-    "mlp_mult": 64,
-    "sequence_len": 1 << 20,
-    "memory_seed": 2**63 - 1,
-}
-
-
-def _validate_model(m: GPTConfig) -> None:
-    for k, lo in MODEL_INT_MIN.items():
-        _check(
-            isinstance(getattr(m, k), int) and getattr(m, k) >= lo,
-            f"model.{k}",
-            f"an int >= {lo}",
-            getattr(m, k),
-        )
-    _check(
-        m.vocab_size <= MAX_VOCAB,
-        "model.vocab_size",
-        f"<= {MAX_VOCAB} (uint16 token shards)",
-        m.vocab_size,
-    )
-    for k, hi in MODEL_INT_MAX.items():
-        _check(getattr(m, k) <= hi, f"model.{k}", f"<= {hi}", getattr(m, k))
-    for k in ("rope_base", "logit_softcap"):
-        _check(
-            _finite(getattr(m, k)) and getattr(m, k) > 0,
-            f"model.{k}",
-            "a finite float > 0",
-            getattr(m, k),
-        )
-    for k in ("qk_gain_init", "tied_embed_init_std"):
-        _check(
-            _finite(getattr(m, k)) and getattr(m, k) >= 0,
-            f"model.{k}",
-            "a finite float >= 0",
-            getattr(m, k),
-        )
-    _check(
-        all(isinstance(i, int) for i in m.memory_layers),
-        "model.memory_layers",
-        "block indices",
-        m.memory_layers,
-    )
-
-
-def _validate_memory(mem: Any) -> None:
-    """The memory config checks itself (tngram.memory.base.MemoryConfig.check: field ranges and
-    the memory's own rules); here only that it is one."""
-    if mem is None:
-        return
-    if not isinstance(mem, MemoryConfig):
-        raise TngramError(
-            f"model.memory must be a memory config (tngram.memory.base.MemoryConfig), "
-            f"got {type(mem).__name__}"
-        )
-    mem.check()
-
 
 def validate_config(cfg: TrainConfig) -> None:
-    """Cheap checks of every field (no data, no model weights); TngramError naming the field and
-    its range. Every float must be finite (nan/inf are refused everywhere)."""
-    o, s, d, r = cfg.optim, cfg.schedule, cfg.data, cfg.run
-    for sec in (o, s, d, r):
-        for f in fields(sec):
-            v = getattr(sec, f.name)
-            if isinstance(v, float):
-                _check(
-                    math.isfinite(v), f"{_SECTION_NAME[type(sec).__name__]}.{f.name}", "finite", v
-                )
-    _validate_model(cfg.model)
-    _validate_memory(cfg.model.memory)
-    for k in ("matrix_lr", "tied_embed_lr", "scalar_lr", "adam_eps", "grad_clip_norm"):
-        _check(getattr(o, k) >= 0, f"optim.{k}", ">= 0", getattr(o, k))
-    _check(
-        o.memory_table_lr is None or o.memory_table_lr >= 0,
-        "optim.memory_table_lr",
-        ">= 0 or none",
-        o.memory_table_lr,
-    )
-    for k in ("muon_momentum", "muon_momentum_start", "beta1", "beta2"):
-        _check(0 <= getattr(o, k) < 1, f"optim.{k}", "in [0, 1)", getattr(o, k))
-    _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
-    _check(
-        o.memory_update in ("dense", "sparse", "rowwise"),
-        "optim.memory_update",
-        "one of dense, sparse, rowwise",
-        o.memory_update,
-    )
-    _check(
-        isinstance(o.memory_catchup, bool),
-        "optim.memory_catchup",
-        "true or false",
-        o.memory_catchup,
-    )
-    if o.memory_catchup and o.memory_update == "dense":
-        raise TngramError(
-            "optim.memory_catchup=true needs optim.memory_update=sparse or rowwise "
-            "(dense Adam moves every row at every step already)"
-        )
-    _check(r.parallel in ("ddp", "fsdp"), "run.parallel", "ddp or fsdp", r.parallel)
-    if r.parallel == "fsdp" and o.memory_update != "dense":
-        raise TngramError(
-            "run.parallel=fsdp needs optim.memory_update=dense (FSDP reduce-scatters "
-            "dense gradients only); use run.parallel=ddp for sparse/rowwise tables"
-        )
-    _check(
-        o.muon_momentum_warmup_steps >= 0,
-        "optim.muon_momentum_warmup_steps",
-        ">= 0",
-        o.muon_momentum_warmup_steps,
-    )
-    _check(s.steps >= 1, "schedule.steps", ">= 1", s.steps)
-    _check(s.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", s.warmdown_steps)
-    _check(0 <= d.seed < 2**63, "data.seed", "in [0, 2^63) (a 64-bit seed)", d.seed)
-    _check(0 <= r.seed < 2**63, "run.seed", "in [0, 2^63) (a 64-bit seed)", r.seed)
-    _check(
-        r.device == "auto" or r.device == "cpu" or r.device == "mps" or r.device.startswith("cuda"),
-        "run.device",
-        "auto, cpu, cuda, cuda:N or mps",
-        r.device,
-    )
-    _check(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
-    _check(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
-    _check(
-        d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens
-    )
-    _check(
-        d.val_tokens is None
-        or not isinstance(cfg.model.sequence_len, int)
-        or d.val_tokens >= cfg.model.sequence_len,
-        "data.val_tokens",
-        f"none or >= model.sequence_len ({cfg.model.sequence_len}: one validation window)",
-        d.val_tokens,
-    )
-    _check(r.dtype in DTYPES, "run.dtype", f"one of {DTYPES}", r.dtype)
-    _check(
-        isinstance(r.compile, bool) or r.compile == "auto",
-        "run.compile",
-        "true, false or auto",
-        r.compile,
-    )
-    _check(r.log_every >= 1, "run.log_every", ">= 1", r.log_every)
-    for k in ("val_every", "checkpoint_every"):
-        _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
-    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
-    _check(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
-    from tngram.train.init_from import TRAINABLE, check_init_from
+    """What a config's construction cannot check: the machine's state (run.init_from names a
+    run or export that exists now). Every field was checked when the config was made (each
+    section's __post_init__, then TrainConfig's for what crosses sections), so this does not
+    check them again."""
+    if not isinstance(cfg, TrainConfig):
+        raise TngramError(f"expected a TrainConfig, got {type(cfg).__name__}")
+    if cfg.run.init_from is not None:
+        from tngram.train.init_from import check_init_from
 
-    _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
-    if o.trainable == "memory" and cfg.model.memory is None:
-        raise TngramError("optim.trainable=memory needs a model with memory (model.memory is none)")
-    if (
-        o.memory_update != "dense"
-        and cfg.model.memory is not None
-        and cfg.model.memory.reshape_step()
-    ):
-        raise TngramError(
-            "optim.memory_update sparse/rowwise cannot be combined with "
-            f"model.memory.{cfg.model.memory.reshape_step_field} > 0 (reshaping "
-            "the memory's parameters needs the dense Adam state); "
-            "use optim.memory_update=dense"
-        )
-    if r.init_from is not None:
-        check_init_from(r.init_from)
-    cfg.model.validate()
-    if cfg.model.memory is not None:
-        cfg.model.memory.check_vocab(cfg.model.vocab_size)
+        check_init_from(cfg.run.init_from)
 
 
 def check_memory_layers_used(cfg: TrainConfig, recipe_cfg: TrainConfig) -> None:
@@ -351,6 +189,16 @@ def config_keys(cfg: TrainConfig) -> list[str]:
     return keys
 
 
+def did_you_mean(key: str, keys: list[str]) -> str:
+    """' (did you mean X?)' for the valid key closest to a mistyped one (difflib's ratio >= 0.6,
+    or the only key with the same last part), "" when none is close."""
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not close:
+        same = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+        close = same if len(same) == 1 else []
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _memory_kinds() -> dict[str, Any]:
     from tngram.memory import memory_config_classes
 
@@ -358,7 +206,8 @@ def _memory_kinds() -> dict[str, Any]:
 
 
 def _parse_value(key: str, text: str, hint: Any) -> Any:
-    """Parse `text` as the annotated type `hint` (int, float, bool, str, X | None, tuple[int, ...])."""
+    """Parse `text` as the annotated type `hint` (int, float, bool, str, X | None,
+    tuple[int, ...])."""
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, UnionType):
         if type(None) in args and text.strip().lower() in ("none", "null"):
@@ -467,6 +316,7 @@ def apply_settings(
     valid once both are set)."""
     where = f"{origin}: " if origin else ""
     pending: dict[str, tuple[str, Any]] = {}  # memory field -> (key=text, parsed value)
+    cfg = _Draft(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
     for key, value in settings:
         try:
             if not key.startswith("model.memory.") or key == "model.memory.kind":
@@ -476,10 +326,24 @@ def apply_settings(
             raise TngramError(f"{where}{e}") from None
     try:
         cfg = _apply_memory_fields(cfg, pending)
-        validate_config(cfg)
+        out = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+        validate_config(out)
     except TngramError as e:
         raise TngramError(f"{where}{e}") from None
-    return cfg
+    return out
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Draft:
+    """A TrainConfig while apply_settings edits it: the same fields, each section checked as it
+    is made, the checks across sections (TrainConfig's) once, when the settings are all in."""
+
+    name: str
+    model: GPTConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    data: DataConfig
+    run: RunConfig
 
 
 def _apply_memory_fields(cfg: TrainConfig, pending: dict[str, tuple[str, Any]]) -> TrainConfig:
@@ -527,14 +391,15 @@ def _apply_one(
                 f"set model.memory.kind={'|'.join(_memory_kinds())} first to add one"
             )
         raise TngramError(
-            f"unknown config section {sec!r} in {key!r}; valid keys: " + ", ".join(config_keys(cfg))
+            f"unknown config section {sec!r} in {key!r}{did_you_mean(key, config_keys(cfg))}; "
+            "valid keys: " + ", ".join(config_keys(cfg))
         )
     obj = sections[sec]
     names = {f.name for f in fields(obj)} - ({"memory"} if sec == "model" else set())
     if fname not in names:
         raise TngramError(
-            f"unknown config key {key!r}; valid keys in {sec}: "
-            + ", ".join(f"{sec}.{n}" for n in sorted(names))
+            f"unknown config key {key!r}{did_you_mean(key, config_keys(cfg))}; "
+            f"valid keys in {sec}: " + ", ".join(f"{sec}.{n}" for n in sorted(names))
         )
     hint = get_type_hints(type(obj))[fname]
     new_value = (

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tngram.common import TngramError, get_dist_info
+from tngram.memory.base import RowSparse
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def sparse_grad_params(model: nn.Module) -> list[nn.Parameter]:
     sparse / rowwise), in a fixed order (the same on every process)."""
     from tngram.optim.groups import memory_table_params
 
-    if not any(getattr(m, "sparse_grad", False) for m in model.modules()):
+    if not any(isinstance(m, RowSparse) and m.sparse_grad for m in model.modules()):
         return []
     return [p for p in memory_table_params(model) if p.requires_grad]
 

@@ -1,0 +1,167 @@
+"""The memory contract's optional hooks are declared (tngram.memory.base) and used as declared:
+a memory without row-sparse tables, or a model without memory, is refused in one line (exit 2,
+nothing written) when optim.memory_update asks for sparse/rowwise, through the CLI and the API."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import tngram.memory
+from test_architecture import ToyBigram, ToyBigramConfig
+from test_memory_contract import SMALL
+from tngram.cli.main import main
+from tngram.common import TngramError
+from tngram.memory import memory_config_to_dict, register_memory
+from tngram.memory.base import MemoryConfig, MemoryModule, RowSparse
+from tngram.model.gpt import GPT
+from tngram.optim.memory_update import set_sparse_grads
+from tngram.train.recipes import get_recipe, resolve_config
+
+PKG = Path(__file__).resolve().parents[1] / "tngram"
+HOOKS = ("link_layers", "sparse_grad", "fused", "omit_at_default", "row_sparse", "injection")
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setattr(tngram.memory, "_registered", {})
+    register_memory(ToyBigramConfig)
+
+
+def test_every_hook_is_declared_with_its_default():
+    assert MemoryConfig.omit_at_default == () and MemoryConfig.row_sparse is False
+    assert MemoryConfig.link_layers.__doc__ and MemoryConfig.row_sparse_problem.__doc__
+    assert RowSparse.sparse_grad is False and RowSparse.__doc__
+    toy = ToyBigramConfig()  # a memory that declares none of them gets every default
+    assert toy.link_layers([]) is None and toy.omit_at_default == ()
+    assert "model.memory.kind=toy" in toy.row_sparse_problem()
+    assert memory_config_to_dict(toy) == {"kind": "toy", "width": 8, "pad_id": 0}
+
+
+def test_no_caller_probes_a_hook_with_getattr_or_hasattr():
+    probe = re.compile(r"(getattr|hasattr)\([^)]*[\"'](%s)[\"']" % "|".join(HOOKS))
+    found = [
+        f"{p.relative_to(PKG)}:{i}"
+        for p in PKG.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize("kind", sorted(SMALL))
+def test_row_sparse_on_the_config_matches_the_module(kind):
+    cfg = SMALL[kind]
+    m = cfg.build(d_model=16, vocab_size=40)
+    assert cfg.row_sparse is isinstance(m, RowSparse) is True and cfg.row_sparse_problem() == ""
+    assert not isinstance(ToyBigramConfig().build(d_model=4, vocab_size=9), RowSparse)
+
+
+def test_tngram_unfused_says_what_to_set():
+    cfg = replace(SMALL["tngram"], fused=False)
+    assert "model.memory.fused=true" in cfg.row_sparse_problem()
+    with pytest.raises(TngramError, match="model.memory.fused=true"):
+        resolve_config("mini-tngram", ["model.memory.fused=false", "optim.memory_update=rowwise"])
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str]:
+    rc = main(args)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["sparse", "rowwise"])
+def test_cli_refuses_row_sparse_on_a_model_without_memory(mode, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, err = _cli(
+        ["train", "mini-raw", "--set", f"optim.memory_update={mode}", "--out", str(out)], capsys
+    )
+    assert rc == 2 and not out.exists()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"optim.memory_update={mode} needs a model with memory" in lines[0]
+    assert "'mini-raw'" in lines[0]
+
+
+def test_cli_refuses_catchup_on_a_model_without_memory(tmp_path, capsys):
+    rc, err = _cli(
+        [
+            "train",
+            "mini-raw",
+            "--set",
+            "optim.memory_update=sparse",
+            "--set",
+            "optim.memory_catchup=true",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        capsys,
+    )
+    assert rc == 2 and "needs a model with memory" in err
+
+
+def test_cli_refuses_row_sparse_on_a_memory_without_it(toy, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, err = _cli(
+        [
+            "train",
+            "mini-raw",
+            "--set",
+            "model.memory.kind=toy",
+            "--set",
+            "model.memory_layers=1",
+            "--set",
+            "optim.memory_update=sparse",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert rc == 2 and not out.exists()
+    assert "model.memory.kind=toy does not provide" in err and "optim.memory_update=dense" in err
+    # dense is fine, and the toy memory still resolves
+    cfg = resolve_config("mini-raw", ["model.memory.kind=toy", "model.memory_layers=1"])
+    assert isinstance(cfg.model.memory, ToyBigramConfig)
+
+
+def test_the_tngram_command_refuses_it_as_users_run_it(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tngram",
+            "train",
+            "mini-raw",
+            "--set",
+            "optim.memory_update=rowwise",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and not out.exists()
+    assert "optim.memory_update=rowwise needs a model with memory" in p.stderr
+
+
+def test_python_api_refuses_at_construction_and_on_the_module(toy):
+    raw = get_recipe("mini-raw")
+    with pytest.raises(TngramError, match="optim.memory_update=sparse needs a model with memory"):
+        replace(raw, optim=replace(raw.optim, memory_update="sparse"))
+    with_toy = resolve_config("mini-raw", ["model.memory.kind=toy", "model.memory_layers=1"])
+    with pytest.raises(TngramError, match="kind=toy does not provide"):
+        replace(with_toy, optim=replace(with_toy.optim, memory_update="rowwise"))
+    # a model built by hand: set_sparse_grads names the module that cannot
+    torch.manual_seed(0)
+    model = GPT(replace(with_toy.model, n_layer=2, n_embd=16, n_head=2, n_kv_head=1))
+    assert isinstance(model.blocks[1].memory, ToyBigram)
+    assert isinstance(model.blocks[1].memory, MemoryModule)
+    with pytest.raises(TngramError, match="ToyBigram does not provide"):
+        set_sparse_grads(model, True)
+    assert set_sparse_grads(model, False) == []
