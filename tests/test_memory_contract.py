@@ -63,7 +63,7 @@ def test_vocabulary_check(kind):
 
 
 @pytest.mark.parametrize("kind,field,bad,expect", [
-    ("tngram", "cp_rank", 0, "[1, "), ("tngram", "max_ngram", 33, "[1, 32]"),
+    ("tngram", "cp_rank", 0, "[1, "), ("tngram", "max_ngram", 33, "[2, 32]"),
     ("tngram", "norm_eps", 0.0, "> 0"), ("tngram", "prune_energy_tol", float("nan"), "finite"),
     ("engram", "n_head_per_ngram", 0, "[1, 1024]"), ("engram", "seed", -1, "[0, "),
     ("engram", "table_budget", (5, 0), "ints in [1, "),
