@@ -172,3 +172,18 @@ def test_engram_with_compression_exports_and_loads_from_its_own_folder(tmp_path,
         want = model(ids)
         want = want[0] if isinstance(want, tuple) else want
         assert torch.equal(loaded(ids).logits, want)
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../outside.model"])
+def test_family_spec_tokenizer_path_never_leaves_the_folder(path, tmp_path):
+    """The same rule for an add_memory model's spec (config.tngram_memory.memory)."""
+    from hf_tiny import with_memory
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "f"
+    with_memory("llama", "engram").save_pretrained(str(folder))
+    c = json.loads((folder / "config.json").read_text())
+    c["tngram_memory"]["memory"].update(compress=True, tokenizer_path=path)
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(BadRecordError, match="tngram_memory.memory.tokenizer_path must be a file"):
+        AutoModelForCausalLM.from_pretrained(str(folder))

@@ -83,9 +83,29 @@ class TngramModelMixin:
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """transformers' from_pretrained; a memory's tokenizer_path must name a file inside the
+        folder (tngram.hf.gpt_folder.pin_memory_tokenizer) before the memory is built, and the
+        loaded weights must match the spec (tngram.hf.attach.check_loaded)."""
+        import os
+
+        from tngram.hf.gpt_folder import HUB_KWARGS, pin_memory_tokenizer
+
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        config = kwargs.pop("config", None)
+        if config is None or isinstance(config, (str, os.PathLike)):
+            hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+            config = cls.config_class.from_pretrained(config or source, **hub)  # type: ignore[attr-defined]  # noqa: E501  (a PreTrainedModel's)
+        spec = getattr(config, CONFIG_KEY, None)
+        mem = spec.get("memory") if isinstance(spec, dict) else None
+        where = f"{source}/config.json" if isinstance(source, (str, os.PathLike)) else "config"
+        saved = pin_memory_tokenizer(mem, source, where, kwargs, f"{CONFIG_KEY}.memory")
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        model._tngram_check(info, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+        model, info = super().from_pretrained(  # type: ignore[misc]  # a PreTrainedModel's
+            *args, config=config, output_loading_info=True, **kwargs
+        )
+        if saved is not None:  # the config keeps the folder's own name, never a full path
+            getattr(model.config, CONFIG_KEY)["memory"]["tokenizer_path"] = saved
+        model._tngram_check(info, source)
         return (model, info) if want_info else model
 
 

@@ -53,7 +53,7 @@ def export_run(
     hf = from_gpt(model)
     mem_tok = memory_tokenizer_for_export(hf)  # Engram's compression tokenizer goes inside
     if dtype == "bf16":
-        hf = hf.to(torch.bfloat16)
+        hf = hf.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' to() wrapper
     gen = hf.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = 1, 2, 0
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,15 +88,22 @@ def check_folder_config(config: Any, where: str) -> Any:
 
 
 def pin_tokenizer_path(config: Any, source: Any, where: str, kwargs: dict) -> str | None:
-    """A memory's tokenizer_path read from a folder: a plain file name of a regular file inside
-    the folder (a local folder: no link; a hub repo: fetched by transformers' cached_file).
-    Rewrites config.gpt's tokenizer_path to that file's path for building; returns the name
-    as saved (to put back after loading), or None when the memory names no tokenizer."""
+    """`pin_memory_tokenizer` for an exported tngram_gpt folder's config.gpt.memory."""
     mem = (getattr(config, "gpt", None) or {}).get("memory")
+    return pin_memory_tokenizer(mem, source, where, kwargs, "gpt.memory")
+
+
+def pin_memory_tokenizer(mem: Any, source: Any, where: str, kwargs: dict, field: str) -> str | None:
+    """A memory dict's tokenizer_path read from a folder (`field`: where it sits in config.json):
+    a plain file name of a regular file inside the folder (a local folder: no link; a hub repo:
+    fetched by transformers' cached_file). Rewrites the dict's tokenizer_path to that file's
+    path for building; returns the name as saved (to put back after loading), or None when the
+    memory names no tokenizer."""
     name = mem.get("tokenizer_path") if isinstance(mem, dict) else None
     if name is None:
         return None
-    plain_name(name, where, "field gpt.memory.tokenizer_path")
+    assert isinstance(mem, dict)
+    plain_name(name, where, f"field {field}.tokenizer_path")
     folder = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
     if folder is not None and folder.is_dir():
         from tngram.safefs import check_regular
@@ -106,7 +113,7 @@ def pin_tokenizer_path(config: Any, source: Any, where: str, kwargs: dict) -> st
             check_regular(path, folder)
         except (OSError, ValueError) as e:
             raise BadRecordError(
-                f"{where}: field gpt.memory.tokenizer_path {name!r} is not a regular file "
+                f"{where}: field {field}.tokenizer_path {name!r} is not a regular file "
                 f"inside the folder ({str(e).splitlines()[0][:100]})"
             ) from None
         mem["tokenizer_path"] = str(path)
@@ -118,11 +125,11 @@ def pin_tokenizer_path(config: Any, source: Any, where: str, kwargs: dict) -> st
         got = cached_file(source, name, **hub)
     except (OSError, ValueError) as e:
         raise BadRecordError(
-            f"{where}: field gpt.memory.tokenizer_path {name!r}: cannot fetch it from {source} "
+            f"{where}: field {field}.tokenizer_path {name!r}: cannot fetch it from {source} "
             f"({str(e).splitlines()[0][:100]})"
         ) from None
     if got is None:
-        raise BadRecordError(f"{where}: field gpt.memory.tokenizer_path {name!r} is not there")
+        raise BadRecordError(f"{where}: field {field}.tokenizer_path {name!r} is not there")
     mem["tokenizer_path"] = got
     return name
 
@@ -151,9 +158,9 @@ def memory_tokenizer_for_export(hf: Any) -> Path | None:
     (Engram's compression) gets it as MEMORY_TOKENIZER inside the folder; config.gpt names that
     file (its digest updated). Returns the file to copy in, or None."""
     mem = (hf.config.gpt or {}).get("memory")
-    src = mem.get("tokenizer_path") if isinstance(mem, dict) else None
-    if src is None:
+    if not isinstance(mem, dict) or mem.get("tokenizer_path") is None:
         return None
+    src = mem["tokenizer_path"]
     mem["tokenizer_path"] = MEMORY_TOKENIZER
     hf.config.gpt_digest = gpt_digest(hf.config.gpt, hf.config.cp_ranks)
     return Path(src)

@@ -400,7 +400,7 @@ def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def load_run_model(
     run_dir: str | Path, device: str = "cpu", say: Callable[[str], None] | None = None
-) -> tuple[nn.Module, dict]:
+) -> tuple[GPT, dict]:
     """The trained model of a run folder (eval mode, on `device`) and its resolved config dict.
 
     Weights come from whichever is newer: the final weights DIR/model.safetensors or the newest
