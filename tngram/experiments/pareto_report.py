@@ -3,13 +3,12 @@
 Pure pieces (tested against brute force in tests/test_pareto.py):
     pareto_front(points)      indices of the points no other point beats on both cost and loss
     best_under(points, cap)   the lowest-loss point whose cost is ≤ cap
-    optimizer_state_bytes     what Adam (2 fp32 moments), Muon (1 fp32 momentum) and the memory tables'
-                              optimiser (optim.memory_update) hold
+    optimizer_state_bytes     what Adam (2 fp32 moments), Muon (1 fp32 momentum) and the memory
+                              tables' optimiser (optim.memory_update) hold
 
-Timing (`bench_points`): one training step (forward, backward, Adam + Muon; the trainer's micro-batches
-and accumulation, bf16 autocast as the mini recipes) and greedy decode per token with the KV/memory
-cache, every (family, size) built in one process and timed interleaved (rep i of every point before
-rep i + 1 of any), medians, at the thread count of the caller (the command sets 1).
+Split by what they hold: labels and keys (pareto_keys), timing (pareto_timing: bench_points,
+step_ratio), the paired comparison with Engram (pareto_paired); their public names are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -22,15 +21,22 @@ from typing import Any, Sequence
 
 from tngram.common import atomic_write_json, atomic_write_text, print0
 
-Point = tuple[float, float]   # (cost, loss)
-
-# "best at ≤ P" caps: Δparams (M) and step time as a multiple of the raw GPT's step
-PARAM_CAPS_M = (1.5, 3.0, 5.0, 10.0, 13.0)
-STEP_CAPS_X = (1.25, 1.5, 2.0, 3.0, 5.0)
-LABELS = {"raw": "raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding",
-          "longcat": "Over-Encoding (LongCat n4 k4)", "dense": "dense (wider GPT)",
-          "tngram-lean": "TN-gram lean", "tngram-sum": "TN-gram sum-K/V", "tngram-shared": "TN-gram shared",
-          "tngram-hybrid": "TN-gram + hashed", "tngram-hsum": "TN-gram sum + hashed"}
+from tngram.experiments.pareto_keys import (  # noqa: F401  (public names)
+    LABELS,
+    PARAM_CAPS_M,
+    STEP_CAPS_X,
+    Point,
+    name_of,
+    point_key,
+)
+from tngram.experiments.pareto_paired import (  # noqa: F401  (public names)
+    PAIRED_COLUMNS,
+    PAIRED_FAMILIES,
+    STEP_NOISE,
+    candidate_pairs,
+    paired_rows,
+)
+from tngram.experiments.pareto_timing import bench_points, median_ci, step_ratio  # noqa: F401
 
 
 def pareto_front(points: Sequence[Point]) -> list[int]:
@@ -61,132 +67,27 @@ def optimizer_state_bytes(cfg: Any) -> dict[str, int]:
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups, memory_table_params
     from tngram.optim.memory_update import param_state_bytes
+
     with torch.device("meta"):
         model = GPT(cfg.model)
     tables = {id(p) for p in memory_table_params(model)}
-    mods = [b.memory for b in model.blocks if b.memory is not None] + \
-        ([model.embed_memory] if model.embed_memory is not None else [])
-    mem_ids = {id(p) for m in mods for p in m.parameters()}      # shared factors count once (a set)
+    mods = [b.memory for b in model.blocks if b.memory is not None] + (
+        [model.embed_memory] if model.embed_memory is not None else []
+    )
+    mem_ids = {id(p) for m in mods for p in m.parameters()}  # shared factors count once (a set)
     total = memory = 0
     for g in build_param_groups(model, cfg.optim):
         for p in g["params"]:
-            b = param_state_bytes(g["optimizer"], p.shape, cfg.optim.memory_update, id(p) in tables,
-                                  cfg.optim.memory_catchup)
+            b = param_state_bytes(
+                g["optimizer"],
+                p.shape,
+                cfg.optim.memory_update,
+                id(p) in tables,
+                cfg.optim.memory_catchup,
+            )
             total += b
             memory += b if id(p) in mem_ids else 0
     return {"total": total, "memory": memory}
-
-
-def point_key(family: str, size: Any, corpus: str = "") -> str:
-    """The timing key of a point: family and size, plus "@V" for a corpus tokenised with another
-    vocabulary ("default@8192"): the step depends on the vocabulary, not on the text."""
-    key = family if size is None else f"{family}-{size}"
-    return key + ("@" + corpus.partition("@")[2] if "@" in corpus else "")
-
-
-def bench_points(cfgs: dict[str, Any], reps: int = 5, warmup: int = 1, decode_tokens: int = 32) -> dict[str, Any]:
-    """{key: {"step_ms", "decode_ms_per_token"}} for each config, timed interleaved in this process."""
-    import time
-    from dataclasses import replace
-
-    import torch
-    from tngram.bench.common import interleaved, machine_info
-    from tngram.bench.step import build_step_for
-    from tngram.model.gpt import GPT
-
-    steps = {k: build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for k, c in cfgs.items()}
-    step_t = interleaved(steps, reps, warmup)
-    del steps
-    decoders = {}
-    for k, c in cfgs.items():
-        m = c.model
-        if m.memory is not None and hasattr(m.memory, "zero_init_value"):
-            m = replace(m, memory=replace(m.memory, zero_init_value=False))
-        torch.manual_seed(0)
-        model = GPT(m).eval()
-        prompt = torch.randint(1, m.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-
-        def decode(model: Any = model, prompt: Any = prompt) -> None:
-            cache: dict = {}
-            with torch.no_grad():
-                logits = model(prompt, cache=cache)
-                for _ in range(decode_tokens):
-                    logits = model(logits[:, -1:].argmax(-1), cache=cache)
-        decoders[k] = decode
-    dec_t = interleaved(decoders, reps, warmup)
-    out = {k: {"step_ms": 1e3 * step_t[k].median, "decode_ms_per_token": 1e3 * dec_t[k].median / decode_tokens,
-               "reps": reps} for k in cfgs}
-    return {"points": out, "machine": machine_info(), "timed_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def median_ci(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
-    """Distribution-free interval for the median of `xs`: the order statistics (k, n + 1 - k), k
-    the largest with P(Binomial(n, 1/2) <= k - 1) <= (1 - level) / 2; (nan, nan) when n is too small."""
-    n, xs = len(xs), sorted(xs)
-    tail, k = 0.0, 0
-    for j in range(n // 2 + 1):                  # tail = P(B <= j), B ~ Binomial(n, 1/2)
-        tail += math.comb(n, j) / 2 ** n
-        if tail > (1 - level) / 2:
-            break
-        k = j + 1
-    return (xs[k - 1], xs[n - k]) if k >= 1 else (math.nan, math.nan)
-
-
-def _round_ratios(cfg_a: Any, cfg_b: Any, reps: int, warmup: int, b_first: bool = False,
-                  threads: int | None = None) -> list[float]:
-    """Per-round step-time ratios a / b, alternating rounds (a then b, b then a, ...) in this
-    process; b_first builds b's model and optimisers before a's."""
-    import time
-
-    import torch
-    from tngram.bench.step import build_step_for
-    if threads is not None:
-        torch.set_num_threads(threads)
-    order = (cfg_b, cfg_a) if b_first else (cfg_a, cfg_b)
-    built = [build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for c in order]
-    steps = built[::-1] if b_first else built                          # steps[0] is a's
-    ratios = []
-    for i in range(warmup + reps):
-        t = [0.0, 0.0]
-        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
-            t0 = time.perf_counter()
-            steps[j]()
-            t[j] = time.perf_counter() - t0
-        if i >= warmup:
-            ratios.append(t[0] / t[1])
-    return ratios
-
-
-def step_ratio(cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2, processes: int = 1) -> dict[str, Any]:
-    """Training step of cfg_a over cfg_b's, timed in alternating rounds (a then b, b then a, ...).
-
-    processes=1: in this process at the caller's threads; the median of the per-round ratios and its
-    95% interval (`median_ci`). processes=P > 1: P fresh processes one after another (spawned, at
-    this process's thread count), the even ones building a first, the odd ones b first, `reps`
-    rounds each; the ratio is the median of the per-process medians and the interval `median_ci`
-    of those medians (for 6 <= P <= 8 their range; none below 6). Why: 16 fresh processes timing
-    one pair (4.3 M) gave medians from 1.000 to 1.042, and some of their 95% intervals did not
-    overlap ([0.997, 1.014] and [1.025, 1.045]; docs/LOG.md): the rounds of one process share
-    something (its memory layout, say) that moves the ratio, so one process's interval
-    understates the uncertainty."""
-    from tngram.bench.common import loadavg
-    if processes <= 1:
-        ratios = _round_ratios(cfg_a, cfg_b, reps, warmup)
-        lo, hi = median_ci(ratios)
-        return {"ratio": statistics.median(ratios), "ci": [lo, hi], "rounds": reps, "loadavg": loadavg()}
-    import multiprocessing
-
-    import torch
-    ctx = multiprocessing.get_context("spawn")
-    per = []
-    for i in range(processes):
-        with ctx.Pool(1) as pool:
-            r = pool.apply(_round_ratios, (cfg_a, cfg_b, reps, warmup, i % 2 == 1, torch.get_num_threads()))
-        per.append({"b_first": i % 2 == 1, "ratio": statistics.median(r), "rounds": r})
-    meds = [p["ratio"] for p in per]
-    lo, hi = median_ci(meds)
-    return {"ratio": statistics.median(meds), "ci": [lo, hi], "rounds": reps, "processes": per,
-            "loadavg": loadavg()}
 
 
 def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
@@ -195,6 +96,7 @@ def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
         return None
     f = run_dir / "eval" / f"core-max{max_per_task}.json"
     from tngram.readback import read_core_file
+
     return float(read_core_file(f, run_dir)["core"]) if f.is_file() else None
 
 
@@ -203,6 +105,7 @@ def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[di
     the map needs."""
     from tngram.train.recipes import param_summary
     from tngram.experiments.runner import is_complete, run_dir_of
+
     raw_total: dict[str, int] = {}
     for s in specs:
         if s.tags["family"] == "raw":
@@ -213,17 +116,28 @@ def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[di
         if not is_complete(run_dir_of(out, s), s.config):
             continue
         from tngram.readback import get, read_summary_file
-        summ = read_summary_file(f, run_dir_of(out, s))      # checked: one line naming a bad field
+
+        summ = read_summary_file(f, run_dir_of(out, s))  # checked: one line naming a bad field
         get(summ, "total_params", "int", str(f), lo=0)
         for k in ("val_loss", "val_bpb", "train_loss"):
             get(summ, k, "any-number?", str(f))
         total = int(summ["total_params"])
         delta = total - raw_total.get(s.tags["corpus"], total)
-        rows.append({**s.tags, "label": s.label, "seed": s.config.run.seed, "delta_params": delta,
-                     "total_params": total, "val_loss": summ["val_loss"], "val_bpb": summ["val_bpb"],
-                     "train_loss": summ["train_loss"], "opt_state_bytes": optimizer_state_bytes(s.config),
-                     "table_lr": s.config.optim.memory_table_lr,
-                     "core": read_core_score(run_dir_of(out, s), core_max)})
+        rows.append(
+            {
+                **s.tags,
+                "label": s.label,
+                "seed": s.config.run.seed,
+                "delta_params": delta,
+                "total_params": total,
+                "val_loss": summ["val_loss"],
+                "val_bpb": summ["val_bpb"],
+                "train_loss": summ["train_loss"],
+                "opt_state_bytes": optimizer_state_bytes(s.config),
+                "table_lr": s.config.optim.memory_table_lr,
+                "core": read_core_score(run_dir_of(out, s), core_max),
+            }
+        )
     return rows
 
 
@@ -232,11 +146,22 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
     pts: dict[tuple, dict[str, Any]] = {}
     for r in rows:
         if r.get("confirm"):
-            continue        # the confirmation's extra seeds feed paired_rows only
+            continue  # the confirmation's extra seeds feed paired_rows only
         key = (r["corpus"], r["family"], r["size"])
-        p = pts.setdefault(key, {"corpus": r["corpus"], "family": r["family"], "size": r["size"],
-                                 "delta_params": r["delta_params"], "opt_state_bytes": r["opt_state_bytes"],
-                                 "val_loss": [], "val_bpb": [], "core": [], "seeds": []})
+        p = pts.setdefault(
+            key,
+            {
+                "corpus": r["corpus"],
+                "family": r["family"],
+                "size": r["size"],
+                "delta_params": r["delta_params"],
+                "opt_state_bytes": r["opt_state_bytes"],
+                "val_loss": [],
+                "val_bpb": [],
+                "core": [],
+                "seeds": [],
+            },
+        )
         if r.get("core") is not None:
             p["core"].append(r["core"])
         p["val_loss"].append(r["val_loss"])
@@ -247,110 +172,18 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
         p["step_ms"], p["decode_ms_per_token"] = t.get("step_ms"), t.get("decode_ms_per_token")
         p["loss"] = statistics.fmean(p["val_loss"])
     order = {f: i for i, f in enumerate(LABELS)}
-    return sorted(pts.values(), key=lambda p: (p["corpus"], order.get(p["family"], len(order)), p["delta_params"]))
+    return sorted(
+        pts.values(),
+        key=lambda p: (p["corpus"], order.get(p["family"], len(order)), p["delta_params"]),
+    )
 
 
 # TN-gram families compared with Engram at the same size index, paired by seed (paired_rows)
-PAIRED_FAMILIES = ("tngram", "tngram-lean", "tngram-sum", "tngram-shared", "tngram-hybrid", "tngram-hsum")
-# how far above 1 a pair's 5-rep step ratio may be and the pair still be timed by the multi-process
-# protocol before a verdict: the points' 5-rep medians moved 0.93-1.10x between two timings
-# (docs/RESULTS.md), so a pair at 1.01 on them may be below 1 on its own timing, and the reverse
-STEP_NOISE = 0.10
-
-
-def paired_rows(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple],
-                corpus_sizes: dict[str, dict[str, tuple]] | None = None) -> list[list[Any]]:
-    """One row per (corpus, family in PAIRED_FAMILIES, size index) with a finished Engram twin: the
-    family's val loss minus Engram's at the same size index (`sizes`: family -> its sizes), paired
-    by seed over every seed both have (the confirmation's extra seeds included): n, Engram's mean,
-    mean difference with its 95% t interval, wins/losses, and Δparams and step time as ratios to
-    Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0;
-    it says "yes" only when the step ratio is the pair's own multi-process timing
-    (bench["confirm_steps"], `step_ratio`), "candidate" when the loss and Δparams pass and the
-    points' 5-rep step ratio is within 1 + STEP_NOISE (those medians move by several percent
-    between timings, so they decide nothing near 1; `candidate_pairs` lists those pairs).
-    `corpus_sizes` replaces `sizes` for the corpora it names (the vocabulary-8192 setting)."""
-    return [row for row, _ in _paired(rows, bench, sizes, corpus_sizes)]
-
-
-def candidate_pairs(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple],
-                    corpus_sizes: dict[str, dict[str, tuple]] | None = None) -> list[list[str]]:
-    """[family point key, Engram point key] of every paired row that says "candidate": the pairs
-    whose step ratio must be timed by `step_ratio`'s multi-process protocol before a "yes"."""
-    pairs = [pair for row, pair in _paired(rows, bench, sizes, corpus_sizes) if row[-1] == "candidate"]
-    return [list(p) for p in dict.fromkeys(tuple(p) for p in pairs)]
-
-
-def _paired(rows: list[dict[str, Any]], bench: dict[str, Any], sizes: dict[str, tuple],
-            corpus_sizes: dict[str, dict[str, tuple]] | None) -> list[tuple[list[Any], list[str]]]:
-    """paired_rows' rows, each with its [family point key, Engram point key]."""
-    loss = {(r["corpus"], r["family"], r["size"], r["seed"]): r for r in rows}
-    seeds_of: dict[tuple, set] = {}                    # (corpus, family, size) -> its seeds
-    for k in loss:
-        seeds_of.setdefault(k[:3], set()).add(k[3])
-    steps = bench.get("points", {})
-    out, pooled = [], {}
-    for corpus in dict.fromkeys(r["corpus"] for r in rows):
-        cs = (corpus_sizes or {}).get(corpus, sizes)      # this corpus's sizes
-        for fam in PAIRED_FAMILIES:
-            for i, size in enumerate(cs.get(fam, ())):
-                e_size = cs["engram"][i] if i < len(cs.get("engram", ())) else None
-                seeds = sorted(seeds_of.get((corpus, fam, size), set()) & seeds_of.get((corpus, "engram", e_size), set()))
-                if not seeds:
-                    continue
-                a = [loss[(corpus, fam, size, s)] for s in seeds]
-                b = [loss[(corpus, "engram", e_size, s)] for s in seeds]
-                diffs = [x["val_loss"] - y["val_loss"] for x, y in zip(a, b)]
-                ka, kb = point_key(fam, size, corpus), point_key("engram", e_size, corpus)
-                ta, tb = steps.get(ka, {}).get("step_ms"), steps.get(kb, {}).get("step_ms")
-                t_ratio, timed = (ta / tb if ta and tb else None), False
-                for confirm in bench.get("confirm_steps", []):
-                    if confirm["pair"] == [ka, kb]:
-                        t_ratio, timed = confirm["ratio"], True     # the pair's own, longer timing
-                p_ratio, label = a[0]["delta_params"] / b[0]["delta_params"], f"{size} vs {e_size}"
-                out.append((_paired_row(corpus, fam, label, p_ratio, t_ratio, [y["val_loss"] for y in b], diffs,
-                                        timed), [ka, kb]))
-                if "@" not in corpus:                   # the vocabulary setting is another model
-                    pool = pooled.setdefault((fam, label), {"p_ratio": p_ratio, "t_ratio": t_ratio, "engram": [],
-                                                            "diffs": [], "corpora": 0, "timed": timed,
-                                                            "pair": [ka, kb]})
-                    pool["engram"] += [y["val_loss"] for y in b]
-                    pool["diffs"] += diffs
-                    pool["corpora"] += 1
-    for (fam, label), pool in pooled.items():
-        if pool["corpora"] > 1:
-            out.append((_paired_row(f"{pool['corpora']} corpora pooled", fam, label, pool["p_ratio"],
-                                    pool["t_ratio"], pool["engram"], pool["diffs"], pool["timed"]), pool["pair"]))
-    return out
-
-
-def _paired_row(corpus: str, fam: str, sizes_txt: str, p_ratio: float, t_ratio: float | None,
-                engram: list[float], diffs: list[float], timed: bool = False) -> list[Any]:
-    from tngram.report.stats import paired_stats
-    st = paired_stats(diffs)
-    loss_and_params = p_ratio <= 1 and t_ratio is not None and st.n > 1 and st.ci_high < 0
-    if timed:
-        verdict = "yes" if loss_and_params and t_ratio <= 1 else "no"
-    else:
-        verdict = "candidate" if loss_and_params and t_ratio <= 1 + STEP_NOISE else "no"
-    return [corpus, LABELS[fam], sizes_txt, p_ratio, t_ratio, st.n, statistics.fmean(engram), st.mean,
-            None if st.n < 2 else [st.ci_low, st.ci_high], f"{st.wins}/{st.losses}", st.sign_p, verdict]
-
-
-PAIRED_COLUMNS = [{"header": "corpus"}, {"header": "memory"}, {"header": "size vs Engram's"},
-                  {"header": "Δparams / Engram's", "fmt": ".3f"}, {"header": "step / Engram's", "fmt": ".3f"},
-                  {"header": "seeds"}, {"header": "Engram val loss", "fmt": ".4f"},
-                  {"header": "− Engram (mean)", "fmt": "+.4f"}, {"header": "95% CI", "fmt": "list:+.4f"},
-                  {"header": "better/worse seeds"}, {"header": "sign test p", "fmt": ".3g"},
-                  {"header": "beats Engram at ≤ params and ≤ step"}]
-
-
-def name_of(p: dict[str, Any]) -> str:
-    return LABELS.get(p["family"], p["family"]) + ("" if p["size"] is None else f" ({p['size']})")
 
 
 def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
-    """The three tables of one corpus: every point, best at ≤ P parameters, best at ≤ S step time."""
+    """The three tables of one corpus: every point, best at ≤ P parameters, best at ≤ S step
+    time."""
     pts = [p for p in points if p["corpus"] == corpus]
     raw = next((p for p in pts if p["family"] == "raw"), None)
     by_params = [(p["delta_params"], p["loss"]) for p in pts]
@@ -359,18 +192,31 @@ def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
     front_s = {timed[j] for j in pareto_front([(pts[i]["step_ms"], pts[i]["loss"]) for i in timed])}
     rows = []
     for i, p in enumerate(pts):
-        rows.append([LABELS.get(p["family"], p["family"]), "–" if p["size"] is None else str(p["size"]),
-                     len(p["seeds"]), p["delta_params"], p["val_loss"], p["val_bpb"], p["core"] or None,
-                     None if p["step_ms"] is None else p["step_ms"],
-                     None if p["decode_ms_per_token"] is None else p["decode_ms_per_token"],
-                     p["opt_state_bytes"]["memory"] / 1e6,
-                     ("params" if i in front_p else "") + (" + time" if i in front_s and i in front_p
-                                                           else ("time" if i in front_s else ""))])
+        rows.append(
+            [
+                LABELS.get(p["family"], p["family"]),
+                "–" if p["size"] is None else str(p["size"]),
+                len(p["seeds"]),
+                p["delta_params"],
+                p["val_loss"],
+                p["val_bpb"],
+                p["core"] or None,
+                None if p["step_ms"] is None else p["step_ms"],
+                None if p["decode_ms_per_token"] is None else p["decode_ms_per_token"],
+                p["opt_state_bytes"]["memory"] / 1e6,
+                ("params" if i in front_p else "")
+                + (
+                    " + time" if i in front_s and i in front_p else ("time" if i in front_s else "")
+                ),
+            ]
+        )
     best_p = []
     for cap in PARAM_CAPS_M:
         j = best_under(by_params, cap * 1e6)
         if j is not None:
-            best_p.append([f"≤ {cap:g}M", name_of(pts[j]), pts[j]["delta_params"], pts[j]["val_loss"]])
+            best_p.append(
+                [f"≤ {cap:g}M", name_of(pts[j]), pts[j]["delta_params"], pts[j]["val_loss"]]
+            )
     best_s = []
     if raw is not None and raw["step_ms"]:
         sp = [(pts[i]["step_ms"] / raw["step_ms"], pts[i]["loss"]) for i in timed]
@@ -378,32 +224,60 @@ def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
             j = best_under(sp, cap)
             if j is not None:
                 q = pts[timed[j]]
-                best_s.append([f"≤ {cap:g}× raw", name_of(q), q["step_ms"], q["delta_params"], q["val_loss"]])
+                best_s.append(
+                    [f"≤ {cap:g}× raw", name_of(q), q["step_ms"], q["delta_params"], q["val_loss"]]
+                )
     return {"points": rows, "best_params": best_p, "best_step": best_s}
 
 
-def _table_file(kind_rows: list[list[Any]], columns: list[dict[str, str]], meta: dict[str, Any]) -> dict[str, Any]:
+def _table_file(
+    kind_rows: list[list[Any]], columns: list[dict[str, str]], meta: dict[str, Any]
+) -> dict[str, Any]:
     return {"kind": "table", **meta, "columns": columns, "rows": kind_rows}
 
 
-POINT_COLUMNS = [{"header": "memory"}, {"header": "size"}, {"header": "seeds"}, {"header": "Δparams", "fmt": "params"},
-                 {"header": "val loss", "fmt": "mean_std:.4f"}, {"header": "val BPB", "fmt": "mean_std:.4f"},
-                 {"header": "CORE", "fmt": "mean_std:.4f"}, {"header": "step ms", "fmt": ".0f"}, {"header": "decode ms/token", "fmt": ".2f"},
-                 {"header": "memory optimiser state (MB)", "fmt": ".1f"}, {"header": "on the front"}]
-BEST_P_COLUMNS = [{"header": "Δparams budget"}, {"header": "best"}, {"header": "Δparams", "fmt": "params"},
-                  {"header": "val loss", "fmt": "mean_std:.4f"}]
-BEST_S_COLUMNS = [{"header": "step-time budget"}, {"header": "best"}, {"header": "step ms", "fmt": ".0f"},
-                  {"header": "Δparams", "fmt": "params"}, {"header": "val loss", "fmt": "mean_std:.4f"}]
+POINT_COLUMNS = [
+    {"header": "memory"},
+    {"header": "size"},
+    {"header": "seeds"},
+    {"header": "Δparams", "fmt": "params"},
+    {"header": "val loss", "fmt": "mean_std:.4f"},
+    {"header": "val BPB", "fmt": "mean_std:.4f"},
+    {"header": "CORE", "fmt": "mean_std:.4f"},
+    {"header": "step ms", "fmt": ".0f"},
+    {"header": "decode ms/token", "fmt": ".2f"},
+    {"header": "memory optimiser state (MB)", "fmt": ".1f"},
+    {"header": "on the front"},
+]
+BEST_P_COLUMNS = [
+    {"header": "Δparams budget"},
+    {"header": "best"},
+    {"header": "Δparams", "fmt": "params"},
+    {"header": "val loss", "fmt": "mean_std:.4f"},
+]
+BEST_S_COLUMNS = [
+    {"header": "step-time budget"},
+    {"header": "best"},
+    {"header": "step ms", "fmt": ".0f"},
+    {"header": "Δparams", "fmt": "params"},
+    {"header": "val loss", "fmt": "mean_std:.4f"},
+]
 
 
-def cross_corpus(tables: dict[str, dict[str, Any]], kind: str) -> tuple[list[dict[str, str]], list[list[Any]]] | None:
+def cross_corpus(
+    tables: dict[str, dict[str, Any]], kind: str
+) -> tuple[list[dict[str, str]], list[list[Any]]] | None:
     """One table across corpora: a row per budget of `kind` ("best_params" / "best_step"), a
     column per corpus holding "best (val loss)"; None with fewer than two corpora."""
     corpora = [c for c, t in tables.items() if t[kind]]
     if len(corpora) < 2:
         return None
     budgets = list(dict.fromkeys(r[0] for c in corpora for r in tables[c][kind]))
-    cells = {(c, r[0]): f"{r[1]} ({statistics.fmean(r[-1]):.4f})" for c in corpora for r in tables[c][kind]}
+    cells = {
+        (c, r[0]): f"{r[1]} ({statistics.fmean(r[-1]):.4f})"
+        for c in corpora
+        for r in tables[c][kind]
+    }
     columns = [{"header": "Δparams budget" if kind == "best_params" else "step-time budget"}]
     columns += [{"header": c} for c in corpora]
     return columns, [[b] + [cells.get((c, b)) for c in corpora] for b in budgets]
@@ -412,9 +286,10 @@ def cross_corpus(tables: dict[str, dict[str, Any]], kind: str) -> tuple[list[dic
 def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path | None:
     try:
         from tngram.report.plots import xy_plot
-    except ImportError:    # matplotlib is an optional extra
+    except ImportError:  # matplotlib is an optional extra
         return None
     from tngram.report.runs import mean_std
+
     pts = [p for p in points if p["corpus"] == corpus and p["family"] != "raw"]
     if not pts:
         return None
@@ -429,20 +304,43 @@ def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path 
     title = f"{corpus}: val loss vs Δparams" + (f" (raw GPT {raw['loss']:.4f})" if raw else "")
     front_p = _front_xy([(p["delta_params"] / 1e6, p["loss"]) for p in pts])
     front_s = _front_xy([(p["step_ms"], p["loss"]) for p in pts if p["step_ms"] is not None])
-    return xy_plot(by_p, png, "Δparams (M)", "val loss (nats/token)", title, front=front_p,
-                   panels=[{"series": by_s, "xlabel": "training step (ms, 1 thread)", "ylabel": "val loss (nats/token)",
-                            "title": f"{corpus}: val loss vs step time", "front": front_s}] if by_s else None)
+    return xy_plot(
+        by_p,
+        png,
+        "Δparams (M)",
+        "val loss (nats/token)",
+        title,
+        front=front_p,
+        panels=[
+            {
+                "series": by_s,
+                "xlabel": "training step (ms, 1 thread)",
+                "ylabel": "val loss (nats/token)",
+                "title": f"{corpus}: val loss vs step time",
+                "front": front_s,
+            }
+        ]
+        if by_s
+        else None,
+    )
 
 
 def _front_xy(points: list[Point]) -> list[Point]:
-    """The Pareto-front points (ascending cost) of the memory families, for the figures' staircase."""
+    """The Pareto-front points (ascending cost) of the memory families, for the figures'
+    staircase."""
     return [points[i] for i in pareto_front(points)]
 
 
-def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: dict[str, Any] | None = None,
-                 core_max: int | None = None, sizes: dict[str, tuple] | None = None,
-                 corpus_sizes: dict[str, dict[str, tuple]] | None = None,
-                 rows: list[dict[str, Any]] | None = None) -> Path:
+def write_report(
+    out: Path,
+    specs: list[Any],
+    factors: dict[str, float],
+    bench: dict[str, Any] | None = None,
+    core_max: int | None = None,
+    sizes: dict[str, tuple] | None = None,
+    corpus_sizes: dict[str, dict[str, tuple]] | None = None,
+    rows: list[dict[str, Any]] | None = None,
+) -> Path:
     """OUT/pareto.json, OUT/report.md and OUT/pareto-<corpus>.png from the finished runs; with
     `sizes` (family -> its sizes, index-aligned) also the paired table against Engram. `rows`:
     `collect(out, specs, core_max)` when the caller already has it (it reads every run)."""
@@ -454,22 +352,47 @@ def write_report(out: Path, specs: list[Any], factors: dict[str, float], bench: 
     corpora = list(dict.fromkeys(s.tags["corpus"] for s in specs))
     tables = {c: corpus_tables(points, c) for c in corpora}
     paired = paired_rows(rows, bench, sizes, corpus_sizes) if sizes else []
-    atomic_write_json(out / "pareto.json", {"factors": factors, "rows": rows, "points": points,
-                                            "bench": bench, "tables": tables, "paired": paired})
-    md = ["# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
-          + ", ".join(f"{k} ×{v:g}" for k, v in factors.items()) + f". {len(rows)} of {len(specs)} runs finished.\n"]
+    atomic_write_json(
+        out / "pareto.json",
+        {
+            "factors": factors,
+            "rows": rows,
+            "points": points,
+            "bench": bench,
+            "tables": tables,
+            "paired": paired,
+        },
+    )
+    md = [
+        "# tngram experiment pareto\n\nTable-lr factors (× the recipe's): "
+        + ", ".join(f"{k} ×{v:g}" for k, v in factors.items())
+        + f". {len(rows)} of {len(specs)} runs finished.\n"
+    ]
     from tngram.report.docblocks import render_table
+
     for c in corpora:
         t = tables[c]
         png = write_figures(points, c, out / f"pareto-{c}.png")
-        md.append(f"## {c}\n\n" + render_table({"columns": POINT_COLUMNS, "rows": t["points"]}) + "\n\n"
-                  + "Best at ≤ Δparams:\n\n" + render_table({"columns": BEST_P_COLUMNS, "rows": t["best_params"]})
-                  + "\n\nBest at ≤ step time:\n\n"
-                  + (render_table({"columns": BEST_S_COLUMNS, "rows": t["best_step"]}) if t["best_step"] else "(no timing yet)")
-                  + (f"\n\n![{c}]({png.name})\n" if png else "\n"))
+        md.append(
+            f"## {c}\n\n"
+            + render_table({"columns": POINT_COLUMNS, "rows": t["points"]})
+            + "\n\n"
+            + "Best at ≤ Δparams:\n\n"
+            + render_table({"columns": BEST_P_COLUMNS, "rows": t["best_params"]})
+            + "\n\nBest at ≤ step time:\n\n"
+            + (
+                render_table({"columns": BEST_S_COLUMNS, "rows": t["best_step"]})
+                if t["best_step"]
+                else "(no timing yet)"
+            )
+            + (f"\n\n![{c}]({png.name})\n" if png else "\n")
+        )
     if paired:
-        md.append("## TN-gram families − Engram at the same size index, paired by seed\n\n"
-                  + render_table({"columns": PAIRED_COLUMNS, "rows": paired}) + "\n")
+        md.append(
+            "## TN-gram families − Engram at the same size index, paired by seed\n\n"
+            + render_table({"columns": PAIRED_COLUMNS, "rows": paired})
+            + "\n"
+        )
     atomic_write_text(out / "report.md", "\n".join(md))
     write_results_files(out)
     print0("\n".join(md))
@@ -481,14 +404,21 @@ def write_results_files(out: Path) -> None:
     report doc` renders them into README/RESULTS blocks)."""
     import sys
     from tngram.train.metrics import git_info
+
     g = git_info(Path(__file__).resolve().parent)
     commit = (g["commit"] or "unknown")[:12] + (" (uncommitted changes)" if g["dirty"] else "")
     bench = json.loads((out / "pareto.json").read_text()).get("bench", {})
     m = bench.get("machine", {})
-    machine = (f"{m.get('cpu', '?')}, {m.get('logical_cpus', '?')} CPUs; training runs one torch thread each; "
-               f"timing at 1 thread, interleaved, load average {m.get('loadavg', '?')} at the end of timing")
-    command = "tngram experiment pareto " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["experiment", "pareto"] \
+    machine = (
+        f"{m.get('cpu', '?')}, {m.get('logical_cpus', '?')} CPUs; training runs one torch "
+        f"thread each; timing at 1 thread, interleaved, load average {m.get('loadavg', '?')} "
+        f"at the end of timing"
+    )
+    command = (
+        "tngram experiment pareto " + " ".join(sys.argv[3:])
+        if sys.argv[1:3] == ["experiment", "pareto"]
         else "tngram experiment pareto --out " + str(out)
+    )
     for name, data in results_files(out, commit, machine, command).items():
         atomic_write_json(out / "results" / f"{name}.json", data)
 
@@ -499,15 +429,26 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
     data = json.loads((out / "pareto.json").read_text())
     files = {}
     for c, t in data["tables"].items():
-        meta = {"command": command, "commit": commit, "machine": machine, "source": str(out / "pareto.json")}
+        meta = {
+            "command": command,
+            "commit": commit,
+            "machine": machine,
+            "source": str(out / "pareto.json"),
+        }
         files[f"pareto-{c}"] = _table_file(t["points"], POINT_COLUMNS, meta)
         files[f"pareto-{c}-best-params"] = _table_file(t["best_params"], BEST_P_COLUMNS, meta)
         files[f"pareto-{c}-best-step"] = _table_file(t["best_step"], BEST_S_COLUMNS, meta)
-    meta = {"command": command, "commit": commit, "machine": machine, "source": str(out / "pareto.json")}
+    meta = {
+        "command": command,
+        "commit": commit,
+        "machine": machine,
+        "source": str(out / "pareto.json"),
+    }
     if data.get("paired"):
         files["pareto-vs-engram"] = _table_file(data["paired"], PAIRED_COLUMNS, meta)
     for kind in ("best_params", "best_step"):
-        # the vocabulary setting (NAME@V) is another model size: its Δparams do not fit these budgets
+        # the vocabulary setting (NAME@V) is another model size: its Δparams do not fit these
+        # budgets
         cross = cross_corpus({c: t for c, t in data["tables"].items() if "@" not in c}, kind)
         if cross is not None:
             files[f"pareto-{kind.replace('_', '-')}"] = _table_file(cross[1], cross[0], meta)
@@ -518,9 +459,23 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
         for r in tj["rows"]:
             by.setdefault(float(r["factor"]), []).append(float(r["val_loss"]))
         best = float(tj["best"]["oe"])
-        rows = [[f"× {f:g}" + (" (chosen)" if f == best else ""), len(v), v] for f, v in sorted(by.items())]
-        files["pareto-tuning-oe"] = _table_file(rows, [{"header": "Over-Encoding table lr (× recipe)"},
-                                                       {"header": "seeds"}, {"header": "val loss", "fmt": "mean_std:.4f"}],
-                                                {"command": command, "commit": commit, "machine": machine,
-                                                 "source": str(tuning), "corpus": tj.get("corpus")})
+        rows = [
+            [f"× {f:g}" + (" (chosen)" if f == best else ""), len(v), v]
+            for f, v in sorted(by.items())
+        ]
+        files["pareto-tuning-oe"] = _table_file(
+            rows,
+            [
+                {"header": "Over-Encoding table lr (× recipe)"},
+                {"header": "seeds"},
+                {"header": "val loss", "fmt": "mean_std:.4f"},
+            ],
+            {
+                "command": command,
+                "commit": commit,
+                "machine": machine,
+                "source": str(tuning),
+                "corpus": tj.get("corpus"),
+            },
+        )
     return files
