@@ -14,8 +14,8 @@ compute in fp32; the kernels' known error is below 2e-5, tests/test_fused_lookup
 rounding, a few roundings deep). A wrong kernel (a bad index, a missing term) is off by O(1).
 
 TNGRAM_LOOKUP_IMPL (auto | torch | c | triton) forces one implementation, without a self-check.
-`choose_impl` is a constant for torch.compile (marked as `assume_constant_result` does): it runs once, eagerly,
-while the graph is traced, and the graph keeps its answer.
+`choose_impl` is a constant for torch.compile (marked as `assume_constant_result` does): it runs
+once, eagerly, while the graph is traced, and the graph keeps its answer.
 """
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ IMPLS = ("auto", "torch", "c", "triton")
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 
 
-def _triton_lookup(*args: Any) -> Tensor:
+def _triton_lookup(*args: Any, **kw: Any) -> Tensor:
     from tngram.kernels.tngram_triton import triton_lookup  # lazy: imports triton
 
-    return triton_lookup(*args)
+    return triton_lookup(*args, **kw)
+
+
+# writes e in bf16 directly when asked (tngram_triton.triton_lookup's out_dtype)
+_triton_lookup.out_dtypes = (torch.bfloat16,)  # type: ignore[attr-defined]
 
 
 # impl -> fn(factors, idx, W, scales, use_norm, eps, chunk) -> e (M, N-1, R); a dict so a test

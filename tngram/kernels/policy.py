@@ -6,9 +6,10 @@ change them only through `kernel_policy(...)`, never by setting attributes on mo
     lookup_impl          "auto" | "torch" | "c" | "triton": the TN-gram lookup kernel
                          (tngram.kernels.fused_lookup). Default: the environment variable
                          TNGRAM_LOOKUP_IMPL, else "auto" (a compiled kernel after its self-check).
-    bf16_lookup_output   under CPU bf16 autocast the lookup writes e in bf16 directly (e's only
-                         consumer is the K/V matmul, which autocast runs in bf16 anyway): no fp32
-                         copy of e. Default True.
+    bf16_lookup_output   under CPU or CUDA bf16 autocast the lookup writes e in bf16 directly
+                         (e's only consumer is the K/V matmul, which autocast runs in bf16
+                         anyway): no fp32 copy of e and no cast pass (the C kernel on CPU, the
+                         Triton kernel on CUDA; bit-identical to the cast). Default True.
     fuse_kv              with one hyper-connection branch, K and V are one matmul against
                          [W_K; W_V] (tngram.memory.gating.GatedFusion.keys_values) ...
     fuse_kv_min_rows     ... from this many rows of e on (default 64; below it, as at decode time,
@@ -71,13 +72,15 @@ def autocast_on(h: Tensor) -> bool:
 
 
 def lookup_out_dtype(h: Tensor) -> torch.dtype | None:
-    """The dtype a lookup feeding hidden states `h` may write e in: bf16 under CPU bf16 autocast
-    (with bf16_lookup_output), else None (the factors' dtype)."""
+    """The dtype a lookup feeding hidden states `h` may write e in: bf16 under CPU or CUDA bf16
+    autocast (with bf16_lookup_output), else None (the factors' dtype). A kernel that cannot
+    write it returns the factors' dtype and the caller casts (`lookup_output_for`)."""
+    dev = h.device.type
     if (
         _current.bf16_lookup_output
-        and h.device.type == "cpu"
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and dev in ("cpu", "cuda")
+        and torch.is_autocast_enabled(dev)
+        and torch.get_autocast_dtype(dev) == torch.bfloat16
     ):
         return torch.bfloat16
     return None

@@ -35,17 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-@triton.jit
-def _rnd(x, ptr):
-    """x (fp32) rounded to the element type of `ptr`, round-to-nearest-even, returned in fp32
-    (bf16 by integer arithmetic: the Triton interpreter truncates a bf16 cast; the GPU rounds)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return u.to(tl.float32, bitcast=True)
-    else:
-        return x.to(ptr.dtype.element_ty).to(tl.float32)
+from tngram.kernels.triton_round import round_to as _rnd
 
 
 @triton.jit

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tngram.kernels.triton_round import round_to
+
 
 @triton.jit
 def _tngram_fwd_kernel(
@@ -63,6 +65,7 @@ def _tngram_fwd_kernel(
             b = b * r
         if HAS_S:
             b = b * tl.load(s_ptr + (k - 1)).to(tl.float32)
+        b = round_to(b, out_ptr)  # e in the output's dtype (bf16: rounded as torch's cast)
         tl.store(
             out_ptr + (m * (N - 1) + (k - 1)) * R + cols, b.to(out_ptr.dtype.element_ty), mask=mask
         )
@@ -171,13 +174,16 @@ def triton_lookup_fwd(
     scales: Optional[Tensor],
     use_norm: bool,
     eps: float,
+    out_bf16: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype, rstd (M, N-1) fp32."""
+    """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype (bf16 with
+    out_bf16: the fp32 e rounded, bit-identical to casting it), rstd (M, N-1) fp32."""
     N, V, R = factors.shape
     M = idx.shape[0]
     table = factors.contiguous().view(N * V, R)
     idx = idx.contiguous()
-    out = torch.empty(M, N - 1, R, dtype=factors.dtype, device=factors.device)
+    e_dtype = torch.bfloat16 if out_bf16 else factors.dtype
+    out = torch.empty(M, N - 1, R, dtype=e_dtype, device=factors.device)
     rstd = torch.empty(M, N - 1, dtype=torch.float32, device=factors.device)
     Wc = W.contiguous() if W is not None else table
     sc = scales.contiguous() if scales is not None else table
@@ -203,10 +209,14 @@ def triton_lookup_fwd(
 
 
 @triton_lookup_fwd.register_fake
-def _(factors, idx, W, scales, use_norm, eps):  # noqa: ANN001, ANN202
+def _(factors, idx, W, scales, use_norm, eps, out_bf16=False):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
-    return (factors.new_empty(M, N - 1, R), factors.new_empty(M, N - 1, dtype=torch.float32))
+    e_dtype = torch.bfloat16 if out_bf16 else factors.dtype
+    return (
+        factors.new_empty(M, N - 1, R, dtype=e_dtype),
+        factors.new_empty(M, N - 1, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("tngram::triton_lookup_bwd", mutates_args=())
@@ -271,7 +281,7 @@ def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors):  # noqa: ANN
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    factors, idx, W, scales, use_norm, eps = inputs
+    factors, idx, W, scales, use_norm, eps, _ = inputs
     ctx.save_for_backward(factors, idx, W, scales, output[1])
     ctx.use_norm = use_norm
 
@@ -285,6 +295,7 @@ def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
         None,
         dW.to(W.dtype) if (W is not None and need_W) else None,
         ds.to(scales.dtype) if (scales is not None and need_s) else None,
+        None,
         None,
         None,
     )
@@ -301,6 +312,17 @@ def triton_lookup(
     use_norm: bool,
     eps: float,
     chunk: int = 0,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Same contract as `FusedTNGramLookup.apply` (chunk is ignored)."""
-    return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps)[0]
+    """Same contract as `FusedTNGramLookup.apply` (chunk is ignored). out_dtype torch.bfloat16
+    (fused_lookup's, under bf16 autocast) writes e in bf16 directly: no fp32 e, no cast pass;
+    the same bits as the cast, and the backward takes the bf16 upstream gradient as the cast's
+    backward would hand it on (upcast in the kernel, exact)."""
+    if out_dtype not in (None, factors.dtype, torch.bfloat16):
+        raise ValueError(f"triton_lookup out_dtype must be None or bfloat16, got {out_dtype}")
+    out_bf16 = out_dtype == torch.bfloat16
+    return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_bf16)[0]
+
+
+# dtypes it writes directly (fused_lookup's out_dtype)
+triton_lookup.out_dtypes = (torch.bfloat16,)  # type: ignore[attr-defined]

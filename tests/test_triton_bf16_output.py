@@ -1,0 +1,119 @@
+"""Under bf16 autocast on CUDA the Triton lookup writes e in bf16 directly (kernels.policy
+bf16_lookup_output): no fp32 e of (N-1) R features per token and no cast pass over it. It must be
+the same computation: e bit-identical to the fp32 kernel's e cast to bf16 (the kernel rounds to
+nearest-even, as torch's cast), and the factor, absorption and scale gradients from a bf16
+upstream gradient bit-identical to those through the cast (whose backward upcasts the bf16
+gradient exactly, as the kernel does on load). Checked under the Triton interpreter (a
+subprocess, CPU tensors) for N 2, 4, 5 with and without norm, absorption and scales; the kernel
+with a bf16 output also lowers to an sm_80 cubin; and the policy asks for bf16 on CUDA autocast.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tngram.kernels import kernel_policy, lookup_out_dtype
+from tngram.kernels.choice import triton_available
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from tngram.kernels import fused_lookup
+    from tngram.memory.ngrams import suffix_ngrams
+    V, R = 11, 20
+    checked = 0
+    for N, use_norm, absorb, scales in ((2, True, False, True), (4, True, True, True),
+                                        (5, False, True, False), (5, True, True, True)):
+        g = torch.Generator().manual_seed(N)
+        f = torch.randn(N, V, R, generator=g).requires_grad_()
+        a = torch.randn(N - 2, R, generator=g).requires_grad_() if absorb and N > 2 else None
+        l = (0.3 * torch.randn(N - 1, generator=g)).requires_grad_() if scales else None
+        leaves = [p for p in (f, a, l) if p is not None]
+        ng = suffix_ngrams(torch.randint(0, V, (2, 9), generator=g), N, pad_id=2)
+        up = torch.randn(2, 9, (N - 1) * R, generator=g).bfloat16()
+        direct = fused_lookup(f, a, l, ng, use_norm=use_norm, impl="triton",
+                              out_dtype=torch.bfloat16)
+        cast = fused_lookup(f, a, l, ng, use_norm=use_norm, impl="triton").to(torch.bfloat16)
+        assert direct.dtype == torch.bfloat16, direct.dtype
+        assert torch.equal(direct, cast), (N, (direct.float() - cast.float()).abs().max())
+        g_direct = torch.autograd.grad(direct, leaves, up)
+        g_cast = torch.autograd.grad(cast, leaves, up)
+        for x, y in zip(g_direct, g_cast):
+            assert x.dtype == y.dtype and torch.equal(x, y), (N, (x - y).abs().max())
+            assert bool(x.ne(0).any())
+        checked += 1
+    print(checked)
+""")
+
+
+@needs_triton
+def test_triton_bf16_e_is_the_cast_of_the_fp32_e_with_the_same_gradients():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "4"
+
+
+COMPILE_SCRIPT = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tngram.kernels import tngram_triton as k
+    sig = {"table_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32",
+           "out_ptr": "*bf16", "rstd_ptr": "*fp32", "R": "i32", "eps": "fp32"}
+    const = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024}
+    src = ASTSource(fn=k._tngram_fwd_kernel, signature={**sig, **{c: "constexpr" for c in const}},
+                    constexprs=const)
+    assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 80, 32),
+                                     options={"num_warps": 4}).asm
+    print("ok")
+""")
+
+
+@needs_triton
+def test_triton_forward_with_bf16_output_compiles_for_cuda_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_policy_asks_for_bf16_under_cuda_bf16_autocast(monkeypatch):
+    """A CUDA h under bf16 autocast gets bf16 (the autocast state is stubbed: no GPU here); fp16
+    autocast, autocast off, or the policy switched off get None (the factors' dtype)."""
+    h = SimpleNamespace(device=torch.device("cuda"))
+    state = {"on": True, "dtype": torch.bfloat16}
+    monkeypatch.setattr(
+        torch, "is_autocast_enabled", lambda dev=None: state["on"] and dev == "cuda"
+    )
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda dev: state["dtype"])
+    assert lookup_out_dtype(h) == torch.bfloat16
+    with kernel_policy(bf16_lookup_output=False):
+        assert lookup_out_dtype(h) is None
+    state["dtype"] = torch.float16
+    assert lookup_out_dtype(h) is None
+    state.update(on=False, dtype=torch.bfloat16)
+    assert lookup_out_dtype(h) is None
