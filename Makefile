@@ -25,6 +25,8 @@ $(KSTAMP): $(STAMP)
 	touch $(KSTAMP)
 
 install: $(STAMP)
+	@echo "installed: $(BIN)/tngram"
+	@echo "  (put tngram on your PATH in this shell:  . $(BIN)/activate)"
 
 demo: $(STAMP)
 	$(BIN)/tngram compare --preset cpu --out runs/compare-cpu

@@ -156,6 +156,8 @@ def test_sigterm_to_the_compare_runner_reaches_its_worker_and_rerun_is_identical
     assert parent.returncode == 143, stderr[-2000:]
     assert "Traceback" not in stderr
     assert "run the same command again" in stderr.splitlines()[-1]
+    # the worker's own line gives the same advice: the runner rejects --resume and resumes itself
+    assert "--resume" not in stderr and "it resumes this run from its checkpoint" in stderr
     run = out / "runs" / "tiny"
     assert len(ckpt.list_checkpoints(run)) == 1 and not (run / "summary.json").exists()
     again = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)

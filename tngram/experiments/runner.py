@@ -64,6 +64,19 @@ def run_jobs(jobs: int) -> Iterator[None]:
         _JOBS.reset(token)
 
 
+# what a child run's Ctrl-C / SIGTERM line tells the user (tngram.train.loop reads it): the
+# compare / experiment command resumes its interrupted runs by itself and rejects --resume
+RESUME_HINT = "run the same command again (it resumes this run from its checkpoint)"
+
+
+def child_env(jobs: int) -> dict[str, str]:
+    """The environment of one child run: the resume hint, and with jobs > 1 its thread count."""
+    env = {**os.environ, "TNGRAM_RESUME_HINT": RESUME_HINT}
+    if jobs > 1:
+        env["OMP_NUM_THREADS"] = job_threads(jobs)
+    return env
+
+
 def job_threads(jobs: int) -> str:
     """OMP_NUM_THREADS for each of `jobs` concurrent runs: the user's setting, else cores // jobs."""
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // jobs))
@@ -277,7 +290,7 @@ def _train_one(
     if jobs > 1:
         log = rdir / "worker.log"
         print0(f"[{i}/{total}] {spec.label}: training ({rdir}; output in {log.name})")
-        env = {**os.environ, "OMP_NUM_THREADS": job_threads(jobs)}
+        env = child_env(jobs)
         fd = os.open(
             log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
         )
@@ -293,7 +306,7 @@ def _train_one(
         where = f"its output is in {log}"
     else:
         print0(f"[{i}/{total}] {spec.label}: training ({rdir})")
-        code = run_child(launch_command(nproc) + [str(cfg_path), str(rdir)])
+        code = run_child(launch_command(nproc) + [str(cfg_path), str(rdir)], env=child_env(1))
         where = f"its folder is {rdir}"
     if code != 0:
         return f"run {spec.label} failed (exit {code}); {where}"

@@ -125,12 +125,20 @@ def train(
         print(
             f"tngram: {cfg.name} stopped by {signal_name(stopped.signum)} after step "
             f"{stopped.step}; "
-            f"checkpoint {stopped.checkpoint}; to continue, run the same command with --resume "
+            f"checkpoint {stopped.checkpoint}; to continue, {resume_hint()} "
             f"(exit {exit_code(stopped.signum)})",
             file=sys.stderr,
             flush=True,
         )
     raise SystemExit(exit_code(stopped.signum))
+
+
+def resume_hint() -> str:
+    """How to continue a stopped run: `--resume` for `tngram train`; a compare / experiment
+    child is told by its runner (TNGRAM_RESUME_HINT), whose command resumes it by itself."""
+    import os
+
+    return os.environ.get("TNGRAM_RESUME_HINT") or "run the same command with --resume"
 
 
 def _choose_threads(ctx: DistContext, default: int) -> StepWatch | None:
