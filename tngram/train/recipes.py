@@ -16,6 +16,12 @@ slice-table modulus chosen so its Δparams equals TN-gram's (36,380 rows at L9, 
 4 slices per order, averaged fusion), rows chosen the same way (36,954 at L9: Δ 18,888,912 vs
 TN-gram's 18,888,712; 36,000 at mini: Δ 4,336,800 vs 4,329,544, the pareto map's LongCat point).
 
+`paper-l9-tngram-sum / -hsum / -lean`: TN-gram variants that cut work from the GPU step, each
+within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1535, the largest R within
+TN-gram's Δparams: 18,879,490); R 256 summed + hashed orders 2..5 at 416 wide (mini-tngram-hsum
+with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's Δ: 26,421,720);
+no RMSNorm and no absorption at R 1024 (18,882,568). They keep the paper recipes' table lr.
+
 `mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed; docs/RESULTS.md the comparison).
 """
 
@@ -142,6 +148,24 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "paper-l9-tngram": lambda: _paper_l9(_tngram(1024), "paper-l9-tngram"),
     "paper-l9-oe": lambda: _paper_l9(_oe(36_380), "paper-l9-oe"),
     "paper-l9-oe-longcat": lambda: _paper_l9(_longcat(36_954), "paper-l9-oe-longcat"),
+    # TN-gram variants that cut the K/V input (the GPU step; issue 39), each within Engram's
+    # Δparams (tests/test_paper_l9_variants.py), at the paper recipes' table lr:
+    # orders summed: K/V read R = 1535 features, not 4 x 1024; the largest R within TN-gram's Δ
+    "paper-l9-tngram-sum": lambda: _paper_l9(
+        _tngram(1535, order_combine="sum"), "paper-l9-tngram-sum"
+    ),
+    # mini-tngram-hsum scaled with d (128 -> 512): R 256 summed + hashed orders 2..5 at 416 wide,
+    # K/V read 256 + 4 x 416 = 1920 (Engram 4 x 512 = 2048); the largest budget within Engram's Δ
+    "paper-l9-tngram-hsum": lambda: _paper_l9(
+        _tngram(
+            256, order_combine="sum", hash_orders=(2, 3, 4, 5), hash_embed=416, hash_budget=5839
+        ),
+        "paper-l9-tngram-hsum",
+    ),
+    # the ablation winners at the paper's R: no RMSNorm or scale pass, no absorption products
+    "paper-l9-tngram-lean": lambda: _paper_l9(
+        _tngram(1024, use_norm=False, use_absorption=False), "paper-l9-tngram-lean"
+    ),
     "paper-l18-raw": lambda: _paper_l18(None, "paper-l18-raw"),
     "paper-l18-engram": lambda: _paper_l18(_engram(1024, 1024, heads=8), "paper-l18-engram"),
     "paper-l18-tngram": lambda: _paper_l18(_tngram(1800), "paper-l18-tngram"),
@@ -176,6 +200,9 @@ DESCRIPTIONS: dict[str, str] = {
     "paper-l9-tngram": "L9 + TN-gram N 5, R 1024 (the paper's Table 1)",
     "paper-l9-oe": "L9 + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
     "paper-l9-oe-longcat": "L9 + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
+    "paper-l9-tngram-sum": "L9 + TN-gram N 5, R 1535, order_combine sum (K/V read R, not 4R)",
+    "paper-l9-tngram-hsum": "L9 + TN-gram R 256, orders summed, + hashed orders 2-5 (416 wide)",
+    "paper-l9-tngram-lean": "L9 + TN-gram N 5, R 1024, no RMSNorm, no absorption",
     "paper-l18-raw": "the paper's L18 GPT, no memory",
     "paper-l18-engram": "L18 + Engram N 5, 8 heads per order",
     "paper-l18-tngram": "L18 + TN-gram N 5, R 1800",

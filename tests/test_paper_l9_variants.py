@@ -1,0 +1,74 @@
+"""The paper-l9 TN-gram variants that cut the GPU step's work (train/recipes.py): each within
+Engram's Δparams at paper-l9, counted on the meta device (model.gpt.param_counts, nothing
+allocated), each size the largest its rule allows (one more would exceed its reference), and each
+cutting what it claims: the K/V input width (sum, hsum) or the norm/absorption stages (lean)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tngram.model.gpt import GPT
+from tngram.train.recipes import get_recipe, param_summary
+
+
+def delta(cfg) -> int:  # noqa: ANN001
+    return param_summary(cfg)["delta_params"]
+
+
+def with_memory(cfg, **kw):  # noqa: ANN001, ANN201
+    return replace(cfg, model=replace(cfg.model, memory=replace(cfg.model.memory, **kw)))
+
+
+def kv_input_width(cfg) -> int:  # noqa: ANN001
+    """in_features of the first memory layer's value projection, read off a meta-device model."""
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    fusions = [m for m in model.modules() if hasattr(m, "value_proj")]
+    return fusions[0].value_proj.in_features
+
+
+ENGRAM = delta(get_recipe("paper-l9-engram"))
+TNGRAM = delta(get_recipe("paper-l9-tngram"))
+
+
+@pytest.mark.parametrize(
+    "name, knob, limit",
+    [
+        ("paper-l9-tngram-sum", "cp_rank", TNGRAM),  # the pareto family's rule: within TN-gram's
+        ("paper-l9-tngram-hsum", "hash_budget", ENGRAM),  # within Engram's, as mini-tngram-hsum
+    ],
+)
+def test_each_size_is_the_largest_within_its_reference(name, knob, limit):
+    cfg = get_recipe(name)
+    size = getattr(cfg.model.memory, knob)
+    assert delta(cfg) <= limit < delta(with_memory(cfg, **{knob: size + 1})), (name, size)
+    assert delta(cfg) <= ENGRAM
+
+
+def test_the_variants_cut_what_they_claim():
+    engram, tngram = get_recipe("paper-l9-engram"), get_recipe("paper-l9-tngram")
+    t = tngram.model.memory
+    assert kv_input_width(tngram) == (t.max_ngram - 1) * t.cp_rank == 4096
+    assert kv_input_width(engram) == 2048  # 4 orders x 512
+    s = get_recipe("paper-l9-tngram-sum")
+    assert s.model.memory.order_combine == "sum"
+    assert kv_input_width(s) == s.model.memory.cp_rank == 1535  # 2.7x narrower than TN-gram's
+    h = get_recipe("paper-l9-tngram-hsum").model.memory
+    assert (h.order_combine, tuple(h.hash_orders), h.cp_rank, h.hash_embed) == (
+        "sum",
+        (2, 3, 4, 5),
+        256,
+        416,
+    )
+    assert kv_input_width(get_recipe("paper-l9-tngram-hsum")) == 256 + 4 * 416 <= 2048
+    lean = get_recipe("paper-l9-tngram-lean")
+    m = lean.model.memory
+    assert (m.cp_rank, m.use_norm, m.use_absorption) == (t.cp_rank, False, False)
+    assert delta(lean) <= TNGRAM <= ENGRAM
+    # everything but the memory is the paper-l9 backbone and training setup
+    for name in ("paper-l9-tngram-sum", "paper-l9-tngram-hsum", "paper-l9-tngram-lean"):
+        cfg = get_recipe(name)
+        assert replace(cfg, name=tngram.name, model=replace(cfg.model, memory=t)) == tngram, name
