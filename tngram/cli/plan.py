@@ -1,4 +1,5 @@
-"""`tngram plan RECIPE --gpus G --gpu-mem GB`: memory and time of a recipe on G GPUs, from its shapes.
+"""`tngram plan RECIPE --gpus G --gpu-mem GB`: memory and time of a recipe on G GPUs, from its
+shapes.
 
 Parameter counts come from the model built on the meta device. Activations: one sequence's
 forward runs on the CPU (a few seconds at L18) with a saved-tensors hook summing the bytes
@@ -42,7 +43,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from tngram.cli.argtypes import float_range
 from tngram.cli.common import add_set_argument
+
+MAX_GPUS = 1 << 20  # far beyond any cluster: a bound, so the arithmetic stays finite
 
 GIB = 2**30
 
@@ -129,12 +133,16 @@ def plan(
     from tngram.optim.groups import build_param_groups
     from tngram.train.recipes import get_recipe, resolve_config
 
-    if gpus < 1:
-        raise TngramError(f"--gpus must be >= 1, got {gpus}")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise TngramError(f"--gpus must be an int in [1, {MAX_GPUS}], got {gpus}")
     if gpu_mem_gb <= 1:
         raise TngramError(f"--gpu-mem must be > 1 (GB per GPU), got {gpu_mem_gb}")
     if not 0 < mfu <= 1:
         raise TngramError(f"--mfu must lie in (0, 1], got {mfu}")
+    if not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise TngramError(f"--peak-tflops must be a finite number > 0, got {peak_tflops}")
+    if not math.isfinite(gpu_mem_gb):
+        raise TngramError(f"--gpu-mem must be finite, got {gpu_mem_gb}")
     cfg = resolve_config(recipe, list(overrides)) if overrides else get_recipe(recipe)
     m = cfg.model
     with torch.device("meta"):
@@ -165,6 +173,13 @@ def plan(
     )
     T = m.sequence_len
     seqs_per_step = cfg.data.global_batch_tokens // T
+    if seqs_per_step % gpus:
+        raise TngramError(
+            f"--gpus {gpus}: one optimiser step holds {seqs_per_step} sequences "
+            f"(data.global_batch_tokens / model.sequence_len), which {gpus} GPUs cannot share "
+            f"(the trainer needs sequences = GPUs x micro-batch x accumulation); use a divisor "
+            f"of {seqs_per_step} GPUs or --set data.global_batch_tokens=..."
+        )
     need = math.ceil(seqs_per_step / gpus)  # sequences per GPU per optimiser step
     usable = gpu_mem_gb * 1e9 * (1 - margin) - GIB - static_total
 
@@ -222,7 +237,8 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"tngram plan {r['recipe']}: {r['gpus']} GPU(s) x {r['gpu_mem_gb']:g} GB, {r['dtype']}",
         f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam "
-        f"{r['adam_params'] - r['memory_table_params']:,} + memory tables {r['memory_table_params']:,}, "
+        f"{r['adam_params'] - r['memory_table_params']:,} + memory tables "
+        f"{r['memory_table_params']:,}, "
         f"Muon {r['muon_params']:,})",
         f"per GPU static   {g(r['static_total_bytes'])} = weights {g(st['weights'])} + grads "
         f"{g(st['gradients'])} + DDP buckets {g(st['ddp_buckets'])} + Adam {g(st['adam_state'])} "
@@ -263,12 +279,22 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (DDP, one process each)")
-    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    p.add_argument(
+        "--gpu-mem",
+        type=float_range(1.0, 1e6, lo_open=True),
+        default=80.0,
+        help="memory per GPU in GB (default 80)",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation precision")
-    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOP utilisation")
+    p.add_argument(
+        "--mfu",
+        type=float_range(0.0, 1.0, lo_open=True),
+        default=0.35,
+        help="assumed model FLOP utilisation, in (0, 1]",
+    )
     p.add_argument(
         "--peak-tflops",
-        type=float,
+        type=float_range(0.0, 1e6, lo_open=True),
         default=312.0,
         help="peak per GPU in TFLOP/s (default 312: A100 bf16 dense)",
     )

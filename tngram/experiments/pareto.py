@@ -72,6 +72,7 @@ TUNED_DEFAULT = {
     "tngram-hsum": 4.0,
 }
 LR_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)  # the grid tried for a family tuned here
+MAX_LR_FACTOR = 1000.0  # a --tuned table-lr factor beyond this is a typo, not a setting
 TUNE_SEEDS = 2
 
 # family -> (recipe method, size knob, sizes in the order they are trained: first the four that
@@ -235,6 +236,11 @@ def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
             except ValueError:
                 raise TngramError(
                     f"--tuned {tuned}: expected FAMILY-lrFACTOR items like engram-lr4, got {item!r}"
+                ) from None
+            if not (math.isfinite(factors[fam]) and 0 < factors[fam] <= MAX_LR_FACTOR):
+                raise TngramError(
+                    f"--tuned {tuned}: the table-lr factor of {item!r} must be a finite number "
+                    f"in (0, {MAX_LR_FACTOR:g}]"
                 )
             if fam not in SIZES:
                 raise TngramError(
@@ -244,7 +250,8 @@ def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
     if "oe" not in factors and path.is_file():
         from tngram.readback import get, read_tuning_file
 
-        factors["oe"] = float(get(read_tuning_file(path)["best"], "oe", "float", f"{path}: best"))
+        best = read_tuning_file(path)["best"]
+        factors["oe"] = float(get(best, "oe", "float", f"{path}: best", lo=1e-12, hi=MAX_LR_FACTOR))
     if "oe" in factors:
         factors.setdefault("longcat", factors["oe"])
         return factors
