@@ -29,7 +29,8 @@ def test_each_description_matches_its_config(name):
     if "no memory" in text:
         assert mem is None
         return
-    kind = {"TN-gram": "tngram", "Engram": "engram", "Over-Encoding": "oe"}
+    kind = {"TN-gram": "tngram", "Engram": "engram", "Over-Encoding": "oe", "product-key": "pkm",
+            "STEM": "stem", "per-layer token embeddings": "ple"}
     named = [k for w, k in kind.items() if re.search(rf"(^|\W){w}\W", text)]
     assert mem is not None and mem.kind in named, (name, text)
     if m := re.search(r"N (\d+)", text):
@@ -40,6 +41,16 @@ def test_each_description_matches_its_config(name):
         assert mem.n_head_per_ngram == int(m.group(1))
     if m := re.search(r"(\d+) slices", text):
         assert mem.n_slices == int(m.group(1))
+    if m := re.search(r"(\d+)\^2 slots, top (\d+), (\d+) heads", text):
+        assert (mem.n_keys, mem.topk, mem.n_heads) == tuple(int(g) for g in m.groups())
+    if m := re.search(r"FFN width (\d+)", text):
+        assert mem.width(cfg.model.n_embd) == int(m.group(1))
+    if m := re.search(r"(\d+) wide, gated", text):
+        assert mem.ple_dim == int(m.group(1)) and mem.gated
+    if m := re.search(r"in layers (\d+) and (\d+)", text):
+        assert tuple(cfg.model.memory_layers) == tuple(int(g) for g in m.groups())
+    if "in every layer" in text:
+        assert tuple(cfg.model.memory_layers) == tuple(range(cfg.model.n_layer))
     if "no RMSNorm, no absorption" in text:
         assert not mem.use_norm and not mem.use_absorption
     if "orders summed" in text:

@@ -20,6 +20,9 @@ MEMORY_KINDS: dict[str, str] = {
     "tngram": "tngram.memory.tngram:TNGramConfig",
     "engram": "tngram.memory.engram:EngramConfig",
     "oe": "tngram.memory.overencoding:OverEncodingConfig",
+    "pkm": "tngram.memory.product_key:ProductKeyConfig",
+    "stem": "tngram.memory.stem:StemConfig",
+    "ple": "tngram.memory.per_layer_embedding:PerLayerEmbeddingConfig",
 }
 _registered: dict[str, type] = {}
 

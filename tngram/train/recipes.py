@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from tngram.common import TngramError
+from tngram.memory import memory_config_classes
 from tngram.model.gpt import GPT, GPTConfig, param_counts
 from tngram.train.config import (
     DataConfig,
@@ -138,6 +139,17 @@ def _mini(memory: Any, name: str) -> TrainConfig:
     )
 
 
+def _memory(kind: str, **kw: Any) -> Any:
+    """A registered memory's config by kind (product keys, STEM, per-layer embeddings)."""
+    return memory_config_classes()[kind](**kw)
+
+
+def _every_layer(cfg: TrainConfig) -> TrainConfig:
+    """The memory in every block (per-layer embeddings are per layer)."""
+    layers = tuple(range(cfg.model.n_layer))
+    return replace(cfg, model=replace(cfg.model, memory_layers=layers))
+
+
 def _table_lr(cfg: TrainConfig, lr: float) -> TrainConfig:
     return replace(cfg, optim=replace(cfg.optim, memory_table_lr=lr))
 
@@ -189,6 +201,13 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     ),  # 4 x the recipes' table lr 0.05
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
+    # issue 40's families at the recipes' table lr (the embedding's, 0.05): product keys
+    # (Lample et al. 2019), STEM's token-indexed up-projection, Gemma 3n-style per-layer embeddings
+    "mini-pkm": lambda: _mini(
+        _memory("pkm", n_keys=128, key_dim=64, topk=8, n_heads=2), "mini-pkm"
+    ),
+    "mini-stem": lambda: _mini(_memory("stem"), "mini-stem"),
+    "mini-ple": lambda: _every_layer(_mini(_memory("ple", ple_dim=64), "mini-ple")),
 }
 
 
@@ -213,6 +232,9 @@ DESCRIPTIONS: dict[str, str] = {
     "mini-tngram-hsum": "mini + TN-gram R 64, orders summed, + hashed orders 2-5, table lr x4",
     "mini-oe": "mini + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
     "mini-oe-longcat": "mini + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
+    "mini-pkm": "mini + product-key memory, 128^2 slots, top 8, 2 heads (Lample et al. 2019)",
+    "mini-stem": "mini + STEM token-indexed up-projection (FFN width 256) in layers 1 and 3",
+    "mini-ple": "mini + per-layer token embeddings (64 wide, gated) in every layer",
 }
 
 
