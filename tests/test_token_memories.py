@@ -6,11 +6,9 @@ the dense gradient's touched rows."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tngram.common import TngramError
 from tngram.memory import memory_config_classes, memory_config_from_dict, memory_config_to_dict
@@ -71,7 +69,8 @@ def _brute_pkm(h, want, Wq, K, Val, n, k, H, half):  # noqa: ANN001, ANN202
         for t in range(h.shape[1]):
             q = Wq @ rms(h[b, t])                                  # (H * Kd,)
             for j in range(H):
-                q1, q2 = q[2 * j * half: (2 * j + 1) * half], q[(2 * j + 1) * half: (2 * j + 2) * half]
+                qj = q[2 * j * half: (2 * j + 2) * half]               # head j: (q1, q2)
+                q1, q2 = qj[:half], qj[half:]
                 score = {a * n + c: float(q1 @ K[j, 0, a] + q2 @ K[j, 1, c])
                          for a in range(n) for c in range(n)}
                 best = sorted(score, key=lambda s: -score[s])[:k]
@@ -205,5 +204,5 @@ def test_sparse_table_gradient_is_the_touched_rows_of_the_dense_one(name):
             torch.testing.assert_close(g.to_dense(), pd.grad, rtol=1e-5, atol=1e-7)
             untouched = torch.ones(ps.shape[0], dtype=torch.bool)
             untouched[rows] = False
-            assert not pd.grad[untouched].any()            # the dense gradient agrees: unread rows 0
+            assert not pd.grad[untouched].any()        # the dense gradient: unread rows are 0
     assert n_tables == (1 if name == "pkm-shared" else 2)
