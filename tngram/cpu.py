@@ -66,7 +66,7 @@ def available_cpus(facts: CpuFacts) -> int:
     return n
 
 
-def choose_threads(facts: CpuFacts, default: int) -> ThreadChoice:
+def choose_threads(facts: CpuFacts, default: int, doing: str = "training") -> ThreadChoice:
     """The torch thread count for a run whose default (torch's, or what the caller already set)
     is `default`: never more than it; fewer when the quota caps the CPUs or when other jobs at
     normal priority keep at least BUSY_CPUS of them busy (then one thread per CPU they leave
@@ -92,7 +92,7 @@ def choose_threads(facts: CpuFacts, default: int) -> ThreadChoice:
         threads,
         default,
         busy,
-        f"{why}: training with {threads} thread{'s' if threads > 1 else ''} instead of "
+        f"{why}: {doing} with {threads} thread{'s' if threads > 1 else ''} instead of "
         f"{default} (spinning threads collapse beside other jobs; --threads N chooses)",
         facts,
     )
@@ -166,11 +166,48 @@ def read_cpu_facts(sample_s: float = 0.3) -> CpuFacts:
     )
 
 
-def auto_threads(default: int, sample_s: float = 0.3) -> ThreadChoice:
+def auto_threads(default: int, sample_s: float = 0.3, doing: str = "training") -> ThreadChoice:
     """choose_threads on this machine's facts; no sample (and no change) when `default` is 1."""
     if default <= 1:
         return ThreadChoice(max(1, default), max(1, default), False, "")
-    return choose_threads(read_cpu_facts(sample_s), default)
+    return choose_threads(read_cpu_facts(sample_s), default, doing)
+
+
+def _n_threads(n: int) -> str:
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
+def thread_rule(
+    requested: int,
+    device_type: str,
+    default: int,
+    doing: str = "training",
+    choose: Callable[[int], ThreadChoice] | None = None,
+    omp: str | None = None,
+) -> tuple[int, str]:
+    """The thread rule of every command that computes (`tngram train`'s): (torch threads to use,
+    one line saying what was chosen and why). `requested` > 0 (--threads N / run.threads=N):
+    that many. Otherwise torch's `default` (OMP_NUM_THREADS when `omp` is set, else all cores),
+    fewer on the CPU when other jobs keep the CPUs busy or a quota caps them (`choose`, default
+    auto_threads: a /proc/stat sample). Pure given `choose`."""
+    if requested > 0:
+        return requested, f"{_n_threads(requested)} (--threads {requested})"
+    if device_type != "cpu":
+        return (
+            default,
+            f"{_n_threads(default)} on the host ({device_type} computes; --threads N chooses)",
+        )
+    if omp:
+        return default, f"{_n_threads(default)} (OMP_NUM_THREADS={omp}; --threads N chooses)"
+    choice = (choose or (lambda d: auto_threads(d, doing=doing)))(default)
+    if choice.changed:
+        return choice.threads, choice.reason
+    f = choice.facts
+    why = "torch's default"
+    if f is not None:
+        why += f": the CPUs are free (other jobs kept {f.others_busy:.1f} of {available_cpus(f)}"
+        why += " busy" + (f", load average {f.loadavg:.2f})" if f.loadavg is not None else ")")
+    return choice.threads, f"{_n_threads(choice.threads)} ({why}; --threads N chooses)"
 
 
 class StepWatch:

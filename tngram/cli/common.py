@@ -16,6 +16,7 @@ the same thing everywhere (tests/test_cli_vocabulary.py checks the help texts).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -101,6 +102,26 @@ def apply_threads(n: int) -> None:
 
         check_thread_count(n, "--threads")
         torch.set_num_threads(n)
+
+
+def use_threads(requested: int, device: str, doing: str) -> int:
+    """Set torch's CPU threads by the rule `tngram train` uses (tngram.cpu.thread_rule: --threads
+    N, else torch's default, fewer when other jobs keep the CPUs busy) and say in one line on
+    stderr what was chosen; returns the thread count."""
+    import torch
+
+    from tngram.cpu import thread_rule
+
+    apply_threads(requested)  # range and core-count checks of an explicit --threads
+    kind = device.split(":")[0]
+    n, line = thread_rule(
+        requested, kind, torch.get_num_threads(), doing, omp=os.environ.get("OMP_NUM_THREADS")
+    )
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    if os.environ.get("RANK", "0") == "0":  # one line under torchrun too
+        print(f"tngram: threads: {line}", file=sys.stderr, flush=True)
+    return n
 
 
 def add_json_argument(p: argparse.ArgumentParser) -> None:

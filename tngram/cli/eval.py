@@ -216,10 +216,10 @@ def cmd_core(args: argparse.Namespace) -> int:
 
     from tngram.eval.bundle import default_bundle_dir
     from tngram.eval.core import SentencePieceTokenizer, evaluate_core, format_core_table
-    from tngram.cli.common import apply_threads, show_progress
+    from tngram.cli.common import show_progress, use_threads
 
     device = _device(args.device)
-    apply_threads(args.threads)
+    use_threads(args.threads, device, "evaluating")
     bundle = Path(args.bundle) if args.bundle else default_bundle_dir()
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
@@ -277,10 +277,10 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.data.loader import load_val_tokens
     from tngram.data.tokenizer import load_tokenizer
     from tngram.eval.bpb import evaluate_bpb
-    from tngram.cli.common import apply_threads
+    from tngram.cli.common import use_threads
 
     device = _device(args.device)
-    apply_threads(args.threads)
+    use_threads(args.threads, device, "evaluating")
     path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / "bpb.json"
     lock = _claim_output(path, args.run_dir, "eval bpb")  # writable + run locked, before any work
     with lock, _dist_group(device) as info:
@@ -349,5 +349,6 @@ def _autocast_note(run_dir: Path, cfg: dict[str, Any]) -> str:
         return ""
     return (
         f"\nnote: this is an fp32 forward pass; training validated under bf16 autocast "
-        f"(run.dtype={dtype}) and recorded val_loss {val:.4f} in summary.json: the difference is bf16 rounding"
+        f"(run.dtype={dtype}) and recorded val_loss {val:.4f} in summary.json: the difference "
+        "is bf16 rounding"
     )

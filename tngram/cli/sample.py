@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
-from tngram.cli.common import add_device_argument
+from tngram.cli.common import add_device_argument, add_threads_argument, use_threads
 from tngram.common import TngramError
 
 
@@ -45,6 +45,7 @@ def add_commands(sub: Any) -> None:
         help="SentencePiece .model to use instead of the run's (older runs without one)",
     )
     add_device_argument(p)
+    add_threads_argument(p)
     p.set_defaults(func=_cmd_sample)
 
 
@@ -58,9 +59,11 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         raise TngramError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.seed + args.num_samples - 1 >= 2**63:
         raise TngramError(
-            f"--seed + --num-samples - 1 must stay below 2^63, got {args.seed + args.num_samples - 1}"
+            "--seed + --num-samples - 1 must stay below 2^63, got "
+            f"{args.seed + args.num_samples - 1}"
         )
     device = str(resolve_device(args.device, flag="--device"))
+    use_threads(args.threads, device, "sampling")
     model, tok = tngram.load_run(args.run_dir, device=device, tokenizer=args.tokenizer)
     for i in range(args.num_samples):
         if i:

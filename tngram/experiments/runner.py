@@ -78,12 +78,14 @@ def child_env(jobs: int) -> dict[str, str]:
 
 
 def job_threads(jobs: int) -> str:
-    """OMP_NUM_THREADS for each of `jobs` concurrent runs: the user's setting, else cores // jobs."""
+    """OMP_NUM_THREADS for each of `jobs` concurrent runs: the user's setting, else
+    cores // jobs."""
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // jobs))
 
 
 def check_jobs(jobs: int, nproc: int) -> None:
-    """--jobs runs single-process runs side by side; torchrun runs (--nproc > 1) cannot join them."""
+    """--jobs runs single-process runs side by side; torchrun runs (--nproc > 1) cannot join
+    them."""
     if jobs > 1 and nproc > 1:
         raise TngramError(
             f"--jobs {jobs} trains several single-process runs at once; it cannot be "
@@ -202,7 +204,7 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
             )
         todo.append((i, spec, rdir))
     stop = threading.Event()  # set by the first failure: no further run starts
-    clock = RunClock(len(todo))
+    clock = RunClock(len(todo), runs=[run_work(spec) for _, spec, _ in todo])
     signals = ForwardSignals()  # SIGTERM / SIGINT: forwarded to the running children, no new run
 
     def train_one(i: int, spec: RunSpec, rdir: Path) -> str | None:
@@ -243,27 +245,75 @@ def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, A
 
 
 class RunClock:
-    """Elapsed time and ETA of the runs a run_all call trains (reused runs do not count): after
-    each finished run, the ETA is the mean wall time per finished run so far times the runs
-    left (with --jobs J the runs overlap, and the mean is of wall time, so it includes that)."""
+    """Elapsed time and ETA of the runs a run_all call trains (reused runs do not count).
 
-    def __init__(self, total: int, now: float | None = None) -> None:
+    Each run is costed by its work (tokens: steps x global batch) and its family (the compare
+    method, e.g. raw / engram / tngram): the runs left take their work x their family's measured
+    seconds per token, a family not measured yet the mean over the runs finished. With --jobs J
+    the runs overlap: the sum is scaled by elapsed / (the finished runs' own seconds). Without
+    `runs` every run is one unit of one family (the mean time per finished run)."""
+
+    def __init__(
+        self,
+        total: int,
+        now: float | None = None,
+        runs: list[tuple[str, str, float]] | None = None,  # (label, family, work)
+    ) -> None:
         self.total, self.done = total, 0
         self.t0 = time.monotonic() if now is None else now
+        self.last = self.t0  # the previous finish (a run's seconds when none are given)
+        self.runs = {lab: (fam, float(w)) for lab, fam, w in runs or []}
+        self.left = list(self.runs) if runs else [str(i) for i in range(total)]
+        if not runs:
+            self.runs = {lab: ("", 1.0) for lab in self.left}
+        self.took: dict[str, float] = {}  # label -> seconds of a finished run
         self._lock = threading.Lock()
 
-    def finished(self, now: float | None = None) -> str:
-        """Count one finished run; the text for its line, e.g. "1/3 trained, 1 min 30 s elapsed,
-        about 3 min 00 s left"."""
-        from tngram.cpu import eta_seconds, fmt_duration
+    def eta(self, elapsed: float) -> float:
+        """Seconds left for the runs not finished (module docstring); NaN before any finished."""
+        done = [(*self.runs[lab], s) for lab, s in self.took.items()]
+        if not done or elapsed < 0:
+            return float("nan")
+        work = sum(w for _, w, _ in done)
+        mean = sum(s for *_, s in done) / work if work > 0 else float("nan")
+        rate: dict[str, float] = {}
+        for fam in {f for f, _, _ in done}:
+            w = sum(w for f, w, _ in done if f == fam)
+            rate[fam] = sum(s for f, _, s in done if f == fam) / w if w > 0 else mean
+        left = sum(w * rate.get(f, mean) for f, w in (self.runs[lab] for lab in self.left))
+        own = sum(s for *_, s in done)
+        return max(0.0, left * (elapsed / own if own > 0 else 1.0))
+
+    def finished(
+        self, now: float | None = None, label: str | None = None, run_s: float | None = None
+    ) -> str:
+        """Count one finished run (`label`, which took `run_s` seconds; by default the next in
+        order, the time since the previous finish); the text for its line, e.g. "1/3 trained,
+        1 min 30 s elapsed, about 3 min 00 s left"."""
+        from tngram.cpu import fmt_duration
 
         with self._lock:
+            t = time.monotonic() if now is None else now
             self.done += 1
-            elapsed = (time.monotonic() if now is None else now) - self.t0
+            lab = label if label in self.left else self.left[0]
+            self.left.remove(lab)
+            self.took[lab] = t - self.last if run_s is None else run_s
+            self.last = t
+            elapsed = t - self.t0
             text = f"{self.done}/{self.total} trained, {fmt_duration(elapsed)} elapsed"
-            if self.done < self.total:
-                text += f", about {fmt_duration(eta_seconds(self.done, self.total, elapsed))} left"
+            if self.left:
+                text += f", about {fmt_duration(self.eta(elapsed))} left"
             return text
+
+
+def run_work(spec: RunSpec) -> tuple[str, str, float]:
+    """(label, family, work) of a run for RunClock: family = its method tag (else its memory
+    kind), work = the tokens it trains (steps x global batch)."""
+    from tngram.train.recipes import memory_kind
+
+    c = spec.config
+    fam = str(spec.tags.get("method", memory_kind(c)))
+    return spec.label, fam, float(c.schedule.steps * c.data.global_batch_tokens)
 
 
 def _train_one(
@@ -310,10 +360,11 @@ def _train_one(
         where = f"its folder is {rdir}"
     if code != 0:
         return f"run {spec.label} failed (exit {code}); {where}"
-    took = f"done in {time.time() - t0:.0f} s"
+    run_s = time.time() - t0
+    took = f"done in {run_s:.0f} s"
     print0(
         f"[{i}/{total}] {spec.label}: {took}"
-        + (f" ({clock.finished()})" if clock is not None else "")
+        + (f" ({clock.finished(label=spec.label, run_s=run_s)})" if clock is not None else "")
     )
     return None
 

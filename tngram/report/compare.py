@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tngram.common import atomic_write_text
+from tngram.common import TngramError, atomic_write_text
 from tngram.report.plots import loss_curves
 from tngram.report.runs import fmt_mean_std, fmt_params, mean_std
 
@@ -25,7 +25,28 @@ PAPER_TABLE1 = {
 NAMES = {"raw": "Raw GPT", "engram": "Engram", "tngram": "TN-gram", "oe": "Over-Encoding"}
 
 
-def compare_table(results: dict[str, Any]) -> str:
+def run_conditions(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """{run_dir: "1 thread, load 2.10"}: the torch threads and the 1-minute load average each
+    run started with (its env.json), for report.md's tokens/s; "" where the run does not say."""
+    from tngram.readback import load_json
+
+    out = {}
+    for r in rows:
+        run = Path(str(r.get("run_dir", "")))
+        try:
+            env = load_json(run / "env.json", run) if (run / "env.json").is_file() else {}
+        except TngramError:  # a report never fails on a run's provenance file
+            env = {}
+        t, load = env.get("torch_threads"), env.get("loadavg_1min")
+        parts = [f"{t} thread{'s' if t != 1 else ''}"] if isinstance(t, int) else []
+        parts += [f"load {load:.2f}"] if isinstance(load, (int, float)) else []
+        out[str(r.get("run_dir", ""))] = ", ".join(parts)
+    return out
+
+
+def compare_table(results: dict[str, Any], conditions: dict[str, str] | None = None) -> str:
+    """The Table-1-style markdown table. `conditions` (run_conditions): each method's threads and
+    load at start beside its tokens/s (report.md)."""
     rows = results["rows"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     paper = PAPER_TABLE1.get(results.get("preset", ""), {})
@@ -50,7 +71,11 @@ def compare_table(results: dict[str, Any]) -> str:
         ]
         if has_core:
             cells.append(fmt_mean_std([r.get("core") for r in rs]))
-        cells.append(f"{mean_std([r['tokens_per_s'] for r in rs])[0]:,.0f}")
+        tps = f"{mean_std([r['tokens_per_s'] for r in rs])[0]:,.0f}"
+        if conditions:
+            seen = list(dict.fromkeys(conditions.get(str(r.get("run_dir", "")), "") for r in rs))
+            tps += f" ({'; '.join(c or '?' for c in seen)})" if any(seen) else ""
+        cells.append(tps)
         if paper:
             p = paper.get(m, (None, None, None, None))
             cells += [fmt_params(p[0])] + ["–" if v is None else f"{v}" for v in p[1:]]
@@ -182,7 +207,7 @@ def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
     saying what to install."""
     from tngram.common import MissingExtraError
 
-    table = compare_table(results)
+    table = compare_table(results, run_conditions(results["rows"]))
     if len({r["seed"] for r in results["rows"]}) > 1:
         try:
             table += "\n\n" + significance_table(

@@ -58,7 +58,7 @@ from tngram.train.dist import (
 )
 from tngram.train.fsdp import gather_for_save, local_parameters
 from tngram.train.health import LossHealth, check_step_memory
-from tngram.train.metrics import Progress, check_logger, last_logged_loss
+from tngram.train.metrics import Progress, check_logger, last_logged_loss, tail_seconds, timed
 from tngram.train.rundir import release_run_dir
 from tngram.train.sharded_checkpoint import save_step_checkpoint
 from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
@@ -167,6 +167,8 @@ class Trainer(TrainerSetup):
     then log / validate / checkpoint when their predicate says so) and the summary."""
 
     watch: StepWatch | None = None  # set by train() when the thread count is automatic
+    _val_s: float | None = None  # seconds of the last validation / checkpoint (@timed)
+    _save_s: float | None = None
 
     def __init__(
         self,
@@ -346,6 +348,7 @@ class Trainer(TrainerSetup):
             self.ctx.is_main,
             bar=self.bar,
             log_every=cfg.run.log_every,
+            tail=self.tail_estimate,
         )
         health = self.health = LossHealth(cfg.model.vocab_size)
         self.progress = progress
@@ -430,6 +433,15 @@ class Trainer(TrainerSetup):
                 + f"; delta params now {self.sizes['delta_params']:,}"
             )
 
+    def tail_estimate(self, step_s: float) -> float:
+        """The ETA's tail: final validation and checkpoint (tngram.train.metrics.tail_seconds)."""
+        val, batch = (
+            self.cfg.data.val_tokens or self.val_tokens.numel(),
+            self.cfg.data.global_batch_tokens,
+        )
+        return tail_seconds(step_s, batch, int(val), self._val_s, self._save_s)
+
+    @timed("_val_s")
     def evaluate(self) -> dict[str, Any]:
         """Val loss and BPB; rows owed moves (optim.memory_catchup) settled for it, then
         restored."""
@@ -473,6 +485,7 @@ class Trainer(TrainerSetup):
             )
         self.log.log(row)
 
+    @timed("_save_s")
     def save(self) -> None:
         """A checkpoint of this step: every process checks its weights are finite; the main one
         writes (FSDP-sharded: every process writes its shards through DCP,

@@ -14,6 +14,7 @@ main process writes, under the run's lock.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,13 @@ def git_info(path: str | os.PathLike) -> dict[str, Any]:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str, Any]:
     """Provenance of a run: code version, library versions, hardware, process layout."""
     import numpy
@@ -66,6 +75,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "loadavg_1min": _loadavg(),  # the machine's load when the run started (report.md)
         "device": str(device),
         "world_size": world_size,
         "grad_accum_steps": grad_accum,
@@ -252,11 +262,49 @@ def progress_line(
     )
 
 
+def tail_seconds(
+    step_s: float,
+    tokens_per_step: int,
+    val_tokens: int,
+    val_s: float | None = None,
+    save_s: float | None = None,
+) -> float:
+    """Seconds a run takes after its last optimiser step: the final validation and the final
+    checkpoint. Each is its measured time when the run did one already (`val_s`, `save_s`);
+    otherwise validation is costed as a forward pass over `val_tokens` at a third of a training
+    token's time (forward + backward is ~3 forwards: 2 FLOPs per parameter and token forward,
+    4 backward) and an unseen checkpoint as one step. `step_s`: mean seconds per step so far."""
+    if not math.isfinite(step_s) or step_s < 0:
+        return float("nan")
+    if val_s is None:
+        val_s = step_s * val_tokens / max(1, tokens_per_step) / 3
+    return float(val_s + (step_s if save_s is None else save_s))
+
+
+def timed(attr: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Method decorator: each call's wall seconds are stored in `self.<attr>` (also when it
+    raises), e.g. the trainer's last validation / checkpoint time for the ETA's tail."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                setattr(self, attr, time.perf_counter() - t0)
+
+        return call
+
+    return wrap
+
+
 class Progress:
     """Progress on the main process; silent elsewhere. With `bar` (a terminal): a tqdm bar (loss,
     tokens/s; tqdm's [elapsed<remaining]). Without (batch jobs, CI, nohup, --no-progress): one
     plain line on stderr every `log_every` steps and at the last step, with the elapsed time of
-    this session and the ETA at its mean step rate (`progress_line`)."""
+    this session and the ETA at its mean step rate plus the final validation and checkpoint
+    (`tail`: seconds per step -> seconds after the last step, e.g. tail_seconds; none: 0)."""
 
     def __init__(
         self,
@@ -266,8 +314,10 @@ class Progress:
         enabled: bool,
         bar: bool = True,
         log_every: int = 10,
+        tail: Callable[[float], float] | None = None,
     ) -> None:
         self.bar = None
+        self.tail = tail
         self.plain = enabled and not bar
         self.total, self.step, self.desc, self.log_every = total, initial, desc, max(1, log_every)
         self.initial, self.t0 = initial, time.monotonic()
@@ -290,7 +340,10 @@ class Progress:
             self.bar.update(1)
         elif self.plain and (self.step % self.log_every == 0 or self.step == self.total):
             elapsed = time.monotonic() - self.t0
-            eta = eta_seconds(self.step - self.initial, self.total - self.initial, elapsed)
+            done = self.step - self.initial
+            eta = eta_seconds(done, self.total - self.initial, elapsed)
+            if self.tail is not None and done > 0:
+                eta += self.tail(elapsed / done)
             print(
                 progress_line(self.desc, self.step, self.total, loss, tokens_per_s, elapsed, eta),
                 file=sys.stderr,
