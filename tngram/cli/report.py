@@ -1,4 +1,5 @@
-"""CLI: `tngram report tables RUN_DIR...` (paper Tables 2-3 layout) and `tngram report compare DIR`."""
+"""CLI: `tngram report tables RUN_DIR...` (paper Tables 2-3 layout), `tngram report compare DIR`
+and the generated blocks of the docs (`report readme`, `report doc`)."""
 
 from __future__ import annotations
 
@@ -127,16 +128,25 @@ def _cmd_doc(args: Any) -> int:
                     f"`tngram report doc {doc}` to regenerate it",
                     file=sys.stderr,
                 )
-            n_ok = len(block_names(doc.read_text(encoding="utf-8"))) - len(differ)
-            if n_ok:
-                print(f"{doc}: {n_ok} generated block(s) match their results files")
+            total = len(
+                [
+                    n
+                    for n in block_names(doc.read_text(encoding="utf-8"), str(doc))
+                    if not args.name or n in args.name
+                ]
+            )
+            print(
+                f"{doc}: checked {total} generated block(s): {total - len(differ)} match their "
+                f"results files, {len(differ)} differ"
+            )
             bad += len(differ)
         else:
             text, changed = regenerate_doc(doc, args.name)
             if changed:
                 atomic_write_text(doc, text)
             print(
-                f"{doc}: regenerated {', '.join(changed) if changed else 'nothing (all blocks current)'}"
+                f"{doc}: regenerated "
+                f"{', '.join(changed) if changed else 'nothing (all blocks current)'}"
             )
     return 1 if bad else 0
 
@@ -212,9 +222,12 @@ def _compare_one(dir: Path) -> int:
     path = dir / "results.json"
     if not path.exists():
         raise MissingFileError(f"{path} not found: is {dir} a `tngram compare` folder?")
-    from tngram.readback import read_results_file
+    from tngram.readback import get, read_results_file
+    from tngram.report.compare import COMPARE_ROW
 
-    results = read_results_file(path)
+    results = read_results_file(path, require=COMPARE_ROW)
+    get(results, "preset", "str", str(path))
+    get(results, "data", "str", str(path), default=None)
     # run_dir was recorded relative to the cwd of `tngram compare`; the run folder itself is
     # DIR/runs/NAME, which still holds when DIR is moved or read from another directory
     local = {id(r): dir / "runs" / Path(r.get("run_dir", "")).name for r in results["rows"]}

@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ def export_run(
     """Convert RUN to an HF folder at out_dir; returns out_dir."""
     import torch
 
+    from tngram.data.tokenizer import load_tokenizer
     from tngram.hf.gpt_folder import MEMORY_TOKENIZER, memory_tokenizer_for_export
     from tngram.hf.gpt_model import from_gpt, register
     from tngram.train.checkpoint import load_run_model
@@ -49,6 +52,7 @@ def export_run(
     run_dir = Path(run_dir)
     model, cfg = load_run_model(run_dir)  # clear error when RUN is not a run
     sp_path = run_tokenizer_path(run_dir, cfg, tokenizer)
+    load_tokenizer(sp_path)  # a file that is not a SentencePiece model: one line, before writing
     register()
     hf = from_gpt(model)
     mem_tok = memory_tokenizer_for_export(hf)  # Engram's compression tokenizer goes inside
@@ -60,7 +64,8 @@ def export_run(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf.save_pretrained(str(tmp))
+        with _quiet_progress():
+            hf.save_pretrained(str(tmp))
         if mem_tok is not None:
             shutil.copyfile(check_regular(mem_tok), tmp / MEMORY_TOKENIZER)
         _save_tokenizer(sp_path, tmp)
@@ -79,6 +84,20 @@ def export_run(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' "Writing model shards" bar off while saving (the CLI's lines stay its own)."""
+    from transformers.utils import logging as tlog
+
+    was = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tlog.enable_progress_bar()
 
 
 def _disk_full(e: BaseException) -> bool:

@@ -204,10 +204,12 @@ def read_summary_file(
 
 
 def read_results_file(
-    path: str | os.PathLike, root: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    root: str | os.PathLike | None = None,
+    require: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """An experiment's results.json read back: {"rows": [row objects]}, each row's numbers numbers,
-    its run_dir and method strings, its seed an int."""
+    its run_dir and method strings, its seed an int; every key of `require` present in each."""
     where = str(path)
     d = load_json(path, root)
     rows = get(d, "rows", "list", where)
@@ -215,6 +217,9 @@ def read_results_file(
         rw = f"{where}: rows[{i}]"
         if not isinstance(r, dict):
             raise BadRecordError(f"{rw} must be an object, got {_short(r)}")
+        for k in require:
+            if k not in r:
+                raise BadRecordError(f"{rw}: field {k!r} is missing")
         check_numbers(r, SUMMARY_NUMBERS, rw)
         for k in ("run_dir", "method", "label", "recipe"):
             if k in r:

@@ -148,10 +148,11 @@ def significance_table(by_corpus: dict[str, list[dict[str, Any]]], metric: str =
         m for m in methods if m not in ("raw", "engram", "tngram", "oe")
     ]
     lines = [
-        f"Paired differences of {metric} (same seed = same backbone init and data order; negative = "
-        "the first method is better). 95% CI from the t distribution; p two-sided.",
+        f"Paired differences of {metric} (same seed = same backbone init and data order; "
+        "negative = the first method is better). 95% CI from the t distribution; p two-sided.",
         "",
-        "| pair | corpus | n | mean diff | 95% CI | t-test p | sign p | permutation p | first better / worse |",
+        "| pair | corpus | n | mean diff | 95% CI | t-test p | sign p | permutation p "
+        "| first better / worse |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for a, b in method_pairs(order):
@@ -176,9 +177,13 @@ def significance_table(by_corpus: dict[str, list[dict[str, Any]]], metric: str =
 def _stats_row(pair: str, corpus: str, s: Any) -> str:
     ci = "–" if s.ci_low != s.ci_low else f"[{s.ci_low:+.4f}, {s.ci_high:+.4f}]"
     return (
-        f"| {pair} | {corpus} | {s.n} | {s.mean:+.4f} | {ci} | {_fmt_p(s.t_p)} | {_fmt_p(s.sign_p)} | "
-        f"{_fmt_p(s.perm_p)} | {s.wins} / {s.losses} |"
+        f"| {pair} | {corpus} | {s.n} | {s.mean:+.4f} | {ci} | {_fmt_p(s.t_p)} | "
+        f"{_fmt_p(s.sign_p)} | {_fmt_p(s.perm_p)} | {s.wins} / {s.losses} |"
     )
+
+
+# the fields of a results row the compare report reads
+COMPARE_ROW = ("method", "seed", "run_dir", "train_loss", "val_loss", "val_bpb", "tokens_per_s")
 
 
 def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
@@ -189,13 +194,16 @@ def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
 
     path = folder / "results.json"
     if not (folder / "runs").is_dir() and path.exists():
-        return read_results_file(path)["rows"]
+        return read_results_file(path, require=COMPARE_ROW)["rows"]
     rows = []
     for run in sorted((folder / "runs").glob("*-s*")):
         summary, config = run / "summary.json", run / "config.json"
         if not (summary.exists() and config.exists()):
             continue
         s, c = read_summary_file(summary, run), load_json(config, run)
+        for k in COMPARE_ROW:
+            if k not in ("method", "seed", "run_dir"):
+                get(s, k, "any-number?", str(summary))  # present (NaN: a diverged run)
         seed = get(get(c, "run", "dict", str(config)), "seed", "int", f"{config}: run", lo=0)
         rows.append({**s, "method": run.name.rsplit("-s", 1)[0], "seed": seed, "run_dir": str(run)})
     return rows

@@ -24,9 +24,12 @@ the renderer:
   "rows" (one list of raw values per row), see `render_cell`.
 
 Every results file carries "command", "commit" and "machine" (and "source": where the numbers were
-taken from); the block ends with one line citing them. `tngram report doc FILE` rewrites every block
-of FILE from its results file; `tngram report doc FILE --check` only compares (tests/test_readme.py
-runs it on README.md and docs/*.md), so a table that disagrees with its results file fails the tests.
+taken from); the block ends with one line citing them. `tngram report doc FILE` rewrites every
+block of FILE from its results file; `tngram report doc FILE --check` only compares
+(tests/test_readme.py runs it on README.md and docs/*.md), so a table that disagrees with its
+results file fails the tests. A marker that is not well formed (another spacing, a name with a
+folder or a space, a BEGIN without its END, a name twice) is refused with one line naming it:
+every block found is checked or refused, and --check says how many it checked.
 """
 
 from __future__ import annotations
@@ -107,15 +110,18 @@ def check_doc(doc: Path) -> list[str]:
     """Names of the blocks of `doc` that differ from the rendering of their results file."""
     text = doc.read_text(encoding="utf-8")
     return [
-        n for n in block_names(text) if current_block(text, n) != render(load_snapshot(doc, n), n)
+        n
+        for n in block_names(text, str(doc))
+        if current_block(text, n) != render(load_snapshot(doc, n), n)
     ]
 
 
 def regenerate_doc(doc: Path, names: list[str] | None = None) -> tuple[str, list[str]]:
-    """The text of `doc` with blocks `names` (default: all) rendered again, and the names changed."""
+    """The text of `doc` with blocks `names` (default: all) rendered again, and the names
+    changed."""
     text = doc.read_text(encoding="utf-8")
     changed = []
-    for n in names or block_names(text):
+    for n in names or block_names(text, str(doc)):
         block = render(load_snapshot(doc, n), n)
         if current_block(text, n) != block:
             text = replace_block(text, n, block)

@@ -25,9 +25,49 @@ def end_marker(name: str) -> str:
     return f"<!-- END generated: {name} -->"
 
 
-def block_names(text: str) -> list[str]:
-    """Names of the generated blocks in a Markdown text, in order."""
-    return re.findall(r"<!-- BEGIN generated: ([\w.:@-]+) -->", text)
+# a block name: FILE or FILE:VIEW, FILE a plain results-file name (no folder, no leading dot)
+NAME_RE = re.compile(r"[A-Za-z0-9_][\w.@-]*(?::[\w.@-]+)?")
+# anything that looks like a marker, however spaced or named: each must be a well-formed one
+_LOOSE = re.compile(r"<!--\s*(BEGIN|END)\s+generated\b(.*?)-->", re.IGNORECASE | re.DOTALL)
+
+
+def block_names(text: str, where: str = "the document") -> list[str]:
+    """Names of the generated blocks in a Markdown text, in order. Every marker-like comment
+    must be a well-formed BEGIN or END marker of a valid name (NAME_RE, no '..'), each BEGIN
+    followed by its END, each name once: otherwise one TngramError naming the line (a block
+    that is not recognised would never be checked)."""
+    names: list[str] = []
+    open_name: str | None = None
+    for m in _LOOSE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        kind, raw = m.group(1), m.group(0)
+        name = m.group(2).strip().removeprefix(":").strip()
+        good = (
+            kind in ("BEGIN", "END")
+            and NAME_RE.fullmatch(name) is not None
+            and ".." not in name
+            and raw == (begin_marker(name) if kind == "BEGIN" else end_marker(name))
+        )
+        if not good:
+            raise TngramError(
+                f"{where}: line {line}: malformed generated-block marker {raw[:80]!r}; expected "
+                f"{begin_marker('NAME')!r} / {end_marker('NAME')!r} with NAME = FILE or "
+                f"FILE:VIEW (letters, digits, _ . @ -; no folder)"
+            )
+        if kind == "BEGIN":
+            if open_name is not None:
+                raise TngramError(f"{where}: line {line}: block {open_name!r} is not closed")
+            if name in names:
+                raise TngramError(f"{where}: line {line}: block {name!r} appears twice")
+            open_name = name
+            names.append(name)
+        elif name != open_name:
+            raise TngramError(f"{where}: line {line}: END of {name!r} without its BEGIN")
+        else:
+            open_name = None
+    if open_name is not None:
+        raise TngramError(f"{where}: block {open_name!r} has no END marker")
+    return names
 
 
 def _indent(text: str, name: str) -> str:
