@@ -19,9 +19,11 @@ TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchu
 
 
 def _threads(args: argparse.Namespace) -> None:
-    from tngram.cli.common import apply_threads
+    """Train's thread rule (tngram.cpu.thread_rule), said in one line on stderr: a benchmark
+    on a busy machine runs, and reports, the threads a training run there would use."""
+    from tngram.cli.common import use_threads
 
-    apply_threads(args.threads)
+    use_threads(args.threads, vars(args).get("device") or "cpu", "benchmarking")
 
 
 def results_file_fields(kind: str, argv: list[str]) -> dict[str, Any]:

@@ -114,6 +114,8 @@ def use_threads(requested: int, device: str, doing: str) -> int:
 
     apply_threads(requested)  # range and core-count checks of an explicit --threads
     kind = device.split(":")[0]
+    if kind == "auto":  # as tngram.train.dist.resolve_device picks it
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
     n, line = thread_rule(
         requested, kind, torch.get_num_threads(), doing, omp=os.environ.get("OMP_NUM_THREADS")
     )
