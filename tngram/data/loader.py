@@ -172,8 +172,9 @@ class TokenLoader:
         counts = [int(c) for c in d.get("counts", [])]
         if counts != self.counts:
             raise TngramError(
-                f"loader state was saved for {len(counts)} shards with token counts {counts[:4]}..., "
-                f"but this loader has {len(self.counts)} shards with {self.counts[:4]}...: different data"
+                f"loader state was saved for {len(counts)} shards with token counts "
+                f"{counts[:4]}..., but this loader has {len(self.counts)} shards with "
+                f"{self.counts[:4]}...: different data"
             )
         order = [int(i) for i in d["order"]]
         if sorted(order) != list(range(len(self.counts))):
@@ -243,7 +244,8 @@ def load_val_tokens(
     vocab_size: int | None = None,
     dtype: torch.dtype = torch.int64,
 ) -> Tensor:
-    """All val shards concatenated, truncated to k*seq_len + 1 tokens (k maximal), shape (k*seq_len+1,).
+    """All val shards concatenated, truncated to k*seq_len + 1 tokens (k maximal), shape
+    (k*seq_len+1,).
 
     As in parameter-golf: windows are val[i*T : (i+1)*T + 1]. int64 by default (8 bytes/token;
     pass dtype=torch.int32 to halve memory for FineWeb's 62 M val tokens).

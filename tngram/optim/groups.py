@@ -203,7 +203,8 @@ def split_memory_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.P
     list is everything else (backbone, memory K/V projections, gates, conv), for your usual rules.
     """
     table_ids = {id(p) for p in memory_table_params(model)}
-    tables, rest = [], []
+    tables: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for p in model.parameters():  # deduplicates shared parameters
         if p.requires_grad:
             (tables if id(p) in table_ids else rest).append(p)

@@ -119,7 +119,9 @@ class Muon(torch.optim.Optimizer):
             return self._ns(u, steps=steps)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(  # type: ignore[override]  # torch's overloads: one signature does the same
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -19,6 +19,7 @@ what ran ("compiled" / "eager") and why it is eager where it is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -85,6 +86,7 @@ def compile_forward(
         why = "run.compile=false" if setting is False else f"run.compile=auto on {device.type}"
         return model, CompileState(setting, "eager", why)
     if setting is True:
-        return torch.compile(model, dynamic=False), CompileState(setting, "compiled")
-    compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        compiled = cast(nn.Module, torch.compile(model, dynamic=False))
+        return compiled, CompileState(setting, "compiled")
+    compiled = cast(nn.Module, torch.compile(model, dynamic=False, fullgraph=True))
     return compiled, CompileState(setting, "compiled", armed=True)

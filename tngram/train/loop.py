@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -161,6 +161,12 @@ def _choose_threads(ctx: DistContext, default: int) -> StepWatch | None:
     return StepWatch(n) if ctx.world_size == 1 and n > 1 else None
 
 
+class Signals(Protocol):
+    """What the loop reads of tngram.train.signals.StopRequest: the first signal's number."""
+
+    signum: int | None
+
+
 class Trainer(TrainerSetup):
     """One run on one process, in the order it happens: `__init__` sets up (resume checks, data,
     model, optimisers, records), `train_step()` is one optimiser step, `run()` is the loop (a step,
@@ -201,11 +207,14 @@ class Trainer(TrainerSetup):
             self.resumed_step = self.step
         self._setup_forward()
         self._write_records(logger)
-        self.last_loss, self.last_eval = float("nan"), None
+        self.last_loss = float("nan")
+        self.last_eval: dict[str, Any] | None = None
         self.lr_mult, self.momentum = 1.0, cfg.optim.muon_momentum_start
         # the losses stay on the device until a sync point on CUDA (tngram.train.step_reads)
         self.every_step = reads_every_step(self.device)
-        self.losses, self.health, self.progress = StepLosses(), None, None
+        self.losses = StepLosses()
+        self.health: LossHealth | None = None
+        self.progress: Progress | None = None
         self._since: float | None = None  # start of the steps not yet on the clock
         self._pending_tokens = 0
 
@@ -300,8 +309,11 @@ class Trainer(TrainerSetup):
             self._stop_nonfinite(*bad)
         for step, loss in got:
             warning = self.health.update(step, loss) if self.health is not None else None
-            if warning:
-                self.progress.write(warning) if self.progress.bar is not None else self.say(warning)
+            progress = self.progress
+            if warning and progress is not None and progress.bar is not None:
+                progress.write(warning)
+            elif warning:
+                self.say(warning)
         self.last_loss = self.losses.last
         return self.last_loss
 
@@ -336,7 +348,7 @@ class Trainer(TrainerSetup):
         return self.should_log() or self.should_save() or self.step == self.prune_at
 
     # ---- the loop ----------------------------------------------------------------------------
-    def run(self, signals: StopRequest | None = None) -> dict[str, Any]:
+    def run(self, signals: Signals | None = None) -> dict[str, Any]:
         """Train from self.step to self.stop; returns the summary (also RUN/summary.json). After
         a stop signal (tngram.train.signals) the step in progress finishes and is checkpointed,
         then TrainingStopped is raised."""
@@ -382,29 +394,33 @@ class Trainer(TrainerSetup):
     def _watch_threads(self, seconds: float, progress: Progress) -> None:
         """Fewer threads once the steps collapse beside a job that started after the run
         (tngram.cpu.StepWatch); one line says so."""
-        choice = self.watch.add(seconds)
-        if choice is None:
+        watch = self.watch
+        choice = watch.add(seconds) if watch is not None else None
+        if watch is None or choice is None:
             return
         torch.set_num_threads(choice.threads)
+        last, best = watch.last or 0.0, watch.best or 0.0  # both set once add() decides
         msg = (
-            f"tngram: note: step {self.step}: steps took {self.watch.last:.2f} s (median of "
-            f"{self.watch.window}), {self.watch.last / self.watch.best:.1f}x the best "
-            f"{self.watch.best:.2f} s; " + choice.reason.replace("training with", "continuing with")
+            f"tngram: note: step {self.step}: steps took {last:.2f} s (median of "
+            f"{watch.window}), {last / best if best else float('inf'):.1f}x the best "
+            f"{best:.2f} s; " + choice.reason.replace("training with", "continuing with")
         )
         progress.write(msg) if progress.bar is not None else self.say(msg)
 
-    def stop_requested(self, signals: StopRequest | None) -> bool:
+    def stop_requested(self, signals: Signals | None) -> bool:
         """A stop signal reached this process (under DDP: any process, so all stop together)."""
         got = signals is not None and signals.signum is not None
         if self.ctx.world_size == 1:
             return got
         return not all_true(not got, self.ctx)
 
-    def stop_now(self, signals: StopRequest) -> None:
+    def stop_now(self, signals: Signals | None) -> None:
         """Checkpoint this step (unless should_save just did) and raise TrainingStopped."""
         if not self.should_save():
             self.save()
-        signum = signals.signum or signal.SIGTERM  # a DDP process the signal did not reach
+        signum = (
+            signals.signum if signals is not None else None
+        ) or signal.SIGTERM  # a DDP process the signal did not reach
         raise TrainingStopped(signum, self.step, str(ckpt.latest_checkpoint(self.run_dir)))
 
     def should_validate(self) -> bool:
@@ -474,14 +490,12 @@ class Trainer(TrainerSetup):
         }
         self.clock.reset_window()
         if self.should_validate():
-            self.last_eval = self.evaluate()
+            self.last_eval = ev = self.evaluate()
             self.model.train()
-            row.update(
-                {"val_loss": self.last_eval["val_loss"], "val_bpb": self.last_eval["val_bpb"]}
-            )
+            row.update({"val_loss": ev["val_loss"], "val_bpb": ev["val_bpb"]})
             progress.write(
                 f"step {self.step}/{self.stop}: train {loss:.4f} val "
-                f"{self.last_eval['val_loss']:.4f} bpb {self.last_eval['val_bpb']:.4f}"
+                f"{ev['val_loss']:.4f} bpb {ev['val_bpb']:.4f}"
             )
         self.log.log(row)
 
@@ -524,6 +538,7 @@ class Trainer(TrainerSetup):
     def finish(self, health: LossHealth) -> dict[str, Any]:
         """The summary (RUN/summary.json) and the final weights, written by the main process."""
         cfg, ctx, ev = self.cfg, self.ctx, self.last_eval
+        assert ev is not None, "run() evaluates at the last step"
         if len(self.losses):
             self._read_losses()
             self._flush_clock()

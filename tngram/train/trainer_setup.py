@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def live_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
+def live_sizes(model: GPT, sizes: dict[str, int]) -> dict[str, int]:
     """`sizes` (from model.gpt.param_counts) updated to the model's actual shapes (after CP-rank
     pruning)."""
     raw_total = sizes["total_params"] - sizes["delta_params"]
@@ -138,6 +139,7 @@ def open_data(cfg: TrainConfig, ctx: DistContext):
             str(ensure_default_data(vocab_size=cfg.model.vocab_size)) if ctx.is_main else None
         )
         data_dir = broadcast_str(data_dir, ctx)
+    assert data_dir is not None  # broadcast from the main process
     info = open_dataset(data_dir)
     if info.vocab_size != cfg.model.vocab_size:
         raise TngramError(
@@ -189,6 +191,15 @@ class StepClock:
 
 class TrainerSetup:
     """The setup half of Trainer (tngram.train.loop): each method runs once, from __init__."""
+
+    # set by Trainer.__init__ before these methods run
+    cfg: TrainConfig
+    run_dir: Path
+    ctx: DistContext
+    say: Callable[..., None]
+    accum: int
+    stop: int
+    step: int
 
     def _resume_point(self, resume: bool) -> Path | None:
         """Refuse to overwrite checkpoints; on resume the newest checkpoint that verifies (saying
