@@ -23,7 +23,7 @@ from test_train_support import losses, one_thread, tiny_config, tiny_data  # noq
 from tngram.common import TngramError
 from tngram.data.loader import DeviceBatches, TokenLoader
 from tngram.train import checkpoint as ckpt
-from tngram.train.step_reads import StepLosses, first_nonfinite, reads_every_step
+from tngram.train.step_reads import StepLosses, first_nonfinite, reads_every_step, stop_check_due
 
 PKG = str(Path(loop.__file__).resolve().parents[1])  # .../tngram
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
@@ -32,6 +32,11 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
 def test_reads_every_step_only_off_cuda():
     assert reads_every_step(torch.device("cpu")) and reads_every_step(torch.device("mps"))
     assert not reads_every_step(torch.device("cuda", 0))
+
+
+def test_stop_check_every_step_except_ddp_on_cuda_between_sync_points():
+    assert stop_check_due(True, 2, False) and stop_check_due(False, 1, False)
+    assert stop_check_due(False, 2, True) and not stop_check_due(False, 2, False)
 
 
 def test_step_losses_one_transfer_in_order():

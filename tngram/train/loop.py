@@ -62,7 +62,12 @@ from tngram.train.metrics import Progress, check_logger, last_logged_loss, tail_
 from tngram.train.rundir import release_run_dir
 from tngram.train.sharded_checkpoint import save_step_checkpoint
 from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
-from tngram.train.step_reads import StepLosses, first_nonfinite, reads_every_step
+from tngram.train.step_reads import (
+    StepLosses,
+    first_nonfinite,
+    reads_every_step,
+    stop_check_due,
+)
 from tngram.train.trainer_setup import (  # noqa: F401  (re-exported: the trainer's public names)
     RESUMABLE_RUN_FIELDS,
     StepClock,
@@ -372,8 +377,10 @@ class Trainer(TrainerSetup):
                 self.train_step()
                 if self.watch is not None:
                     self._watch_threads(time.perf_counter() - t_step, progress)
-                stop = self.stop_requested(signals)
-                if len(self.losses) and (stop or self.sync_due()):  # CUDA: only here
+                sync = self.sync_due()
+                due = stop_check_due(self.every_step, self.ctx.world_size, sync)
+                stop = due and self.stop_requested(signals)  # DDP on CUDA: at sync points
+                if len(self.losses) and (stop or sync):  # CUDA: only here
                     self._read_losses()
                     self._flush_clock()
                 self._after_step()

@@ -15,6 +15,10 @@ GPU works. parameter-golf's train_gpt.py reads the loss only on its logging step
                    final weights or summary is written after a non-finite loss: every write is
                    at a sync point, and the read comes first.
 
+Under DDP the stop-signal check is a collective whose result the host reads (all processes must
+stop at the same step); on CUDA it runs at the sync points only (`stop_check_due`), so a signal
+stops the run at the next sync point, checkpointed there as usual.
+
 `reads_every_step(device)` is the choice; `StepLosses` holds the pending losses.
 """
 
@@ -29,6 +33,12 @@ from torch import Tensor
 def reads_every_step(device: torch.device) -> bool:
     """True where a host read costs nothing (the CPU) or MPS; False on CUDA."""
     return device.type != "cuda"
+
+
+def stop_check_due(every_step: bool, world_size: int, sync_point: bool) -> bool:
+    """Whether the loop checks for a stop signal after this step: always in one process (no
+    collective) or where the host reads every step; under DDP on CUDA at sync points only."""
+    return every_step or world_size == 1 or sync_point
 
 
 class StepLosses:
