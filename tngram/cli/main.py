@@ -53,9 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _never_fail_on_odd_text() -> None:
+    """stdout and stderr print undecodable bytes of a path or argument (surrogate escapes) as
+    backslash escapes instead of raising UnicodeEncodeError in the middle of a message."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a stream that cannot be reconfigured: left as is
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     from tngram.cli.safety import INTERRUPTED, run_command
 
+    _never_fail_on_odd_text()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -46,14 +46,16 @@ def _write_traceback(e: BaseException) -> str:
     from tngram.common import cache_dir
 
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    text = f"tngram {' '.join(sys.argv)}\n{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n\n{text}"
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    text = f"tngram {' '.join(sys.argv)}\n{when}\n\n{text}"
     for folder in (cache_dir() / "crash", tempfile.gettempdir()):
         try:
             os.makedirs(folder, exist_ok=True)
             fd, path = tempfile.mkstemp(
                 prefix=f"tngram-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt", dir=folder
             )
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            # backslashreplace: argv or a message may hold undecodable bytes (surrogate escapes)
+            with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
                 f.write(text)
             return path
         except OSError:
@@ -62,21 +64,23 @@ def _write_traceback(e: BaseException) -> str:
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
-    """Run a command handler; every failure is one line on stderr and an exit status (module doc)."""
+    """Run a command handler; every failure is one line on stderr and an exit status (module
+    doc)."""
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr, flush=True)
         return 130
     except (TngramError, OSError) as e:  # user/environment errors: one line, exit 2
-        print(f"tngram: error: {report_error(e)}", file=sys.stderr, flush=True)
+        _say(f"tngram: error: {report_error(e)}")
         return 2
     except BaseException as e:
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
         if is_out_of_memory(e):
             print(
-                "tngram: error: out of memory; lower the batch size (data.micro_batch_seqs for train, "
+                "tngram: error: out of memory; lower the batch size "
+                "(data.micro_batch_seqs for train, "
                 "--batch-seqs / --batch-tokens for eval) or the model size, or free memory",
                 file=sys.stderr,
                 flush=True,
@@ -84,10 +88,14 @@ def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse
             return 2
         path = _write_traceback(e)
         msg = str(e).splitlines()[0][:200] if str(e) else ""
-        print(
-            f"tngram: error: internal error, a bug in tngram ({type(e).__name__}: {msg}); traceback in "
-            f"{path} (please report it)",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"tngram: error: internal error, a bug in tngram ({type(e).__name__}: {msg}); "
+            f"traceback in {path} (please report it)"
         )
         return 1
+
+
+def _say(line: str) -> None:
+    """One line on stderr; undecodable bytes (surrogate escapes from a path or an argument) as
+    backslash escapes whatever the stream's error handler: the error line itself never fails."""
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr, flush=True)

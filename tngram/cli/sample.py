@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
@@ -62,6 +63,13 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             "--seed + --num-samples - 1 must stay below 2^63, got "
             f"{args.seed + args.num_samples - 1}"
         )
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the locale could not decode (surrogate escapes)
+        raise TngramError(
+            f"--prompt is not UTF-8 text (byte {os.fsencode(args.prompt[e.start : e.end])!r} "
+            f"at character {e.start}); give the prompt in UTF-8"
+        ) from None
     device = str(resolve_device(args.device, flag="--device"))
     use_threads(args.threads, device, "sampling")
     model, tok = tngram.load_run(args.run_dir, device=device, tokenizer=args.tokenizer)

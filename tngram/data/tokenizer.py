@@ -160,6 +160,12 @@ def load_tokenizer(path: str | os.PathLike) -> spm.SentencePieceProcessor:
 
     check_regular(path.resolve())  # a FIFO or device is refused, never waited on
     try:
+        try:
+            os.fspath(path).encode("utf-8")
+        except UnicodeEncodeError:  # sentencepiece opens only UTF-8 paths: read the bytes here
+            from tngram.safefs import read_bytes
+
+            return spm.SentencePieceProcessor(model_proto=read_bytes(path, None, 64 << 20))
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError) as e:
         raise TngramError(f"tokenizer {path}: not a SentencePiece model ({e})") from None

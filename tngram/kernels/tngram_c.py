@@ -27,6 +27,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -98,12 +99,43 @@ def _load() -> ctypes.CDLL:
         try:
             if not lib.exists():
                 _build(cc, flags, lib)
-            loaded = _declare(ctypes.CDLL(str(lib)))
+                loaded = _open(lib)
+            else:
+                loaded = _open_cached(cc, flags, lib)
             _STATE["flags"], _STATE["path"] = " ".join(flags), str(lib)
             return loaded
         except OSError as e:
             errors.append(str(e))
     raise OSError("; ".join(errors))
+
+
+def _open(lib: Path, name: str | None = None) -> ctypes.CDLL:
+    """The library at `lib` (opened as `name` if given) with its functions declared; OSError if
+    it does not load or lacks one of them."""
+    try:
+        return _declare(ctypes.CDLL(name or str(lib)))
+    except AttributeError as e:  # a shared library without our symbols
+        raise OSError(f"{lib} lacks the kernel functions ({e})") from None
+
+
+def _open_cached(cc: str, flags: list[str], lib: Path) -> ctypes.CDLL:
+    """A cached library that does not load (damaged, replaced, or without our functions) is
+    rebuilt with the SAME flags, said in one line; if the rebuild fails, OSError."""
+    try:
+        return _open(lib)
+    except OSError as e:
+        reason = str(e).splitlines()[0][:160]
+    print(
+        f"tngram: note: the cached C kernel {lib} does not load ({reason}); rebuilding it with "
+        f"the same flags ({' '.join(flags)})",
+        file=sys.stderr,
+        flush=True,
+    )
+    lib.unlink(missing_ok=True)
+    _build(cc, flags, lib)
+    # dlopen returns the library it already holds under the same path string (the one without
+    # our functions): the rebuilt file (a new inode) is opened under another spelling of its path
+    return _open(lib, os.path.join(str(lib.parent), ".", lib.name))
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

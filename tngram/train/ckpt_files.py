@@ -4,6 +4,9 @@ one TngramError naming the file (tngram.train.checkpoint holds the folder layout
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ from torch import nn
 
 from tngram.common import MissingFileError, TngramError
 from tngram.readback import BadRecordError, load_json
-from tngram.safefs import check_regular, open_read
+from tngram.safefs import check_regular, open_fd, open_read
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -32,6 +35,30 @@ def _short(e: BaseException) -> str:
     return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
 
 
+@contextmanager
+def st_path(file: str | os.PathLike) -> Iterator[str]:
+    """A name safetensors can open for `file`: the path itself when it is UTF-8 text, else (a
+    run folder named in another encoding: safetensors takes only UTF-8 paths) the file opened
+    without following links and reached as /proc/self/fd/N while the block runs."""
+    text = os.fspath(file)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        fd = open_fd(file)
+        try:
+            alias = f"/proc/self/fd/{fd}"
+            if not os.path.exists(alias):
+                raise TngramError(
+                    f"{os.fsencode(text)!r}: the path is not UTF-8 text and this system has no "
+                    f"/proc/self/fd to reach the file otherwise; rename the folder"
+                ) from None
+            yield alias
+        finally:
+            os.close(fd)
+        return
+    yield text
+
+
 def _read_safetensors_header(file: Path) -> dict[str, Any]:
     """{tensor name: {"dtype", "shape", ...}} of a safetensors file; TngramError naming it if the
     file is missing, truncated or not safetensors."""
@@ -39,7 +66,7 @@ def _read_safetensors_header(file: Path) -> dict[str, Any]:
 
     try:
         check_regular(file)
-        with safe_open(str(file), framework="pt") as f:
+        with st_path(file) as name, safe_open(name, framework="pt") as f:
             return {k: f.get_slice(k).get_shape() for k in f.keys()}
     except FileNotFoundError:
         raise MissingFileError(f"{file}: missing") from None
@@ -52,7 +79,8 @@ def _read_safetensors_header(file: Path) -> dict[str, Any]:
 def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         check_regular(file)
-        return load_file(str(file))
+        with st_path(file) as name:
+            return load_file(name)
     except FileNotFoundError:
         raise MissingFileError(f"{file}: missing") from None
     except TngramError:

@@ -16,7 +16,7 @@ from torch import nn
 
 from tngram.common import TngramError
 from tngram.safefs import check_regular, open_read
-from tngram.train.ckpt_files import _load_tensors, _sha256, _short
+from tngram.train.ckpt_files import _load_tensors, _sha256, _short, st_path
 from tngram.train.runfiles import latest_checkpoint
 
 
@@ -75,7 +75,7 @@ def verify_weights_file(file: Path) -> None:
 
     try:
         check_regular(file)
-        with safe_open(str(file), framework="pt") as f:
+        with st_path(file) as name, safe_open(name, framework="pt") as f:
             meta = f.metadata() or {}
     except TngramError:
         raise
@@ -138,7 +138,7 @@ def _weights_step(file: Path) -> int:
 
     try:
         check_regular(file)
-        with safe_open(str(file), framework="pt") as f:
+        with st_path(file) as name, safe_open(name, framework="pt") as f:
             return int((f.metadata() or {}).get("step", -1))
     except TngramError:
         raise
