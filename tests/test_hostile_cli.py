@@ -193,3 +193,22 @@ def test_export_disk_full_inside_a_library_error_is_recognised(tmp_path):
     assert _disk_full(RuntimeError("I/O error: No space left on device (os error 28)"))
     assert not _disk_full(RuntimeError("something else"))
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "threads", "--reps", "0"],
+        ["bench", "threads", "--warmup", "-1"],
+        ["bench", "threads", "--threads-list", "0"],
+        ["bench", "threads", "--seq", "-1"],
+        ["bench", "threads", "--batch", "0"],
+        ["bench", "vocab", "--max-gb", "0"],
+        ["bench", "vocab", "--max-gb", "nan"],
+        ["plan", "mini-tngram", "--mfu", "0"],
+    ],
+)
+def test_bench_numbers_out_of_range_are_refused_at_parse_time(argv, capsys):
+    rc, err = cli(argv, capsys)
+    one_line_exit_2(rc, err)
+    assert f"argument {argv[-2]}: must be" in err

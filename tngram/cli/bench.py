@@ -316,18 +316,20 @@ def add_commands(sub: Any) -> None:
     from tngram.cli.common import add_json_argument
 
     add_json_argument(t)
-    t.add_argument("--reps", type=int, default=15, help="timed repetitions")
-    t.add_argument("--warmup", type=int, default=3, help="untimed warm-up repetitions")
+    t.add_argument("--reps", type=int_range(1), default=15, help="timed repetitions")
+    t.add_argument("--warmup", type=int_range(0), default=3, help="untimed warm-up repetitions")
     t.add_argument(
         "--threads-list",
-        type=int,
+        type=int_range(1, 4096),
         nargs="+",
         default=[1, 2],
         metavar="T",
         help="thread counts to interleave (default 1 2)",
     )
-    t.add_argument("--batch", type=int, default=4, help="sequences per lookup/module forward")
-    t.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    t.add_argument(
+        "--batch", type=int_range(1), default=4, help="sequences per lookup/module forward"
+    )
+    t.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
     t.add_argument("--no-steps", action="store_true", help="skip the mini training steps")
     t.add_argument(
         "--kernel-share",
@@ -415,7 +417,7 @@ def add_commands(sub: Any) -> None:
     )
     v.add_argument(
         "--max-gb",
-        type=float,
+        type=float_range(0.0, lo_open=True),
         default=8.0,
         metavar="GB",
         help="memory budget of one interleaved group (weights + grads + state, estimated)",
