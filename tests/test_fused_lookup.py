@@ -247,7 +247,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
            "eps": "fp32"}
     bwd = {**ptr(["table_ptr", "idx_ptr", "w_ptr", "s_ptr", "rstd_ptr", "grad_ptr", "dtable_ptr",
                   "dw_ptr", "ds_ptr"]), "M": "i32", "R": "i32"}
-    flags = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024}
+    flags = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024,
+             "SUM_ORDERS": False}
     for fn, sig, extra in ((k._tngram_fwd_kernel, fwd, {}),
                            (k._tngram_bwd_kernel, bwd, {"NEED_TABLE": True, "BLOCK_M": 16, "BLOCK_K": 4})):
         const = {**flags, **extra}

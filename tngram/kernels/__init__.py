@@ -20,6 +20,8 @@ The plain-autograd reference is `tngram.memory.cp` (kernels never import memory/
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -64,6 +66,7 @@ def fused_lookup(
     chunk: int = DEFAULT_CHUNK_TOKENS,
     out_dtype: torch.dtype | None = None,
     sparse_grad: bool = False,
+    sum_orders: bool = False,
 ) -> Tensor:
     """e_concat (B, T, (N-1) R) = concat_n exp(l_n) RMSNorm(b_n), b_n from Eq. 10.
 
@@ -74,6 +77,11 @@ def fused_lookup(
     fp32 tensor; otherwise e comes back in the factors' dtype as usual and the caller casts.
     sparse_grad: the factors get a sparse COO gradient holding only the rows this batch reads
     (`tngram.kernels.sparse_rows`); the kernel runs on the compacted rows, same numbers.
+    sum_orders: return sum_n e_n (B, T, R) (TN-gram's order_combine="sum"). The Triton kernel
+    sums in its epilogue in fp32 (orders 1..N-1 in order) and rounds once to out_dtype: no
+    (N-1) R-wide e is written, and the value is torch's fp32 sum of the fp32 e (the K/V matmul
+    under autocast rounds it the same way). The other kernels sum their e (B, T, N-1, R) in
+    the dtype they return it in, as the caller did before (same numbers on the CPU).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -104,10 +112,14 @@ def fused_lookup(
         e = plain_lookup(factors, *args)  # traceable ops
     else:
         fn = IMPL_FNS[impl]
+        kw: dict[str, Any] = {}
         if out_dtype is not None and out_dtype in getattr(fn, "out_dtypes", ()):
-            e = fn(factors, *args, out_dtype=out_dtype)  # (M, N-1, R) out_dtype
-        else:
-            e = fn(factors, *args)  # (M, N-1, R)
+            kw["out_dtype"] = out_dtype  # e comes back in out_dtype
+        if sum_orders and getattr(fn, "sums_orders", False):
+            return fn(factors, *args, sum_orders=True, **kw).view(B, T, R)
+        e = fn(factors, *args, **kw)  # (M, N-1, R)
+    if sum_orders:
+        return e.view(B, T, N - 1, R).sum(-2)
     return e.view(B, T, (N - 1) * R)
 
 

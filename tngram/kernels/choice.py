@@ -49,6 +49,7 @@ def _triton_lookup(*args: Any, **kw: Any) -> Tensor:
 
 # writes e in bf16 directly when asked (tngram_triton.triton_lookup's out_dtype)
 _triton_lookup.out_dtypes = (torch.bfloat16,)  # type: ignore[attr-defined]
+_triton_lookup.sums_orders = True  # type: ignore[attr-defined]
 
 
 # impl -> fn(factors, idx, W, scales, use_norm, eps, chunk) -> e (M, N-1, R); a dict so a test

@@ -47,12 +47,14 @@ def _tngram_fwd_kernel(
     HAS_S: tl.constexpr,
     USE_NORM: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SUM_ORDERS: tl.constexpr = False,
 ):
     m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
     mask = cols < R
     row = tl.load(idx_ptr + m * N)
     p = tl.load(table_ptr + row * R + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)  # SUM_ORDERS: e_1 + ... + e_{N-1}, in order
     for k in tl.static_range(1, N):
         row = tl.load(idx_ptr + m * N + k)
         p = p * tl.load(table_ptr + row * R + cols, mask=mask, other=0.0).to(tl.float32)
@@ -65,10 +67,18 @@ def _tngram_fwd_kernel(
             b = b * r
         if HAS_S:
             b = b * tl.load(s_ptr + (k - 1)).to(tl.float32)
-        b = round_to(b, out_ptr)  # e in the output's dtype (bf16: rounded as torch's cast)
-        tl.store(
-            out_ptr + (m * (N - 1) + (k - 1)) * R + cols, b.to(out_ptr.dtype.element_ty), mask=mask
-        )
+        if SUM_ORDERS:
+            acc = acc + b
+        else:
+            b = round_to(b, out_ptr)  # e in the output's dtype (bf16: rounded as torch's cast)
+            tl.store(
+                out_ptr + (m * (N - 1) + (k - 1)) * R + cols,
+                b.to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )
+    if SUM_ORDERS:  # one R-wide row per token, rounded once
+        acc = round_to(acc, out_ptr)
+        tl.store(out_ptr + m * R + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -92,6 +102,7 @@ def _tngram_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUM_ORDERS: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
@@ -116,9 +127,12 @@ def _tngram_bwd_kernel(
             rlast = tl.load(idx_ptr + m * N + (k - 1))
             xlast = tl.load(table_ptr + rlast * R + cols, mask=mask, other=0.0).to(tl.float32)
             Pk = Pkm1 * xlast
-            g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(
-                tl.float32
-            )
+            if SUM_ORDERS:  # every order's e got the summed row's gradient
+                g = tl.load(grad_ptr + m * R + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(
+                    tl.float32
+                )
             b = Pk
             if HAS_W:
                 wj = tl.load(w_ptr + j * R + cols, mask=cols < R, other=0.0).to(tl.float32)
@@ -175,15 +189,18 @@ def triton_lookup_fwd(
     use_norm: bool,
     eps: float,
     out_bf16: bool = False,
+    sum_orders: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype (bf16 with
-    out_bf16: the fp32 e rounded, bit-identical to casting it), rstd (M, N-1) fp32."""
+    out_bf16: the fp32 e rounded, bit-identical to casting it), rstd (M, N-1) fp32.
+    sum_orders: e summed over the orders, (M, R), in the epilogue (fp32, in order 1..N-1, then
+    rounded once): no (N-1) R-wide e is written."""
     N, V, R = factors.shape
     M = idx.shape[0]
     table = factors.contiguous().view(N * V, R)
     idx = idx.contiguous()
     e_dtype = torch.bfloat16 if out_bf16 else factors.dtype
-    out = torch.empty(M, N - 1, R, dtype=e_dtype, device=factors.device)
+    out = torch.empty(M, *(() if sum_orders else (N - 1,)), R, dtype=e_dtype, device=factors.device)
     rstd = torch.empty(M, N - 1, dtype=torch.float32, device=factors.device)
     Wc = W.contiguous() if W is not None else table
     sc = scales.contiguous() if scales is not None else table
@@ -203,18 +220,19 @@ def triton_lookup_fwd(
             HAS_S=scales is not None,
             USE_NORM=use_norm,
             BLOCK_R=block_r,
+            SUM_ORDERS=sum_orders,
             num_warps=warps,
         )
     return out, rstd
 
 
 @triton_lookup_fwd.register_fake
-def _(factors, idx, W, scales, use_norm, eps, out_bf16=False):  # noqa: ANN001, ANN202
+def _(factors, idx, W, scales, use_norm, eps, out_bf16=False, sum_orders=False):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
     e_dtype = torch.bfloat16 if out_bf16 else factors.dtype
     return (
-        factors.new_empty(M, N - 1, R, dtype=e_dtype),
+        factors.new_empty(M, *(() if sum_orders else (N - 1,)), R, dtype=e_dtype),
         factors.new_empty(M, N - 1, dtype=torch.float32),
     )
 
@@ -229,6 +247,7 @@ def triton_lookup_bwd(
     rstd: Tensor,
     use_norm: bool,
     need_factors: bool,
+    sum_orders: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> d factors (N, V, R) (empty unless need_factors), dW (N-1, R), ds (N-1,) fp32."""
     N, V, R = factors.shape
@@ -264,6 +283,7 @@ def triton_lookup_bwd(
             BLOCK_M=block_m,
             BLOCK_R=block_r,
             BLOCK_K=triton.next_power_of_2(N - 1),
+            SUM_ORDERS=sum_orders,
             num_warps=warps,
         )
     d_f = dtable.to(factors.dtype).view(N, V, R) if need_factors else factors.new_empty(0)
@@ -271,7 +291,7 @@ def triton_lookup_bwd(
 
 
 @triton_lookup_bwd.register_fake
-def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors):  # noqa: ANN001, ANN202
+def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors, sum_orders=False):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     return (
         factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
@@ -281,20 +301,23 @@ def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors):  # noqa: ANN
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    factors, idx, W, scales, use_norm, eps, _ = inputs
+    factors, idx, W, scales, use_norm, eps, _, sum_orders = inputs
     ctx.save_for_backward(factors, idx, W, scales, output[1])
-    ctx.use_norm = use_norm
+    ctx.use_norm, ctx.sum_orders = use_norm, sum_orders
 
 
 def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
     factors, idx, W, scales, rstd = ctx.saved_tensors
     need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
-    d_f, dW, ds = triton_lookup_bwd(grad_out, factors, idx, W, scales, rstd, ctx.use_norm, need_f)
+    d_f, dW, ds = triton_lookup_bwd(
+        grad_out, factors, idx, W, scales, rstd, ctx.use_norm, need_f, ctx.sum_orders
+    )
     return (
         d_f if need_f else None,
         None,
         dW.to(W.dtype) if (W is not None and need_W) else None,
         ds.to(scales.dtype) if (scales is not None and need_s) else None,
+        None,
         None,
         None,
         None,
@@ -313,16 +336,19 @@ def triton_lookup(
     eps: float,
     chunk: int = 0,
     out_dtype: torch.dtype | None = None,
+    sum_orders: bool = False,
 ) -> Tensor:
-    """Same contract as `FusedTNGramLookup.apply` (chunk is ignored). out_dtype torch.bfloat16
+    """Same contract as `FusedTNGramLookup.apply` (chunk is ignored); sum_orders: e summed over
+    the orders in the kernel, (M, R) (`triton_lookup_fwd`). out_dtype torch.bfloat16
     (fused_lookup's, under bf16 autocast) writes e in bf16 directly: no fp32 e, no cast pass;
     the same bits as the cast, and the backward takes the bf16 upstream gradient as the cast's
     backward would hand it on (upcast in the kernel, exact)."""
     if out_dtype not in (None, factors.dtype, torch.bfloat16):
         raise ValueError(f"triton_lookup out_dtype must be None or bfloat16, got {out_dtype}")
     out_bf16 = out_dtype == torch.bfloat16
-    return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_bf16)[0]
+    return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_bf16, sum_orders)[0]
 
 
-# dtypes it writes directly (fused_lookup's out_dtype)
+# dtypes it writes directly (fused_lookup's out_dtype); it can sum the orders (sum_orders)
 triton_lookup.out_dtypes = (torch.bfloat16,)  # type: ignore[attr-defined]
+triton_lookup.sums_orders = True  # type: ignore[attr-defined]

@@ -293,12 +293,16 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
         check_ids_in_forward(input_ids, self.vocab_size)
         return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
 
-    def memory_vector(self, input_ids: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    def memory_vector(
+        self, input_ids: Tensor, out_dtype: torch.dtype | None = None, sum_orders: bool = False
+    ) -> Tensor:
         """The lookup stage: ids (B, T) -> e_concat (B, T, (N-1) R), everything before K/V.
 
         fused=True runs `tngram.kernels.tngram_lookup` (one gather, in-cache chunks, hand-written
         backward; Triton on CUDA); fused=False the plain-autograd reference of cp.py.
         out_dtype: see `fused_lookup` (a kernel may return e already cast to it; same numbers).
+        sum_orders: sum_n e_n (B, T, R) instead (order_combine="sum"; the Triton kernel sums in
+        its epilogue, see `fused_lookup`).
         """
         c = self.config
         if c.fused:
@@ -311,11 +315,13 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
                 eps=c.norm_eps,
                 out_dtype=out_dtype,
                 sparse_grad=self.sparse_grad and torch.is_grad_enabled(),
+                sum_orders=sum_orders,
             )
         if self.sparse_grad:
             raise TngramError(FUSED_NEEDED)
         b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))  # (B, T, N-1, R)
-        return order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
+        e = order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
+        return e.unflatten(-1, (c.max_ngram - 1, c.cp_rank)).sum(-2) if sum_orders else e
 
     def forward(
         self, h: Tensor, input_ids: Tensor, cache: dict | None = None, valid: Tensor | None = None
@@ -336,17 +342,17 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
             input_ids, cache, self.config.max_ngram, self.config.pad_id, valid
         )
         lowp = lookup_out_dtype(h)  # dtype policy: tngram.kernels.policy
-        e = lookup_output_for(self.memory_vector(ids, out_dtype=lowp)[:, P:], h, lowp)
+        summed = self.config.order_combine == "sum"  # summed in the lookup (its epilogue on CUDA)
+        e = lookup_output_for(self.memory_vector(ids, lowp, summed)[:, P:], h, lowp)
         if self.config.is_variant():
             e = self.variant_input(e, ids, P)
         return self.fusion(h, e, cache, valid)
 
     def variant_input(self, e: Tensor, ids: Tensor, P: int) -> Tensor:
-        """The variants' stage between lookup and K/V (tngram_variants): e_concat (B, T, (N-1) R)
-        of the positions after the P history ids of `ids` -> the K/V input (B, T, d_mem)."""
+        """The variants' stage between lookup and K/V (tngram_variants): e (B, T, lookup_width) of
+        the positions after the P history ids of `ids` (e_concat, or already summed over the
+        orders for order_combine="sum") -> the K/V input (B, T, d_mem)."""
         c = self.config
-        if c.order_combine == "sum":
-            e = e.unflatten(-1, (c.max_ngram - 1, c.cp_rank)).sum(-2)  # (B, T, R)
         if self.hashed is not None:
             z = self.hashed(suffix_ngrams(ids, c.max_ngram, c.pad_id))[:, P:]
             e = torch.cat([e, z.to(e.dtype)], dim=-1)
