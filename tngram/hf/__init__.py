@@ -26,6 +26,7 @@ _LAZY = {
     "memory_modules": "tngram.hf.attach",
     "memory_spec": "tngram.hf.attach",
     "set_trainable": "tngram.hf.attach",
+    "memory_cache_class": "tngram.hf.cache_state",
     "save_memory": "tngram.hf.adapter",
     "load_memory": "tngram.hf.adapter",
     "disable_memory": "tngram.hf.adapter",

@@ -10,8 +10,13 @@ generate() does to the cache happens to them too:
     crop(-k)                       assisted / prompt-lookup decoding, manual rewinds
     reset()                        cache reuse            state dropped
 
-The cache object's class is swapped for a subclass adding these overrides (the cache stays an
-instance of its own class: DynamicCache, StaticCache, ...); its `__dict__` gains
+A cache the memory creates itself (a call with use_cache and no cache) is made of a subclass
+adding these overrides (`memory_cache_class(DynamicCache)`, made before any compilation, so a
+fullgraph-compiled forward builds it without a class swap). A cache passed in (generate()'s
+DynamicCache or StaticCache, yours) has its class swapped for that subclass on first use, in
+eager code (it stays an instance of its own class); dynamo cannot trace a class swap, so a
+compiled forward takes a cache that is already a memory cache (made by the model, by an eager
+call, or with memory_cache_class) and refuses another with one line. Either way the cache gains
 `_tngram_memory = {memory key: state dict}` and `_tngram_seen` (tokens the memories saw).
 The memories keep their whole history (`keep_history`, tngram.memory.ngrams), so crop is exact:
 the cost is the memory's conv input per position, about one layer's value cache.
@@ -35,6 +40,11 @@ class MemoryCacheMixin:
 
     _tngram_memory: dict[str, dict[str, Any]]
     _tngram_seen: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tngram_memory = {}
+        self._tngram_seen = 0
 
     def _tngram_apply(self, fn: Callable[[Tensor], Tensor]) -> None:
         for state in self._tngram_memory.values():
@@ -69,7 +79,10 @@ class MemoryCacheMixin:
         self._tngram_seen = 0
 
 
-def _swapped_class(cls: type) -> type:
+def memory_cache_class(cls: type) -> type:
+    """The memory subclass of a transformers Cache class (made once; the class itself if it is
+    one already): `memory_cache_class(StaticCache)(config=..., max_cache_len=...)` is a cache a
+    compiled forward accepts."""
     if issubclass(cls, MemoryCacheMixin):
         return cls
     if cls not in _SWAPPED:
@@ -80,6 +93,13 @@ def _swapped_class(cls: type) -> type:
 def memory_states(cache: Any) -> dict[str, dict[str, Any]]:
     """The {memory key: state dict} of a transformers Cache, installing the mixin on first use."""
     if not isinstance(cache, MemoryCacheMixin):
+        if torch.compiler.is_compiling():
+            raise TngramError(
+                f"a compiled forward got a {type(cache).__name__} that holds no n-gram memory "
+                "state yet: let the model make its cache (past_key_values=None), run the first "
+                "call eagerly, or build it with tngram.hf.cache_state.memory_cache_class"
+                f"({type(cache).__name__})(...)"
+            )
         for name in ("reorder_cache", "crop", "reset"):
             if not callable(getattr(cache, name, None)):
                 raise TngramError(
@@ -87,7 +107,7 @@ def memory_states(cache: Any) -> dict[str, dict[str, Any]]:
                     "transformers Cache; pass a Cache (e.g. DynamicCache) or None"
                 )
         try:
-            cache.__class__ = _swapped_class(type(cache))
+            cache.__class__ = memory_cache_class(type(cache))
         except TypeError as e:
             raise TngramError(
                 f"cannot keep the n-gram memory state in a {type(cache).__name__} "

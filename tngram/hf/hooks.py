@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.hf.cache_state import check_and_advance, memory_states
+from tngram.hf.cache_state import check_and_advance, memory_cache_class, memory_states
 from tngram.hf.classes import MEMORY_ATTR
 from tngram.hf.spec import _embedding_rows
 from tngram.memory.ngrams import check_ids_in_forward
@@ -64,6 +64,9 @@ def _call_positions(cls: type) -> tuple[tuple[str, int], ...]:
 def _install_call_hooks(module: nn.Module, state: _State) -> None:
     """Hooks reading input_ids / attention_mask / cache of each call of `module` (the base
     model, and the top model too: some heads, e.g. OPT's, call an inner decoder directly)."""
+    from transformers import DynamicCache
+
+    memory_cache_class(DynamicCache)  # made here, outside any compiled region
     module._tngram_state = state
     module._tngram_call = dict(_call_positions(type(module)))
     params = inspect.signature(type(module).forward).parameters
@@ -144,7 +147,7 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
             )
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=base.config)
+        cache = memory_cache_class(DynamicCache)(config=base.config)
         pos = base._tngram_call.get(name)
         if pos is not None and pos < len(args):  # passed positionally (as None)
             args = (*args[:pos], cache, *args[pos + 1 :])
