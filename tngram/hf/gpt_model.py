@@ -289,7 +289,8 @@ def padded_hidden(
     attns: list[Tensor] = []
 
     def block(i: int, x: Tensor) -> Tensor:
-        blk, c = gpt.blocks[i], caches[i]
+        blk: Any = gpt.blocks[i]  # a Block (a ModuleList's items are typed Module)
+        c = caches[i]
         mix = blk.resid_mix.to(x.dtype)
         x = mix[0] * x + mix[1] * x0
         if blk.memory is not None:
@@ -384,13 +385,17 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         config = kwargs.pop("config", None)
         if config is None or isinstance(config, (str, os.PathLike)):
             hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-            config = cls.config_class.from_pretrained(config or source, **hub)
+            name = config or source
+            if not isinstance(name, (str, os.PathLike)):
+                raise TngramError("from_pretrained needs a folder or a hub repository name")
+            config = cls.config_class.from_pretrained(name, **hub)
         check_folder_config(config, where)
         saved_name = pin_tokenizer_path(config, source, where, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
+        loaded: Any = super().from_pretrained(
             *args, config=config, output_loading_info=True, **kwargs
         )
+        model, info = loaded
         check_loaded_weights(info, where.replace("config.json", "model.safetensors"))
         if saved_name is not None:  # the config keeps the folder's own name, never a full path
             model.config.gpt["memory"]["tokenizer_path"] = saved_name
@@ -536,7 +541,8 @@ def from_gpt(model: GPT, **config_kw: Any) -> TngramGPTForCausalLM:
     config_kw.setdefault("cp_ranks", ranks if any(r != start for r in ranks) else None)
     hf = TngramGPTForCausalLM(TngramGPTConfig.from_gpt_config(model.config, **config_kw))
     hf.model.load_state_dict(model.state_dict(), strict=True)
-    return hf.to(next(model.parameters()).device).eval()
+    device = next(model.parameters()).device
+    return hf.to(device).eval()  # type: ignore[arg-type]  # transformers' to() wrapper
 
 
 register()  # importing this module (tngram.hf.register() does) makes "tngram_gpt" resolvable

@@ -223,7 +223,7 @@ def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
             )
         except MissingExtraError as e:
             table += f"\n\nNo significance table: {e}."
-    runs: dict[str, list[str]] = {}
+    runs: dict[str, list[str | Path]] = {}
     for r in results["rows"]:
         runs.setdefault(NAMES.get(r["method"], r["method"]), []).append(r["run_dir"])
     try:
