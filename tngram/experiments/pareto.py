@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,77 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "hash_embed": 104,
     },
 }
+
+
+# issue 40's families (mini only: their recipes are mini-pkm, mini-stem, mini-ple), at the map's
+# common Δparams targets (1.1, 2.2, 4.3, 8.7, 12 M; tests/test_pareto_iso.py), at the recipes'
+# table lr (the embedding's; not tuned): product keys (n_keys: n_keys^2 slots per layer), STEM
+# (its FFN width), per-layer embeddings in every block (ple_dim)
+TOKEN_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "pkm": ("pkm", "n_keys", (64, 92, 129, 184, 216)),
+    "stem": ("stem", "hidden", (432, 864, 1680, 3392, 4688)),
+    "ple": ("ple", "ple_dim", (216, 432, 840, 1696, 2344)),
+}
+# "= total parameters": each family at three sizes near 1/4, 1/2 and 3/4 of the mini GPT's MLP
+# parameters (65,536, 131,072, 196,608 of 262,144), on a backbone
+# whose MLP width is shrunk to keep the raw GPT's total (pareto_iso.iso_backbone). Engram at its
+# recipe width needs more than that for its K/V alone, so it enters at n_embed_per_ngram 32; the
+# TN-gram variant is tngram-sum (one R-wide K/V input), the one whose K/V fits at small R
+ISO_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "engram": ("engram", "table_budget", (50, 162, 400)),
+    "tngram-sum": ("tngram", "cp_rank", (6, 12, 18)),
+    "pkm": ("pkm", "n_keys", (11, 19, 24)),
+    "stem": ("stem", "hidden", (24, 48, 72)),
+    "ple": ("ple", "ple_dim", (12, 24, 36)),
+}
+ISO_VARIANTS: dict[str, dict[str, Any]] = {"engram": {"n_embed_per_ngram": 32}}
+METHODS = ("raw", "engram", "tngram", "pkm", "stem", "ple")  # the recipes view_specs builds on
+
+
+def iso_config(family: str, size: int, cfg_of: dict[str, Any]) -> Any:
+    """`family` at `size` (ISO_SIZES) on the backbone shrunk to the raw GPT's total parameters."""
+    from tngram.experiments.pareto_iso import iso_backbone
+
+    method, knob, _ = ISO_SIZES[family]
+    cfg = cfg_of[method]
+    for fields in (VARIANTS.get(family), ISO_VARIANTS.get(family)):
+        cfg = with_memory(cfg, **fields) if fields else cfg
+    if knob == "table_budget":
+        cfg = with_memory(cfg, table_budget=(int(size),) * (cfg.model.memory.max_ngram - 1))
+    else:
+        cfg = with_memory(cfg, **{knob: int(size)})
+    return replace(cfg, model=iso_backbone(cfg.model, raw=cfg_of["raw"].model))
+
+
+def view_specs(
+    corpora: list[str], prefix: str, seeds: int, steps: int | None, n_sizes: int = 5
+) -> list[Any]:
+    """The runs issue 40's views add (mini only): the token-indexed families on the Δparams map
+    (tags view "params", family pkm|stem|ple) and every ISO_SIZES point on its iso backbone
+    (view "total", family "<family>-iso"); [] at other scales (no recipes for these families)."""
+    from tngram.experiments.runner import RunSpec
+
+    if prefix != "mini":
+        return []
+    bases = {
+        c: {m: with_steps(with_data(base_recipe(prefix, m), *_build(c)), steps) for m in METHODS}
+        for c in corpora
+        if c != VOCAB_CORPUS  # the vocabulary setting keeps the n-gram families only
+    }
+    points = [("params", f, v) for f, t in TOKEN_SIZES.items() for v in t[2][:n_sizes]]
+    points += [("total", f, v) for f, t in ISO_SIZES.items() for v in t[2]]
+    specs = []
+    for s, corpus, (view, fam, size) in product(range(seeds), bases, points):
+        if view == "params":
+            knob, name = TOKEN_SIZES[fam][1], fam
+            cfg = with_memory(bases[corpus][fam], **{knob: size})
+        else:
+            knob, name = ISO_SIZES[fam][1], f"{fam}-iso"
+            cfg = iso_config(fam, size, bases[corpus])
+        tags = {"corpus": corpus, "family": name, "size": size, "seed_index": s, "view": view}
+        cfg = with_seed(replace(cfg, name=f"pareto-{name}"), s)
+        specs.append(RunSpec(f"{corpus}-{name}-{knob}{size}-s{s}", cfg, tags))
+    return specs
 
 
 def family_config(family: str, size: int | None, cfg_of: dict[str, Any]) -> Any:
@@ -372,6 +444,7 @@ def pareto(
         tune_table_lr(out, prefix, steps, nproc)
         factors = read_factors(out, tuned)
     specs = specs_for(corpora, prefix, seeds, steps, factors)
+    specs += view_specs(corpora, prefix, seeds, steps)
     if train:
         from tngram.experiments.runner import run_all
 
@@ -483,9 +556,8 @@ def bench_once(
             )
             res = bench_points(cfgs, reps=reps)
             atomic_write_json(path, res)
-        for (
-            pair
-        ) in pairs:  # timed again when missing or measured by an older protocol (one process)
+        # each pair is timed again when missing or measured by an older protocol (one process)
+        for pair in pairs:
             done = [
                 c
                 for c in res.get("confirm_steps", [])

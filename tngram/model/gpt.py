@@ -7,7 +7,8 @@
 
 Attention: GQA (8 query / 4 KV heads at d 512), per-head QK RMSNorm, RoPE base 10,000 in the
 reference's rotate-half convention, learnable per-head q gain (init 1.5), causal SDPA. MLP:
-relu^2 with expansion 2. All norms are weightless RMSNorm, all linears bias-free, the output
+relu^2 with expansion 2 (or an explicit hidden width `mlp_hidden`, for backbones shrunk to pay for a
+memory). All norms are weightless RMSNorm, all linears bias-free, the output
 projections of attention and MLP are zero-initialised, the tied embedding is N(0, 0.005^2).
 The 9-layer d-512 vocab-1024 default has exactly 17,059,912 parameters.
 
@@ -45,6 +46,7 @@ class GPTConfig:
     n_head: int = 8
     n_kv_head: int = 4
     mlp_mult: int = 2
+    mlp_hidden: int = 0  # the MLP's hidden width; 0 -> mlp_mult * n_embd (iso-parameter backbones)
     rope_base: float = 10000.0
     logit_softcap: float = 30.0
     qk_gain_init: float = 1.5
@@ -62,6 +64,10 @@ class GPTConfig:
             )
         if (self.n_embd // self.n_head) % 2:
             raise TngramError("head dim must be even for RoPE")
+        if self.mlp_hidden < 0:
+            raise TngramError(
+                f"model.mlp_hidden must be >= 0 (0: mlp_mult * n_embd), got {self.mlp_hidden}"
+            )
         if self.memory is not None and self.memory.injection == "block":
             bad = [i for i in self.memory_layers if not 0 <= i < self.n_layer]
             if bad or not self.memory_layers:
@@ -72,8 +78,14 @@ class GPTConfig:
             if len(set(self.memory_layers)) != len(self.memory_layers):
                 raise TngramError(f"memory_layers {tuple(self.memory_layers)} has duplicates")
 
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: mlp_hidden, or mlp_mult * n_embd when mlp_hidden is 0."""
+        return self.mlp_hidden or self.mlp_mult * self.n_embd
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.mlp_hidden:  # written only when set: existing config.json files unchanged
+            del d["mlp_hidden"]
         d["memory"] = memory_config_to_dict(self.memory)
         d["memory_layers"] = list(self.memory_layers)
         return d
@@ -153,8 +165,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_mult * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(cfg.mlp_mult * cfg.n_embd, cfg.n_embd, bias=False)
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_width(), bias=False)
+        self.proj = nn.Linear(cfg.mlp_width(), cfg.n_embd, bias=False)
         nn.init.zeros_(self.proj.weight)
 
     def forward(self, x: Tensor) -> Tensor:

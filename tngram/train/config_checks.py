@@ -38,6 +38,7 @@ MODEL_INT_MIN = {
     "n_head": 1,
     "n_kv_head": 1,
     "mlp_mult": 1,
+    "mlp_hidden": 0,  # 0: mlp_mult * n_embd
     "sequence_len": 1,
     "memory_seed": 0,
 }
@@ -50,6 +51,7 @@ MODEL_INT_MAX = {
     "n_kv_head": 1024,
     "n_embd": 65536,
     "mlp_mult": 64,
+    "mlp_hidden": 1 << 20,
     "sequence_len": 1 << 20,
     "memory_seed": 2**63 - 1,
 }

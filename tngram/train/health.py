@@ -103,7 +103,7 @@ def step_memory_lower_bound(cfg) -> dict[str, int]:
     return {
         "params": 12 * params,  # weight + grad + 1 moment, fp32
         "logits": 8 * tokens * V,  # fp32 logits + their grad
-        "activations": 4 * L * tokens * d * (4 + 2 * m.mlp_mult),
+        "activations": 4 * L * tokens * (4 * d + 2 * m.mlp_width()),
     }  # x, q, k, v, attn out, MLP hidden
 
 

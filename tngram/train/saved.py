@@ -164,8 +164,9 @@ def model_config_from_saved(d: Any, where: str, prefix: str = "gpt.") -> Any:
 
 def param_lower_bound(m: Any) -> int:
     """At most the GPT's parameter count: per block the q and output projections (d x d each)
-    and the two MLP matrices (d x mlp_mult*d each), plus the token embedding (V x d)."""
-    return m.n_layer * (2 + 2 * m.mlp_mult) * m.n_embd**2 + m.vocab_size * m.n_embd
+    and the two MLP matrices (d x mlp_width each), plus the token embedding (V x d)."""
+    d = m.n_embd
+    return m.n_layer * (2 * d * d + 2 * d * m.mlp_width()) + m.vocab_size * d
 
 
 def check_model_fits(cfg: Any, where: str) -> None:

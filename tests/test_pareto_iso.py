@@ -1,0 +1,105 @@
+"""Pay for the memory with the backbone: model.mlp_hidden (backwards compatible), iso_backbone
+against the meta-device parameter count and a hand count, and the specs of issue 40's views
+(token-indexed families on the Δparams map, every family at the raw GPT's total parameters)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import tngram.experiments.pareto as P
+from tngram.common import TngramError
+from tngram.experiments.pareto_iso import iso_backbone, points_within_step
+from tngram.memory.per_layer_embedding import PerLayerEmbeddingConfig
+from tngram.memory.stem import StemConfig
+from tngram.model.gpt import GPT, GPTConfig, param_counts
+
+TINY = GPTConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, sequence_len=16,
+                 memory_layers=(0, 1))
+
+
+def total(cfg: GPTConfig) -> int:
+    return param_counts(cfg)["total_params"]
+
+
+def test_mlp_hidden_default_is_bit_identical_and_absent_from_config_json():
+    cfg = GPTConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, sequence_len=16)
+    explicit = replace(cfg, mlp_hidden=cfg.mlp_mult * cfg.n_embd)
+    torch.manual_seed(0)
+    a = GPT(cfg).state_dict()
+    torch.manual_seed(0)
+    b = GPT(explicit).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "mlp_hidden" not in cfg.to_dict() and explicit.to_dict()["mlp_hidden"] == 64
+    narrow = replace(cfg, mlp_hidden=48)
+    assert GPTConfig.from_dict(narrow.to_dict()) == narrow
+    assert GPT(narrow).blocks[0].mlp.fc.weight.shape == (48, 32)
+    with pytest.raises(TngramError, match="mlp_hidden"):
+        replace(cfg, mlp_hidden=-1).validate()
+
+
+def test_iso_backbone_by_hand():
+    """PLE P 8 in 2 layers: 2 x (50*8 + 2*32*8) = 1824 memory parameters; one unit of MLP width
+    is 2 (fc, proj) x 32 x 2 blocks = 128 parameters, so the width must drop by >= 1824/128 =
+    14.25 from 64: the largest multiple of 16 is 48, whose total is raw - 16*128 + 1824 = raw - 224."""
+    cfg = replace(TINY, memory=PerLayerEmbeddingConfig(ple_dim=8))
+    raw = total(replace(TINY, memory=None))
+    iso = iso_backbone(cfg)
+    assert iso.mlp_hidden == 48 and total(iso) == raw - 224
+    assert iso_backbone(cfg, multiple=1).mlp_hidden == 49          # 64 - ceil(14.25)
+    assert total(iso_backbone(cfg, multiple=1)) == raw - 15 * 128 + 1824
+
+
+@pytest.mark.parametrize("family", list(P.ISO_SIZES))
+def test_iso_points_keep_the_raw_total_and_use_the_largest_width(family):
+    """Every ISO_SIZES point (meta-device counts): total <= the raw mini GPT's, and one more step
+    of width (16) would exceed it; the memory is the family's at that size."""
+    from tngram.experiments.common import base_recipe
+    bases = {m: base_recipe("mini", m) for m in P.METHODS}
+    raw = total(bases["raw"].model)
+    widths = []
+    for size in P.ISO_SIZES[family][2]:
+        cfg = P.iso_config(family, size, bases).model
+        assert cfg.memory is not None and total(cfg) <= raw
+        assert total(replace(cfg, mlp_hidden=cfg.mlp_hidden + 16)) > raw
+        assert cfg.mlp_hidden % 16 == 0 and cfg.mlp_hidden >= 16
+        widths.append(cfg.mlp_hidden)
+    assert widths == sorted(widths, reverse=True) and widths[0] < 256
+
+
+def test_iso_backbone_refuses_a_memory_the_mlps_cannot_pay_for():
+    cfg = replace(TINY, memory=StemConfig(hidden=256))
+    with pytest.raises(TngramError, match="larger than the backbone's MLPs can pay for"):
+        iso_backbone(cfg)
+
+
+def test_token_family_sizes_span_the_common_range():
+    """At mini, the token-indexed families land within 12% of the map's Δparams targets."""
+    from tngram.experiments.common import base_recipe
+    targets = (1.1e6, 2.2e6, 4.3e6, 8.7e6, 12.0e6)
+    for fam, (method, knob, sizes) in P.TOKEN_SIZES.items():
+        for size, target in zip(sizes, targets, strict=True):
+            cfg = P.with_memory(base_recipe("mini", method), **{knob: size})
+            delta = param_counts(cfg.model)["delta_params"]
+            assert abs(delta - target) / target < 0.12, (fam, size, delta)
+
+
+def test_view_specs(monkeypatch):
+    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
+    specs = P.view_specs(["default", "code", P.VOCAB_CORPUS], "mini", 2, None)
+    n_points = sum(len(v[2]) for v in P.TOKEN_SIZES.values()) + sum(
+        len(v[2]) for v in P.ISO_SIZES.values())
+    assert len(specs) == len({s.label for s in specs}) == 2 * 2 * n_points
+    assert {s.tags["corpus"] for s in specs} == {"default", "code"}
+    iso = [s for s in specs if s.tags["view"] == "total"]
+    assert {s.tags["family"] for s in iso} == {f"{f}-iso" for f in P.ISO_SIZES}
+    assert all(s.config.model.mlp_hidden > 0 for s in iso)
+    assert all(s.config.model.mlp_hidden == 0 for s in specs if s.tags["view"] == "params")
+    assert P.view_specs(["default"], "paper-l9", 1, None) == []
+
+
+def test_points_within_step():
+    pts = [{"step_ms": 10.0}, {"step_ms": 12.6}, {"step_ms": None}, {"step_ms": 12.5}]
+    assert points_within_step(pts, 10.0, 1.25) == [pts[0], pts[3]]
