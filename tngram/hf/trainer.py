@@ -30,6 +30,8 @@ from transformers import Trainer, TrainingArguments
 
 from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
+from tngram.hf.table_update import has_sparse_grads, split_tables
+from tngram.optim.memory_update import MEMORY_UPDATES, clip_grad_norm
 
 
 def memory_param_groups_for_trainer(
@@ -51,10 +53,10 @@ def memory_param_groups_for_trainer(
     tables = {id(p) for m in mems for p in getattr(m, "table_parameters", list)()}
     controls = {id(p) for m in mems for p in getattr(m, "control_parameters", list)()}
     groups: dict[str, dict[str, Any]] = {
-        "memory_table": {"params": [], "lr": table_lr, "weight_decay": 0.0},
-        "memory_control": {"params": [], "lr": lr, "weight_decay": 0.0},
-        "decay": {"params": [], "lr": lr, "weight_decay": float(args.weight_decay)},
-        "no_decay": {"params": [], "lr": lr, "weight_decay": 0.0},
+        "memory_table": {"params": [], "names": [], "lr": table_lr, "weight_decay": 0.0},
+        "memory_control": {"params": [], "names": [], "lr": lr, "weight_decay": 0.0},
+        "decay": {"params": [], "names": [], "lr": lr, "weight_decay": float(args.weight_decay)},
+        "no_decay": {"params": [], "names": [], "lr": lr, "weight_decay": 0.0},
     }
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -71,6 +73,7 @@ def memory_param_groups_for_trainer(
             else "no_decay"
         )
         groups[key]["params"].append(p)
+        groups[key]["names"].append(name)
     return [{**g, "group": k} for k, g in groups.items() if g["params"]]
 
 
@@ -79,27 +82,58 @@ def memory_optimizer(
     args: TrainingArguments,
     table_lr: float | None = None,
     decay_names: set[str] | None = None,
+    memory_update: str = "dense",
 ) -> torch.optim.Optimizer:
     """The optimiser Trainer would build from `args`, with the recipe's groups: pass it as
-    `Trainer(..., optimizers=(memory_optimizer(model, args, table_lr), None))`."""
+    `Trainer(..., optimizers=(memory_optimizer(model, args, table_lr), None))`.
+
+    memory_update: "dense" (Trainer's optimiser on the tables too), "sparse" (LazyAdam on
+    row-sparse table gradients) or "rowwise" (RowwiseAdam), with betas and eps from `args`
+    (tngram.hf.table_update). With sparse / rowwise, clip with MemoryTrainer (a plain Trainer's
+    clipping cannot take sparse gradients: set max_grad_norm=0 there)."""
     if not memory_modules(model):
         raise TngramError("memory_optimizer: the model has no n-gram memory (tngram.hf.add_memory)")
     opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     opt_kwargs = {k: v for k, v in opt_kwargs.items() if k not in ("lr", "weight_decay")}
-    return opt_cls(
-        memory_param_groups_for_trainer(model, args, table_lr, decay_names),
-        lr=float(args.learning_rate),
-        **opt_kwargs,
-    )
+    groups = memory_param_groups_for_trainer(model, args, table_lr, decay_names)
+
+    def make_main(gs: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return opt_cls(gs, lr=float(args.learning_rate), **opt_kwargs)
+
+    betas = (float(args.adam_beta1), float(args.adam_beta2))
+    return split_tables(model, groups, memory_update, betas, float(args.adam_epsilon), make_main)
 
 
 class MemoryTrainer(Trainer):
     """`Trainer` whose default optimiser follows the recipe (memory tables and factors without
-    weight decay, at `memory_table_lr`, default the args' learning rate)."""
+    weight decay, at `memory_table_lr`, default the args' learning rate), with the tables'
+    `memory_update` ("dense" | "sparse" | "rowwise", see memory_optimizer); its gradient
+    clipping takes row-sparse gradients."""
 
-    def __init__(self, *args: Any, memory_table_lr: float | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        memory_table_lr: float | None = None,
+        memory_update: str = "dense",
+        **kwargs: Any,
+    ) -> None:
+        if memory_update not in MEMORY_UPDATES:
+            raise TngramError(
+                f"memory_update must be one of {list(MEMORY_UPDATES)}, got {memory_update!r}"
+            )
         self.memory_table_lr = memory_table_lr
+        self.memory_update = memory_update
         super().__init__(*args, **kwargs)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if not has_sparse_grads(model):
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm(model.parameters(), float(self.args.max_grad_norm))
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None and has_sparse_grads(model):
+            grad_norm = clip_grad_norm(model.parameters(), float("inf"))  # the norm, no clip
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -109,5 +143,6 @@ class MemoryTrainer(Trainer):
                 self.args,
                 self.memory_table_lr,
                 set(self.get_decay_parameter_names(opt_model)),
+                self.memory_update,
             )
         return self.optimizer
