@@ -44,10 +44,12 @@ def core_tables(results: dict[str, dict[str, Any]], metric: str = "accuracy") ->
     cols = _columns(results)
     methods = list(results)
     grid: dict[str, list[float | None]] = {
-        m: [float(results[m]["core"])]
-        + [
-            float(results[m]["tasks"][c][metric]) if c in results[m]["tasks"] else None
-            for c in cols
+        m: [
+            float(results[m]["core"]),
+            *(
+                float(results[m]["tasks"][c][metric]) if c in results[m]["tasks"] else None
+                for c in cols
+            ),
         ]
         for m in methods
     }

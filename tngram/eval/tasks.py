@@ -290,6 +290,7 @@ COQA_HEADER = (
 def conv_jeopardy(d: dict[str, Any]) -> Record:
     m = _JEOPARDY.match(d["query"])
     _need(m is not None, "jeopardy query shape")
+    assert m is not None  # _need raised otherwise
     return _lm(f"{m.group(1)}: {m.group(2)}", d["answer"])
 
 
@@ -300,6 +301,7 @@ def conv_lambada(d: dict[str, Any]) -> Record:
 def conv_squad(d: dict[str, Any]) -> Record:
     m = _SQUAD.match(d["query"])
     _need(m is not None, "squad query shape")
+    assert m is not None  # _need raised otherwise
     return _lm(f"Context: {m.group(1)}\nQuestion: {m.group(2)}\nAnswer:", d["answers_text"][0])
 
 

@@ -372,7 +372,8 @@ def dense(
         "| model | n_embd | n_layer | mlp_mult | total params | train FLOPs/token | val loss |",
         "|---|---|---|---|---|---|---|",
     ]
-    by_params, by_flops = {}, {}
+    by_params: dict[str, list[tuple[float, float, float]]] = {}
+    by_flops: dict[str, list[tuple[float, float, float]]] = {}
     for k, c in variants.items():
         loss = mean_std([r["val_loss"] for r in rows if r["method"] == k])
         p, f = param_summary(c)["total_params"], train_flops_per_token(c)

@@ -103,7 +103,7 @@ def _table(series: dict[str, list[tuple[float, float, float]]], xname: str, seed
 
 def _ngram_order(scale: str) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
     orders = range(2, 9)
-    v = [("raw", "raw", {}, {"N": 0})]
+    v: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [("raw", "raw", {}, {"N": 0})]
     for n in orders:
         v.append((f"engram-N{n}", "engram", {"max_ngram": n, "dilation": None}, {"N": n}))
         v.append((f"tngram-N{n}", "tngram", {"max_ngram": n, "dilation": None}, {"N": n}))
@@ -114,7 +114,7 @@ def _capacity(
     scale: str, prefix: str, vocab: int
 ) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
     heads = (1, 2, 4, 8, 16)
-    v = [("raw", "raw", {}, {"x": 0})]
+    v: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [("raw", "raw", {}, {"x": 0})]
     en_base, tn_base = base_recipe(prefix, "engram"), base_recipe(prefix, "tngram")
     d = en_base.model.n_embd
     for h in heads:

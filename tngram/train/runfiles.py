@@ -47,4 +47,7 @@ def has_checkpoint(run_dir: str | os.PathLike) -> bool:
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(_STEP_RE.match(path.name).group(1))
+    m = _STEP_RE.match(path.name)
+    if m is None:  # callers pass folders list_checkpoints found (named step_NNNNNN)
+        raise ValueError(f"{path}: not a checkpoint folder (step_NNNNNN)")
+    return int(m.group(1))

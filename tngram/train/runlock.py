@@ -67,6 +67,7 @@ class RunLock:
         self.what = what
         self._fd: int | None = None
         self.created_file = False  # the lock file did not exist before acquire()
+        self.created = False  # the run folder did not exist before (set by tngram.train.rundir)
         self.stale: dict | None = None  # holder info of a dead process whose lock we took over
 
     def acquire(self) -> "RunLock":
