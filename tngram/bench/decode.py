@@ -4,12 +4,14 @@ For each shape (mini, paper-l9) and method, one new token at a time after a shor
 
     ours   GPT.forward(ids (1, 1), cache=dict)      the model's own decode path
     hf     TngramGPTForCausalLM.generate(...)         through transformers (needs the hf extra);
-                                                     per token = (t(n tokens) - t(1 token)) / (n - 1)
+                                                     per token = (t(n tokens) - t(1 token)) / (n -
+                                                     1)
 
 Reported: ms/token and tokens/s (median of interleaved reps, bench.common), the TN-gram/raw and
 Engram/raw time ratios, and beside them the analytic per-token FLOP ratio:
 
-    flops/token = 2 * (nn.Linear weights + tied head V*D)            every matmul, memory K/V included
+    flops/token = 2 * (nn.Linear weights + tied head V*D)            every matmul, memory K/V
+    included
                 + 4 * D * L * c                                       attention scores and values at
                                                                       context c (mid-decode length)
                 + memory elementwise work (per memory layer):
@@ -188,7 +190,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def report(res: dict[str, Any]) -> str:
     mc = res["machine"]
     lines = [
-        f"decode, batch 1, fp32, {res['tokens']} new tokens after a {res['prompt_len']}-token prompt, "
+        f"decode, batch 1, fp32, {res['tokens']} new tokens after a {res['prompt_len']}-token "
+        f"prompt, "
         f"median of {res['reps']} interleaved reps; {mc['cpu']}, {mc['torch_threads']} threads, "
         f"load {res['loadavg_before']} -> {res['loadavg_after']}",
         f"{'shape':9s} {'method':7s} {'GFLOP/tok':>9s} {'ours ms/tok':>11s} {'ours tok/s':>10s}"

@@ -338,17 +338,20 @@ def report(res: dict[str, Any]) -> str:
             else "-"
         )
         lines.append(
-            f"{n:12s} {r['params']:>11,d} {fmt_ms(r['lookup']['median_s'])} ({fmt_ms(r['lookup']['min_s']).strip():>6s})"
+            f"{n:12s} {r['params']:>11,d} {fmt_ms(r['lookup']['median_s'])} "
+            f"({fmt_ms(r['lookup']['min_s']).strip():>6s})"
             f" {r['lookup_bytes_mirror'] / 1e6:8.1f}MB {fmt_si(r['lookup_bytes_per_s'], 'B/s'):>11s}"
             f" {fmt_ms(r['module']['median_s'])} ({fmt_ms(r['module']['min_s']).strip():>6s})"
-            f" {r['module_flops'] / 1e9:7.2f}G {fmt_si(r['module_flops_per_s'], 'FLOP/s'):>12s} {pk_s:>15s}"
+            f" {r['module_flops'] / 1e9:7.2f}G {fmt_si(r['module_flops_per_s'], 'FLOP/s'):>12s} "
+            f"{pk_s:>15s}"
         )
     lines.append("")
     for key, r in res["ratios"].items():
         if "lookup_time" in r:
             lines.append(
                 f"{key}: lookup time ratio {r['lookup_time']:.2f} (min {r['lookup_time_min']:.2f}) "
-                f"vs bytes ratio {r['lookup_bytes_mirror']:.2f} (full model {r['lookup_bytes_full']:.2f}) "
+                f"vs bytes ratio {r['lookup_bytes_mirror']:.2f} (full model "
+                f"{r['lookup_bytes_full']:.2f}) "
                 f"-> {'met' if r['lookup_target_met'] else 'NOT met'}; module time ratio "
                 f"{r['module_time']:.2f} (min {r['module_time_min']:.2f}) vs FLOP ratio "
                 f"{r['module_flops']:.2f} (target <= {1.05 * r['module_flops']:.2f}) -> "
@@ -358,7 +361,8 @@ def report(res: dict[str, Any]) -> str:
             lines.append(
                 f"{key}: fused lookup {r['lookup_speedup']:.2f}x faster than plain autograd "
                 f"(min {r['lookup_speedup_min']:.2f}x; target >= 3 -> "
-                f"{'met' if r['target_met'] else 'NOT met'}), whole module {r['module_speedup']:.2f}x"
+                f"{'met' if r['target_met'] else 'NOT met'}), whole module "
+                f"{r['module_speedup']:.2f}x"
             )
     for n, parts in res.get("profile", {}).items():
         for part, ops in parts.items():

@@ -5,7 +5,8 @@ The step is the trainer's (tngram/train/loop.py): parameter groups from
 matrices, loss = model(x, y), fp32 or bf16 autocast on CPU. Inputs are random token ids (the
 step's cost does not depend on the data). mini-* recipes run one optimiser step of their own
 global batch, as the trainer does: micro-batches of 8 x 256 tokens, gradients accumulated over
-2 of them (16 x 256), then Adam and Muon (at commit 49015ed and before: one micro-batch per optimiser
+2 of them (16 x 256), then Adam and Muon (at commit 49015ed and before: one micro-batch per
+optimiser
 step, which gave the optimisers twice the trainer's share of the step); paper-l9-* one
 micro-batch of `paper_batch` x 1024 and fewer reps (one step takes seconds).
 
@@ -226,13 +227,15 @@ def report(res: dict[str, Any]) -> str:
         f"{mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
         f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 {fmt_si(pk['bf16'], 'FLOP/s')}",
         "",
-        f"{'recipe:dtype':28s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} {'of peak':>8s}",
+        f"{'recipe:dtype':28s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} "
+        f"{'of peak':>8s}",
     ]
     for key, r in res["results"].items():
         if key == "profile":
             continue
         lines.append(
-            f"{key:28s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} ({fmt_ms(r['step']['min_s']).strip():>7s})"
+            f"{key:28s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} "
+            f"({fmt_ms(r['step']['min_s']).strip():>7s})"
             f" {r['tokens_per_s']:10,.0f} {fmt_si(r['flops_per_s'], 'FLOP/s'):>13s} {100 * r['peak_fraction']:7.1f}%"
         )
     lines.append("")

@@ -171,7 +171,8 @@ def report(res: dict[str, Any]) -> str:
         f"tngram bench threads: threads {res['threads']} interleaved in one process, median of "
         f"{res['reps']} after {res['warmup']} warm-up (min in brackets); lookup/module at "
         f"paper-l9 shapes, {sh['tokens']} tokens; steps = mini recipes, bf16 autocast",
-        f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> {mc['loadavg']}",
+        f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> "
+        f"{mc['loadavg']}",
         "",
     ]
     keys = sorted({k.rsplit("@", 1)[0] for k in res["times"]})

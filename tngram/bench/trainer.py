@@ -1,7 +1,8 @@
 """`tngram bench trainer`: where a real training run's time goes, and how much of TN-gram's step
 gap to Engram is the extra matmul arithmetic.
 
-phases: runs `tngram.train.loop.train` itself (the recipe, its data, `--stop-after` optimiser steps of
+phases: runs `tngram.train.loop.train` itself (the recipe, its data, `--stop-after` optimiser steps
+of
 its schedule, a throw-away run folder) with wall-clock timers around its pieces: data
 (TokenLoader.next_batch), forward (GPT.forward outside evaluation), backward (Tensor.backward),
 Adam and Muon steps, zero_grad, evaluation, checkpoint and final-weight writes, metrics and

@@ -230,7 +230,8 @@ def run(
                 rows.append(row)
                 say(
                     f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} cpu {c * 1e3:9.1f} ms, overhead "
-                    f"{row['overhead_s'] * 1e3:8.1f} ms (cpu {row['overhead_cpu_s'] * 1e3:8.1f}) state/table param "
+                    f"{row['overhead_s'] * 1e3:8.1f} ms (cpu {row['overhead_cpu_s'] * 1e3:8.1f}) "
+                    f"state/table param "
                     f"{row['state_bytes_per_table_param']}"
                 )
             del steps, facts, times
@@ -252,7 +253,8 @@ def run(
                 timeout=1800,
             )
             say(
-                f"  peak {row['model']}/{row['update']} V={row['vocab']}: {row['peak_rss_delta_bytes']}"
+                f"  peak {row['model']}/{row['update']} V={row['vocab']}: "
+                f"{row['peak_rss_delta_bytes']}"
             )
     info = machine_info()
     info["loadavg_before"] = load_before

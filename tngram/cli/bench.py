@@ -13,7 +13,8 @@ from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
 
-# optim.memory_update options, "+catchup" with optim.memory_catchup (tngram.bench.vocab.UPDATE_CHOICES;
+# optim.memory_update options, "+catchup" with optim.memory_catchup
+# (tngram.bench.vocab.UPDATE_CHOICES;
 # spelled out here so that building the parser does not import torch)
 TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchup")
 

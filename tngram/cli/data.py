@@ -106,7 +106,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="PATH",
         default=None,
-        help="text files/folders (one document per file) and .jsonl files (one per line, field 'text')",
+        help="text files/folders (one document per file) and .jsonl files (one per line, field "
+        "'text')",
     )
     from tngram.data.corpus import CORPORA
 
@@ -135,7 +136,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     f = sub.add_parser(
         "fineweb",
         help="download parameter-golf's FineWeb export (needs internet)",
-        description="Download tokenizer + val shards + the first K train shards from the HF dataset "
+        description="Download tokenizer + val shards + the first K train shards from the HF "
+        "dataset "
         "repo willdepueoai/parameter-golf (100M tokens = 200 MB per train shard).",
     )
     f.add_argument("--variant", default="sp1024", help="tokenizer variant (default sp1024)")

@@ -136,7 +136,8 @@ def report(info: dict[str, Any]) -> str:
         f"tngram {info['tngram']}  python {info['python']}  torch {info['torch']} "
         f"(CUDA build: {info['torch_cuda_build'] or 'no'})",
         f"device: {', '.join(info['gpus']) if info['gpus'] else 'CPU only (no CUDA device)'}",
-        f"cpu: {cpu['model']}, {cpu['cores']} cores, vector: {vec}; torch threads {info['torch_threads']}",
+        f"cpu: {cpu['model']}, {cpu['cores']} cores, vector: {vec}; torch threads "
+        f"{info['torch_threads']}",
         f"triton: {info['triton'] or 'not installed'}",
         f"C compiler: {c['cc']} ({c['version'] or 'not found'}); kernel "
         + (

@@ -142,7 +142,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--report-only",
         action="store_true",
-        help="pareto / table-update only: write the map / table from the runs finished so far; train nothing "
+        help="pareto / table-update only: write the map / table from the runs finished so far; "
+        "train nothing "
         "(the step/decode timing still runs once if OUT/bench.json is missing)",
     )
     p.add_argument(
@@ -155,7 +156,8 @@ def add_commands(sub: Any) -> None:
         "--corpora",
         default=None,
         metavar="NAME,...",
-        help="corpora / data-scaling / pareto / table-update / dense / tuning only: built-in corpora (`tngram data "
+        help="corpora / data-scaling / pareto / table-update / dense / tuning only: built-in "
+        "corpora (`tngram data "
         "build --corpus`), comma-separated (default: default,literature,code for corpora and "
         "pareto and table-update, code-large for data-scaling)",
     )

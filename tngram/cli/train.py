@@ -43,7 +43,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--out",
         default=None,
         metavar="DIR",
-        help="run folder: config.json, metrics.jsonl, checkpoints, model.safetensors, tokenizer.model",
+        help="run folder: config.json, metrics.jsonl, checkpoints, model.safetensors, "
+        "tokenizer.model",
     )
     add_config_arguments(p)
     p.add_argument(
@@ -78,7 +79,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--device",
         default=None,
         metavar="D",
-        help="auto | cpu | cuda | cuda:N | mps (same as --set run.device=D; default: the config's, auto)",
+        help="auto | cpu | cuda | cuda:N | mps (same as --set run.device=D; default: the config's, "
+        "auto)",
     )
     p.add_argument(
         "--threads",

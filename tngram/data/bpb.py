@@ -62,7 +62,8 @@ def target_bytes(prev_ids: Tensor, tgt_ids: Tensor, luts: tuple[Tensor, Tensor, 
     base, lead, boundary = luts
     if prev_ids.shape != tgt_ids.shape:
         raise TngramError(
-            f"prev_ids {tuple(prev_ids.shape)} and tgt_ids {tuple(tgt_ids.shape)} must have the same shape"
+            f"prev_ids {tuple(prev_ids.shape)} and tgt_ids {tuple(tgt_ids.shape)} must have the "
+            f"same shape"
         )
     base, lead, boundary = (
         base.to(tgt_ids.device),

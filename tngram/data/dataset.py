@@ -50,7 +50,8 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     mpath = d / "manifest.json"
     if not mpath.is_file():
         raise TngramError(
-            f"{d} is not a tngram dataset: manifest.json is missing (build one with `tngram data build "
+            f"{d} is not a tngram dataset: manifest.json is missing (build one with `tngram data "
+            f"build "
             "--from-text ... --out DIR` or download FineWeb with `tngram data fineweb`)"
         )
     from tngram.readback import get, load_json, plain_name
@@ -126,8 +127,10 @@ def dataset_summary(info: DatasetInfo) -> str:
     m = info.manifest
     lines = [
         f"dataset   {info.dir}",
-        f"kind      {m.get('kind', '?')}   created {m.get('created', '?')}   build {m.get('build_seconds', '?')} s",
-        f"tokenizer {info.tokenizer_path.name}  vocab {info.vocab_size}  sha256 {m['tokenizer'].get('sha256', '?')}",
+        f"kind      {m.get('kind', '?')}   created {m.get('created', '?')}   build "
+        f"{m.get('build_seconds', '?')} s",
+        f"tokenizer {info.tokenizer_path.name}  vocab {info.vocab_size}  sha256 "
+        f"{m['tokenizer'].get('sha256', '?')}",
     ]
     if "split" in m:
         lines.append(
@@ -137,7 +140,8 @@ def dataset_summary(info: DatasetInfo) -> str:
         ver = f"=={s['version']}" if s.get("version") else ""
         docs, nb, tk = s.get("docs", {}), s.get("bytes", {}), s.get("tokens", {})
         lines.append(
-            f"source    {s.get('name')} ({s.get('package', s.get('repo_id', ''))}{ver}; {s.get('text_licence', '')})"
+            f"source    {s.get('name')} ({s.get('package', s.get('repo_id', ''))}{ver}; "
+            f"{s.get('text_licence', '')})"
         )
         if docs:
             lines.append(

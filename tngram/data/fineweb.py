@@ -117,7 +117,8 @@ def plan_fineweb(
             local = f"fineweb_{split}_{i:06d}.bin"
             plan.files.append((f"{root}datasets/{name}/{local}", local))
             getattr(plan, split).append(local)
-    # stored under our uniform names (every dataset has tokenizer.model); the manifest keeps the origin
+    # stored under our uniform names (every dataset has tokenizer.model); the manifest keeps the
+    # origin
     plan.tokenizer_model = "tokenizer.model"
     plan.files.append((f"{root}{tok['model_path']}", plan.tokenizer_model))
     if tok.get("vocab_path"):
@@ -149,7 +150,8 @@ def _probe(repo_id: str, timeout: float) -> None:
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise TngramError(
-            f"cannot reach the Hugging Face Hub: tried HEAD {url} ({timeout:.0f} s timeout): {reason}. "
+            f"cannot reach the Hugging Face Hub: tried HEAD {url} ({timeout:.0f} s timeout): "
+            f"{reason}. "
             "`tngram data fineweb` needs internet access; offline, use the default corpus "
             "(`tngram data build`) or your own text (`tngram data build --from-text PATH`)."
         ) from None
@@ -218,7 +220,8 @@ def download_fineweb(
         m = out_dir / "manifest.json"
         if not (out_dir / "upstream_manifest.json").is_file() and not m.is_file():
             raise TngramError(
-                f"{out_dir} exists, is not empty and is not a FineWeb download; choose another --out"
+                f"{out_dir} exists, is not empty and is not a FineWeb download; choose another "
+                f"--out"
             )
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,7 +235,8 @@ def download_fineweb(
         nonlocal checked
         if offline:
             raise TngramError(
-                f"HF_HUB_OFFLINE is set and {what} is not in {out_dir}: cannot download it from the "
+                f"HF_HUB_OFFLINE is set and {what} is not in {out_dir}: cannot download it from "
+                f"the "
                 f"Hugging Face dataset repo {repo_id}. Unset HF_HUB_OFFLINE when online, or use "
                 "`tngram data build` (offline default corpus)."
             )
@@ -259,7 +263,8 @@ def download_fineweb(
                 ", ".join(name for _, name in missing[:3]) + (" ..." if len(missing) > 3 else "")
             )
             print0(
-                f"downloading {len(missing)} file(s) from https://huggingface.co/datasets/{repo_id} into {out_dir}"
+                f"downloading {len(missing)} file(s) from "
+                f"https://huggingface.co/datasets/{repo_id} into {out_dir}"
             )
             for remote, name in tqdm(
                 missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())

@@ -74,7 +74,8 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = hi if hi > MAX_TOKEN_ID else lo
             raise TngramError(
-                f"shard {path}: token id {bad} does not fit in uint16 (ids must be in [0, {MAX_TOKEN_ID}]); "
+                f"shard {path}: token id {bad} does not fit in uint16 (ids must be in [0, "
+                f"{MAX_TOKEN_ID}]); "
                 "a vocabulary above 65,536 cannot be stored in this format"
             )
     payload = np.ascontiguousarray(arr, dtype="<u2")  # (count,)
@@ -230,8 +231,10 @@ def validate_shards(
         if rec["max_id"] >= vocab_size:
             i = first_bad_token(path, vocab_size)
             raise TngramError(
-                f"shard {path}: token id {rec['max_id']} is out of range for vocab_size {vocab_size}; first "
-                f"bad id at token {i} (byte offset {HEADER_BYTES + 2 * i}); was the shard written with a "
+                f"shard {path}: token id {rec['max_id']} is out of range for vocab_size "
+                f"{vocab_size}; first "
+                f"bad id at token {i} (byte offset {HEADER_BYTES + 2 * i}); was the shard written "
+                f"with a "
                 f"different tokenizer?"
             )
         out[path.name] = rec

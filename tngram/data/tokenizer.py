@@ -92,7 +92,8 @@ def train_tokenizer(
     """
     if not 4 + 256 < vocab_size <= 65536:
         raise TngramError(
-            f"vocab_size must be in (260, 65536] (4 specials + 256 byte pieces + merges), got {vocab_size}"
+            f"vocab_size must be in (260, 65536] (4 specials + 256 byte pieces + merges), got "
+            f"{vocab_size}"
         )
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +136,8 @@ def train_tokenizer(
     if sp.vocab_size() != vocab_size:
         raise TngramError(
             f"the training text ({n_lines} lines) is too small for vocab_size {vocab_size}: "
-            f"SentencePiece found only {sp.vocab_size()} pieces; use more text or a smaller --vocab-size"
+            f"SentencePiece found only {sp.vocab_size()} pieces; use more text or a smaller "
+            f"--vocab-size"
         )
     model = out_prefix.parent / (out_prefix.name + ".model")
     write_vocab_file(sp, out_prefix.parent / (out_prefix.name + ".vocab"))

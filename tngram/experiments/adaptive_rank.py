@@ -220,7 +220,8 @@ def timing_section(cfg: TrainConfig, rows: list[dict[str, Any]], reps: int = 5) 
         ests.append(est / tb)
     lines += [
         "",
-        f"Estimated adaptive training time from these step times ((p t_{start} + (S - p) t_picked) / S, "
+        f"Estimated adaptive training time from these step times ((p t_{start} + (S - p) t_picked) "
+        f"/ S, "
         f"S = {S}): {', '.join(f'{e:.2f}x' for e in ests)} of fixed R = {best} "
         f"(goal <= {GOAL_TIME}x): {'met' if max(ests) <= GOAL_TIME else 'NOT met'}",
     ]
@@ -343,11 +344,13 @@ def report_body(
         ok = [al - bl <= GOAL_NATS, ad <= GOAL_PARAMS * bd, at <= GOAL_TIME * bt]
         lines += [
             "",
-            f"Goal check against the best fixed R = {best} ({bn} seeds; adaptive: {len(adapt)} seeds):",
+            f"Goal check against the best fixed R = {best} ({bn} seeds; adaptive: {len(adapt)} "
+            f"seeds):",
             "",
             f"- val loss: adaptive {al:.4f} vs {bl:.4f}, difference {al - bl:+.4f} nats "
             f"(goal <= +{GOAL_NATS}): {'met' if ok[0] else 'NOT met'}",
-            f"- Δparams: {ad / 1e6:.2f}M = {ad / bd:.0%} of {bd / 1e6:.2f}M (goal <= {GOAL_PARAMS:.0%}): "
+            f"- Δparams: {ad / 1e6:.2f}M = {ad / bd:.0%} of {bd / 1e6:.2f}M (goal <= "
+            f"{GOAL_PARAMS:.0%}): "
             f"{'met' if ok[1] else 'NOT met'}",
             f"- training time: {at:.0f} s = {at / bt:.2f}x of {bt:.0f} s (goal <= {GOAL_TIME}x): "
             f"{'met' if ok[2] else 'NOT met'}",

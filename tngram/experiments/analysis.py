@@ -106,7 +106,8 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
         )
     frac = ", ".join(f"{n}-gram {v['seen_fraction']:.1%}" for n, v in results["orders"].items())
     body = (
-        f"Validation loss (nats/token) at positions whose n-gram ending at t occurs in the training "
+        f"Validation loss (nats/token) at positions whose n-gram ending at t occurs in the "
+        f"training "
         f"data (seen) or not (unseen). Seen fractions: {frac}.\n\n" + "\n".join(lines)
     )
     paired = paired_differences(rows, results["runs"], list(seen_by_order))
@@ -119,7 +120,8 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
             & {r.get("seed") for r in rows if r["method"] == "engram"}
         )
         body += (
-            "\n\nTN-gram − Engram, paired by seed (mean ± std over seeds; negative = TN-gram better):\n\n"
+            "\n\nTN-gram − Engram, paired by seed (mean ± std over seeds; negative = TN-gram "
+            "better):\n\n"
             "| order | seen | unseen |\n|---|---|---|\n"
             + "\n".join(
                 f"| {n} | {fmt_pm(*d['seen'], npairs, '+.4f')} | {fmt_pm(*d['unseen'], npairs, '+.4f')} |"
@@ -179,7 +181,8 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
     H, N = mem.n_head_per_ngram, mem.max_ngram
     primes = mem.layer_primes(cfg.model.vocab_size, layers[0], layers)  # [[p_{n,j}] per order]
     lines = [
-        "| order | distinct n-grams | mean table size/head | load (n-grams/row) | in a shared bucket (per head) "
+        "| order | distinct n-grams | mean table size/head | load (n-grams/row) | in a shared "
+        "bucket (per head) "
         "| n-grams sharing the bucket (occurrence-weighted) | indistinguishable in all heads |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -208,7 +211,8 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
         s = stats[n]
         lines.append(
             f"| {n} | {s['distinct']:,} | {s['table_size']:,.0f} | {s['load']:.1f} | "
-            f"{s['shared_per_head']:.1%} | {s['ngrams_per_bucket']:.1f} | {s['indistinguishable']:.3%} |"
+            f"{s['shared_per_head']:.1%} | {s['ngrams_per_bucket']:.1f} | "
+            f"{s['indistinguishable']:.3%} |"
         )
     body = (
         f"Engram ({cfg.name}, layer {layers[0]}) hash tables on {len(train):,} training tokens.\n\n"

@@ -77,7 +77,8 @@ def corpora(
     tuned: Path | str | None = None,
 ) -> Path:
     """`tngram experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance;
-    with `tuned` (a tuning folder or setting names, see `read_best`), each memory at that setting."""
+    with `tuned` (a tuning folder or setting names, see `read_best`), each memory at that
+    setting."""
     from tngram.data.corpus import EVIDENCE_CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
@@ -252,10 +253,13 @@ def data_scaling(
     body = (
         significance_table(by_budget) + "\n\n"
         f"Trend gap = a + b·log10(tokens) over {trend['n']} (budget, seed) points: slope b = "
-        f"{trend['slope']:+.4f} per decade (95% CI [{trend['slope_lo']:+.4f}, {trend['slope_hi']:+.4f}]); "
+        f"{trend['slope']:+.4f} per decade (95% CI [{trend['slope_lo']:+.4f}, "
+        f"{trend['slope_hi']:+.4f}]); "
         f"extrapolated to {PAPER_TOKENS:.0e} tokens: {trend['pred']:+.4f} "
-        f"(95% prediction interval [{trend['pred_lo']:+.4f}, {trend['pred_hi']:+.4f}]). The extrapolation "
-        "spans two to three decades beyond the data with a tiny model: read it as a direction, not a number."
+        f"(95% prediction interval [{trend['pred_lo']:+.4f}, {trend['pred_hi']:+.4f}]). The "
+        f"extrapolation "
+        "spans two to three decades beyond the data with a tiny model: read it as a direction, not "
+        "a number."
     )
     atomic_write_json(
         out / "data-scaling.json", {"data": data_dir, "trend": trend, "rows": by_budget}
@@ -306,7 +310,8 @@ def _closest(cfg: Any, field: str, values: range, measure: Any, target: float) -
 
 def dense_variants(raw: Any, memory_cfgs: dict[str, Any]) -> dict[str, Any]:
     """Raw GPTs grown to each memory model's total parameters — wider (n_embd), deeper (n_layer),
-    larger MLP (mlp_mult) — and to its training FLOPs per token (wider). Names: dense-<way>-<method>."""
+    larger MLP (mlp_mult) — and to its training FLOPs per token (wider). Names:
+    dense-<way>-<method>."""
     from tngram.train.recipes import param_summary
 
     total = lambda c: param_summary(c)["total_params"]  # noqa: E731

@@ -117,7 +117,8 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
         )
         n = len(seeds)
         lines.append(
-            f"| {m} | {fmt_pm(scm, scs, n)} | {fmt_pm(frm, frs, n)} | {fmt_pm(rm, rs, n, '.0f')} % | "
+            f"| {m} | {fmt_pm(scm, scs, n)} | {fmt_pm(frm, frs, n)} | {fmt_pm(rm, rs, n, '.0f')} % "
+            f"| "
             f"{r0['total_params']:,} / {r0['memory_params']:,} |"
         )
     body = (

@@ -4,7 +4,8 @@ Each family is swept over its size knob across one common Δparams range (at `mi
 1.1, 2.2, 4.3, 8.7 and 12 M; `SIZES`), at its own table lr tuned once on the tuning corpus
 (`literature`) and then fixed:
 
-    engram    Engram, per-head table rows (`table_budget`; the recipe's is 5 V = 5120)   tuned: table lr x 4
+    engram    Engram, per-head table rows (`table_budget`; the recipe's is 5 V = 5120)   tuned:
+    table lr x 4
     tngram    TN-gram, CP rank                                          tuned: table lr x 2
     oe        Over-Encoding (N 5, 2 slices), slice-table rows           tuned here (`tune_table_lr`)
     longcat   Over-Encoding at LongCat's settings (n 4, k 4, averaged fusion), slice-table rows;
@@ -99,7 +100,8 @@ FAMILIES = ("raw", *SIZES)
 # beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
 CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_indices": (2, 1)}
 CONFIRM_SEEDS = 5
-# the pair's step ratio (pareto_report.step_ratio): CONFIRM_STEP_PROCESSES fresh processes, half of them
+# the pair's step ratio (pareto_report.step_ratio): CONFIRM_STEP_PROCESSES fresh processes, half of
+# them
 # building Engram first, CONFIRM_STEP_REPS interleaved rounds each
 CONFIRM_STEP_PROCESSES = 8
 CONFIRM_STEP_REPS = 21
@@ -552,7 +554,8 @@ def bench_once(
     try:
         if not set(cfgs) <= set(res.get("points", {})):
             print0(
-                f"timing {len(cfgs)} configurations (training step and decode, 1 thread, interleaved, {reps} reps) ..."
+                f"timing {len(cfgs)} configurations (training step and decode, 1 thread, "
+                f"interleaved, {reps} reps) ..."
             )
             res = bench_points(cfgs, reps=reps)
             atomic_write_json(path, res)

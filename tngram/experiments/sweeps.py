@@ -10,7 +10,8 @@
     corpora      Table 1 on every built-in corpus + seen/unseen balance + significance (evidence.py)
     data-scaling the three methods at 1, 4, 16 M training tokens, gap trend (evidence.py)
     tuning       table lr (both memories) and TN-gram factor init on a tuning corpus (evidence.py)
-    dense        raw GPTs grown to the memory models' params (wider/deeper/MLP) and FLOPs (evidence.py)
+    dense        raw GPTs grown to the memory models' params (wider/deeper/MLP) and FLOPs
+    (evidence.py)
     memory-on-trained  add TN-gram / Engram to a trained raw GPT, train only the memory
                        (tngram.experiments.memory_on_trained)
     adaptive-rank  fixed CP ranks vs one run that prunes its own rank (adaptive_rank.py)
@@ -207,7 +208,8 @@ def run_experiment(
         raise TngramError(f"--budgets applies to the data-scaling experiment only, not {name!r}")
     if tuned is not None and name not in ("corpora", "data-scaling", "pareto"):
         raise TngramError(
-            f"--tuned applies to the corpora, data-scaling and pareto experiments only, not {name!r}"
+            f"--tuned applies to the corpora, data-scaling and pareto experiments only, not "
+            f"{name!r}"
         )
     seeds = seeds or DEFAULT_SEEDS.get(name, 1)
     if corpora is not None and name not in (
@@ -219,7 +221,8 @@ def run_experiment(
         "table-update",
     ):
         raise TngramError(
-            f"--corpora applies to the corpora, data-scaling, dense, tuning, pareto and table-update "
+            f"--corpora applies to the corpora, data-scaling, dense, tuning, pareto and "
+            f"table-update "
             f"experiments only, not {name!r}"
         )
     if name == "pareto":
@@ -240,7 +243,8 @@ def run_experiment(
     if name == "table-update":
         if core_max or data:
             raise TngramError(
-                "table-update trains on built-in corpora (--corpora); --data and --core-max do not apply"
+                "table-update trains on built-in corpora (--corpora); --data and --core-max do not "
+                "apply"
             )
         from tngram.experiments.table_update import table_update
 

@@ -4,7 +4,8 @@ For each corpus, seed and memory (Engram at table_budget 3800, TN-gram at cp_ran
 map's recipe-size points, each at its tuned table lr), one run per update option. The `dense` run is
 exactly the pareto run of the same point (same label, same config), so pointing --out at a pareto
 folder reuses those runs; `sparse` / `rowwise` change only `optim.memory_update`, and their
-`+catchup` twins also set `optim.memory_catchup` (the missed steps' moves added in closed form). Pairs share the
+`+catchup` twins also set `optim.memory_catchup` (the missed steps' moves added in closed form).
+Pairs share the
 seed (initialisation and data order) and corpus; the report gives, per corpus and memory, the
 paired difference (option − dense) of validation loss with its 95% t interval
 (tngram.report.stats). The goal stated for the options: within 0.005 nats of dense.
@@ -155,7 +156,8 @@ def table_update(
     results = {"kind": "table", **meta, "columns": COLUMNS, "rows": table}
     atomic_write_json(out / "results" / "table-update.json", results)
     md = (
-        f"# tngram experiment table-update\n\n{len(rows)} of {len(todo)} runs finished. Δ = val loss of the "
+        f"# tngram experiment table-update\n\n{len(rows)} of {len(todo)} runs finished. Δ = val "
+        f"loss of the "
         f"option − dense, paired by seed; goal: within ±{GOAL_NATS} nats.\n\n"
         + render_table(results)
         + "\n"

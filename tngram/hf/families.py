@@ -40,7 +40,8 @@ def decoder_layers_attr(
         return AUTO_LAYERS
     raise TngramError(
         f"tngram.hf does not know where the decoder layers of model_type {model_type!r} are "
-        f"(known: {', '.join(sorted(DECODER_LAYERS))}, or any with base_model.layers); pass layers_attr='...', the dotted path "
+        f"(known: {', '.join(sorted(DECODER_LAYERS))}, or any with base_model.layers); pass "
+        f"layers_attr='...', the dotted path "
         "of the nn.ModuleList of decoder layers under model.base_model (e.g. 'layers' or 'h')"
     )
 

@@ -22,7 +22,8 @@ Python's `unicodedata` and `re`, written to follow the Rust semantics:
 * Remaining possible differences: the Unicode version of Python's `unicodedata` vs the Rust
   crates' tables (NFKC/NFD/case mappings of characters added in newer Unicode versions).
 
-Token text for a SentencePiece model (the analogue of HF `decode([tid], skip_special_tokens=False)`):
+Token text for a SentencePiece model (the analogue of HF `decode([tid],
+skip_special_tokens=False)`):
 control and unknown pieces use their literal piece string (`<s>`, `</s>`, `<pad>`, `<unk>`), byte
 pieces `<0xNN>` decode to their single byte (a non-ASCII byte gives U+FFFD, so its key becomes
 the raw piece and every such byte keeps its own id), and ordinary pieces replace the

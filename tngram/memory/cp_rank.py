@@ -241,7 +241,8 @@ def shrink_to_state(
 
 def shrink_to_ranks(model: nn.Module, ranks: list[int]) -> None:
     """Shrink the TN-gram modules of a freshly built `model` to `ranks` (model order) keeping their
-    first components, before loading weights saved at those ranks (e.g. a pruned run's HF export)."""
+    first components, before loading weights saved at those ranks (e.g. a pruned run's HF
+    export)."""
     mods = tngram_modules(model)
     if len(ranks) != len(mods) or any(
         not 1 <= r <= m.factors.shape[2] for r, (_, m) in zip(ranks, mods)

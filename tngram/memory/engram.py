@@ -270,7 +270,8 @@ class Engram(RowSparse, MemoryModule, nn.Module):
         """The lookup stage alone: (B, T) -> e (B, T, d_mem) = concat over (n, head) of table rows."""
         rows = self.row_ids(input_ids)  # (B, T, (N-1)*H)
         B, T, _ = rows.shape
-        # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU (PERFORMANCE.md)
+        # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU
+        # (PERFORMANCE.md)
         if (
             self.sparse_grad and torch.is_grad_enabled()
         ):  # row-sparse table gradient (tngram.kernels.sparse_rows), same values

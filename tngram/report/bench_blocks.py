@@ -124,7 +124,8 @@ def targets_table(res: dict[str, Any]) -> str:
     goals = targets(res)
     names = {
         "lookup": f"lookup ≤ bytes ratio {goals['lookup']:.2f}",
-        "module": f"module ≤ {MODULE_SLACK:.2f} × FLOP ratio {res['flop_ratio']:.2f} = {goals['module']:.2f}",
+        "module": f"module ≤ {MODULE_SLACK:.2f} × FLOP ratio {res['flop_ratio']:.2f} = "
+        f"{goals['module']:.2f}",
         "step": f"mini step ≤ {goals['step']:.2f}",
     }
     for part, _, _ in PARTS:
@@ -188,7 +189,8 @@ def render_contention(res: dict[str, Any], view: str = "") -> str:
     lines += [
         "",
         f"{res['recipe']}, {n} optimiser step{'s' if n > 1 else ''} of {res['tokens_per_step']:,} "
-        f"tokens per rep, median of {res['reps']} reps, all six candidates interleaved in one process. "
+        f"tokens per rep, median of {res['reps']} reps, all six candidates interleaved in one "
+        f"process. "
         + (f"Also running: {bg} — not an idle machine." if bg else "Nothing else was running."),
     ]
     return "\n".join(lines)

@@ -10,7 +10,8 @@ the README links to it rather than carrying tables and their provenance) between
 
 from that snapshot. `--name NAME --doc FILE` does the same for any block of any Markdown file
 (snapshot docs/results/NAME.json), e.g. a three-seed table in docs/RESULTS.md. The markers and
-the check of every block of a file live in tngram.report.docblocks (`tngram report doc FILE --check`).
+the check of every block of a file live in tngram.report.docblocks (`tngram report doc FILE
+--check`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import MissingFileError
+
 # names kept importable from here (tngram.cli.report and tests import them from this module)
 from tngram.report.markdown import (  # noqa: F401
     begin_marker,

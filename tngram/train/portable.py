@@ -59,8 +59,10 @@ def record_dataset(
         if old_fp != new_fp:
             if not accept_changed:
                 raise TngramError(
-                    f"cannot resume {run_dir}: the dataset {info.dir} is not the one it was trained on "
-                    f"(fingerprint {str(new_fp)[:12]}, {RUN_DATASET} records {str(old_fp)[:12]}); use the "
+                    f"cannot resume {run_dir}: the dataset {info.dir} is not the one it was "
+                    f"trained on "
+                    f"(fingerprint {str(new_fp)[:12]}, {RUN_DATASET} records {str(old_fp)[:12]}); "
+                    f"use the "
                     f"same dataset, or pass --accept-changed-data to continue on this one"
                 )
             previous = previous + [{"fingerprint": old_fp, "absolute_dir": old.get("absolute_dir")}]
@@ -168,7 +170,8 @@ def run_dataset(
             and got_tok.get("sha256") not in (None, rec_tok["sha256"])
         ):
             raise TngramError(
-                f"--data {info.dir} uses another tokenizer (sha256 {str(got_tok.get('sha256'))[:12]}) "
+                f"--data {info.dir} uses another tokenizer (sha256 "
+                f"{str(got_tok.get('sha256'))[:12]}) "
                 f"than run {run_dir} ({str(rec_tok['sha256'])[:12]}): its token ids mean other "
                 f"pieces; choose a dataset built with the run's tokenizer (tngram data build "
                 f"--tokenizer {Path(run_dir) / RUN_TOKENIZER})"

@@ -151,7 +151,8 @@ class RunLock:
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise TngramError(
-                    f"run folder {self.run_dir} is in use by {_holder_text(read_holder(self.run_dir))}; "
+                    f"run folder {self.run_dir} is in use by "
+                    f"{_holder_text(read_holder(self.run_dir))}; "
                     f"wait for it to finish or choose another folder"
                 ) from None
             raise TngramError(
