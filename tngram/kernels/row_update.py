@@ -171,7 +171,9 @@ def _compare(device: torch.device, dtype: torch.dtype) -> float:
         ref = [c[n].double() for n in ("w", "m", "v")]
         cu_ref = None if c["k"] is None else (c["k"], c["coef"])
         reference_row_update(
-            *ref,
+            ref[0],
+            ref[1],
+            ref[2],
             c["rows"],
             c["grad"].double(),
             rowwise=rowwise,
@@ -191,7 +193,9 @@ def _compare(device: torch.device, dtype: torch.dtype) -> float:
             f = -c["coef"] * (inv[c["rows"]] if rowwise else 1.0)
             cu = tuple(x.to(device, dt) for x, dt in ((f, dtype), (b1**kd, dtype), (b2**kd, vdt)))
         row_update(
-            *got,
+            got[0],
+            got[1],
+            got[2],
             c["rows"].to(device),
             c["grad"].to(device, dtype),
             rowwise=rowwise,

@@ -3,9 +3,10 @@
 A training step reads at most B*T*(rows per token) rows of an n-gram table or CP factor, yet the
 usual backward (index_select / nn.Embedding / the fused lookups) zero-fills a gradient the size of
 the whole table. `compact_rows` instead gathers the U distinct rows a batch touches into a small
-(U', W) table (U' >= U: laid out in the table's blocks, see `compact_rows`), remaps the ids into it, and gives the big table a sparse COO gradient holding exactly those U
-rows. The lookup itself (torch, C or Triton, unchanged) runs on the compact table, so its backward
-zero-fills U' rows instead of the table's:
+(U', W) table (U' >= U: laid out in the table's blocks, see `compact_rows`), remaps the ids into
+it, and gives the big table a sparse COO gradient holding exactly those U rows. The lookup
+itself (torch, C or Triton, unchanged) runs on the compact table, so its backward zero-fills U'
+rows instead of the table's:
 
     uniq, inv = unique(ids)                    sorted distinct row ids, inverse map
     sub       = table[uniq]   (U', W)          block-aligned; unused slots are never indexed
@@ -96,8 +97,8 @@ def compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, T
 
 
 def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, Tensor]:
-    """(sub (blocks * U_b, W), inv like ids) with sub[inv] == table.reshape(-1, W)[ids]; the gradient
-    that reaches `table` through `sub` is sparse (the U distinct rows only).
+    """(sub (blocks * U_b, W), inv like ids) with sub[inv] == table.reshape(-1, W)[ids]; the
+    gradient that reaches `table` through `sub` is sparse (the U distinct rows only).
 
     The table's rows are `blocks` equal blocks (TN-gram: one per factor A_1..A_N, each V rows);
     an id of block j is remapped into block j of `sub`, whose blocks hold U_b rows each (U_b = the

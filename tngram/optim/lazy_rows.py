@@ -92,7 +92,8 @@ class _LazyRowAdam(torch.optim.Optimizer):
 
     def _missed_moves(self, m: Tensor, v: Tensor, coef: Tensor) -> Tensor:
         """The rows' summed moves over their missed steps: -coef * m / sqrt(v) with the (rows,)
-        float64 factor `coef` (catch-up; module docstring); m, v: the moments after the last step."""
+        float64 factor `coef` (catch-up; memory_update's docstring); m, v: the moments after the
+        last step."""
         raise NotImplementedError
 
     # the Triton path (tngram.kernels.row_update): a subclass says which formula it is
@@ -164,7 +165,9 @@ class _LazyRowAdam(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(  # type: ignore[override]  # torch's overloads: one signature does the same
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -229,7 +232,7 @@ class _LazyRowAdam(torch.optim.Optimizer):
         b2: float,
         eps: float,
     ) -> None:
-        """The touched rows' step with catch-up: the moves of their missed steps, then the usual one."""
+        """The touched rows' step with catch-up: their missed steps' moves, then the usual one."""
         t, last = state["step"], state["last_step"]
         n = max(1, _ROW_CHUNK_ELEMS // max(1, vals.shape[-1]))
         for a in range(0, rows.numel(), n):
@@ -424,7 +427,7 @@ def _horizon(b1: float, b2: float) -> int | None:
 
 
 def settled_tables(optimizers: Iterable[torch.optim.Optimizer]) -> AbstractContextManager:
-    """`settled()` of every catch-up table optimiser among `optimizers` (the trainer's evaluation)."""
+    """`settled()` of every catch-up table optimiser among `optimizers` (the trainer's eval)."""
     stack = ExitStack()
     for opt in optimizers:
         if isinstance(opt, _LazyRowAdam):
@@ -446,10 +449,11 @@ _ROW_CHUNK_ELEMS = 1 << 18
 
 def _rows_and_values(p: Tensor) -> tuple[Tensor | None, Tensor]:
     """(flat row ids or None for all rows, (rows, width) gradient values) of p.grad."""
-    width = p.shape[-1]
-    if not p.grad.is_sparse:
-        return None, p.grad.reshape(-1, width)
-    g = p.grad.coalesce()
+    width, grad = p.shape[-1], p.grad
+    assert grad is not None  # the step skips parameters without a gradient
+    if not grad.is_sparse:
+        return None, grad.reshape(-1, width)
+    g = grad.coalesce()
     ind, vals = g.indices(), g.values().reshape(-1, width)
     return (ind[0] if ind.shape[0] == 1 else _flat_rows(ind, p.shape[:-1])), vals
 

@@ -32,11 +32,19 @@ depends on the row only through s and is computed once per distinct s (at the mi
 sqrt(v) of a table entry is ~1e-6 at the median and ~1e-8 at the 1st percentile: entries within
 ~10x of eps = 1e-8 move more than under dense Adam). Moves below r^j < 1e-12 of the first are
 dropped when r < 1. Rows still owed moves are settled for evaluation (`settled`, weights restored
-after) and at the end of training (`settle`). State: + 4 bytes per row (last step, int32) and 8 bytes per
-step of lr history.
+after) and at the end of training (`settle`). State: + 4 bytes per row (last step, int32) and 8
+bytes per step of lr history.
 
 Where the code is: the optimisers' shared row loop and catch-up in `tngram.optim.lazy_rows`,
 LazyAdam and RowwiseAdam in `tngram.optim.row_adams` (both re-exported here).
+
+On CUDA (triton installed) the touched rows of a sparse gradient are updated by one Triton kernel
+(`tngram.kernels.row_update`: per tile of touched rows load -> step, catch-up included -> store
+in place; no gathered copies, nothing outside the touched rows read or written), after a
+first-use self-check against a float64 evaluation; it does torch's operations with torch's
+roundings (tests/test_sparse_triton.py). If the check fails or the kernel raises, one warning and
+torch's gather / update / scatter from then on. On CPU the torch path runs, unchanged.
+TNGRAM_ROW_UPDATE_IMPL (auto | torch | triton) forces one.
 
 Which parameters: `tngram.optim.groups.memory_table_params` (TN-gram factors, Engram / OE tables);
 everything else keeps its optimiser (Adam for embeddings/scalars, Muon for matrices). Tables get
@@ -147,12 +155,14 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float) -> Tensor:
     and every sparse gradient's values, and all are scaled by min(1, max_norm / (norm + 1e-6)).
     """
     params = [p for p in params if p.grad is not None]
-    if not any(p.grad.is_sparse for p in params):
+    grads = [p.grad for p in params if p.grad is not None]  # every one (mypy: not None)
+    if not any(g.is_sparse for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    for p in params:
-        if p.grad.is_sparse and not p.grad.is_coalesced():
-            p.grad = p.grad.coalesce()
-    parts = [(p.grad.values() if p.grad.is_sparse else p.grad).detach() for p in params]
+    for p, g in zip(params, grads):
+        if g.is_sparse and not g.is_coalesced():
+            p.grad = g.coalesce()
+    grads = [p.grad for p in params if p.grad is not None]
+    parts = [(g.values() if g.is_sparse else g).detach() for g in grads]
     if not parts:
         return torch.zeros(())
     total = torch.linalg.vector_norm(
