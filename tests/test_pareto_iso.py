@@ -103,3 +103,24 @@ def test_view_specs(monkeypatch):
 def test_points_within_step():
     pts = [{"step_ms": 10.0}, {"step_ms": 12.6}, {"step_ms": None}, {"step_ms": 12.5}]
     assert points_within_step(pts, 10.0, 1.25) == [pts[0], pts[3]]
+
+
+def test_report_keeps_iso_points_off_the_params_map_and_in_the_total_and_step_views():
+    from tngram.experiments.pareto_report import COST_KEYS, POINT_COLUMNS, corpus_tables
+
+    def point(family, size, delta, loss, step, view="params", width=256, total=592_144):
+        return {"corpus": "default", "family": family, "size": size, "delta_params": delta,
+                "val_loss": [loss], "val_bpb": [loss], "core": [], "seeds": [0], "loss": loss,
+                "step_ms": step, "decode_ms_per_token": 1.0, "view": view, "mlp_width": width,
+                "opt_state_bytes": {"memory": 0}, "total_params": total, "rows_per_token": 2,
+                "bytes_per_token": 8, "flops_per_token": 100}
+    pts = [point("raw", None, 0, 4.0, 10.0), point("pkm", 64, 1_097_728, 3.9, 20.0),
+           point("pkm-iso", 11, -15_360, 3.95, 11.0, view="total", width=176, total=576_784)]
+    t = corpus_tables(pts, "default")
+    assert [r[0] for r in t["points"]] == ["raw GPT", "product keys"]
+    assert len(t["points"][0]) == len(POINT_COLUMNS)
+    at = [c["header"] for c in POINT_COLUMNS].index("total params")
+    assert t["points"][1][at: at + len(COST_KEYS)] == [592_144, 2, 8, 100]
+    assert t["total"] == [["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05)]]
+    best_s = {r[0]: r[1] for r in t["best_step"]}
+    assert best_s["≤ 1.25× raw"] == "product keys, iso (11)" and best_s["≤ 2× raw"] == "product keys (64)"

@@ -21,6 +21,14 @@ LABELS = {
     "tngram-shared": "TN-gram shared",
     "tngram-hybrid": "TN-gram + hashed",
     "tngram-hsum": "TN-gram sum + hashed",
+    "pkm": "product keys",
+    "stem": "STEM",
+    "ple": "per-layer embeddings",
+    "engram-iso": "Engram (E 32), iso",
+    "tngram-sum-iso": "TN-gram sum-K/V, iso",
+    "pkm-iso": "product keys, iso",
+    "stem-iso": "STEM, iso",
+    "ple-iso": "per-layer embeddings, iso",
 }
 
 

@@ -103,6 +103,7 @@ def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
 def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[dict[str, Any]]:
     """One row per finished run (summary.json present, same config as its spec): tags + the numbers
     the map needs."""
+    from tngram.experiments.pareto_costs import point_costs
     from tngram.train.recipes import param_summary
     from tngram.experiments.runner import is_complete, run_dir_of
 
@@ -136,6 +137,9 @@ def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[di
                 "opt_state_bytes": optimizer_state_bytes(s.config),
                 "table_lr": s.config.optim.memory_table_lr,
                 "core": read_core_score(run_dir_of(out, s), core_max),
+                "view": s.tags.get("view", "params"),  # "total": on an iso-parameter backbone
+                "mlp_width": s.config.model.mlp_width(),
+                **{k: v for k, v in point_costs(s.config.model).items() if k != "total_params"},
             }
         )
     return rows
@@ -156,6 +160,7 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
                 "size": r["size"],
                 "delta_params": r["delta_params"],
                 "opt_state_bytes": r["opt_state_bytes"],
+                **{k: r.get(k) for k in COST_KEYS},
                 "val_loss": [],
                 "val_bpb": [],
                 "core": [],
@@ -178,13 +183,23 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
     )
 
 
-# TN-gram families compared with Engram at the same size index, paired by seed (paired_rows)
+def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list[list[Any]]:
+    """The "= total parameters" view: each point on an iso-parameter backbone (view "total"),
+    its MLP width and total beside the raw GPT's, and its val loss minus the raw GPT's."""
+    out = []
+    for p in points:
+        if p.get("view") == "total":
+            gap = None if raw is None else p["loss"] - raw["loss"]
+            out.append([name_of(p), p["mlp_width"], p["total_params"], p["val_loss"], gap])
+    return out
 
 
 def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
-    """The three tables of one corpus: every point, best at ≤ P parameters, best at ≤ S step
-    time."""
-    pts = [p for p in points if p["corpus"] == corpus]
+    """The tables of one corpus: every point and best at ≤ P parameters (points on an
+    iso-parameter backbone left out: their Δparams is not what they add), best at ≤ S step time
+    (every timed point), and the "= total parameters" view (`total_rows`)."""
+    everything = [p for p in points if p["corpus"] == corpus]
+    pts = [p for p in everything if p.get("view") != "total"]
     raw = next((p for p in pts if p["family"] == "raw"), None)
     by_params = [(p["delta_params"], p["loss"]) for p in pts]
     front_p = set(pareto_front(by_params))
@@ -204,6 +219,7 @@ def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
                 None if p["step_ms"] is None else p["step_ms"],
                 None if p["decode_ms_per_token"] is None else p["decode_ms_per_token"],
                 p["opt_state_bytes"]["memory"] / 1e6,
+                *(p.get(k) for k in COST_KEYS),
                 ("params" if i in front_p else "")
                 + (
                     " + time" if i in front_s and i in front_p else ("time" if i in front_s else "")
@@ -219,15 +235,22 @@ def corpus_tables(points: list[dict[str, Any]], corpus: str) -> dict[str, Any]:
             )
     best_s = []
     if raw is not None and raw["step_ms"]:
-        sp = [(pts[i]["step_ms"] / raw["step_ms"], pts[i]["loss"]) for i in timed]
+        # every timed point, those on an iso-parameter backbone included
+        timed_all = [p for p in everything if p["step_ms"] is not None]
+        sp = [(p["step_ms"] / raw["step_ms"], p["loss"]) for p in timed_all]
         for cap in STEP_CAPS_X:
             j = best_under(sp, cap)
             if j is not None:
-                q = pts[timed[j]]
+                q = timed_all[j]
                 best_s.append(
                     [f"≤ {cap:g}× raw", name_of(q), q["step_ms"], q["delta_params"], q["val_loss"]]
                 )
-    return {"points": rows, "best_params": best_p, "best_step": best_s}
+    return {
+        "points": rows,
+        "best_params": best_p,
+        "best_step": best_s,
+        "total": total_rows(everything, raw),
+    }
 
 
 def _table_file(
@@ -247,7 +270,20 @@ POINT_COLUMNS = [
     {"header": "step ms", "fmt": ".0f"},
     {"header": "decode ms/token", "fmt": ".2f"},
     {"header": "memory optimiser state (MB)", "fmt": ".1f"},
+    {"header": "total params", "fmt": "params"},
+    {"header": "table rows/token"},
+    {"header": "table bytes/token"},
+    {"header": "forward FLOPs/token"},
     {"header": "on the front"},
+]
+# machine-independent cost axes of every point (pareto_costs.point_costs), in POINT_COLUMNS order
+COST_KEYS = ("total_params", "rows_per_token", "bytes_per_token", "flops_per_token")
+TOTAL_COLUMNS = [
+    {"header": "memory (= raw GPT's total parameters)"},
+    {"header": "MLP width"},
+    {"header": "total params", "fmt": "params"},
+    {"header": "val loss", "fmt": "mean_std:.4f"},
+    {"header": "− raw GPT (mean)", "fmt": "+.4f"},
 ]
 BEST_P_COLUMNS = [
     {"header": "Δparams budget"},
@@ -385,6 +421,12 @@ def write_report(
                 if t["best_step"]
                 else "(no timing yet)"
             )
+            + (
+                "\n\nAt the raw GPT's total parameters (MLP narrowed to pay for the memory):\n\n"
+                + render_table({"columns": TOTAL_COLUMNS, "rows": t["total"]})
+                if t.get("total")
+                else ""
+            )
             + (f"\n\n![{c}]({png.name})\n" if png else "\n")
         )
     if paired:
@@ -438,6 +480,8 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
         files[f"pareto-{c}"] = _table_file(t["points"], POINT_COLUMNS, meta)
         files[f"pareto-{c}-best-params"] = _table_file(t["best_params"], BEST_P_COLUMNS, meta)
         files[f"pareto-{c}-best-step"] = _table_file(t["best_step"], BEST_S_COLUMNS, meta)
+        if t.get("total"):
+            files[f"pareto-{c}-total"] = _table_file(t["total"], TOTAL_COLUMNS, meta)
     meta = {
         "command": command,
         "commit": commit,
