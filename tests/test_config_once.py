@@ -114,3 +114,8 @@ def test_unknown_key_did_you_mean_in_a_config_file(tmp_path):
     f.write_text('recipe = "mini-tngram"\n[optim]\nmatrx_lr = 0.02\n')
     with pytest.raises(TngramError, match=r"run.toml: .*did you mean optim.matrix_lr\?"):
         resolve_config(None, [], config_file=str(f))
+
+
+def test_unknown_recipe_did_you_mean():
+    with pytest.raises(TngramError, match=r"unknown recipe 'mini-tngam' \(did you mean mini-tngram\?\)"):
+        get_recipe("mini-tngam")

@@ -45,7 +45,10 @@ def test_every_hook_is_declared_with_its_default():
 
 
 def test_no_caller_probes_a_hook_with_getattr_or_hasattr():
-    probe = re.compile(r"(getattr|hasattr)\([^)]*[\"'](%s)[\"']" % "|".join(HOOKS))
+    # getattr(x, "hook"...), hasattr(type(m), "hook"): one level of nested parentheses
+    probe = re.compile(r"(getattr|hasattr)\((?:[^()]|\([^()]*\))*?[\"'](%s)[\"']" % "|".join(HOOKS))
+    assert probe.search('if hasattr(type(m), "sparse_grad"):')  # the form it replaced
+    assert probe.search('getattr(getattr(m, "config", None), "fused", True)')
     found = [
         f"{p.relative_to(PKG)}:{i}"
         for p in PKG.rglob("*.py")
@@ -165,3 +168,26 @@ def test_python_api_refuses_at_construction_and_on_the_module(toy):
     with pytest.raises(TngramError, match="ToyBigram does not provide"):
         set_sparse_grads(model, True)
     assert set_sparse_grads(model, False) == []
+
+
+def test_memory_table_lr_on_a_model_without_memory_is_refused(tmp_path, capsys):
+    rc, err = _cli(["train", "mini-raw", "--set", "optim.memory_table_lr=0.2", "--out",
+                    str(tmp_path / "r")], capsys)
+    assert rc == 2 and "optim.memory_table_lr=0.2 needs a model with memory" in err
+    # the recipe's own value round-trips (--print-config of a raw recipe)
+    assert resolve_config("mini-raw", ["optim.memory_table_lr=none"]).optim.memory_table_lr is None
+
+
+def test_compare_leaves_memory_only_settings_out_of_its_raw_run():
+    from tngram.experiments.runner import RunSpec, _overridden
+
+    items = ("optim.memory_update=rowwise", "optim.memory_table_lr=0.2", "optim.matrix_lr=0.02")
+    raw = _overridden(RunSpec("raw-s0", get_recipe("mini-raw"), {"method": "raw"}), items)
+    tn = _overridden(RunSpec("tngram-s0", get_recipe("mini-tngram"), {"method": "tngram"}), items)
+    assert raw.config.optim.memory_update == "dense" and raw.config.optim.memory_table_lr is None
+    assert raw.config.optim.matrix_lr == 0.02
+    assert tn.config.optim.memory_update == "rowwise" and tn.config.optim.memory_table_lr == 0.2
+    # a --set that gives the raw run a memory keeps the memory's settings
+    both = _overridden(RunSpec("raw-s0", get_recipe("mini-raw"), {"method": "raw"}),
+                       ("model.memory.kind=tngram", "model.memory.cp_rank=8") + items)
+    assert both.config.model.memory.cp_rank == 8 and both.config.optim.memory_update == "rowwise"

@@ -216,10 +216,10 @@ def cmd_core(args: argparse.Namespace) -> int:
 
     from tngram.eval.bundle import default_bundle_dir
     from tngram.eval.core import SentencePieceTokenizer, evaluate_core, format_core_table
-    from tngram.cli.common import show_progress, use_threads
+    from tngram.cli.common import apply_threads, show_progress, use_threads
 
     device = _device(args.device)
-    use_threads(args.threads, device, "evaluating")
+    apply_threads(args.threads)  # an explicit count checked now; said when the work starts
     bundle = Path(args.bundle) if args.bundle else default_bundle_dir()
     if not (bundle / "core.yaml").is_file():
         hint = "" if args.bundle else " (run `tngram eval build-bundle` first)"
@@ -243,6 +243,7 @@ def cmd_core(args: argparse.Namespace) -> int:
             out = model(ids)
             return out[0] if isinstance(out, tuple) else out
 
+        use_threads(args.threads, device, "evaluating")  # after every input check
         say = (lambda *a: None) if args.json else print0
         say(
             f"CORE of {args.run_dir} on {bundle} (max_per_task={args.max_per_task}, "
@@ -277,10 +278,10 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.data.loader import load_val_tokens
     from tngram.data.tokenizer import load_tokenizer
     from tngram.eval.bpb import evaluate_bpb
-    from tngram.cli.common import use_threads
+    from tngram.cli.common import apply_threads, use_threads
 
     device = _device(args.device)
-    use_threads(args.threads, device, "evaluating")
+    apply_threads(args.threads)  # an explicit count checked now; said when the work starts
     path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / "bpb.json"
     lock = _claim_output(path, args.run_dir, "eval bpb")  # writable + run locked, before any work
     with lock, _dist_group(device) as info:
@@ -300,6 +301,7 @@ def cmd_bpb(args: argparse.Namespace) -> int:
                 f"--max-tokens {args.max_tokens} is below one window of the run's sequence_len "
                 f"{seq_len}; use at least {seq_len}"
             )
+        use_threads(args.threads, device, "evaluating")  # after every input check
         t0 = time.perf_counter()
         res: dict[str, Any] = dict(
             evaluate_bpb(

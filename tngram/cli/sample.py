@@ -7,7 +7,12 @@ import os
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
-from tngram.cli.common import add_device_argument, add_threads_argument, use_threads
+from tngram.cli.common import (
+    add_device_argument,
+    add_threads_argument,
+    apply_threads,
+    use_threads,
+)
 from tngram.common import TngramError
 
 
@@ -71,8 +76,9 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             f"at character {e.start}); give the prompt in UTF-8"
         ) from None
     device = str(resolve_device(args.device, flag="--device"))
-    use_threads(args.threads, device, "sampling")
+    apply_threads(args.threads)  # an explicit count checked now; said when the work starts
     model, tok = tngram.load_run(args.run_dir, device=device, tokenizer=args.tokenizer)
+    use_threads(args.threads, device, "sampling")  # after every input check
     for i in range(args.num_samples):
         if i:
             print("-" * 40)

@@ -94,17 +94,20 @@ def check_jobs(jobs: int, nproc: int) -> None:
 
 
 def with_overrides(cfg: TrainConfig, items: tuple[str, ...] | list[str]) -> TrainConfig:
-    from tngram.train.config import apply_overrides, split_override
+    """`--set` items of compare / experiment applied to one run; on a run without memory the
+    memory-only ones (model.memory.* but kind, MEMORY_ONLY_KEYS) are left out, so a setting
+    for the memories does not stop the raw baseline."""
+    from tngram.train.config import MEMORY_ONLY_KEYS, apply_overrides, split_override
 
-    if cfg.model.memory is None:
-        items = [
-            i
-            for i in items
-            if not (
-                split_override(i)[0].startswith("model.memory.")
-                and split_override(i)[0] != "model.memory.kind"
-            )
-        ]
+    def memory_only(key: str) -> bool:
+        return (key.startswith("model.memory.") and key != "model.memory.kind") or (
+            key in MEMORY_ONLY_KEYS
+        )
+
+    if cfg.model.memory is None and not any(
+        split_override(i)[0] == "model.memory.kind" for i in items
+    ):
+        items = [i for i in items if not memory_only(split_override(i)[0])]
     return apply_overrides(cfg, list(items))
 
 

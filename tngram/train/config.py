@@ -156,15 +156,28 @@ def validate_config(cfg: TrainConfig) -> None:
         check_init_from(cfg.run.init_from)
 
 
+# settings that act only on memory tables: refused on a model without memory (config_checks), and
+# left out by the compare / experiment runners when their --set reaches a run without memory
+MEMORY_ONLY_KEYS = ("optim.memory_update", "optim.memory_catchup", "optim.memory_table_lr")
+
+
 def check_memory_layers_used(cfg: TrainConfig, recipe_cfg: TrainConfig) -> None:
-    """memory_layers changed from the recipe's on a config without memory has no effect: refused.
-    (The recipe's own value, as in a --print-config round trip of a raw recipe, is accepted.)"""
+    """memory_layers or optim.memory_table_lr changed from the recipe's on a config without
+    memory has no effect: refused. (The recipe's own values, as in a --print-config round trip
+    of a raw recipe, are accepted.)"""
     if cfg.model.memory is None and tuple(cfg.model.memory_layers) != tuple(
         recipe_cfg.model.memory_layers
     ):
         raise TngramError(
             f"model.memory_layers: recipe {cfg.name!r} has no memory module (model.memory is "
             f"none), so memory_layers={tuple(cfg.model.memory_layers)} would have no effect"
+        )
+    lr = cfg.optim.memory_table_lr
+    if cfg.model.memory is None and lr != recipe_cfg.optim.memory_table_lr:
+        raise TngramError(
+            f"optim.memory_table_lr={lr} needs a model with memory (model.memory is none in "
+            f"{cfg.name!r}: it has no memory tables, so the setting would do nothing); "
+            "remove it or set model.memory.kind first"
         )
 
 

@@ -244,7 +244,12 @@ def recipe_names() -> list[str]:
 
 def get_recipe(name: str) -> TrainConfig:
     if name not in RECIPES:
-        raise TngramError(f"unknown recipe {name!r}; valid recipes: {', '.join(RECIPES)}")
+        from tngram.train.config import did_you_mean
+
+        raise TngramError(
+            f"unknown recipe {name!r}{did_you_mean(str(name), list(RECIPES))}; "
+            f"valid recipes: {', '.join(RECIPES)}"
+        )
     return RECIPES[name]()
 
 
