@@ -28,6 +28,11 @@ only the report's paired table (every TN-gram family minus Engram at the same si
 by seed), and each pair's step ratio is timed again in CONFIRM_STEP_PROCESSES fresh processes (half
 building Engram first) of CONFIRM_STEP_REPS alternating rounds.
 
+Issue 40's views (`view_specs`, mini): product keys, STEM and per-layer embeddings on the
+Δparams map (`TOKEN_SIZES`), and five families at the raw GPT's total parameters on a backbone
+whose MLP pays for the memory (`ISO_SIZES`, pareto_iso.iso_backbone: family "<family>-iso").
+Every point carries machine-independent costs (pareto_costs: rows, bytes, FLOPs per token).
+
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
 a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
 
@@ -494,8 +499,8 @@ def core_targets(out: Path, specs: list[Any], max_per_task: int) -> list[tuple[s
 
 
 def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
-    """`tngram eval core RUN --max-per-task N` (a subprocess, one thread) for every `core_targets` run;
-    the offline bundle must exist (`tngram eval build-bundle`)."""
+    """`tngram eval core RUN --max-per-task N` (a subprocess, one thread) for every `core_targets`
+    run; the offline bundle must exist (`tngram eval build-bundle`)."""
     import subprocess
     import sys
 
@@ -522,9 +527,9 @@ def core_once(out: Path, specs: list[Any], max_per_task: int) -> None:
 def bench_once(
     out: Path, specs: list[Any], reps: int = 5, extra_pairs: list[list[str]] | None = None
 ) -> dict[str, Any]:
-    """OUT/bench.json: training-step and decode time of every (family, size) with a finished run, one
-    torch thread, interleaved in this process (`bench_points`); measured once and reused while it
-    covers every such point, else measured again for all of them (one process, so the times stay
+    """OUT/bench.json: training-step and decode time of every (family, size) with a finished run,
+    one torch thread, interleaved in this process (`bench_points`); measured once and reused while
+    it covers every such point, else measured again for all of them (one process, so the times stay
     comparable). Points are keyed by family, size and vocabulary (`point_key`), not by corpus: the
     step does not depend on the text, so one timing serves every corpus of one vocabulary.
     The confirmation's pairs and `extra_pairs` ([family point key, Engram point key]) also get
