@@ -191,3 +191,15 @@ def test_compare_leaves_memory_only_settings_out_of_its_raw_run():
     both = _overridden(RunSpec("raw-s0", get_recipe("mini-raw"), {"method": "raw"}),
                        ("model.memory.kind=tngram", "model.memory.cp_rank=8") + items)
     assert both.config.model.memory.cp_rank == 8 and both.config.optim.memory_update == "rowwise"
+
+
+def test_a_saved_raw_run_with_a_memory_only_setting_still_loads():
+    """Runs saved before the refusal recorded optim.memory_update on a model without tables,
+    where it did nothing: their config.json reads back as the dense run it was."""
+    from tngram.train.config import TrainConfig
+
+    d = get_recipe("mini-raw").to_dict()
+    d["optim"].update(memory_update="rowwise", memory_catchup=True)
+    cfg = TrainConfig.from_dict(d)
+    assert cfg.optim.memory_update == "dense" and cfg.optim.memory_catchup is False
+    assert cfg.to_dict() == get_recipe("mini-raw").to_dict()

@@ -130,10 +130,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        model, optim = GPTConfig.from_dict(d["model"]), dict(d["optim"])
+        if model.memory is None:  # saved before they were refused there: they did nothing
+            optim.pop("memory_update", None)
+            optim.pop("memory_catchup", None)
         return cls(
             name=d["name"],
-            model=GPTConfig.from_dict(d["model"]),
-            optim=OptimConfig(**d["optim"]),
+            model=model,
+            optim=OptimConfig(**optim),
             schedule=ScheduleConfig(**d["schedule"]),
             data=DataConfig(**d["data"]),
             run=RunConfig(**d["run"]),
