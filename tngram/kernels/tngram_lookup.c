@@ -7,15 +7,17 @@
  * loaded, so both share one thread pool); `nthreads` is the caller's torch.get_num_threads().
  *
  * Threads and determinism: the forward splits tokens between threads (each output row has one
- * writer). The backward runs in chunks of CHUNK tokens, in two phases per chunk:
- *   1. tokens split between threads: per token the RMSNorm/scale backward, the reverse sweep,
- *      and the token's row gradients GR (c, N, R), dW terms DP (c, N-1, R), ds terms (c, N-1)
- *      written to per-chunk buffers (no shared writes);
- *   2. the R columns split between threads: each thread adds the chunk's GR into its columns
- *      of the table gradient, and DP into its columns of dW, in token order m, then k = N-1..0.
+ * writer). The backward has two passes and one barrier between them:
+ *   1. tokens split between threads: per token the full-R dot products (N-1 of them) that the
+ *      RMSNorm backward and ds need, into a small (M, N-1) buffer;
+ *   2. the R columns split between threads (blocks of 16 floats, 64-byte lines, so no false
+ *      sharing): each thread takes every token in order and, for its columns only, recomputes
+ *      the prefix products, does the norm/scale backward with the token's dots, the reverse
+ *      sweep and the dW terms, and adds them straight into its columns of the table gradient
+ *      (rows k = N-1..0) and of dW: nothing is handed from one thread to another but the dots.
  * Every gradient element therefore receives its terms in the same order whatever the thread
- * count: results are bit-identical for 1, 2 or 64 threads (no atomics, no per-thread partial
- * sums). ds is summed by one thread in token order.
+ * count, each computed by the same statements: results are bit-identical for 1, 2 or 64 threads
+ * (no atomics, no per-thread partial sums). ds is summed by one thread in token order.
  *
  * Layouts (row-major, contiguous):
  *   table (N*V, R)    factors A_N..A_1 viewed as rows; idx (M, N) row ids, column k = x_{t-k}
@@ -42,7 +44,6 @@ static int omp_get_num_threads(void) { return 1; }
 static int omp_get_thread_num(void) { return 0; }
 #endif
 
-#define CHUNK 128          /* tokens per backward chunk: GR + DP = 128 x 9 x R floats */
 #define COL_ALIGN 16       /* column blocks start on 64-byte lines (no false sharing) */
 
 /* fp32 -> bf16 bits, round to nearest even; bit-identical to torch's CPU cast */
@@ -127,16 +128,11 @@ void tn_lookup_forward(const float *table, const int64_t *idx, const float *W, c
     }
 }
 
-/* phase 1 for one token: GR (N, R) row gradients (column k = row id[k]); DP (N-1, R) the dW
- * terms (NULL: not needed); dsv (N-1) the ds terms (NULL: not needed).
- * scratch: (N-1) R for P_2..P_N, (N-1) R for D (the gradient w.r.t. P), R for G. */
-static void backward_token(const float *g_m, const float *table, const int64_t *id,
-                           const float *W, const float *s, const float *rstd_m,
-                           int64_t N, int64_t R, float *GR, float *DP, float *dsv,
-                           float *scratch) {
-    float *P = scratch;                    /* (N-1, R): P[j] = P_{j+2} */
-    float *D = scratch + (N - 1) * R;      /* (N-1, R): gradient w.r.t. P_{j+2} */
-    float *G = scratch + 2 * (N - 1) * R;  /* (R) */
+/* pass 1 for one token: the full-R dot products of its backward, dot (N-1): with the norm
+ * dot_j = r_j sum_R g y-term (the RMSNorm backward needs it; it is also the ds term), without it
+ * dot_j = sum_R g b_j (the ds term). P: scratch (N-1, R) for P_2..P_N. */
+static void token_dots(const float *g_m, const float *table, const int64_t *id, const float *W,
+                       const float *rstd_m, int64_t N, int64_t R, float *dot, float *P) {
     /* prefix products, recomputed from the factors (cheaper than keeping them) */
     const float *r0 = table + id[0] * R, *r1 = table + id[1] * R;
 #pragma omp simd
@@ -148,62 +144,103 @@ static void backward_token(const float *g_m, const float *table, const int64_t *
 #pragma omp simd
         for (int64_t i = 0; i < R; i++) cur[i] = prev[i] * rk[i];
     }
-    /* per order: RMSNorm + scale backward -> db, then the dW term and D = db W */
     for (int64_t j = 0; j < N - 1; j++) {
         const float *restrict g = g_m + j * R;
         const float *restrict Pj = P + j * R;
         const float *restrict Wj = W + j * R;
-        float *restrict Dj = D + j * R;
-        float sj = s ? s[j] : 1.0f;
         if (rstd_m) {
-            float r = rstd_m[j];
             float gdot = 0.0f;                 /* sum_R g y, y = r b */
 #pragma omp simd reduction(+:gdot)
             for (int64_t i = 0; i < R; i++) gdot += g[i] * Pj[i] * Wj[i];
-            gdot *= r;
-            if (dsv) dsv[j] = gdot;
+            gdot *= rstd_m[j];
+            dot[j] = gdot;
+        } else {
+            float gb = 0.0f;                   /* sum_R g b */
+#pragma omp simd reduction(+:gb)
+            for (int64_t i = 0; i < R; i++) gb += g[i] * Pj[i] * Wj[i];
+            dot[j] = gb;
+        }
+    }
+}
+
+/* pass 2 for one token, columns [0, n) of a column block: every pointer (g_m, table, W,
+ * dtable, dW) already points at the block's first column, rows R apart. Computes D (the
+ * gradient w.r.t. P), the dW terms and the row gradients of the block and adds them into dW
+ * (order j = 0..N-2) and dtable (rows k = N-1..0); dtable and dW may be NULL (not needed).
+ * Every element is computed by the same statements as one whole-row token pass, so its bits do
+ * not depend on the block. scratch: 3 N n floats. */
+static void token_cols(const float *g_m, const float *table, const int64_t *id, const float *W,
+                       const float *s, const float *rstd_m, const float *dot,
+                       int64_t N, int64_t R, int64_t n, float *dtable, float *dW,
+                       float *scratch) {
+    float *P = scratch;                    /* (N-1, n): P[j] = P_{j+2} */
+    float *D = P + (N - 1) * n;            /* (N-1, n): gradient w.r.t. P_{j+2} */
+    float *G = D + (N - 1) * n;            /* (n) */
+    float *GR = G + n;                     /* (N, n): the row gradients, column k = row id[k] */
+    float *dp = GR + N * n;                /* (n): one dW term */
+    const float *r0 = table + id[0] * R, *r1 = table + id[1] * R;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) P[i] = r0[i] * r1[i];
+    for (int64_t j = 1; j < N - 1; j++) {
+        const float *restrict rk = table + id[j + 1] * R;
+        const float *prev = P + (j - 1) * n;
+        float *cur = P + j * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) cur[i] = prev[i] * rk[i];
+    }
+    /* per order: RMSNorm + scale backward -> db, then the dW term and D = db W */
+    for (int64_t j = 0; j < N - 1; j++) {
+        const float *restrict g = g_m + j * R;
+        const float *restrict Pj = P + j * n;
+        const float *restrict Wj = W + j * R;
+        float *restrict Dj = D + j * n;
+        float sj = s ? s[j] : 1.0f;
+        if (rstd_m) {
+            float r = rstd_m[j], gdot = dot[j];
             /* db = r s g - (r s gdot / R) y = r s g - (r^2 s gdot / R) b */
             float a = r * sj, c = r * r * sj * gdot / (float)R;
 #pragma omp simd
-            for (int64_t i = 0; i < R; i++) Dj[i] = a * g[i] - c * Pj[i] * Wj[i];
+            for (int64_t i = 0; i < n; i++) Dj[i] = a * g[i] - c * Pj[i] * Wj[i];
         } else {
-            if (dsv) {
-                float gb = 0.0f;               /* sum_R g b */
-#pragma omp simd reduction(+:gb)
-                for (int64_t i = 0; i < R; i++) gb += g[i] * Pj[i] * Wj[i];
-                dsv[j] = gb;
-            }
 #pragma omp simd
-            for (int64_t i = 0; i < R; i++) Dj[i] = sj * g[i];
+            for (int64_t i = 0; i < n; i++) Dj[i] = sj * g[i];
         }
-        if (DP) {
-            float *restrict dp = DP + j * R;
+        if (dW) {     /* the term is rounded to fp32 before it is added, as it always was */
 #pragma omp simd
-            for (int64_t i = 0; i < R; i++) dp[i] = Dj[i] * Pj[i];
+            for (int64_t i = 0; i < n; i++) dp[i] = Dj[i] * Pj[i];
+            float *restrict d = dW + j * R;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) d[i] += dp[i];
         }
 #pragma omp simd
-        for (int64_t i = 0; i < R; i++) Dj[i] *= Wj[i];
+        for (int64_t i = 0; i < n; i++) Dj[i] *= Wj[i];
     }
-    if (!GR) return;
-    /* reverse sweep over P_n = P_{n-1} rows_{n-1}: G = dL/dP_n */
-    memcpy(G, D + (N - 2) * R, (size_t)R * sizeof(float));
-    for (int64_t n = N; n > 2; n--) {
-        const float *restrict rk = table + id[n - 1] * R;
-        const float *Pprev = P + (n - 3) * R;  /* P_{n-1} */
-        const float *Dprev = D + (n - 3) * R;  /* direct gradient of P_{n-1} */
-        float *restrict gk = GR + (n - 1) * R;
+    if (!dtable) return;
+    /* reverse sweep over P_m = P_{m-1} rows_{m-1}: G = dL/dP_m */
+    memcpy(G, D + (N - 2) * n, (size_t)n * sizeof(float));
+    for (int64_t m = N; m > 2; m--) {
+        const float *restrict rk = table + id[m - 1] * R;
+        const float *Pprev = P + (m - 3) * n;  /* P_{m-1} */
+        const float *Dprev = D + (m - 3) * n;  /* direct gradient of P_{m-1} */
+        float *restrict gk = GR + (m - 1) * n;
 #pragma omp simd
-        for (int64_t i = 0; i < R; i++) {
+        for (int64_t i = 0; i < n; i++) {
             float gi = G[i];
             gk[i] = gi * Pprev[i];
             G[i] = Dprev[i] + gi * rk[i];
         }
     }
-    float *g1 = GR + R, *g0 = GR;
+    float *g1 = GR + n, *g0 = GR;
 #pragma omp simd
-    for (int64_t i = 0; i < R; i++) {
+    for (int64_t i = 0; i < n; i++) {
         g1[i] = G[i] * r0[i];
         g0[i] = G[i] * r1[i];
+    }
+    for (int64_t k = N - 1; k >= 0; k--) {
+        float *restrict d = dtable + id[k] * R;
+        const float *restrict gr = GR + k * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] += gr[i];
     }
 }
 
@@ -214,25 +251,21 @@ void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx
                         int64_t M, int64_t N, int64_t R,
                         float *dtable, float *dW, float *ds, int nthreads, int grad_bf16) {
     if (M <= 0) return;
-    int64_t c_max = M < CHUNK ? M : CHUNK;
-    float *GR = dtable ? malloc((size_t)(c_max * N * R) * sizeof(float)) : NULL;
-    float *DP = dW ? malloc((size_t)(c_max * (N - 1) * R) * sizeof(float)) : NULL;
-    float *DS = ds ? malloc((size_t)(c_max * (N - 1)) * sizeof(float)) : NULL;
+    int need_dot = rstd != NULL || ds != NULL;
+    float *DOT = need_dot ? malloc((size_t)(M * (N - 1)) * sizeof(float)) : NULL;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && M >= 32)
     {
         int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        /* this thread's columns [c0, c1) of R in phase 2 */
+        /* this thread's columns [c0, c1) of R in pass 2 */
         int64_t blocks = (R + COL_ALIGN - 1) / COL_ALIGN;
         int64_t c0 = (blocks * t / nt) * COL_ALIGN, c1 = (blocks * (t + 1) / nt) * COL_ALIGN;
         if (c0 > R) c0 = R;
         if (c1 > R) c1 = R;
-        float *scratch = malloc((size_t)((2 * (N - 1) + 1) * R) * sizeof(float));
+        float *scratch = malloc((size_t)(3 * N * R) * sizeof(float));
         float *gwide = grad_bf16 ? malloc((size_t)((N - 1) * R) * sizeof(float)) : NULL;
-        for (int64_t a = 0; a < M; a += CHUNK) {
-            int64_t c = (M - a) < CHUNK ? (M - a) : CHUNK;
+        if (need_dot) {         /* pass 1: tokens split between threads */
 #pragma omp for schedule(static)
-            for (int64_t q = 0; q < c; q++) {
-                int64_t m = a + q;
+            for (int64_t m = 0; m < M; m++) {
                 const float *g_m = (const float *)grad + m * (N - 1) * R;
                 if (grad_bf16) {     /* widen the token's bf16 gradient row (exact) */
                     const uint16_t *gb = (const uint16_t *)grad + m * (N - 1) * R;
@@ -240,42 +273,34 @@ void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx
                     for (int64_t i = 0; i < (N - 1) * R; i++) gwide[i] = bf16_to_f32(gb[i]);
                     g_m = gwide;
                 }
-                backward_token(g_m, table, idx + m * N, W, s,
-                               rstd ? rstd + m * (N - 1) : NULL, N, R,
-                               GR ? GR + q * N * R : NULL, DP ? DP + q * (N - 1) * R : NULL,
-                               DS ? DS + q * (N - 1) : NULL, scratch);
-            }   /* implicit barrier: the chunk's buffers are complete */
-            if (c1 > c0) {
-                for (int64_t q = 0; q < c; q++) {
-                    const int64_t *id = idx + (a + q) * N;
-                    if (GR) {
-                        for (int64_t k = N - 1; k >= 0; k--) {
-                            float *restrict d = dtable + id[k] * R;
-                            const float *restrict gr = GR + (q * N + k) * R;
+                token_dots(g_m, table, idx + m * N, W, rstd ? rstd + m * (N - 1) : NULL, N, R,
+                           DOT + m * (N - 1), scratch);
+            }   /* implicit barrier: every dot is complete */
+        }
+        if (c1 > c0 && (dtable || dW)) {   /* pass 2: columns split, every token in order */
+            int64_t n = c1 - c0;
+            for (int64_t m = 0; m < M; m++) {
+                const float *g_m = (const float *)grad + m * (N - 1) * R;
+                if (grad_bf16) {     /* widen this block of the token's gradient rows */
+                    const uint16_t *gb = (const uint16_t *)grad + m * (N - 1) * R;
+                    for (int64_t j = 0; j < N - 1; j++) {
 #pragma omp simd
-                            for (int64_t i = c0; i < c1; i++) d[i] += gr[i];
-                        }
+                        for (int64_t i = c0; i < c1; i++)
+                            gwide[j * R + i] = bf16_to_f32(gb[j * R + i]);
                     }
-                    if (DP) {
-                        for (int64_t j = 0; j < N - 1; j++) {
-                            float *restrict d = dW + j * R;
-                            const float *restrict dp = DP + (q * (N - 1) + j) * R;
-#pragma omp simd
-                            for (int64_t i = c0; i < c1; i++) d[i] += dp[i];
-                        }
-                    }
+                    g_m = gwide;
                 }
+                token_cols(g_m + c0, table + c0, idx + m * N, W + c0, s,
+                           rstd ? rstd + m * (N - 1) : NULL, need_dot ? DOT + m * (N - 1) : NULL,
+                           N, R, n, dtable ? dtable + c0 : NULL, dW ? dW + c0 : NULL, scratch);
             }
-            if (DS && t == 0) {
-                for (int64_t q = 0; q < c; q++)
-                    for (int64_t j = 0; j < N - 1; j++) ds[j] += DS[q * (N - 1) + j];
-            }
-#pragma omp barrier
+        }
+        if (ds && t == 0) {     /* one thread, token order */
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < N - 1; j++) ds[j] += DOT[m * (N - 1) + j];
         }
         free(scratch);
         free(gwide);
     }
-    free(GR);
-    free(DP);
-    free(DS);
+    free(DOT);
 }
