@@ -45,7 +45,8 @@ def __dir__() -> list[str]:
 
 
 def build_model(recipe_name: str, **overrides: Any) -> Any:
-    """Build the model of a named recipe (see `tngram recipes`): forward(ids (B, T)) -> logits (B, T, V)."""
+    """Build the model of a named recipe (see `tngram recipes`): forward(ids (B, T)) -> logits (B,
+    T, V)."""
     from tngram.train.recipes import build_model as _build
 
     return _build(recipe_name, **overrides)

@@ -207,7 +207,10 @@ def report(res: dict[str, Any]) -> str:
         lines.append(line)
     lines.append(f"\nratio vs raw (target: time ratio <= {TARGET} x FLOP ratio)")
     for q in res["ratios"]:
-        s = f"{q['shape']:9s} {q['method']:7s} FLOP {q['flop_ratio']:.3f}  ours {q['ours_time_ratio']:.3f}"
+        s = (
+            f"{q['shape']:9s} {q['method']:7s} FLOP {q['flop_ratio']:.3f}  "
+            f"ours {q['ours_time_ratio']:.3f}"
+        )
         s += " (ok)" if q["ours_meets_target"] else " (MISSES)"
         if "hf_time_ratio" in q:
             s += f"  hf {q['hf_time_ratio']:.3f}" + (

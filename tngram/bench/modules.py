@@ -321,7 +321,8 @@ def report(res: dict[str, Any]) -> str:
         f"batch {sh['batch']} x {sh['seq']} = {sh['tokens']} tokens, fwd+bwd, "
         f"median of {res['reps']} after {res['warmup']} warm-up (min in brackets)",
         f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, "
-        f"load {mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
+        f"load {mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env "
+        f"{mc['malloc_env'] or 'default'}",
         f"fp32 matmul peak (2048^3 mm): {fmt_si(res['matmul_peak_flops']['fp32'], 'FLOP/s')}",
         "",
         f"{'candidate':12s} {'params':>11s} {'lookup ms':>17s} {'bytes':>10s} {'B/s':>11s} "
@@ -340,7 +341,8 @@ def report(res: dict[str, Any]) -> str:
         lines.append(
             f"{n:12s} {r['params']:>11,d} {fmt_ms(r['lookup']['median_s'])} "
             f"({fmt_ms(r['lookup']['min_s']).strip():>6s})"
-            f" {r['lookup_bytes_mirror'] / 1e6:8.1f}MB {fmt_si(r['lookup_bytes_per_s'], 'B/s'):>11s}"
+            f" {r['lookup_bytes_mirror'] / 1e6:8.1f}MB "
+            f"{fmt_si(r['lookup_bytes_per_s'], 'B/s'):>11s}"
             f" {fmt_ms(r['module']['median_s'])} ({fmt_ms(r['module']['min_s']).strip():>6s})"
             f" {r['module_flops'] / 1e9:7.2f}G {fmt_si(r['module_flops_per_s'], 'FLOP/s'):>12s} "
             f"{pk_s:>15s}"

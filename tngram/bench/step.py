@@ -224,8 +224,10 @@ def report(res: dict[str, Any]) -> str:
     lines = [
         "tngram bench step: forward + backward + Adam/Muon step, median (min) of the timed reps",
         f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, load "
-        f"{mc.get('loadavg_before')} -> {mc['loadavg']}, malloc env {mc['malloc_env'] or 'default'}",
-        f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 {fmt_si(pk['bf16'], 'FLOP/s')}",
+        f"{mc.get('loadavg_before')} -> {mc['loadavg']}, "
+        f"malloc env {mc['malloc_env'] or 'default'}",
+        f"matmul peak (2048^3 mm): fp32 {fmt_si(pk['fp32'], 'FLOP/s')}, bf16 "
+        f"{fmt_si(pk['bf16'], 'FLOP/s')}",
         "",
         f"{'recipe:dtype':28s} {'tokens':>7s} {'step ms':>18s} {'tokens/s':>10s} {'FLOP/s':>13s} "
         f"{'of peak':>8s}",
@@ -236,17 +238,20 @@ def report(res: dict[str, Any]) -> str:
         lines.append(
             f"{key:28s} {r['tokens']:7d} {fmt_ms(r['step']['median_s'])} "
             f"({fmt_ms(r['step']['min_s']).strip():>7s})"
-            f" {r['tokens_per_s']:10,.0f} {fmt_si(r['flops_per_s'], 'FLOP/s'):>13s} {100 * r['peak_fraction']:7.1f}%"
+            f" {r['tokens_per_s']:10,.0f} {fmt_si(r['flops_per_s'], 'FLOP/s'):>13s} "
+            f"{100 * r['peak_fraction']:7.1f}%"
         )
     lines.append("")
     for name, t in res["targets"].items():
         if "ratio" in t:
             lines.append(
-                f"{name}: {t['ratio']:.3f} (target >= {t['target']}) -> {'met' if t['met'] else 'NOT met'}"
+                f"{name}: {t['ratio']:.3f} (target >= {t['target']}) -> "
+                f"{'met' if t['met'] else 'NOT met'}"
             )
         else:
             lines.append(
-                f"{name}: {100 * t['fraction']:.1f}% (target >= 35%) -> {'met' if t['met'] else 'NOT met'}"
+                f"{name}: {100 * t['fraction']:.1f}% (target >= 35%) -> "
+                f"{'met' if t['met'] else 'NOT met'}"
             )
     for key, ops in res["results"].get("profile", {}).items():
         lines.append(f"profile {key} (self CPU ms per step, calls):")

@@ -207,7 +207,8 @@ def report(res: dict[str, Any]) -> str:
             f"{'met' if r['module'] <= 1.05 * res['flop_ratio'] else 'NOT met'}"
         )
         if "step" in r:
-            s += f"; mini step ratio {r['step']:.2f} -> {'met' if r['step'] <= 1.10 else 'NOT met'} (<= 1.10)"
+            met = "met" if r["step"] <= 1.10 else "NOT met"
+            s += f"; mini step ratio {r['step']:.2f} -> {met} (<= 1.10)"
         lines.append(s)
         c = res["cpu_ratios"][t]
         lines.append(

@@ -1,4 +1,5 @@
-"""`tngram export RUN --hf DIR`: a trained run as a Hugging Face model folder (needs the `hf` extra)."""
+"""`tngram export RUN --hf DIR`: a trained run as a Hugging Face model folder (needs the `hf`
+extra)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`tngram recipes` and `tngram params RECIPE [--json]`: the named recipes (tngram.train.recipes)."""
+"""`tngram recipes` and `tngram params RECIPE [--json]`: the named recipes
+(tngram.train.recipes)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ config ranges) is checked before any work, with one error line listing what is v
 `--print-config` prints the resolved config as a TOML file `--config` reads back, and exits.
 
     tngram train mini-tngram --out runs/x --set model.memory.cp_rank=64
-    tngram train mini-raw --out runs/y --set model.memory.kind=tngram    # add a memory to any recipe
+    tngram train mini-raw --out runs/y --set model.memory.kind=tngram    # a memory on any recipe
     tngram train --config my.toml --out runs/z
     torchrun --standalone --nproc_per_node=2 -m tngram.train mini-tngram --out runs/x
 """

@@ -143,7 +143,8 @@ def _locked(out: Path) -> Iterator[None]:
 def _write_split(
     docs: list[Document], split: str, sp: Any, staging: Path, shard_tokens: int, progress: bool
 ) -> tuple[list[str], dict[str, int]]:
-    """Encode docs as [BOS]+ids and write shards of <= shard_tokens; return (files, tokens per source)."""
+    """Encode docs as [BOS]+ids and write shards of <= shard_tokens; return (files, tokens per
+    source)."""
     from tqdm import tqdm
 
     progress = progress and get_dist_info().is_main
@@ -425,7 +426,8 @@ def ensure_default_data(
                 }
             )
             print0(
-                f"  {src.name}: {len(found):,} documents, {sum(len(d.text) for d in found) / 1e6:.1f} M characters"
+                f"  {src.name}: {len(found):,} documents, "
+                f"{sum(len(d.text) for d in found) / 1e6:.1f} M characters"
             )
         return docs, sources
 

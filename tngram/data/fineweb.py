@@ -205,7 +205,8 @@ def download_fineweb(
     timeout: float = DEFAULT_TIMEOUT,
     progress: bool = True,
 ) -> Path:
-    """Fetch the FineWeb export into `out` (default fineweb_dir(variant)); return the dataset dir."""
+    """Fetch the FineWeb export into `out` (default fineweb_dir(variant)); return the dataset
+    dir."""
     from tqdm import tqdm
 
     repo_id = repo_id or os.environ.get("MATCHED_FINEWEB_REPO_ID", DEFAULT_REPO_ID)

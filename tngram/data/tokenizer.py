@@ -84,7 +84,8 @@ def train_tokenizer(
     seed: int = 0,
     input_sentence_size: int | None = None,
 ) -> Path:
-    """Train a SentencePiece BPE model; write `{out_prefix}.model` and `.vocab`; return the .model path.
+    """Train a SentencePiece BPE model; write `{out_prefix}.model` and `.vocab`; return the .model
+    path.
 
     `texts` yields documents as `str` (text) or `pathlib.Path` (a UTF-8 file to read); each is
     split into lines (SentencePiece's "sentences"). Raises TngramError if the text is too

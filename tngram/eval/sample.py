@@ -25,7 +25,8 @@ def generate(
     seed: int = 0,
     use_cache: bool = True,
 ) -> list[int]:
-    """Sample continuation ids after `prompt` (which should start with BOS). temperature 0 = greedy."""
+    """Sample continuation ids after `prompt` (which should start with BOS). temperature 0 =
+    greedy."""
     check_sampling_args(max_new_tokens, temperature, top_k, seed)
     if not prompt:
         raise TngramError("the prompt must contain at least one token (BOS)")

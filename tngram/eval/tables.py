@@ -1,4 +1,5 @@
-"""Downstream-task tables in the layout of the paper's Tables 2-3: methods as rows, tasks as columns.
+"""Downstream-task tables in the layout of the paper's Tables 2-3: methods as rows, tasks as
+columns.
 
 `core_tables(results)` takes {method name: CORE result} (the dicts `tngram eval core` writes to
 RUN_DIR/eval/core*.json) and returns (markdown, csv). Markdown cells are per-task accuracy in

@@ -363,8 +363,8 @@ def _bb_target(ex: dict[str, Any]) -> str:
 
 
 def bigbench_lm(tasks: list[dict[str, Any]], dedupe: bool = False) -> list[Record]:
-    """task_prefix + input_prefix + input + output_prefix.rstrip() -> context; target -> continuation.
-    BIG-bench defaults: input prefix "\\nQ: ", output prefix "\\nA: "."""
+    """task_prefix + input_prefix + input + output_prefix.rstrip() -> context; target ->
+    continuation. BIG-bench defaults: input prefix "\\nQ: ", output prefix "\\nA: "."""
     out: list[Record] = []
     seen: set[str] = set()
     for task in tasks:

@@ -329,7 +329,8 @@ def report_body(
         ]
         for r in sorted(adapt, key=lambda x: x["seed"]):
             lines.append(
-                f"| {r['seed']} | {', '.join(map(str, _final_ranks(r)))} | {r['delta_params'] / 1e6:.2f}M "
+                f"| {r['seed']} | {', '.join(map(str, _final_ranks(r)))} | "
+                f"{r['delta_params'] / 1e6:.2f}M "
                 f"| {r['val_loss']:.4f} | {r['train_time_s']:.0f} |"
             )
         series["adaptive (per seed)"] = [

@@ -124,7 +124,8 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
             "better):\n\n"
             "| order | seen | unseen |\n|---|---|---|\n"
             + "\n".join(
-                f"| {n} | {fmt_pm(*d['seen'], npairs, '+.4f')} | {fmt_pm(*d['unseen'], npairs, '+.4f')} |"
+                f"| {n} | {fmt_pm(*d['seen'], npairs, '+.4f')} | "
+                f"{fmt_pm(*d['unseen'], npairs, '+.4f')} |"
                 for n, d in paired.items()
             )
         )
@@ -165,7 +166,8 @@ def paired_differences(
 
 
 def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
-    """Per order and head: distinct train n-grams, table size, share of n-grams in a shared bucket."""
+    """Per order and head: distinct train n-grams, table size, share of n-grams in a shared
+    bucket."""
     mem = cfg.model.memory
     layers = tuple(cfg.model.memory_layers)
     module = mem.build(

@@ -16,7 +16,8 @@ SCALES = {"cpu": "mini", "paper": "paper-l9"}
 
 
 def resolve_data(data: str | None, vocab_size: int = 1024) -> tuple[str, int]:
-    """(dataset dir, its vocab size): --data DIR, else the default offline corpus (built if missing)."""
+    """(dataset dir, its vocab size): --data DIR, else the default offline corpus (built if
+    missing)."""
     from tngram.data.build import ensure_default_data, open_dataset
 
     path = Path(data) if data else ensure_default_data(vocab_size=vocab_size)

@@ -37,7 +37,8 @@ MEMORIES = ("tngram", "engram")
 
 
 def recovered_fraction(raw: float, scratch: float, frozen: float) -> float:
-    """(raw - frozen) / (raw - scratch): 1.0 = the memory added later gives the full from-scratch gain."""
+    """(raw - frozen) / (raw - scratch): 1.0 = the memory added later gives the full from-scratch
+    gain."""
     if raw == scratch:
         raise TngramError(
             "the from-scratch memory run has the raw model's val loss: no gain to recover"

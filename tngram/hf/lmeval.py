@@ -44,7 +44,8 @@ metadata:
 
 
 def write_task(task_dir: str | os.PathLike, name: str, docs: list[dict[str, Any]]) -> Path:
-    """TASK_DIR/NAME.yaml + NAME.jsonl; each doc {"context": str, "choices": [str, ...], "label": int}."""
+    """TASK_DIR/NAME.yaml + NAME.jsonl; each doc {"context": str, "choices": [str, ...], "label":
+    int}."""
     if not name.replace("_", "").isalnum():
         raise TngramError(f"task name {name!r} must be letters, digits and underscores")
     for i, d in enumerate(docs):

@@ -1,4 +1,5 @@
-"""Engram tokenizer compression P: V -> V' (as in DeepSeek's engram_demo_v1.py), built from a SentencePiece model.
+"""Engram tokenizer compression P: V -> V' (as in DeepSeek's engram_demo_v1.py), built from a
+SentencePiece model.
 
 Every raw id gets a canonical key; ids with equal keys share one compressed id. New compressed ids
 are handed out in first-seen order while scanning tid = 0, 1, 2, ...
@@ -137,7 +138,8 @@ def compressed_vocab_size(lookup: Tensor) -> int:
 
 
 def lookup_fingerprint(lookup: Tensor) -> str:
-    """sha256 of the mapping; pin it in experiment logs (a tokenizer change re-hashes everything)."""
+    """sha256 of the mapping; pin it in experiment logs (a tokenizer change re-hashes
+    everything)."""
     return hashlib.sha256(lookup.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
 
 

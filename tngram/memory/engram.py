@@ -1,5 +1,5 @@
-"""DeepSeek Engram memory, faithful to the reference (DeepSeek's engram_demo_v1.py; paper §2 "The n-gram
-concept in Engram" and App. D).
+"""DeepSeek Engram memory, faithful to the reference (DeepSeek's engram_demo_v1.py; paper §2 "The
+n-gram concept in Engram" and App. D).
 
 Pipeline of one Engram layer l:
 
@@ -267,7 +267,8 @@ class Engram(RowSparse, MemoryModule, nn.Module):
         return self.hash_ids(input_ids) + self.offsets
 
     def memory_vector(self, input_ids: Tensor) -> Tensor:
-        """The lookup stage alone: (B, T) -> e (B, T, d_mem) = concat over (n, head) of table rows."""
+        """The lookup stage alone: (B, T) -> e (B, T, d_mem) = concat over (n, head) of table
+        rows."""
         rows = self.row_ids(input_ids)  # (B, T, (N-1)*H)
         B, T, _ = rows.shape
         # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU

@@ -30,7 +30,8 @@ GATE_CLAMP = 1e-6  # epsilon inside the signed square root (paper App. D, refere
 
 
 def signed_sqrt_gate(alpha: Tensor) -> Tensor:
-    """g = sigmoid(sign(alpha) * sqrt(max(|alpha|, 1e-6))). torch.sign(0) = 0, so alpha = 0 -> 0.5."""
+    """g = sigmoid(sign(alpha) * sqrt(max(|alpha|, 1e-6))). torch.sign(0) = 0, so alpha = 0 ->
+    0.5."""
     return torch.sigmoid(torch.sign(alpha) * torch.sqrt(alpha.abs().clamp_min(GATE_CLAMP)))
 
 
@@ -52,7 +53,8 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, dilation: int) -> Tensor:
 
 
 class ShortConv(nn.Module):
-    """y = SiLU(Conv1D(RMSNorm(x))): per-branch RMSNorm (eps 1e-5), depthwise causal dilated conv."""
+    """y = SiLU(Conv1D(RMSNorm(x))): per-branch RMSNorm (eps 1e-5), depthwise causal dilated
+    conv."""
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""Engram's multi-head n-gram hashing: primes, multipliers and the XOR hash (as in DeepSeek's engram_demo_v1.py).
+"""Engram's multi-head n-gram hashing: primes, multipliers and the XOR hash (as in DeepSeek's
+engram_demo_v1.py).
 
 Everything here is a pure function of its arguments:
 

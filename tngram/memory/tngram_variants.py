@@ -96,7 +96,10 @@ class HashedOrders(RowSparse, nn.Module):
         return torch.index_select(self.table.weight, 0, rows.reshape(-1)).view(B, T, self.width)
 
     def extra_repr(self) -> str:
-        return f"orders={self.orders}, heads={self.n_head}, head_dim={self.head_dim}, rows={self.n_rows}"
+        return (
+            f"orders={self.orders}, heads={self.n_head}, head_dim={self.head_dim}, "
+            f"rows={self.n_rows}"
+        )
 
 
 def lookup_width(cfg: Any) -> int:

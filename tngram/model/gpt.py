@@ -321,7 +321,8 @@ class GPT(nn.Module):
         reduction: str = "mean",
         cache: dict | None = None,
     ) -> Tensor:
-        """Logits (B, T, V) when targets is None, else the cross-entropy (fp32). See `hidden` for cache."""
+        """Logits (B, T, V) when targets is None, else the cross-entropy (fp32). See `hidden` for
+        cache."""
         logits = self.logits(self.hidden(ids, cache))
         if targets is None:
             return logits

@@ -63,14 +63,17 @@ def snapshot(compare_dir: Path) -> dict[str, Any]:
         envs.append(e)
         row_commits.append(((e.get("git") or {}).get("commit") or "unknown")[:12])
     commits = list(dict.fromkeys(row_commits))
+    rows = results["rows"]
     dirty = any((e.get("git") or {}).get("dirty") for e in envs)
     first = next((e for e in envs if e), {})
     return {
-        "command": f"tngram compare --preset {results.get('preset')} --seeds {results.get('seeds')}",
+        "command": (
+            f"tngram compare --preset {results.get('preset')} --seeds {results.get('seeds')}"
+        ),
         "commit": commits[0]
         if len(commits) == 1
         else ", ".join(
-            f"{c} ({', '.join(r['method'] for r, rc in zip(results['rows'], row_commits) if rc == c)})"
+            f"{c} ({', '.join(r['method'] for r, rc in zip(rows, row_commits) if rc == c)})"
             for c in commits
         ),
         "dirty": dirty,

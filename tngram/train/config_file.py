@@ -130,7 +130,8 @@ def config_to_toml(cfg_dict: dict[str, Any], recipe: str | None = None) -> str:
     """A resolved config (TrainConfig.to_dict()) as a TOML file `load_config_file` reads back.
     (Hand-written: the stdlib reads TOML but does not write it, and the format here is flat.)"""
     lines = [
-        f"# tngram train --config FILE: the resolved config{f' (from recipe {recipe})' if recipe else ''}"
+        f"# tngram train --config FILE: the resolved "
+        f"config{f' (from recipe {recipe})' if recipe else ''}"
     ]
     if recipe:
         lines.append(f"recipe = {_toml_value(recipe)}")

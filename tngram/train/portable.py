@@ -121,7 +121,8 @@ def check_run_tokenizer(run_dir: str | os.PathLike, path: Path) -> Path:
 def run_tokenizer_path(
     run_dir: str | os.PathLike, cfg: dict[str, Any], override: str | os.PathLike | None = None
 ) -> Path:
-    """The tokenizer of a run: `override`, else RUN/tokenizer.model, else its dataset's (older runs)."""
+    """The tokenizer of a run: `override`, else RUN/tokenizer.model, else its dataset's (older
+    runs)."""
     if override is not None:
         p = Path(override).expanduser()
         if not p.is_file():

@@ -46,7 +46,8 @@ _NOTE_SUFFIXES = (".log", ".out", ".txt", ".md")
 
 
 def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train") -> RunLock:
-    """Check and lock `run_dir` for a run of `recipe` (see the module doc); returns the held lock."""
+    """Check and lock `run_dir` for a run of `recipe` (see the module doc); returns the held
+    lock."""
     from tngram.train.checkpoint import read_run_config, remove_torn_temps
 
     check_writable_dir(run_dir, "--out")
@@ -57,7 +58,8 @@ def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train")
         links = sorted(n for n in _RUN_ENTRIES if n != LOCK_FILE and is_link(run_dir / n))
         if links:  # a received run folder must not lead a write (or a retention) outside it
             raise TngramError(
-                f"--out {run_dir}: {', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; "
+                f"--out {run_dir}: {', '.join(links)} "
+                f"{'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; "
                 f"tngram never follows links in a run folder: replace them with real files/folders"
             )
         entries = {

@@ -1,4 +1,5 @@
-"""Stopping on SIGTERM / SIGINT without losing steps (what SLURM, Kubernetes, `kill` and Ctrl-C send).
+"""Stopping on SIGTERM / SIGINT without losing steps (what SLURM, Kubernetes, `kill` and Ctrl-C
+send).
 
 During training (`StopRequest`, installed by tngram.train.loop.train around the loop):
 
