@@ -50,6 +50,7 @@ from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     _wrap_prepare_inputs,
 )
 from tngram.hf.peft_compat import refuse_peft
+from tngram.hf.size_check import warn_if_large
 from tngram.hf.spec import (  # noqa: F401  (re-exported)
     SPEC_KEYS,
     _base,
@@ -92,8 +93,10 @@ def add_memory(
         parameters train: the backbone is frozen).
 
     A PeftModel, or a model already holding PEFT adapter layers, is refused (tngram.hf.peft_compat
-    says which order works). The model's class becomes Tngram<Class> and its config a Tngram<Config> copy carrying the
-    spec (`model.config.tngram_memory`); the config object you built the model from is not edited.
+    says which order works); a memory larger than the model gets a MemorySizeWarning with a
+    smaller size (tngram.hf.size_check). The model's class becomes Tngram<Class> and its config
+    a Tngram<Config> copy carrying the spec (`model.config.tngram_memory`); the config object
+    you built the model from is not edited.
     """
     from tngram.hf import register
 
@@ -132,6 +135,7 @@ def add_memory(
             n,
             f"layers (decoder layers at base_model.{path})",
         )
+    warn_if_large(model, memory_config, _hidden_size(base.config), rows, ids)
     spec = {
         "memory": memory_config_to_dict(memory_config),
         "layers": list(ids),

@@ -1,0 +1,89 @@
+"""How large a memory is against the model it goes into, before it is built.
+
+The memory is built once on the meta device (no storage, no initialisation: milliseconds even
+at a 128,256-token vocabulary) and its parameters are counted. A memory larger than the model
+(`MAX_RATIO`) gets one warning saying its size, the model's, how much of it is lookup tables,
+and a size for about a tenth of the model (`TARGET_RATIO`): for TN-gram the largest cp_rank
+within it, for Engram / Over-Encoding the factor to scale the tables by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+MAX_RATIO = 1.0
+TARGET_RATIO = 0.1
+TABLE_FIELDS = {  # what sets a memory's table size, per kind
+    "tngram": "cp_rank",
+    "engram": "table_budget / n_embed_per_ngram",
+    "overencoding": "table_rows",
+}
+
+
+class MemorySizeWarning(UserWarning):
+    """add_memory: the memory is larger than the model (warnings.filterwarnings can mute it)."""
+
+
+def memory_size(cfg: Any, d_model: int, vocab: int, layer_ids: tuple[int, ...]) -> tuple[int, int]:
+    """(parameters, table parameters) the memory of `cfg` adds at `layer_ids` (one memory for
+    an embedding memory), counted on a meta-device build."""
+    total = tables = 0
+    for k, i in enumerate(layer_ids or (0,)):
+        with torch.device("meta"):
+            mod = cfg.build(
+                d_model=d_model, vocab_size=vocab, layer_id=i, layer_ids=layer_ids or (0,)
+            )
+        n = sum(p.numel() for p in mod.parameters())
+        t = sum(p.numel() for p in getattr(mod, "table_parameters", list)())
+        shared = k > 0 and getattr(cfg, "share_factors", False)  # one set of factors: once
+        total += n - (t if shared else 0)
+        tables += 0 if shared else t
+    return total, tables
+
+
+def suggestion(
+    cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], total: int, model_params: int
+) -> str:
+    """A size for about TARGET_RATIO of the model: TN-gram's largest cp_rank within it (found
+    by bisection on meta-device counts: the tables and the K/V projections both grow with it);
+    for the others, the factor to scale the tables by (their size is about linear in it)."""
+    target = TARGET_RATIO * model_params
+    kind = getattr(cfg, "kind", "")
+    if kind == "tngram" and dataclasses.is_dataclass(cfg):
+        lo, hi = 0, int(cfg.cp_rank)  # size(lo) <= target (or lo == 0) < size(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if memory_size(dataclasses.replace(cfg, cp_rank=mid), d_model, vocab, ids)[0] <= target:
+                lo = mid
+            else:
+                hi = mid
+        return (
+            f"{type(cfg).__name__}(cp_rank={max(lo, 1)}) for about {TARGET_RATIO:.0%} of the model"
+        )
+    field = TABLE_FIELDS.get(kind, "its table size")
+    return f"scale {field} by about {target / total:.2g} for about {TARGET_RATIO:.0%} of the model"
+
+
+def warn_if_large(
+    model: nn.Module, cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...]
+) -> None:
+    """One MemorySizeWarning when the memory would have more parameters than the model."""
+    total, tables = memory_size(cfg, d_model, vocab, ids)
+    model_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if total <= MAX_RATIO * model_params:
+        return
+    where = f"at {len(ids)} layer{'s' if len(ids) > 1 else ''}" if ids else "at the embedding"
+    warnings.warn(
+        f"add_memory: the memory has {total:,} parameters ({where}; {tables / total:.0%} lookup "
+        f"tables, which grow with the {vocab:,}-token vocabulary), {total / model_params:.1f}x the "
+        f"model's {model_params:,}: building and training it costs that much memory; use "
+        f"{suggestion(cfg, d_model, vocab, ids, total, model_params)}, and "
+        "memory_update='sparse' to train large tables",
+        MemorySizeWarning,
+        stacklevel=3,
+    )
