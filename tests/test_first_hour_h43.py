@@ -132,3 +132,10 @@ def test_make_install_ends_with_the_path_hint_and_dist_is_ignored():
     assert "bin/activate" in out.stdout.strip().splitlines()[-1]
     ignored = subprocess.run(["git", "check-ignore", "-q", "dist/tngram-0.1.0.whl"], cwd=ROOT)
     assert ignored.returncode == 0
+
+
+def test_the_progress_bar_shows_the_tail_beside_tqdms_remaining():
+    p = Progress(4, 0, "x", enabled=True, bar=True, log_every=1, tail=lambda step_s: 100.0)
+    p.update(1.0, 10.0)
+    assert p.bar.postfix.endswith("then=1 min 40 s val+ckpt")
+    p.close()

@@ -301,10 +301,11 @@ def timed(attr: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 class Progress:
     """Progress on the main process; silent elsewhere. With `bar` (a terminal): a tqdm bar (loss,
-    tokens/s; tqdm's [elapsed<remaining]). Without (batch jobs, CI, nohup, --no-progress): one
-    plain line on stderr every `log_every` steps and at the last step, with the elapsed time of
-    this session and the ETA at its mean step rate plus the final validation and checkpoint
-    (`tail`: seconds per step -> seconds after the last step, e.g. tail_seconds; none: 0)."""
+    tokens/s, the final validation + checkpoint still to come; tqdm's [elapsed<remaining]).
+    Without (batch jobs, CI, nohup, --no-progress): one plain line on stderr every `log_every`
+    steps and at the last step, with the elapsed time of this session and the ETA at its mean
+    step rate plus the final validation and checkpoint (`tail`: seconds per step -> seconds
+    after the last step, e.g. tail_seconds; none: 0)."""
 
     def __init__(
         self,
@@ -336,7 +337,12 @@ class Progress:
     def update(self, loss: float, tokens_per_s: float) -> None:
         self.step += 1
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            post = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
+            done = self.step - self.initial
+            if self.tail is not None and done > 0:  # tqdm's <remaining> is the steps only
+                step_s = (time.monotonic() - self.t0) / done
+                post["then"] = f"{fmt_duration(self.tail(step_s))} val+ckpt"
+            self.bar.set_postfix(post, refresh=False)
             self.bar.update(1)
         elif self.plain and (self.step % self.log_every == 0 or self.step == self.total):
             elapsed = time.monotonic() - self.t0
