@@ -28,10 +28,9 @@ only the report's paired table (every TN-gram family minus Engram at the same si
 by seed), and each pair's step ratio is timed again in CONFIRM_STEP_PROCESSES fresh processes (half
 building Engram first) of CONFIRM_STEP_REPS alternating rounds.
 
-Issue 40's views (`view_specs`, mini): product keys, STEM and per-layer embeddings on the
-Δparams map (`TOKEN_SIZES`), and five families at the raw GPT's total parameters on a backbone
-whose MLP pays for the memory (`ISO_SIZES`, pareto_iso.iso_backbone: family "<family>-iso").
-Every point carries machine-independent costs (pareto_costs: rows, bytes, FLOPs per token).
+Issue 40's views (`view_specs`, mini): product keys, STEM and per-layer embeddings on the map
+(`TOKEN_SIZES`); five families at the raw GPT's total parameters, their MLP narrowed to pay for
+the memory (`ISO_SIZES`, pareto_iso.iso_backbone). Costs per token: pareto_costs.
 
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
 a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
@@ -60,6 +59,13 @@ from tngram.experiments.common import (
     with_memory,
     with_seed,
     with_steps,
+)
+from tngram.experiments.pareto_iso import (  # noqa: F401  (issue 40's views, public names)
+    ISO_SIZES,
+    ISO_VARIANTS,
+    METHODS,
+    TOKEN_SIZES,
+    iso_backbone,
 )
 from tngram.train.recipes import (
     LONGCAT,
@@ -132,35 +138,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-# issue 40's families (mini only: their recipes are mini-pkm, mini-stem, mini-ple), at the map's
-# common Δparams targets (1.1, 2.2, 4.3, 8.7, 12 M; tests/test_pareto_iso.py), at the recipes'
-# table lr (the embedding's; not tuned): product keys (n_keys: n_keys^2 slots per layer), STEM
-# (its FFN width), per-layer embeddings in every block (ple_dim)
-TOKEN_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
-    "pkm": ("pkm", "n_keys", (64, 92, 129, 184, 216)),
-    "stem": ("stem", "hidden", (432, 864, 1680, 3392, 4688)),
-    "ple": ("ple", "ple_dim", (216, 432, 840, 1696, 2344)),
-}
-# "= total parameters": each family at three sizes near 1/4, 1/2 and 3/4 of the mini GPT's MLP
-# parameters (65,536, 131,072, 196,608 of 262,144), on a backbone
-# whose MLP width is shrunk to keep the raw GPT's total (pareto_iso.iso_backbone). Engram at its
-# recipe width needs more than that for its K/V alone, so it enters at n_embed_per_ngram 32; the
-# TN-gram variant is tngram-sum (one R-wide K/V input), the one whose K/V fits at small R
-ISO_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
-    "engram": ("engram", "table_budget", (50, 162, 400)),
-    "tngram-sum": ("tngram", "cp_rank", (6, 12, 18)),
-    "pkm": ("pkm", "n_keys", (11, 19, 24)),
-    "stem": ("stem", "hidden", (24, 48, 72)),
-    "ple": ("ple", "ple_dim", (12, 24, 36)),
-}
-ISO_VARIANTS: dict[str, dict[str, Any]] = {"engram": {"n_embed_per_ngram": 32}}
-METHODS = ("raw", "engram", "tngram", "pkm", "stem", "ple")  # the recipes view_specs builds on
-
-
 def iso_config(family: str, size: int, cfg_of: dict[str, Any]) -> Any:
     """`family` at `size` (ISO_SIZES) on the backbone shrunk to the raw GPT's total parameters."""
-    from tngram.experiments.pareto_iso import iso_backbone
-
     method, knob, _ = ISO_SIZES[family]
     cfg = cfg_of[method]
     for fields in (VARIANTS.get(family), ISO_VARIANTS.get(family)):

@@ -31,6 +31,30 @@ from tngram.common import TngramError
 
 MLP_MULTIPLE = 16
 
+# issue 40's families (mini only: their recipes are mini-pkm, mini-stem, mini-ple), at the map's
+# common Δparams targets (1.1, 2.2, 4.3, 8.7, 12 M; tests/test_pareto_iso.py), at the recipes'
+# table lr (the embedding's; not tuned): product keys (n_keys: n_keys^2 slots per layer), STEM
+# (its FFN width), per-layer embeddings in every block (ple_dim)
+TOKEN_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "pkm": ("pkm", "n_keys", (64, 92, 129, 184, 216)),
+    "stem": ("stem", "hidden", (432, 864, 1680, 3392, 4688)),
+    "ple": ("ple", "ple_dim", (216, 432, 840, 1696, 2344)),
+}
+# "= total parameters": each family at three sizes near 1/4, 1/2 and 3/4 of the mini GPT's MLP
+# parameters (65,536, 131,072, 196,608 of 262,144), on a backbone
+# whose MLP width is shrunk to keep the raw GPT's total (pareto_iso.iso_backbone). Engram at its
+# recipe width needs more than that for its K/V alone, so it enters at n_embed_per_ngram 32; the
+# TN-gram variant is tngram-sum (one R-wide K/V input), the one whose K/V fits at small R
+ISO_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "engram": ("engram", "table_budget", (50, 162, 400)),
+    "tngram-sum": ("tngram", "cp_rank", (6, 12, 18)),
+    "pkm": ("pkm", "n_keys", (11, 19, 24)),
+    "stem": ("stem", "hidden", (24, 48, 72)),
+    "ple": ("ple", "ple_dim", (12, 24, 36)),
+}
+ISO_VARIANTS: dict[str, dict[str, Any]] = {"engram": {"n_embed_per_ngram": 32}}
+METHODS = ("raw", "engram", "tngram", "pkm", "stem", "ple")  # the recipes view_specs builds on
+
 
 def iso_backbone(model: Any, raw: Any = None, multiple: int = MLP_MULTIPLE) -> Any:
     """GPTConfig `model` (with a memory) -> the same config with `mlp_hidden` set to the largest
