@@ -17,8 +17,8 @@ LazyAdam/RowwiseAdam within 1 ulp, bf16 within 1 ulp of a few entries.
 The same subprocess runs the first-use self-check (against float64): it passes the kernel and
 fails a kernel that drops the catch-up or updates the wrong rows.
 
-In-process: the kernel lowers to a cubin for sm_80 without a GPU; "auto" keeps torch on CPU;
-a kernel raising
+In-process: the kernel lowers to a cubin for sm_80 without a GPU; "auto" keeps torch on CPU,
+and on CUDA when the self-check fails (one warning line); a kernel raising
 mid-training falls back to torch with one warning and the torch numbers; and no step on the
 sparse path touches the table but through row-indexed ops (a dispatch-mode audit that flags the
 dense path's whole-table gradient, so it would catch one).
@@ -351,3 +351,27 @@ def test_no_step_on_the_sparse_path_touches_the_whole_table(name):
     if name == "engram":
         dense_ops, _ = _audited_steps(mem, vocab, cls, sparse=False)
         assert dense_ops - ROW_OPS, sorted(dense_ops)
+
+
+@needs_triton
+def test_auto_on_cuda_falls_back_in_one_line_when_the_self_check_fails(monkeypatch):
+    """ "auto" on a CUDA table runs the self-check first; where it cannot pass (here: no GPU, the
+    check's tensors cannot reach the device) it warns once, in one line, and keeps torch; the
+    record says why and sits with the lookup's self-checks (env.json, tngram doctor)."""
+    from tngram.kernels import self_check_results
+
+    monkeypatch.delenv("TNGRAM_ROW_UPDATE_IMPL", raising=False)
+    ru.reset_row_choices()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert ru.row_update_impl(torch.device("cuda"), torch.float32) == "torch"
+            assert ru.row_update_impl(torch.device("cuda"), torch.float32) == "torch"  # cached
+        lines = [str(c.message) for c in caught if "row-update kernel" in str(c.message)]
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert "failed its self-check on cuda float32" in lines[0] and "using torch" in lines[0]
+        rec = self_check_results()["row_update/float32"]
+        assert rec["passed"] is False and rec["error"]
+        assert ru.resolved_row_impl("cuda").startswith("torch (row-update kernel failed")
+    finally:
+        ru.reset_row_choices()
