@@ -98,6 +98,12 @@ def test_view_specs(monkeypatch):
     assert all(s.config.model.mlp_hidden > 0 for s in iso)
     assert all(s.config.model.mlp_hidden == 0 for s in specs if s.tags["view"] == "params")
     assert P.view_specs(["default"], "paper-l9", 1, None) == []
+    tuned = P.view_specs(["default"], "mini", 1, None, dict(P.TUNED_DEFAULT, oe=2.0))
+    lr = {(s.tags["family"], s.tags["size"]): s.config.optim.memory_table_lr for s in tuned}
+    base = P.base_recipe("mini", "engram").optim.tied_embed_lr
+    assert lr[("engram-iso", 50)] == pytest.approx(4 * base)          # Engram's tuned x4
+    assert lr[("tngram-sum-iso", 6)] == pytest.approx(2 * base)       # TN-gram's x2
+    assert lr[("pkm-iso", 11)] is None and lr[("pkm", 64)] is None     # the recipe's (embedding)
 
 
 def test_points_within_step():

@@ -152,7 +152,12 @@ def iso_config(family: str, size: int, cfg_of: dict[str, Any]) -> Any:
 
 
 def view_specs(
-    corpora: list[str], prefix: str, seeds: int, steps: int | None, n_sizes: int = 5
+    corpora: list[str],
+    prefix: str,
+    seeds: int,
+    steps: int | None,
+    factors: dict[str, float] | None = None,
+    n_sizes: int = 5,
 ) -> list[Any]:
     """The runs issue 40's views add (mini only): the token-indexed families on the Δparams map
     (tags view "params", family pkm|stem|ple) and every ISO_SIZES point on its iso backbone
@@ -175,7 +180,7 @@ def view_specs(
             cfg = with_memory(bases[corpus][fam], **{knob: size})
         else:
             knob, name = ISO_SIZES[fam][1], f"{fam}-iso"
-            cfg = iso_config(fam, size, bases[corpus])
+            cfg = with_table_lr(iso_config(fam, size, bases[corpus]), (factors or {}).get(fam, 1.0))
         tags = {"corpus": corpus, "family": name, "size": size, "seed_index": s, "view": view}
         cfg = with_seed(replace(cfg, name=f"pareto-{name}"), s)
         specs.append(RunSpec(f"{corpus}-{name}-{knob}{size}-s{s}", cfg, tags))
@@ -430,7 +435,7 @@ def pareto(
         tune_table_lr(out, prefix, steps, nproc)
         factors = read_factors(out, tuned)
     specs = specs_for(corpora, prefix, seeds, steps, factors)
-    specs += view_specs(corpora, prefix, seeds, steps)
+    specs += view_specs(corpora, prefix, seeds, steps, factors)
     if train:
         from tngram.experiments.runner import run_all
 

@@ -41,10 +41,10 @@ TOKEN_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "ple": ("ple", "ple_dim", (216, 432, 840, 1696, 2344)),
 }
 # "= total parameters": each family at three sizes near 1/4, 1/2 and 3/4 of the mini GPT's MLP
-# parameters (65,536, 131,072, 196,608 of 262,144), on a backbone
-# whose MLP width is shrunk to keep the raw GPT's total (pareto_iso.iso_backbone). Engram at its
-# recipe width needs more than that for its K/V alone, so it enters at n_embed_per_ngram 32; the
-# TN-gram variant is tngram-sum (one R-wide K/V input), the one whose K/V fits at small R
+# parameters (65,536, 131,072, 196,608 of 262,144), on a backbone whose MLP width is shrunk to
+# keep the raw GPT's total (iso_backbone). Engram at its recipe width needs more than that for its
+# K/V alone, so it enters at n_embed_per_ngram 32; the TN-gram variant is tngram-sum (one R-wide
+# K/V input), the one whose K/V fits at small R; Engram and TN-gram at the map's tuned table lr
 ISO_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "engram": ("engram", "table_budget", (50, 162, 400)),
     "tngram-sum": ("tngram", "cp_rank", (6, 12, 18)),
