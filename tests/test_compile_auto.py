@@ -179,3 +179,12 @@ def test_muon_compiled_newton_schulz_and_its_fallback(monkeypatch):
             assert opt.ns_compile_error is None and opt._ns is not zeropower_newton_schulz
         else:
             assert opt.ns_compile_error.startswith(error) and opt._ns is zeropower_newton_schulz
+
+
+def test_resume_may_change_run_compile(tiny_data, tmp_path):
+    """A run written with run.compile=false (the old default) resumes under the new default."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, extra=EXTRA + ["run.compile=false"]), run, max_steps=1)
+    summary = train(tiny_config(tiny_data, extra=EXTRA), run, resume=True, progress=False)
+    assert summary["steps"] == 3
+    assert json.loads((run / "env.json").read_text())["compile"]["setting"] == "auto"
