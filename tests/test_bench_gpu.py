@@ -28,7 +28,7 @@ def cpu_run(tiny_data, tmp_path_factory):  # noqa: F811
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = ["bench", "gpu", "--out", str(out), "--data", str(tiny_data), "--steps", "3"]
+        args = ["bench", "gpu", "--out", str(out), "--data", str(tiny_data), "--stop-after", "3"]
         rc = main(args + ["--recipes", *RECIPES, "--no-compile"])
     finally:
         torch.set_num_threads(before)

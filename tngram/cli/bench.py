@@ -261,7 +261,7 @@ def _gpu(args: argparse.Namespace) -> int:
         budget_s=args.budget,
         recipes=args.recipes,
         sections=tuple(args.sections),
-        steps=args.steps,
+        steps=args.stop_after,
         data=args.data,
         reps=args.reps,
         compile=not args.no_compile,
@@ -528,8 +528,12 @@ def add_commands(sub: Any) -> None:
         help="the GPU numbers in one command inside a time budget (doctor, Triton vs torch, "
         "fwd+bwd eager/compiled, trainer tokens/s, sparse vs dense tables, MFU) -> "
         "docs/results/gpu-<card>.json; tiny shapes on the CPU",
-        description="tngram.bench.gpu: every section and what it measures. Writes one results "
-        "file; docs/GPU.md's tables are generated from it (`tngram report doc docs/GPU.md`).",
+        description="Sections, in order while the time budget lasts: doctor (the kernel "
+        "self-checks), lookup (Triton or C against torch inside paper-l9-tngram, and one "
+        "module's lookup timed), fwdbwd (forward + backward of every paper-l9-* recipe, eager "
+        "and compiled, with FLOPs, MFU and peak memory), trainer (tokens/s of N trainer steps), "
+        "tables (one step per optim.memory_update at V 1k/32k/128k). Writes one results file; "
+        "docs/GPU.md's tables are generated from it (`tngram report doc docs/GPU.md`).",
     )
     g.add_argument(
         "--out",
@@ -559,7 +563,11 @@ def add_commands(sub: Any) -> None:
         help="sections to run (default: all)",
     )
     g.add_argument(
-        "--steps", type=int_range(3), default=12, metavar="N", help="trainer steps per recipe"
+        "--stop-after",
+        type=int_range(3),
+        default=12,
+        metavar="N",
+        help="trainer section: stop each recipe's run after N optimiser steps (default 12)",
     )
     g.add_argument("--data", metavar="DIR", help="dataset folder for the trainer section")
     g.add_argument("--reps", type=int_range(1), default=None, help="timed reps (GPU 15, CPU 3)")
