@@ -20,8 +20,9 @@ fails a kernel that drops the catch-up or updates the wrong rows.
 In-process: the kernel lowers to a cubin for sm_80 without a GPU; "auto" keeps torch on CPU,
 and on CUDA when the self-check fails (one warning line); a kernel raising
 mid-training falls back to torch with one warning and the torch numbers; and no step on the
-sparse path touches the table but through row-indexed ops (a dispatch-mode audit that flags the
-dense path's whole-table gradient, so it would catch one).
+sparse path touches a table but through row-indexed ops (Engram, TN-gram, and the hashed
+hybrid's two tables; a dispatch-mode audit that flags the dense path's whole-table gradient, so
+it would catch one).
 """
 
 from __future__ import annotations
@@ -260,12 +261,12 @@ def test_a_kernel_that_raises_falls_back_to_torch_with_one_warning(monkeypatch):
 
 
 class _TableAudit(TorchDispatchMode):
-    """Records every aten op that reads or writes the table's (or its optimiser state's)
-    storage, and every op that makes a dense tensor of the table's shape."""
+    """Records every aten op that reads or writes a table's (or its optimiser state's) storage,
+    and every op that makes a dense tensor of a table's shape."""
 
-    def __init__(self, storages: set[int], shape: tuple[int, ...]) -> None:
+    def __init__(self, storages: set[int], shapes: set[tuple[int, ...]]) -> None:
         super().__init__()
-        self.storages, self.shape, self.ops = storages, shape, set()
+        self.storages, self.shapes, self.ops = storages, shapes, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         out = func(*args, **(kwargs or {}))
@@ -274,7 +275,7 @@ class _TableAudit(TorchDispatchMode):
                 isinstance(t, torch.Tensor)
                 and t.layout == torch.strided
                 and (
-                    t.untyped_storage().data_ptr() in self.storages or tuple(t.shape) == self.shape
+                    t.untyped_storage().data_ptr() in self.storages or tuple(t.shape) in self.shapes
                 )
             ):
                 self.ops.add(func.__name__.split(".")[0])
@@ -312,7 +313,6 @@ def _audited_steps(mem, vocab: int, cls, sparse: bool) -> tuple[set[str], tuple[
     )
     tables = set_sparse_grads(model, True) if sparse else memory_table_params(model)
     opt = cls(tables, lr=0.01, betas=(0.9, 0.95), eps=1e-8, catchup=sparse)
-    table = tables[0]
 
     def step(seed: int) -> None:
         ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
@@ -322,17 +322,19 @@ def _audited_steps(mem, vocab: int, cls, sparse: bool) -> tuple[set[str], tuple[
         model.zero_grad(set_to_none=True)
 
     step(0)  # the first step allocates the state (once per run, O(table) by nature)
-    state = [v for k, v in opt.state[table].items() if torch.is_tensor(v) and k != "lr_history"]
+    watched = list(tables)
+    for t in tables:
+        watched += [v for k, v in opt.state[t].items() if torch.is_tensor(v) and k != "lr_history"]
     audit = _TableAudit(
-        {t.untyped_storage().data_ptr() for t in [table, *state]}, tuple(table.shape)
+        {t.untyped_storage().data_ptr() for t in watched}, {tuple(t.shape) for t in tables}
     )
     with audit:
         step(1)
         step(2)
-    return audit.ops, tuple(table.shape)
+    return audit.ops, tuple(tables[0].shape)
 
 
-@pytest.mark.parametrize("name", ["engram", "tngram"])
+@pytest.mark.parametrize("name", ["engram", "tngram", "tngram-hsum"])
 def test_no_step_on_the_sparse_path_touches_the_whole_table(name):
     """Forward, backward, clip and the optimiser step with catch-up (the read hook included)
     touch the table and its state only through row-indexed ops; nothing of the table's shape
@@ -344,8 +346,19 @@ def test_no_step_on_the_sparse_path_touches_the_whole_table(name):
             64,
         )
         cls = LazyAdam
-    else:
+    elif name == "tngram":
         mem, vocab, cls = TNGramConfig(max_ngram=3, cp_rank=8), 4099, RowwiseAdam
+    else:  # the factors and the hashed orders' table, both row-sparse
+        mem = TNGramConfig(
+            max_ngram=3,
+            cp_rank=8,
+            order_combine="sum",
+            hash_orders=(2, 3),
+            hash_embed=8,
+            hash_heads=2,
+            hash_budget=20011,
+        )
+        vocab, cls = 4099, LazyAdam
     ops, shape = _audited_steps(mem, vocab, cls, sparse=True)
     assert ops and ops <= ROW_OPS, (shape, sorted(ops - ROW_OPS))
     if name == "engram":
