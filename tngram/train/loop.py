@@ -20,8 +20,11 @@ one predicate (`should_log`, `should_validate`, `should_save`) says so; `StepClo
 
 A run is resumable from its latest checkpoint and bit-identical on CPU to an uninterrupted run:
 weights, optimiser moments, loader position and RNG are restored, and the schedules depend only
-on the step. A non-finite training loss stops the run before the update (TngramError), leaving
-the checkpoints written so far untouched; parameters are also checked before every checkpoint.
+on the step. A non-finite training loss stops the run (TngramError), leaving the checkpoints
+written so far untouched: on the CPU before the update, on CUDA at the next sync point, where the
+losses are read (tngram.train.step_reads: no host read between sync points); parameters are also
+checked before every checkpoint. The forward is compiled on CUDA by default, eager on the CPU
+(run.compile, tngram.train.compile_mode; a failure to compile falls back to eager at step 1).
 """
 
 from __future__ import annotations
