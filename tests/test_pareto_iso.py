@@ -43,7 +43,8 @@ def test_mlp_hidden_default_is_bit_identical_and_absent_from_config_json():
 def test_iso_backbone_by_hand():
     """PLE P 8 in 2 layers: 2 x (50*8 + 2*32*8) = 1824 memory parameters; one unit of MLP width
     is 2 (fc, proj) x 32 x 2 blocks = 128 parameters, so the width must drop by >= 1824/128 =
-    14.25 from 64: the largest multiple of 16 is 48, whose total is raw - 16*128 + 1824 = raw - 224."""
+    14.25 from 64: the largest multiple of 16 is 48, whose total is raw - 16*128 + 1824 =
+    raw - 224."""
     cfg = replace(TINY, memory=PerLayerEmbeddingConfig(ple_dim=8))
     raw = total(replace(TINY, memory=None))
     iso = iso_backbone(cfg)
@@ -129,4 +130,5 @@ def test_report_keeps_iso_points_off_the_params_map_and_in_the_total_and_step_vi
     assert t["points"][1][at: at + len(COST_KEYS)] == [592_144, 2, 8, 100]
     assert t["total"] == [["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05)]]
     best_s = {r[0]: r[1] for r in t["best_step"]}
-    assert best_s["≤ 1.25× raw"] == "product keys, iso (11)" and best_s["≤ 2× raw"] == "product keys (64)"
+    assert best_s["≤ 1.25× raw"] == "product keys, iso (11)"
+    assert best_s["≤ 2× raw"] == "product keys (64)"

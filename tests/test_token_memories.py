@@ -206,3 +206,23 @@ def test_sparse_table_gradient_is_the_touched_rows_of_the_dense_one(name):
             untouched[rows] = False
             assert not pd.grad[untouched].any()        # the dense gradient: unread rows are 0
     assert n_tables == (1 if name == "pkm-shared" else 2)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_contract_keyword_only_build_and_disjoint_tables_and_controls(name):
+    cfg = SMALL[name]
+    with pytest.raises(TypeError):
+        cfg.build(D, V)                                         # keyword-only
+    m = cfg.build(d_model=D, vocab_size=V)
+    own = {id(p) for p in m.parameters()}
+    tables = {id(p) for p in m.table_parameters()}
+    controls = {id(p) for p in m.control_parameters()}
+    assert tables and tables <= own and controls <= own and not tables & controls
+    assert all(p.dim() == 2 for p in m.table_parameters())
+    from tngram.optim.groups import assign_groups
+    groups = assign_groups(gpt(cfg))
+    assert {g for n, g in groups.items() if ".memory." in n and n.endswith(
+        ("values", "up.weight", "table.weight"))} == {"memory_table"}
+    assert all(g == "muon" for n, g in groups.items() if n.endswith(
+        ("memory.query.weight", "memory.gate.weight", "memory.down.weight", "memory.proj.weight")))
+    assert all(g == "scalar" for n, g in groups.items() if n.endswith("memory.keys"))
