@@ -30,6 +30,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -262,7 +263,7 @@ def run(
             "fwdbwd",
             f"{r}/eager",
             shapes.cost("eager"),
-            lambda r=r: parts.fwdbwd(r, shapes, False, peaks),
+            partial(parts.fwdbwd, r, shapes, False, peaks),
         )
 
     def compiled(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
@@ -284,7 +285,7 @@ def run(
         for model in ("raw", "engram", "tngram"):
             for upd in UPDATES if model != "raw" else ("dense",):
                 key = f"{model}@{V}" + ("" if model == "raw" else f"/{upd}")
-                fn = lambda m=model, V=V, u=upd: parts.table_step(m, V, u, shapes)
+                fn = partial(parts.table_step, model, V, upd, shapes)
                 item("tables", key, shapes.cost("table", vocab=V), fn)
     for r in rest:
         if compile:

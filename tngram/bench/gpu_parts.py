@@ -146,7 +146,9 @@ def lookup(shapes: Any) -> dict[str, Any]:
             "n_grads": len(g0),
         }
     del model
-    m = modules.build("tngram").to(dev)
+    built = modules.build("tngram")
+    assert built is not None  # "tngram" always builds a module
+    m: Any = built.to(dev)
     ids = (
         x[:, : min(T, 1024)]
         if shapes.tiny
