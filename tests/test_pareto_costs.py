@@ -64,3 +64,18 @@ def test_over_encoding_is_counted_once():
     c = point_costs(replace(RAW, memory=OverEncodingConfig(max_ngram=3, n_slices=2, pad_id=0)))
     assert (c["rows_per_token"], c["bytes_per_token"]) == (4, 128)
     assert c["flops_per_token"] == RAW_FLOPS + 2048
+
+
+def test_a_memory_without_a_cost_model_gets_none():
+    """A memory registered elsewhere (tests/test_architecture.py's kind of toy) leaves the three
+    cost columns empty instead of failing the report."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    @dataclass(kw_only=True, frozen=True)
+    class Toy(StemConfig):
+        kind: ClassVar[str] = "toy-no-costs"
+
+    c = point_costs(replace(RAW, memory=Toy(hidden=8)))
+    assert (c["rows_per_token"], c["bytes_per_token"], c["flops_per_token"]) == (None,) * 3
+    assert c["total_params"] == param_counts(replace(RAW, memory=Toy(hidden=8)))["total_params"]

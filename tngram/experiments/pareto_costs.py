@@ -36,8 +36,9 @@ def fusion_flops(d_mem: int, d: int, hc_mult: int, kernel_size: int) -> int:
     return 2 * (M + 1) * d_mem * d + 2 * M * d + 2 * M * d * kernel_size
 
 
-def memory_costs(mem: Any, d: int, vocab_size: int) -> tuple[int, int, int]:
-    """(rows, bytes, FLOPs) per token of ONE layer of memory `mem` (a MemoryConfig)."""
+def memory_costs(mem: Any, d: int, vocab_size: int) -> tuple[int, int, int] | None:
+    """(rows, bytes, FLOPs) per token of ONE layer of memory `mem` (a MemoryConfig); None for a
+    kind this module has no cost model for."""
     kind = mem.kind
     if kind == "engram":
         E = mem.embed_per_ngram(d)
@@ -75,7 +76,7 @@ def memory_costs(mem: Any, d: int, vocab_size: int) -> tuple[int, int, int]:
     if kind == "ple":
         P = mem.ple_dim
         return 1, P * BYTES_PER_VALUE, 2 * P * d + ((2 * d * P + P) if mem.gated else 0)
-    raise ValueError(f"no cost model for memory kind {kind!r}")
+    return None  # a memory registered elsewhere: no cost model here
 
 
 def backbone_flops(m: Any) -> int:
@@ -87,18 +88,25 @@ def backbone_flops(m: Any) -> int:
     return int(L * per_block + 2 * m.vocab_size * d)  # + the tied head
 
 
-def point_costs(m: Any) -> dict[str, int]:
-    """{rows_per_token, bytes_per_token, flops_per_token, total_params} of GPTConfig `m`."""
+def point_costs(m: Any) -> dict[str, int | None]:
+    """{rows_per_token, bytes_per_token, flops_per_token, total_params} of GPTConfig `m` (the
+    first three None for a memory kind with no cost model here)."""
     from tngram.model.gpt import param_counts
 
-    rows = nbytes = flops = 0
-    if m.memory is not None:
-        layers = len(m.memory_layers) if m.memory.injection == "block" else 1
-        r, b, f = memory_costs(m.memory, m.n_embd, m.vocab_size)
-        rows, nbytes, flops = layers * r, layers * b, layers * f
+    total = param_counts(m)["total_params"]
+    costs = (0, 0, 0) if m.memory is None else memory_costs(m.memory, m.n_embd, m.vocab_size)
+    if costs is None:
+        return {
+            "rows_per_token": None,
+            "bytes_per_token": None,
+            "flops_per_token": None,
+            "total_params": total,
+        }
+    layers = len(m.memory_layers) if m.memory is not None and m.memory.injection == "block" else 1
+    rows, nbytes, flops = (layers * c for c in costs)
     return {
         "rows_per_token": rows,
         "bytes_per_token": nbytes,
         "flops_per_token": backbone_flops(m) + flops,
-        "total_params": param_counts(m)["total_params"],
+        "total_params": total,
     }
