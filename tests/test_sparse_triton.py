@@ -178,14 +178,16 @@ COMPILE_SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from tngram.kernels import row_update_triton as k
-    for dt, rowwise in (("fp32", False), ("bf16", True)):
+    # (table dtype, rowwise, step, mark): the step with catch-up; settling before a read
+    for dt, rowwise, step, mark in (("fp32", False, True, 1), ("bf16", True, True, 1),
+                                    ("fp32", False, False, 2)):
         ptr = {"w_ptr": "*" + dt, "m_ptr": "*" + dt, "v_ptr": "*fp32" if rowwise else "*" + dt,
                "rows_ptr": "*i64", "g_ptr": "*" + dt, "last_ptr": "*i32", "f_ptr": "*" + dt,
                "d1_ptr": "*" + dt, "d2_ptr": "*fp32" if rowwise else "*" + dt}
         sig = {**ptr, "U": "i32", "W": "i32", "t_mark": "i32",
                **{n: "fp32" for n in ("b1", "a1", "b2", "a2", "c_step", "bc2", "inv_w", "w_f")},
                "eps": "fp32"}
-        const = {"ROWWISE": rowwise, "STEP": True, "CATCHUP": True, "MARK": 1, "RECIP": True,
+        const = {"ROWWISE": rowwise, "STEP": step, "CATCHUP": True, "MARK": mark, "RECIP": True,
                  "BLOCK_U": 32, "BLOCK_W": 64}
         src = ASTSource(fn=k._row_adam_kernel, signature={**sig, **{c: "constexpr" for c in const}},
                         constexprs=const)
@@ -198,7 +200,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 @needs_triton
 def test_row_kernel_compiles_for_cuda_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects: the kernel is also lowered to a
-    cubin for sm_80 (triton's bundled ptxas), fp32 LazyAdam and bf16 RowwiseAdam, all flags on."""
+    cubin for sm_80 (triton's bundled ptxas): fp32 LazyAdam and bf16 RowwiseAdam steps with
+    catch-up, and the settling before a read (no step, last steps marked where stepped)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-c", COMPILE_SCRIPT],
