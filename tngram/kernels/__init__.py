@@ -16,6 +16,10 @@ torch.compile: the C and Triton kernels are torch.library custom ops (opaque to 
 fake implementations), the choice is a traced constant, and the torch path becomes plain torch
 ops (`plain_lookup`), so a model compiles to one graph (tests/test_compile.py).
 The plain-autograd reference is `tngram.memory.cp` (kernels never import memory/model).
+
+Also here: row-sparse gradients (`sparse_rows.py`) and the row-sparse table updates' Triton kernel
+with its choice and self-check (`row_update.py`, `row_update_triton.py`; used by
+tngram.optim.memory_update's LazyAdam / RowwiseAdam on CUDA).
 """
 
 from __future__ import annotations
