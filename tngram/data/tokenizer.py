@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
@@ -98,7 +98,7 @@ def train_tokenizer(
         )
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    spec = dict(TRAINER_SPEC)
+    spec: dict[str, Any] = dict(TRAINER_SPEC)
     spec.update(SAMPLING_SPEC)
     if input_sentence_size is not None:
         spec["input_sentence_size"] = int(input_sentence_size)

@@ -77,7 +77,7 @@ def compare_configs(
         "wall_s",
         "run_dir",
     )
-    results = {
+    results: dict[str, Any] = {
         "preset": preset,
         "data": data_dir,
         "seeds": seeds,

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ def current_policy() -> KernelPolicy:
 
 
 @contextmanager
-def kernel_policy(**changes: object) -> Iterator[KernelPolicy]:
+def kernel_policy(**changes: Any) -> Iterator[KernelPolicy]:
     """Within the block, the policy with `changes` applied (e.g. kernel_policy(fuse_kv=False))."""
     global _current
     if changes.get("lookup_impl") not in (None, *LOOKUP_IMPLS):

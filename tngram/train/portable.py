@@ -55,7 +55,8 @@ def record_dataset(
     previous: list[Any] = []
     if old is not None and list_checkpoints(run_dir):
         old_fp = old.get("fingerprint")
-        previous = old.get("previous") if isinstance(old.get("previous"), list) else []
+        prev = old.get("previous")
+        previous = prev if isinstance(prev, list) else []
         if old_fp != new_fp:
             if not accept_changed:
                 raise TngramError(
@@ -104,8 +105,8 @@ def check_run_tokenizer(run_dir: str | os.PathLike, path: Path) -> Path:
 
     check_regular(path, run_dir)
     rec = read_dataset_record(run_dir) or {}
-    manifest = rec.get("manifest") if isinstance(rec.get("manifest"), dict) else {}
-    tokinfo = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
+    manifest = m if isinstance(m := rec.get("manifest"), dict) else {}
+    tokinfo = t if isinstance(t := manifest.get("tokenizer"), dict) else {}
     want = tokinfo.get("sha256")
     if isinstance(want, str):
         got = hashlib.sha256(read_bytes(path, run_dir)).hexdigest()
@@ -155,16 +156,13 @@ def run_dataset(
                 f"built with the run's tokenizer (tngram data build --tokenizer "
                 f"{Path(run_dir) / RUN_TOKENIZER})"
             )
-        rec_tok = (
+        rec_tok: dict[str, Any] = (
             ((record.get("manifest") or {}).get("tokenizer") or {})
             if isinstance(record.get("manifest"), dict)
             else {}
         )
-        got_tok = (
-            info.manifest.get("tokenizer")
-            if isinstance(info.manifest.get("tokenizer"), dict)
-            else {}
-        )
+        got = info.manifest.get("tokenizer")
+        got_tok: dict[str, Any] = got if isinstance(got, dict) else {}
         if (
             isinstance(rec_tok, dict)
             and rec_tok.get("sha256")
