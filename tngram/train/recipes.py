@@ -1,4 +1,5 @@
-"""Named recipes: functions returning a full TrainConfig (model + optimiser + schedule + data + run).
+"""Named recipes: functions returning a full TrainConfig (model + optimiser + schedule + data +
+run).
 
 Paper recipes (`paper-l9-*`, `paper-l18-*`) use the paper's hyperparameters (App. E, Tables 4-5):
 seq 1024, global batch 524,288 tokens, Muon lr 0.04 (momentum 0.85 -> 0.95 over 500 steps, 5 NS
@@ -22,7 +23,8 @@ TN-gram's Δparams: 18,879,490); R 256 summed + hashed orders 2..5 at 416 wide (
 with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's Δ: 26,421,720);
 no RMSNorm and no absorption at R 1024 (18,882,568). They keep the paper recipes' table lr.
 
-`mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed; docs/RESULTS.md the comparison).
+`mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed;
+docs/RESULTS.md the comparison).
 """
 
 from __future__ import annotations
@@ -188,8 +190,9 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-tngram-lean": lambda: _mini(
         _tngram(352, use_norm=False, use_absorption=False), "mini-tngram-lean"
     ),
-    # TN-gram R 64, orders summed, + Engram-style hashed orders 2..5 (104 wide), Δparams <= mini-engram's,
-    # at Engram's tuned table lr (x4): the pareto family tngram-hsum at its 4.3 M point
+    # TN-gram R 64, orders summed, + Engram-style hashed orders 2..5 (104 wide), Δparams <=
+    # mini-engram's, at Engram's tuned table lr (x4): the pareto family tngram-hsum at its 4.3 M
+    # point
     "mini-tngram-hsum": lambda: _table_lr(
         _mini(
             _tngram(
@@ -280,7 +283,8 @@ def resolve_config(
     config_file: str | None = None,
     steps: int | None = None,
 ) -> TrainConfig:
-    """The TrainConfig of recipe + config file + --data + --steps + --set, validated (no work done)."""
+    """The TrainConfig of recipe + config file + --data + --steps + --set, validated (no work
+    done)."""
     settings: list[tuple[str, Any]] = []
     if config_file is not None:
         file_recipe, settings = load_config_file(config_file)
