@@ -530,10 +530,12 @@ def add_commands(sub: Any) -> None:
         "docs/results/gpu-<card>.json; tiny shapes on the CPU",
         description="Sections, in order while the time budget lasts: doctor (the kernel "
         "self-checks), lookup (Triton or C against torch inside paper-l9-tngram, and one "
-        "module's lookup timed), fwdbwd (forward + backward of every paper-l9-* recipe, eager "
-        "and compiled, with FLOPs, MFU and peak memory), trainer (tokens/s of N trainer steps), "
-        "tables (one step per optim.memory_update at V 1k/32k/128k). Writes one results file; "
-        "docs/GPU.md's tables are generated from it (`tngram report doc docs/GPU.md`).",
+        "module's lookup timed), fwdbwd (forward + backward of every paper-l9-* recipe, eager, "
+        "then compiled, with FLOPs, MFU and peak memory), tables (one step per "
+        "optim.memory_update at V 1k/32k/128k), trainer (tokens/s of N trainer steps); "
+        "paper-l9 raw / Engram / TN-gram first, the other recipes' compiled and trainer items "
+        "last. An item that no longer fits the budget is skipped and named. Writes one results "
+        "file; docs/GPU.md's tables are generated from it (`tngram report doc docs/GPU.md`).",
     )
     g.add_argument(
         "--out",
@@ -558,18 +560,27 @@ def add_commands(sub: Any) -> None:
     g.add_argument(
         "--sections",
         nargs="+",
-        choices=("doctor", "lookup", "fwdbwd", "trainer", "tables"),
-        default=["doctor", "lookup", "fwdbwd", "trainer", "tables"],
+        choices=("doctor", "lookup", "fwdbwd", "tables", "trainer"),
+        default=["doctor", "lookup", "fwdbwd", "tables", "trainer"],
         help="sections to run (default: all)",
     )
     g.add_argument(
         "--stop-after",
         type=int_range(3),
-        default=12,
+        default=10,
         metavar="N",
-        help="trainer section: stop each recipe's run after N optimiser steps (default 12)",
+        help="trainer section: stop each recipe's run after N optimiser steps (default 10)",
     )
-    g.add_argument("--data", metavar="DIR", help="dataset folder for the trainer section")
-    g.add_argument("--reps", type=int_range(1), default=None, help="timed reps (GPU 15, CPU 3)")
+    g.add_argument(
+        "--data",
+        metavar="DIR",
+        help="dataset folder for the trainer section (default: the default corpus)",
+    )
+    g.add_argument(
+        "--reps",
+        type=int_range(1),
+        default=None,
+        help="timed reps (default: 10 on a GPU, 2 on the CPU)",
+    )
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
     g.set_defaults(func=_gpu)
