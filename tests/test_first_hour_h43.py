@@ -33,8 +33,8 @@ def test_thread_rule_is_trains_rule_and_says_why():
     n, line = thread_rule(0, "cpu", 2, "evaluating", choose=lambda d: choose_threads(busy, d, "evaluating"))
     assert n == 1 and "evaluating with 1 thread instead of 2" in line and "load average 2.50" in line
     n, line = thread_rule(0, "cpu", 2, "sampling", choose=lambda d: choose_threads(idle, d, "sampling"))
-    assert (n, line) == (2, "2 threads (torch's default: the CPUs are free (other jobs kept 0.1 of "
-                            "2 busy, load average 0.30); --threads N chooses)")
+    assert (n, line) == (2, "2 threads (torch's default: other jobs at normal priority kept 0.1 "
+                            "of 2 CPUs busy, niced ones 0.0; load average 0.30; --threads N chooses)")
     one = ThreadChoice(1, 1, False, "")
     assert thread_rule(0, "cpu", 1, "sampling", choose=lambda d: one)[0] == 1
 

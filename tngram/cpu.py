@@ -204,9 +204,12 @@ def thread_rule(
         return choice.threads, choice.reason
     f = choice.facts
     why = "torch's default"
-    if f is not None:
-        why += f": the CPUs are free (other jobs kept {f.others_busy:.1f} of {available_cpus(f)}"
-        why += " busy" + (f", load average {f.loadavg:.2f})" if f.loadavg is not None else ")")
+    if f is not None:  # niced jobs do not make the threads wait (module docstring)
+        why += (
+            f": other jobs at normal priority kept {f.others_busy:.1f} of {available_cpus(f)} "
+            f"CPUs busy, niced ones {f.others_niced:.1f}"
+            + (f"; load average {f.loadavg:.2f}" if f.loadavg is not None else "")
+        )
     return choice.threads, f"{_n_threads(choice.threads)} ({why}; --threads N chooses)"
 
 
