@@ -81,6 +81,7 @@ from tngram.train.runfiles import (  # noqa: F401
 from tngram.train.saved import config_from_saved
 from tngram.train.weights import (  # noqa: F401  (final_problem .. resume_suspect: the trainer's)
     _weights_step,
+    check_final,
     check_finite_model,
     final_problem,
     load_weights,

@@ -209,10 +209,9 @@ class Trainer(TrainerSetup):
         self._setup_data()
         self._setup_model()
         self.step, self.tokens, self.clock = 0, 0, StepClock()
-        self.resumed_from, self.resumed_step = latest, 0  # named if the loss soon goes NaN
         if latest is not None:
             self._load(latest)
-            self.resumed_step = self.step
+        self.resumed_from, self.resumed_step = latest, self.step  # named if the loss soon goes NaN
         self._setup_forward()
         self._write_records(logger)
         self.last_loss = float("nan")
@@ -583,9 +582,7 @@ class Trainer(TrainerSetup):
             summary["prune_at_step"] = self.prune_at
         settle_tables(self.optimizers.values())  # optim.memory_catchup: rows owed moves get them
         final_model = gather_for_save(self.model, {}, self.sharded)[0]  # FSDP: full tensors
-        bad = ckpt.final_problem(local_parameters(self.model), ev["val_loss"])
-        if not all_true(bad is None, ctx):  # refused before anything final is written
-            ckpt.refuse_final(self.run_dir, bad or "non-finite final weights elsewhere", self.step)
+        ckpt.check_final(self.run_dir, local_parameters(self.model), ev["val_loss"], self.step, ctx)
         if ctx.is_main:
             ckpt.save_final_weights(self.run_dir, final_model, self.step)
             atomic_write_json(self.run_dir / "summary.json", summary)

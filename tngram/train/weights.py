@@ -185,3 +185,15 @@ def resume_suspect(resumed_from: Path | None, resumed_step: int, step: int) -> s
         f"checkpoint is a suspect (damaged or edited weights or optimiser state); move it away "
         f"to resume from an older one. "
     )
+
+
+def check_final(
+    run_dir: str | os.PathLike, params: Iterable[torch.Tensor], val_loss: Any, step: int, ctx: Any
+) -> None:
+    """`final_problem` on every process (this one's parameters; `ctx` a DistContext), then
+    `refuse_final` everywhere if any process found one: before anything final is written."""
+    from tngram.train.dist import all_true
+
+    bad = final_problem(params, val_loss)
+    if not all_true(bad is None, ctx):
+        refuse_final(run_dir, bad or "non-finite final weights on another process", step)
