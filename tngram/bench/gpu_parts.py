@@ -268,7 +268,7 @@ def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str,
         "wall_s": wall,
         "peak_gb": _peak_gb(shapes.device),
         "lookup_impl": env.get("tngram_lookup_impl"),
-        "compile": {k: v for k, v in env.items() if "compile" in k} or cfg.run.compile,
+        "compile": env.get("compile") or {"setting": str(cfg.run.compile)},  # what ran
     }
 
 

@@ -97,13 +97,22 @@ def fwdbwd_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _compile_text(comp: Any) -> str:
+    """env.json's "compile" record: what ran (eager / compiled), and Muon's Newton-Schulz."""
+    if not isinstance(comp, dict):
+        return "–"
+    ran = str(comp.get("ran") or comp.get("setting") or "?")
+    ns = comp.get("newton_schulz")
+    return ran + (f" (Newton-Schulz {ns})" if ns else "")
+
+
 def trainer_table(snap: dict[str, Any]) -> str:
     sec = snap["sections"].get("trainer", {})
     lines = [
         f"`tngram train RECIPE --stop-after {snap['shapes']['trainer_steps']}` (recipe defaults), "
         "tokens/s as the median of the per-step windows from step 3 on:",
         "",
-        "| recipe | tokens/s | last train loss | compiled | lookup | peak GiB |",
+        "| recipe | tokens/s | last train loss | forward | lookup | peak GiB |",
         "|---|---|---|---|---|---|",
     ]
     for r in snap["recipes"]:
@@ -115,7 +124,7 @@ def trainer_table(snap: dict[str, Any]) -> str:
                     r,
                     _cell(t, "tokens_per_s", ",.0f"),
                     _cell(t, "last_train_loss", ".4f"),
-                    "–" if comp is None else json.dumps(comp),
+                    _compile_text(comp),
                     str(t.get("lookup_impl")) if _ok(t) else "–",
                     _cell(t, "peak_gb", ".1f"),
                 ]
