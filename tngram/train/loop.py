@@ -68,6 +68,7 @@ from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal
 from tngram.train.step_reads import (
     StepLosses,
     first_nonfinite,
+    nonfinite_message,
     reads_every_step,
     stop_check_due,
 )
@@ -326,19 +327,9 @@ class Trainer(TrainerSetup):
 
     def _stop_nonfinite(self, step: int, loss: float) -> None:
         last = ckpt.latest_checkpoint(self.run_dir)
-        when = (
-            "stopped before the update"
-            if self.every_step
-            else f"read at step {self.step} (on CUDA the losses are read at log, checkpoint and "
-            f"the last steps); stopped there, nothing written after step {step - 1}"
-        )
-        raise TngramError(
-            f"non-finite training loss ({loss}) at step {step}; {when}. Last good checkpoint: "
-            f"{last if last else 'none (none written yet)'}. "
-            f"{ckpt.resume_suspect(self.resumed_from, self.resumed_step, step)}"
-            f"Lower the learning rates "
-            f"(optim.matrix_lr, optim.tied_embed_lr, optim.scalar_lr) or check the data."
-        )
+        hint = ckpt.resume_suspect(self.resumed_from, self.resumed_step, step)
+        read_at = None if self.every_step else self.step
+        raise TngramError(nonfinite_message(step, loss, read_at, last, hint))
 
     def _flush_clock(self) -> None:
         """Put the steps since the last flush on the clock (after the GPU finished them)."""

@@ -68,6 +68,25 @@ class StepLosses:
         return got
 
 
+def nonfinite_message(
+    step: int, loss: float, read_at: int | None, last_checkpoint: object, hint: str = ""
+) -> str:
+    """The error for a non-finite training loss at `step`, read before that step's update
+    (`read_at` None: the CPU) or at the sync point after step `read_at` (CUDA)."""
+    when = (
+        "stopped before the update"
+        if read_at is None
+        else f"read at step {read_at} (on CUDA the losses are read at log, checkpoint and the "
+        f"last steps); stopped there, nothing written after step {step - 1}"
+    )
+    return (
+        f"non-finite training loss ({loss}) at step {step}; {when}. Last good checkpoint: "
+        f"{last_checkpoint if last_checkpoint else 'none (none written yet)'}. {hint}"
+        f"Lower the learning rates (optim.matrix_lr, optim.tied_embed_lr, optim.scalar_lr) "
+        f"or check the data."
+    )
+
+
 def first_nonfinite(losses: list[tuple[int, float]]) -> tuple[int, float] | None:
     """The first (step, loss) whose loss is nan or infinite, or None."""
     return next(((s, v) for s, v in losses if not math.isfinite(v)), None)
