@@ -139,3 +139,12 @@ def test_the_progress_bar_shows_the_tail_beside_tqdms_remaining():
     p.update(1.0, 10.0)
     assert p.bar.postfix.endswith("then=1 min 40 s val+ckpt")
     p.close()
+
+
+def test_train_says_its_threads_in_its_header(tiny_data, tmp_path, capsys):  # noqa: F811
+    from tngram.train.loop import train
+
+    cfg = tiny_config(tiny_data, "mini-raw", ["schedule.steps=1", "run.val_every=0",
+                                              "run.checkpoint_every=0", "run.threads=1"])
+    train(cfg, tmp_path / "run", progress=False)
+    assert "; device cpu (1 thread); autocast" in capsys.readouterr().out

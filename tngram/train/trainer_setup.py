@@ -358,12 +358,15 @@ class TrainerSetup:
             run_name=cfg.name,
             config=cfg.to_dict(),
         )
+        n = torch.get_num_threads()  # what train() chose (tngram.cpu rule, said if it changed)
+        threads = f" ({n} thread{'s' if n != 1 else ''})" if self.device.type == "cpu" else ""
         self.say(
             f"tngram: {cfg.name}: {sizes['total_params']:,} params "
             f"(memory {sizes['memory_params']:,}, "
             f"delta {sizes['delta_params']:,}); {ctx.world_size} process(es) x {self.accum} "
             f"micro-step(s) x {cfg.data.micro_batch_seqs} x {cfg.model.sequence_len} tokens = "
             f"{cfg.data.global_batch_tokens:,} tokens/step; steps {self.step}->{self.stop} of "
-            f"{cfg.schedule.steps}; device {self.device}; autocast {self.amp or 'off (fp32)'}"
+            f"{cfg.schedule.steps}; device {self.device}{threads}; "
+            f"autocast {self.amp or 'off (fp32)'}"
         )
         self.say(format_param_table(self.groups))
