@@ -40,7 +40,7 @@ from tngram.hf.classes import (
     TngramModelMixin,
     base_class,
 )
-from tngram.hf.families import find_decoder_layers
+from tngram.hf.families import find_decoder_layers, refuse_non_attention_cache
 from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     CACHE_NAMES,
     _embedding_hook,
@@ -108,6 +108,7 @@ def add_memory(
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise TngramError("add_memory supports decoder-only models; this one is encoder-decoder")
+    refuse_non_attention_cache(config)
     if memory_spec(model) is not None or getattr(base, "_tngram_state", None) is not None:
         raise TngramError("this model already has an n-gram memory (tngram.hf.remove_memory first)")
     if type(memory_config) not in memory_config_classes().values():

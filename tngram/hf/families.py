@@ -61,3 +61,26 @@ def find_decoder_layers(
             "layers_attr naming the list of decoder layers under model.base_model"
         )
     return path, layers
+
+
+def refuse_non_attention_cache(config: object) -> None:
+    """One TngramError for a family whose cache is not an attention cache (Mamba and other
+    linear-attention / state-space models): the memory counts the tokens its cache holds
+    (Cache.get_seq_length), which such a cache cannot say. Checked on an empty DynamicCache
+    built from the config (no tensors)."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # a config DynamicCache cannot read: the forward will tell
+        return
+    try:
+        cache.get_seq_length()
+    except ValueError:
+        kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
+        raise TngramError(
+            f"add_memory: model_type {getattr(config, 'model_type', None)!r} keeps no attention "
+            f"cache (its cache layers are {', '.join(kinds) or 'not attention layers'}: Mamba / "
+            "linear attention); the n-gram memory keeps its decode state beside an attention "
+            "cache, so these models are not supported"
+        ) from None

@@ -85,8 +85,14 @@ def _call_arg(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
     return args[i] if i is not None and i < len(args) else None
 
 
-def _valid_mask(mask: Any, ids: Tensor, state: _State) -> Tensor | None:
+def _valid_mask(mask: Any, ids: Tensor, state: _State, past: int = 0) -> Tensor | None:
     """(B, T) bool mask of real tokens from the call's attention mask, or None (no padding).
+
+    The 2-D mask's columns are absolute positions: the call's tokens are columns
+    [past, past + T), past = tokens already in the cache. That is its last T columns when the
+    mask is exactly as long as past + T (the usual case); some families (Bloom, with a static
+    cache) pass a mask as long as the whole cache, whose last columns are not this call's.
+    A mask shorter than past + T (at least T long) is read by its last T columns.
 
     A 4-D (or per-layer dict) mask carries no padding we can read: generate() records its 2-D
     mask in prepare_inputs_for_generation; without one (transformers drops an all-ones mask)
@@ -101,7 +107,8 @@ def _valid_mask(mask: Any, ids: Tensor, state: _State) -> Tensor | None:
             f"attention_mask of shape {tuple(mask.shape)} does not cover input_ids "
             f"of shape {(B, T)}"
         )
-    valid = mask[:, mask.shape[1] - T :].to(device=ids.device).bool()
+    start = past if mask.shape[1] >= past + T else mask.shape[1] - T
+    valid = mask[:, start : start + T].to(device=ids.device).bool()
     if torch.compiler.is_compiling():
         return valid  # no data-dependent branch in a graph (an all-True mask is exact)
     return None if bool(valid.all()) else valid
@@ -154,13 +161,14 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
         else:
             kwargs = {**kwargs, name: cache}
         changed = True
-    states = None
+    states, past = None, 0
     if cache is not None:
         states = memory_states(cache)
+        past = int(cache._tngram_seen)
         check_and_advance(cache, ids.shape[1])
     state.ctx = {
         "ids": ids,
-        "valid": _valid_mask(_call_arg(base, args, kwargs, "attention_mask"), ids, state),
+        "valid": _valid_mask(_call_arg(base, args, kwargs, "attention_mask"), ids, state, past),
         "states": states,
         "owner": base,
         "base": getattr(base, "base_model", base),
