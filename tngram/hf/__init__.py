@@ -7,7 +7,9 @@ puts TN-gram, Engram or Over-Encoding into an existing decoder-only model (Llama
 Mistral, GPT-2, GPT-NeoX families, any family whose decoder layers are `base_model.layers`, or
 any model given an explicit layer list); generate() stays exact with the KV cache;
 save_pretrained / from_pretrained round-trip it; MemoryTrainer / memory_optimizer train it with
-Trainer (see docs/HF.md).
+Trainer (memory_update dense / sparse / rowwise); save_memory / load_memory ship it as an
+adapter apart from its base (tngram.hf.adapter); it composes with peft when added first
+(tngram.hf.peft_compat). See docs/HF.md.
 
 Nothing below `tngram.hf` imports it, and `import tngram` does not import transformers: names
 here load on first use (`__getattr__`), and the transformers patches / Auto-class registrations
