@@ -9,7 +9,8 @@
  * Threads and determinism: the forward splits tokens between threads (each output row has one
  * writer). The backward has two passes and one barrier between them:
  *   1. tokens split between threads: per token the full-R dot products (N-1 of them) that the
- *      RMSNorm backward and ds need, into a small (M, N-1) buffer;
+ *      RMSNorm backward and ds need, into a small (M, N-1) buffer (with one thread, pass 2
+ *      computes them from its own prefix products instead, by the same loops);
  *   2. the R columns split between threads (blocks of 16 floats, 64-byte lines, so no false
  *      sharing): each thread takes every token in order and, for its columns only, recomputes
  *      the prefix products, does the norm/scale backward with the token's dots, the reverse
@@ -168,9 +169,11 @@ static void token_dots(const float *g_m, const float *table, const int64_t *id, 
  * gradient w.r.t. P), the dW terms and the row gradients of the block and adds them into dW
  * (order j = 0..N-2) and dtable (rows k = N-1..0); dtable and dW may be NULL (not needed).
  * Every element is computed by the same statements as one whole-row token pass, so its bits do
- * not depend on the block. scratch: 3 N n floats. */
+ * not depend on the block. dot: the token's dots from pass 1; or NULL and dot_out non-NULL when
+ * one thread has all R columns: the dots are computed here from P and written to dot_out.
+ * scratch: 3 N n floats. */
 static void token_cols(const float *g_m, const float *table, const int64_t *id, const float *W,
-                       const float *s, const float *rstd_m, const float *dot,
+                       const float *s, const float *rstd_m, const float *dot, float *dot_out,
                        int64_t N, int64_t R, int64_t n, float *dtable, float *dW,
                        float *scratch) {
     float *P = scratch;                    /* (N-1, n): P[j] = P_{j+2} */
@@ -187,6 +190,27 @@ static void token_cols(const float *g_m, const float *table, const int64_t *id, 
         float *cur = P + j * n;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) cur[i] = prev[i] * rk[i];
+    }
+    if (dot_out) {    /* one thread holds every column (n == R): the dots from these P, by the
+                       * loops of token_dots, instead of a pass of their own */
+        for (int64_t j = 0; j < N - 1; j++) {
+            const float *restrict g = g_m + j * R;
+            const float *restrict Pj = P + j * n;
+            const float *restrict Wj = W + j * R;
+            if (rstd_m) {
+                float gdot = 0.0f;
+#pragma omp simd reduction(+:gdot)
+                for (int64_t i = 0; i < n; i++) gdot += g[i] * Pj[i] * Wj[i];
+                gdot *= rstd_m[j];
+                dot_out[j] = gdot;
+            } else {
+                float gb = 0.0f;
+#pragma omp simd reduction(+:gb)
+                for (int64_t i = 0; i < n; i++) gb += g[i] * Pj[i] * Wj[i];
+                dot_out[j] = gb;
+            }
+        }
+        dot = dot_out;
     }
     /* per order: RMSNorm + scale backward -> db, then the dW term and D = db W */
     for (int64_t j = 0; j < N - 1; j++) {
@@ -263,7 +287,9 @@ void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx
         if (c1 > R) c1 = R;
         float *scratch = malloc((size_t)(3 * N * R) * sizeof(float));
         float *gwide = grad_bf16 ? malloc((size_t)((N - 1) * R) * sizeof(float)) : NULL;
-        if (need_dot) {         /* pass 1: tokens split between threads */
+        /* one thread with gradients to add: the dots come out of pass 2's own prefix products */
+        int fused = nt == 1 && (dtable || dW);
+        if (need_dot && !fused) {   /* pass 1: tokens split between threads */
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 const float *g_m = (const float *)grad + m * (N - 1) * R;
@@ -290,9 +316,11 @@ void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx
                     }
                     g_m = gwide;
                 }
+                float *dots = need_dot ? DOT + m * (N - 1) : NULL;
                 token_cols(g_m + c0, table + c0, idx + m * N, W + c0, s,
-                           rstd ? rstd + m * (N - 1) : NULL, need_dot ? DOT + m * (N - 1) : NULL,
-                           N, R, n, dtable ? dtable + c0 : NULL, dW ? dW + c0 : NULL, scratch);
+                           rstd ? rstd + m * (N - 1) : NULL, fused ? NULL : dots,
+                           fused ? dots : NULL, N, R, n, dtable ? dtable + c0 : NULL,
+                           dW ? dW + c0 : NULL, scratch);
             }
         }
         if (ds && t == 0) {     /* one thread, token order */
