@@ -82,8 +82,8 @@ def warn_if_large(
         f"add_memory: the memory has {total:,} parameters ({where}; {tables / total:.0%} lookup "
         f"tables, which grow with the {vocab:,}-token vocabulary), {total / model_params:.1f}x the "
         f"model's {model_params:,}: building and training it costs that much memory; use "
-        f"{suggestion(cfg, d_model, vocab, ids, total, model_params)}, and "
-        "memory_update='sparse' to train large tables",
+        f"{suggestion(cfg, d_model, vocab, ids, total, model_params)} (MemoryTrainer's "
+        "memory_update='rowwise' keeps about half the tables' optimiser state)",
         MemorySizeWarning,
         stacklevel=3,
     )
