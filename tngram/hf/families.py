@@ -10,6 +10,8 @@ instead of a guessed layer list.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from tngram.common import TngramError
@@ -63,7 +65,7 @@ def find_decoder_layers(
     return path, layers
 
 
-def refuse_non_attention_cache(config: object) -> None:
+def refuse_non_attention_cache(config: Any) -> None:
     """One TngramError for a family whose cache is not an attention cache (Mamba and other
     linear-attention / state-space models): the memory counts the tokens its cache holds
     (Cache.get_seq_length), which such a cache cannot say. Checked on an empty DynamicCache
