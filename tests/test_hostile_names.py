@@ -88,6 +88,7 @@ def _probe(cache: Path) -> tuple[dict, str]:
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
+@pytest.mark.slow  # three fresh processes (each imports torch): about 15 s on 2 busy cores
 @pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
 def test_a_kernel_cache_that_does_not_load_is_rebuilt_with_the_same_flags(tmp_path):
     first, err = _probe(tmp_path)
