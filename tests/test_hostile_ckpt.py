@@ -132,6 +132,10 @@ META_CASES = [
     (lambda m, o: m.update(step=-1), "field 'step' must be an int >= 0"),
     (lambda m, o: m.update(tokens="many"), "field 'tokens' must be an int"),
     (lambda m, o: m.pop("step"), "field 'step' is missing"),
+    (lambda m, o: m.update(config=5), "field 'config' must be an object"),
+    (lambda m, o: m["config"].update(model=[1]), "field config.model must be an object"),
+    (lambda m, o: m.update(world_size="x"), "field 'world_size' must be an int >= 1"),
+    (lambda m, o: m.update(train_loss="x"), "field 'train_loss' must be a number or null"),
 ]
 
 

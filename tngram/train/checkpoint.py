@@ -312,7 +312,8 @@ def newest_good_checkpoint(
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The meta.json of checkpoint folder `path` (step, tokens, times, loader state, config)."""
-    return _load_json(Path(path) / "meta.json")
+    file = Path(path) / "meta.json"
+    return check_checkpoint_meta(_load_json(file), file)
 
 
 def load_checkpoint(

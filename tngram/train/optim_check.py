@@ -170,7 +170,8 @@ def _check_groups(
 
 def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
     """A checkpoint's meta.json: an object whose counters the trainer resumes from are in range
-    (step, tokens: whole numbers >= 0; train_time_s, wall_s: finite >= 0; loader: an object)."""
+    (step, tokens: whole numbers >= 0; train_time_s, wall_s: finite >= 0; world_size >= 1;
+    train_loss a number or null), loader and config objects (each config section one)."""
     file = str(file)
     if not isinstance(meta, dict):
         raise BadRecordError(f"{file}: expected a JSON object, got {type(meta).__name__}")
@@ -181,4 +182,10 @@ def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
         get(meta, k, "float", file, lo=0, default=0.0)
     get(meta, "loader", "dict", file, default={})
     get(meta, "optimizers", "dict", file, default={})
+    get(meta, "world_size", "int", file, lo=1, default=1)
+    get(meta, "train_loss", "any-number?", file, default=None)
+    config = get(meta, "config", "dict", file, default={})
+    for sec, v in config.items():  # compared with the run's config on --resume
+        if sec != "name" and not isinstance(v, dict):
+            raise BadRecordError(f"{file}: field config.{sec} must be an object")
     return meta
