@@ -212,3 +212,18 @@ def test_bench_numbers_out_of_range_are_refused_at_parse_time(argv, capsys):
     rc, err = cli(argv, capsys)
     one_line_exit_2(rc, err)
     assert f"argument {argv[-2]}: must be" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compare", "--preset", "cpu", "--seeds", "1000000000"],
+        ["experiment", "pareto", "--seeds", "5000"],
+    ],
+)
+def test_seed_counts_beyond_a_thousand_are_refused_at_parse_time(argv, tmp_path, capsys):
+    """1000000000 seeds used to plan runs until memory ran out (a hang), before any output."""
+    out = tmp_path / "o"
+    rc, err = cli([*argv, "--out", str(out)], capsys)
+    one_line_exit_2(rc, err)
+    assert "argument --seeds: must be an int >= 1 and <= 1000" in err and not out.exists()

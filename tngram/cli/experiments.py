@@ -14,12 +14,16 @@ from tngram.cli.common import (
 )
 
 
+MAX_SEEDS = 1000
+
+
 def _common(
     p: Any,
     seeds_default: int | None = 1,
     seeds_help: str = "seeds per configuration (mean ± std in the report)",
 ) -> None:
-    p.add_argument("--seeds", type=int_range(1), default=seeds_default, help=seeds_help)
+    # at most MAX_SEEDS: a typo (1000000000) would otherwise plan runs until memory runs out
+    p.add_argument("--seeds", type=int_range(1, MAX_SEEDS), default=seeds_default, help=seeds_help)
     p.add_argument(
         "--data",
         default=None,
