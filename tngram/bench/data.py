@@ -78,7 +78,8 @@ def _tokenise_throughput(reps: int, dataset: Any = None) -> dict[str, Any]:
     files = info.val_files or info.train_files
     ids = np.asarray(read_shard(files[0]))[:400_000].tolist()
     bos = sp.bos_id()
-    docs, cur = [], []
+    docs: list[str] = []
+    cur: list[int] = []
     for t in ids:  # split at BOS into documents, decode back to text
         if t == bos and cur:
             docs.append(sp.decode(cur))

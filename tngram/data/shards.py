@@ -81,7 +81,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     payload = np.ascontiguousarray(arr, dtype="<u2")  # (count,)
     with atomic_output(path) as f:
         f.write(_header(payload.size).tobytes())
-        f.write(memoryview(payload).cast("B"))
+        f.write(payload.data.cast("B"))  # the array's own buffer, no copy
 
 
 def read_shard_header(path: str | os.PathLike) -> int:

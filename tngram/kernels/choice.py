@@ -119,6 +119,7 @@ def _run(
     """e and the gradients of the given leaves, computed by fn on device in dtype."""
     ps = [None if x is None else x.to(device=device, dtype=dtype).requires_grad_() for x in leaves]
     f, a, ls = ps
+    assert f is not None  # the factors are always a leaf
     N, V, R = f.shape
     W = absorption_weights(
         None if a is None else (a.float() if dtype != torch.float64 else a), N, R, f

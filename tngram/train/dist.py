@@ -212,4 +212,5 @@ def no_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
     """Skip DDP's gradient all-reduce on accumulation micro-steps that are not the last."""
     if sync or not hasattr(model, "no_sync"):
         return nullcontext()
-    return model.no_sync()
+    ddp: Any = model  # a DistributedDataParallel (it has no_sync)
+    return ddp.no_sync()

@@ -32,7 +32,7 @@ use run.parallel=ddp for those. With one process FSDP is not applied (the same s
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 from torch import Tensor, nn
@@ -216,7 +216,7 @@ class _Frozen:
 def local_parameters(model: nn.Module) -> Iterator[Tensor]:
     """Each parameter's local data (the shard under FSDP): for finiteness checks without gathers."""
     for p in model.parameters():
-        yield p.to_local() if _is_dtensor(p) else p
+        yield cast(Any, p).to_local() if _is_dtensor(p) else p  # a DTensor's shard
 
 
 def shard_model(model: nn.Module, parallel: str, ctx: Any) -> bool:
