@@ -68,7 +68,7 @@ def test_report_compare_several_folders(tmp_path, capsys):
             for m, loss in (("engram", 3.0), ("tngram", 3.0 + d * (seed + 1))):
                 run = tmp_path / corpus / "runs" / f"{m}-s{seed}"
                 run.mkdir(parents=True)
-                (run / "summary.json").write_text(json.dumps({"val_loss": loss, "val_bpb": 1.0, "train_loss": 3.1}))
+                (run / "summary.json").write_text(json.dumps({"val_loss": loss, "val_bpb": 1.0, "train_loss": 3.1, "tokens_per_s": 1000.0}))
                 (run / "config.json").write_text(json.dumps({"run": {"seed": 1337 + seed}}))
     assert main(["report", "compare", str(tmp_path / "c1"), str(tmp_path / "c2")]) == 0
     out = capsys.readouterr().out
