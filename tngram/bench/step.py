@@ -26,7 +26,7 @@ With `compile=True` every recipe/dtype is also measured with the model wrapped i
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
@@ -46,7 +46,8 @@ DEFAULT_RECIPES = (
 def matmul_params(model: nn.Module) -> int:
     """nn.Linear weights + the tied head (tok_emb used as the output matmul)."""
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    return n + model.tok_emb.weight.numel()
+    tok_emb = cast(nn.Embedding, model.tok_emb)  # a GPT's input embedding (the tied head)
+    return n + tok_emb.weight.numel()
 
 
 def train_flops(model: nn.Module, n_layer: int, n_embd: int, seq: int, tokens: int) -> float:

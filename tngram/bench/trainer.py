@@ -32,12 +32,15 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 import torch.nn.functional as F
 
 from tngram.bench.common import interleaved, machine_info
+
+if TYPE_CHECKING:
+    from tngram.memory.gating import GatedFusion
 
 PHASES = ("data", "forward", "backward", "adam", "muon", "zero_grad")
 OUTSIDE = ("eval", "checkpoint", "final_weights", "log", "progress")
@@ -175,7 +178,7 @@ def memory_width(recipe: str) -> tuple[int, int, int]:
 
     with torch.device("meta"):
         model = build_model(recipe)
-    fusions = [m for m in model.modules() if type(m).__name__ == "GatedFusion"]
+    fusions = [cast("GatedFusion", m) for m in model.modules() if type(m).__name__ == "GatedFusion"]
     return fusions[0].d_mem, fusions[0].d_model, len(fusions)
 
 

@@ -211,11 +211,11 @@ def run(
                 if key == "raw/dense" and gi > 0:
                     continue
                 row = {k: v for k, v in f.items() if not k.startswith("_")}
-                c = statistics.median(cpu[key])
+                step_cpu = statistics.median(cpu[key])
                 row.update(
-                    step_cpu_s=c,
-                    overhead_cpu_s=c - raw_cpu if key != "raw/dense" else 0.0,
-                    ratio_to_raw_cpu=c / raw_cpu,
+                    step_cpu_s=step_cpu,
+                    overhead_cpu_s=step_cpu - raw_cpu if key != "raw/dense" else 0.0,
+                    ratio_to_raw_cpu=step_cpu / raw_cpu,
                     raw_step_cpu_s=raw_cpu,
                 )
                 row.update(
@@ -229,7 +229,8 @@ def run(
                 )
                 rows.append(row)
                 say(
-                    f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} cpu {c * 1e3:9.1f} ms, overhead "
+                    f"  {key:16s} V={V:6d} step {fmt_ms(t.median)} "
+                    f"cpu {step_cpu * 1e3:9.1f} ms, overhead "
                     f"{row['overhead_s'] * 1e3:8.1f} ms (cpu {row['overhead_cpu_s'] * 1e3:8.1f}) "
                     f"state/table param "
                     f"{row['state_bytes_per_table_param']}"

@@ -7,12 +7,15 @@ recomputation over the whole sequence (tests/test_sample.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+
+if TYPE_CHECKING:
+    from tngram.model.gpt import GPTConfig
 
 
 @torch.no_grad()
@@ -30,13 +33,14 @@ def generate(
     check_sampling_args(max_new_tokens, temperature, top_k, seed)
     if not prompt:
         raise TngramError("the prompt must contain at least one token (BOS)")
-    vocab = model.config.vocab_size
+    config = cast("GPTConfig", model.config)  # a GPT's config
+    vocab = config.vocab_size
     bad = [t for t in prompt if not 0 <= int(t) < vocab]
     if bad:  # checked here, once: the forwards skip reading ids on a GPU (no host syncs)
         raise TngramError(
             f"prompt token ids must lie in [0, {vocab}) (the vocabulary size); got {bad[:5]}"
         )
-    limit = model.config.sequence_len
+    limit = config.sequence_len
     if len(prompt) + max_new_tokens > limit:
         raise TngramError(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

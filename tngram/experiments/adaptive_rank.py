@@ -267,7 +267,7 @@ def pruning_effect(
                 ]
             )
 
-    out = [
+    out: list[dict[str, Any]] = [
         {
             "tol": 0.0,
             "correct_scales": None,

@@ -176,7 +176,7 @@ def lookup_forward(
         _prefix_products(rows, o)  # P_2..P_N
         if Wc is not None:
             o.mul_(Wc)  # b (Eq. 10)
-        if use_norm:
+        if rstd is not None:  # use_norm
             ms = _rowdot(o, o, _workspace("ms", (c, N - 1), cdt, dev))  # (c, N-1) sum b^2
             r = rstd[a:b_]
             torch.rsqrt(ms.div_(R).add_(eps), out=r)
@@ -229,6 +229,7 @@ def lookup_backward(
             g = _workspace("g", (c, N - 1, R), cdt, dev).copy_(g)
         db = _workspace("db", (c, N - 1, R), cdt, dev)  # grad w.r.t. b
         if use_norm and use_out:
+            assert rstd is not None and out is not None  # what use_norm and use_out mean
             r = rstd[a:b_]  # (c, N-1)
             e = out[a:b_]  # e = s y
             gy = _rowdot(g, e, _workspace("gdot", (c, N - 1), cdt, dev))
@@ -239,7 +240,7 @@ def lookup_backward(
             # db = (r s) g - (r s gdot / R) y = (r s) g - (r gdot / R) e
             torch.mul(g, (r * sc if sc is not None else r).unsqueeze(-1), out=db)
             db.addcmul_(e, (r * gy).div_(R).unsqueeze(-1), value=-1.0)
-        elif use_norm:
+        elif rstd is not None:  # use_norm
             r = rstd[a:b_]  # (c, N-1)
             y = _workspace("y", (c, N - 1, R), cdt, dev)  # y = RMSNorm(b)
             if Wc is not None:
@@ -282,9 +283,9 @@ def lookup_backward(
         d_table.index_add_(0, idx[a:b_].reshape(-1), GR.view(c * N, R))
     if d_table is not None and d_table.dtype != table.dtype:
         d_table = d_table.to(table.dtype)
-    if dW is not None:
+    if dW is not None and W is not None:  # dW is made only when W is given
         dW = dW.to(W.dtype)
-    if ds is not None:
+    if ds is not None and scales is not None:  # ds is made only when scales are given
         ds = ds.to(scales.dtype)
     return d_table, dW, ds
 

@@ -40,11 +40,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from tngram.memory.cp import absorption_products
+
+if TYPE_CHECKING:
+    from tngram.memory.tngram import TNGram
 
 
 def order_energy(factors: Tensor, absorb: Tensor | None) -> Tensor:
@@ -185,7 +189,7 @@ def prune_tngram(
     return Rk
 
 
-def tngram_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def tngram_modules(model: nn.Module) -> list[tuple[str, TNGram]]:
     from tngram.memory.tngram import TNGram
 
     return [(name, m) for name, m in model.named_modules() if isinstance(m, TNGram)]

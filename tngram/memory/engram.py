@@ -26,7 +26,7 @@ E n_embed_per_ngram, Dh = E / H.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -180,6 +180,12 @@ class EngramConfig(MemoryConfig):
 class Engram(RowSparse, MemoryModule, nn.Module):
     """One Engram layer: forward(h (B,T,D) or (B,T,M,D), input_ids (B,T)) -> y, same shape as h."""
 
+    # buffers (register_buffer), declared for the type checker
+    compress_lookup: Tensor | None
+    multipliers: Tensor
+    primes: Tensor
+    offsets: Tensor
+
     def __init__(
         self,
         config: EngramConfig,
@@ -204,6 +210,7 @@ class Engram(RowSparse, MemoryModule, nn.Module):
         # ---- compression (§1) -----------------------------------------------------------
         self.compression_fingerprint: str | None = None
         if cfg.compress:
+            assert cfg.tokenizer_path is not None  # EngramConfig requires it with compress
             lookup = build_compression_from_file(cfg.tokenizer_path, vocab_size)  # (V,)
             self.register_buffer("compress_lookup", lookup, persistent=False)
             self.compressed_vocab_size = compressed_vocab_size(lookup)
@@ -245,7 +252,7 @@ class Engram(RowSparse, MemoryModule, nn.Module):
         )
 
     def table_parameters(self) -> list[nn.Parameter]:
-        return [self.table.weight]
+        return [cast(nn.Parameter, self.table.weight)]
 
     def control_parameters(self) -> list[nn.Parameter]:
         return self.fusion.control_parameters()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +48,8 @@ def oe_moduli(table_rows: int, n_tables: int, vocab_size: int) -> list[int]:
     """The S smallest odd integers >= table_rows that are co-prime with vocab_size."""
     if table_rows < 1:
         raise TngramError(f"Over-Encoding table_rows must be >= 1, got {table_rows}")
-    out, m = [], table_rows | 1  # smallest odd >= table_rows
+    out: list[int] = []
+    m = table_rows | 1  # smallest odd >= table_rows
     while len(out) < n_tables:
         if math.gcd(m, vocab_size) == 1 or vocab_size == 1:
             out.append(m)
@@ -132,6 +133,12 @@ class OverEncodingConfig(MemoryConfig):
 class OverEncoding(RowSparse, MemoryModule, nn.Module):
     """forward(tok_emb (B,T,D), input_ids (B,T)) -> new input embedding (B,T,D)."""
 
+    # buffers (register_buffer), declared for the type checker
+    moduli: Tensor
+    powers: Tensor
+    orders: Tensor
+    offsets: Tensor
+
     def __init__(self, config: OverEncodingConfig, *, d_model: int, vocab_size: int) -> None:
         super().__init__()
         cfg = config
@@ -170,7 +177,7 @@ class OverEncoding(RowSparse, MemoryModule, nn.Module):
         )
 
     def table_parameters(self) -> list[nn.Parameter]:
-        return [self.table.weight]
+        return [cast(nn.Parameter, self.table.weight)]
 
     def ngram_ids(self, input_ids: Tensor) -> Tensor:
         """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T, S) int64."""

@@ -28,7 +28,7 @@ only its own factors, b_n = A_{N-n+1}[x_{t-n+1}] * ... * A_N[x_t] (equivalent to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -249,17 +249,19 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
         self.reset_factors()
 
     def table_parameters(self) -> list[nn.Parameter]:
-        hashed = [] if self.hashed is None else [self.hashed.table.weight]  # hybrid's table
-        return [self.factors] + hashed  # the CP factor tables
+        hashed = [] if self.hashed is None else [cast(nn.Parameter, self.hashed.table.weight)]
+        return [self.factors] + hashed  # the CP factor tables, then the hybrid's table
 
     def use_factors_of(self, owner: "TNGram") -> None:
         """share_factors: drop this module's own A_1..A_N and read `owner`'s (same shape). The
         shared tensor stays a parameter of the owner only, so it is counted, optimised and saved
         once; `self.factors` returns it."""
-        if owner.factors.shape != self._parameters["factors"].shape:
+        own = self._parameters["factors"]
+        assert own is not None  # registered as an nn.Parameter in __init__
+        if owner.factors.shape != own.shape:
             raise TngramError(
                 f"share_factors: factor shapes differ {tuple(owner.factors.shape)} "
-                f"vs {tuple(self._parameters['factors'].shape)}"
+                f"vs {tuple(own.shape)}"
             )
         del self._parameters["factors"]
         self.__dict__["_factor_owner"] = [owner]  # a list: not registered as a submodule

@@ -27,7 +27,7 @@ Dimension letters: B batch, T time, N max order, R CP rank, H hash heads, E hash
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,9 @@ from torch import Tensor, nn
 from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import RowSparse
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
+
+if TYPE_CHECKING:
+    from tngram.memory.tngram import TNGram
 
 ORDER_COMBINES = ("concat", "sum")
 # the ablation winners as TNGramConfig field overrides (recipe mini-tngram-lean)
@@ -57,6 +60,12 @@ class HashedOrders(RowSparse, nn.Module):
     """The hybrid's hashed table: for each order n in `hash_orders` and head j, row
     z_{n,j}(t) = (XOR_{k<n} x_{t-k} m_k) mod p_{n,j} of one table (Engram's hash, §2.2, on the raw
     ids), rows concatenated over (order, head): (B, T, N) n-grams -> (B, T, |orders| * E)."""
+
+    # buffers (register_buffer), declared for the type checker
+    multipliers: Tensor
+    primes: Tensor
+    cols: Tensor
+    offsets: Tensor
 
     def __init__(
         self, cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
@@ -124,6 +133,7 @@ def variant_param_count(
 
 def link_shared_factors(modules: list[nn.Module]) -> None:
     """share_factors: the first TN-gram module owns A_1..A_N; every other one uses them."""
-    tn = [m for m in modules if getattr(getattr(m, "config", None), "share_factors", False)]
+    shared = [m for m in modules if getattr(getattr(m, "config", None), "share_factors", False)]
+    tn = [cast("TNGram", m) for m in shared]  # share_factors is a TNGramConfig field
     for m in tn[1:]:
         m.use_factors_of(tn[0])

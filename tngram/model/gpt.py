@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +257,10 @@ class GPT(nn.Module):
 
     def memory_params(self) -> int:
         n = sum(
-            p.numel() for b in self.blocks if b.memory is not None for p in b.memory.parameters()
+            p.numel()
+            for b in cast("list[Block]", self.blocks)  # ModuleList iterates as nn.Module
+            if b.memory is not None
+            for p in b.memory.parameters()
         )
         if self.embed_memory is not None:
             n += sum(p.numel() for p in self.embed_memory.parameters())

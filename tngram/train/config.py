@@ -9,7 +9,7 @@ import difflib
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
 from tngram.common import TngramError
 from tngram.model.gpt import GPTConfig
@@ -333,7 +333,8 @@ def apply_settings(
     valid once both are set)."""
     where = f"{origin}: " if origin else ""
     pending: dict[str, tuple[str, Any]] = {}  # memory field -> (key=text, parsed value)
-    cfg = _Draft(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+    # a _Draft has TrainConfig's fields; the helpers below only read them and `replace` the draft
+    cfg = cast(TrainConfig, _Draft(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}))
     for key, value in settings:
         try:
             if not key.startswith("model.memory.") or key == "model.memory.kind":
