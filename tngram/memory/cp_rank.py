@@ -65,7 +65,7 @@ def order_energy(factors: Tensor, absorb: Tensor | None) -> Tensor:
     return newest_first[1:] * W.pow(2)  # (N-1, R)
 
 
-def component_scores(module: nn.Module) -> Tensor:
+def component_scores(module: TNGram) -> Tensor:
     """Energy score of every rank-1 component of a TNGram module: (R,), float64, >= 0."""
     c = module.config
     N, R = c.max_ngram, module.factors.shape[2]
@@ -103,7 +103,7 @@ def choose_keep(scores: Tensor, tol: float, min_cp_rank: int) -> Tensor:
     return torch.sort(order[:k]).values
 
 
-def log_scale_correction(module: nn.Module, keep: Tensor) -> Tensor:
+def log_scale_correction(module: TNGram, keep: Tensor) -> Tensor:
     """Additive change of l_n (N-1,) so RMSNorm over the kept entries matches on average."""
     R, Rk = module.factors.shape[2], keep.numel()
     eb = order_energy(module.factors, module.absorb)  # (N-1, R)
@@ -149,7 +149,7 @@ def _slice_param(
 
 @torch.no_grad()
 def prune_tngram(
-    module: nn.Module,
+    module: TNGram,
     keep: Tensor,
     optimizers: Iterable[torch.optim.Optimizer] = (),
     correct_scales: bool = True,
@@ -213,7 +213,7 @@ def prune_model(
     return out
 
 
-def _shrink(module: nn.Module, cp_rank: int, optimizers: list[torch.optim.Optimizer]) -> bool:
+def _shrink(module: TNGram, cp_rank: int, optimizers: list[torch.optim.Optimizer]) -> bool:
     """Keep the first `cp_rank` components of a TN-gram module (no log-scale correction: the values
     are about to be overwritten by a load); False when it is not larger than that."""
     if cp_rank >= module.factors.shape[2]:
