@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,13 @@ from tngram.bench.common import (
     vm_rss_bytes,
 )
 from tngram.kernels import kernel_policy
+
+if TYPE_CHECKING:
+    from tngram.memory.engram import Engram
+    from tngram.memory.overencoding import OverEncoding
+    from tngram.memory.tngram import TNGram
+
+    Candidate = Engram | OverEncoding | TNGram  # what build() returns besides None
 
 D_MODEL, VOCAB = 512, 1024
 CANDIDATES = ("none", "engram", "tngram", "tngram-torch", "tngram-ref", "oe")
@@ -89,7 +96,7 @@ def build(name: str) -> nn.Module | None:
 def lookup(name: str, m: nn.Module, ids: Tensor) -> Tensor:
     """The lookup stage (B, T) -> memory vector (B, T, d_mem)."""
     with _impl(name):
-        return m.memory_vector(ids)
+        return cast("Candidate", m).memory_vector(ids)
 
 
 def module_forward(name: str, m: nn.Module, h: Tensor, ids: Tensor) -> Tensor:
@@ -99,10 +106,12 @@ def module_forward(name: str, m: nn.Module, h: Tensor, ids: Tensor) -> Tensor:
 
 def d_mem(name: str, m: nn.Module) -> int:
     if name.startswith("tngram"):
-        return (m.config.max_ngram - 1) * m.config.cp_rank
+        tn = cast("TNGram", m)
+        return (tn.config.max_ngram - 1) * tn.config.cp_rank
     if name == "oe":
-        return m.n_tables * m.slice_dim
-    return m.d_mem
+        oe = cast("OverEncoding", m)
+        return oe.n_tables * oe.slice_dim
+    return cast("Engram", m).d_mem
 
 
 def lookup_bytes(name: str, m: nn.Module, tokens: int) -> dict[str, float]:
@@ -111,13 +120,16 @@ def lookup_bytes(name: str, m: nn.Module, tokens: int) -> dict[str, float]:
         return {"mirror": 0.0, "full": 0.0}
     vec = d_mem(name, m)
     if name.startswith("tngram"):
-        N, R = m.config.max_ngram, m.config.cp_rank
-        rows, table = N * R, N * m.vocab_size * R
+        tn = cast("TNGram", m)
+        N, R = tn.config.max_ngram, tn.config.cp_rank
+        rows, table = N * R, N * tn.vocab_size * R
         extra = N * R  # backward re-gather
     elif name == "oe":
-        rows, table, extra = vec, m.n_rows * m.slice_dim, 0
+        oe = cast("OverEncoding", m)
+        rows, table, extra = vec, oe.n_rows * oe.slice_dim, 0
     else:
-        rows, table, extra = vec, m.n_rows * m.head_dim, 0
+        en = cast("Engram", m)
+        rows, table, extra = vec, en.n_rows * en.head_dim, 0
     mirror = 2 * (rows + vec) * 4 * tokens
     full = ((rows + vec) + (vec + 2 * rows + extra)) * 4 * tokens + table * 4
     return {"mirror": float(mirror), "full": float(full)}
@@ -131,7 +143,7 @@ def module_flops(name: str, m: nn.Module, tokens: int) -> float:
     vec = d_mem(name, m)
     if name == "oe":
         return 3 * 2 * tokens * vec * d + 10 * tokens * d
-    n_proj = m.config.hc_mult + 1  # K per branch + V
+    n_proj = cast("Engram | TNGram", m).config.hc_mult + 1  # K per branch + V
     flops = 3 * 2 * tokens * vec * d * n_proj + 40 * tokens * d
     if name.startswith("tngram"):
         flops += 20 * tokens * vec
