@@ -28,11 +28,16 @@ core gets here; a real 16-core socket shares its memory channels, so it is an up
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
 from tngram.bench.common import fmt_ms, interleaved, machine_info
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tngram.memory.tngram import TNGram
 
 
 def amdahl_16(s2: float) -> tuple[float, float]:
@@ -68,22 +73,37 @@ def run(
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, modules.VOCAB, (batch, seq), generator=gen)
     h = torch.randn(batch, seq, modules.D_MODEL, generator=gen).requires_grad_()
-    mods = {n: modules.build(n) for n in ("engram", "tngram")}
+    mods: dict[str, nn.Module] = {}
+    for n in ("engram", "tngram"):
+        built = modules.build(n)
+        assert built is not None  # only the candidate "none" has no module
+        mods[n] = built
     g_vec = {
         n: torch.randn(batch, seq, modules.d_mem(n, m), generator=gen) for n, m in mods.items()
     }
     g_out = torch.randn(batch, seq, modules.D_MODEL, generator=gen)
     work: dict[str, Callable[[], Any]] = {}
+
+    def lookup_backward(n: str, m: nn.Module) -> Callable[[], None]:
+        return lambda: modules.lookup(n, m, ids).backward(g_vec[n])
+
+    def module_backward(n: str, m: nn.Module) -> Callable[[], None]:
+        return lambda: modules.module_forward(n, m, h, ids).backward(g_out)
+
     for n, m in mods.items():
-        work[f"lookup:{n}"] = lambda n=n, m=m: modules.lookup(n, m, ids).backward(g_vec[n])
-        work[f"module:{n}"] = lambda n=n, m=m: modules.module_forward(n, m, h, ids).backward(g_out)
+        work[f"lookup:{n}"] = lookup_backward(n, m)
+        work[f"module:{n}"] = module_backward(n, m)
     facts: dict[str, Any] = {}
     if steps:
-        for r in ("mini-engram", "mini-tngram"):
-            work[f"step:{r}"], facts[f"step:{r}"] = build_step(r, "bf16", 2)
+        for recipe in ("mini-engram", "mini-tngram"):
+            work[f"step:{recipe}"], facts[f"step:{recipe}"] = build_step(recipe, "bf16", 2)
     if zero:
+
+        def zeros(V: int) -> Callable[[], Any]:
+            return lambda: torch.zeros(5, V, 1024)
+
         for V in (1024, 8192):
-            work[f"zero:V{V}"] = lambda V=V: torch.zeros(5, V, 1024)
+            work[f"zero:V{V}"] = zeros(V)
     cands = {f"{k}@{t}": fn for t in threads for k, fn in work.items()}
 
     def setup(name: str) -> None:
@@ -238,7 +258,7 @@ def kernel_share(batch: int = 4, seq: int = 256, reps: int = 25) -> dict[str, An
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        m = modules.build("tngram")
+        m = cast("TNGram", modules.build("tngram"))
         c = m.config
         ids = torch.randint(
             1, modules.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1)
@@ -246,6 +266,7 @@ def kernel_share(batch: int = 4, seq: int = 256, reps: int = 25) -> dict[str, An
         g_vec = torch.randn(batch, seq, modules.d_mem("tngram", m))
         N, V, R = m.factors.shape
         idx = ngram_row_index(suffix_ngrams(ids, N, c.pad_id), V)
+        assert m.absorb is not None and m.log_scales is not None  # paper-l9's TN-gram has both
         with torch.no_grad():
             W = absorption_weights(m.absorb, N, R, m.absorb)
             s = torch.exp(m.log_scales)
