@@ -28,19 +28,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from tngram.bench.common import interleaved, loadavg, machine_info
 
+if TYPE_CHECKING:
+    from tngram.model.gpt import GPT
+
 SHAPES = {"mini": "mini", "paper-l9": "paper-l9"}
 METHODS = ("raw", "engram", "tngram")
 TARGET = 1.1
 
 
-def decode_flops(model: nn.Module, context: int) -> float:
+def decode_flops(model: GPT, context: int) -> float:
     """Analytic FLOPs of one decoded token at context length `context` (see the module doc)."""
     cfg = model.config
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
@@ -55,7 +58,7 @@ def decode_flops(model: nn.Module, context: int) -> float:
     return flops
 
 
-def build(shape: str, method: str, tiny: bool = False) -> nn.Module:
+def build(shape: str, method: str, tiny: bool = False) -> GPT:
     """The recipe's model with random weights (non-zero memory output), eval mode, fp32."""
     from tngram.model.gpt import GPT
     from tngram.train.recipes import get_recipe
@@ -120,19 +123,24 @@ def run(
         models = {m: build(shape, m, tiny) for m in methods}
         V = next(iter(models.values())).config.vocab_size
         prompt = torch.randint(3, V, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-        cands = {}
+        cands: dict[str, Callable[[], Any]] = {}
+
+        def ours(model: nn.Module, n: int, prompt: torch.Tensor = prompt) -> Callable[[], Any]:
+            return lambda: decode_ours(model, prompt, n)
+
+        def via_hf(w: Any, kw: dict[str, Any], prompt: torch.Tensor = prompt) -> Callable[[], Any]:
+            return lambda: w.generate(prompt, **kw)
+
         for m, model in models.items():
-            cands[f"ours:{m}:n"] = lambda model=model: decode_ours(model, prompt, tokens)
-            cands[f"ours:{m}:1"] = lambda model=model: decode_ours(model, prompt, 1)
+            cands[f"ours:{m}:n"] = ours(model, tokens)
+            cands[f"ours:{m}:1"] = ours(model, 1)
             if use_hf:
                 wrapped = from_gpt(model)
                 kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
-                cands[f"hf:{m}:n"] = lambda w=wrapped, kw=kw: w.generate(
-                    prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw
+                cands[f"hf:{m}:n"] = via_hf(
+                    wrapped, dict(kw, max_new_tokens=tokens, min_new_tokens=tokens)
                 )
-                cands[f"hf:{m}:1"] = lambda w=wrapped, kw=kw: w.generate(
-                    prompt, max_new_tokens=1, **kw
-                )
+                cands[f"hf:{m}:1"] = via_hf(wrapped, dict(kw, max_new_tokens=1))
         with torch.no_grad():
             t = interleaved(cands, reps=reps, warmup=warmup)
         context = prompt_len + tokens // 2
