@@ -67,7 +67,8 @@ def _paired(
     for k in loss:
         seeds_of.setdefault(k[:3], set()).add(k[3])
     steps = bench.get("points", {})
-    out, pooled = [], {}
+    out: list[Any] = []
+    pooled: dict[tuple[str, str], dict[str, Any]] = {}
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         cs = (corpus_sizes or {}).get(corpus, sizes)  # this corpus's sizes
         for fam in PAIRED_FAMILIES:
@@ -155,9 +156,10 @@ def _paired_row(
     st = paired_stats(diffs)
     loss_and_params = p_ratio <= 1 and t_ratio is not None and st.n > 1 and st.ci_high < 0
     if timed:
-        verdict = "yes" if loss_and_params and t_ratio <= 1 else "no"
+        verdict = "yes" if loss_and_params and t_ratio is not None and t_ratio <= 1 else "no"
     else:
-        verdict = "candidate" if loss_and_params and t_ratio <= 1 + STEP_NOISE else "no"
+        fast = t_ratio is not None and t_ratio <= 1 + STEP_NOISE
+        verdict = "candidate" if loss_and_params and fast else "no"
     return [
         corpus,
         LABELS[fam],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 def bench_points(
@@ -34,7 +34,7 @@ def bench_points(
     }
     step_t = interleaved(steps, reps, warmup)
     del steps
-    decoders = {}
+    decoders: dict[str, Callable[[], Any]] = {}
     for k, c in cfgs.items():
         m = c.model
         if m.memory is not None and hasattr(m.memory, "zero_init_value"):
@@ -143,7 +143,7 @@ def step_ratio(
     import torch
 
     ctx = multiprocessing.get_context("spawn")
-    per = []
+    per: list[dict[str, Any]] = []
     for i in range(processes):
         with ctx.Pool(1) as pool:
             r = pool.apply(

@@ -25,7 +25,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -107,7 +107,8 @@ def memory_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, mod in memory_modules(_unwrap(model)).items():
         wrapped = getattr(mod, "modules_to_save", None)
         if isinstance(wrapped, nn.ModuleDict) and len(wrapped) > 0:
-            mod = wrapped[mod.active_adapters[0]]
+            active = cast("list[str]", mod.active_adapters)  # peft ModulesToSaveWrapper's
+            mod = wrapped[active[0]]
         for key, t in mod.state_dict().items():
             out[f"{name}.{key}"] = t.detach().to("cpu").contiguous().clone()
     return out

@@ -68,17 +68,17 @@ def check_adapter_keys(model: nn.Module, keys: Any, where: str = "the PEFT adapt
 
 def install_peft_patches() -> None:
     """Wrap peft.peft_model.set_peft_model_state_dict with check_adapter_keys (idempotent)."""
-    module = sys.modules.get("peft.peft_model")
+    module: Any = sys.modules.get("peft.peft_model")  # peft's module (its attributes untyped)
     if module is None:
         return
     orig = getattr(module, "set_peft_model_state_dict", None)
     if orig is None or getattr(orig, "_tngram_patched", False):
         return
 
-    @functools.wraps(orig)
     def set_peft_model_state_dict(model: Any, peft_model_state_dict: Any, *a: Any, **kw: Any):
         check_adapter_keys(model, list(peft_model_state_dict))
         return orig(model, peft_model_state_dict, *a, **kw)
 
-    set_peft_model_state_dict._tngram_patched = True
-    module.set_peft_model_state_dict = set_peft_model_state_dict
+    patched: Any = functools.wraps(orig)(set_peft_model_state_dict)  # a function with orig's name
+    patched._tngram_patched = True
+    module.set_peft_model_state_dict = patched

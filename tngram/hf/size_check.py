@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tngram.memory.tngram import TNGramConfig
 
 MAX_RATIO = 1.0
 TARGET_RATIO = 0.1
@@ -55,10 +58,11 @@ def suggestion(
     target = TARGET_RATIO * model_params
     kind = getattr(cfg, "kind", "")
     if kind == "tngram" and dataclasses.is_dataclass(cfg):
-        lo, hi = 0, int(cfg.cp_rank)  # size(lo) <= target (or lo == 0) < size(hi)
+        tn = cast("TNGramConfig", cfg)  # kind "tngram"
+        lo, hi = 0, int(tn.cp_rank)  # size(lo) <= target (or lo == 0) < size(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if memory_size(dataclasses.replace(cfg, cp_rank=mid), d_model, vocab, ids)[0] <= target:
+            if memory_size(dataclasses.replace(tn, cp_rank=mid), d_model, vocab, ids)[0] <= target:
                 lo = mid
             else:
                 hi = mid

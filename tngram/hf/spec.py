@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -18,6 +18,9 @@ from tngram.common import TngramError
 from tngram.hf.classes import CONFIG_KEY, TngramConfigMixin
 from tngram.hf.families import find_decoder_layers
 from tngram.memory import memory_config_classes, memory_config_from_dict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SPEC_KEYS = ("memory", "layers", "layers_attr", "memory_seed", "vocab_size")
 
@@ -41,7 +44,7 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def _embedding_rows(base: nn.Module) -> int:
-    emb = base.get_input_embeddings()
+    emb = cast("PreTrainedModel", base).get_input_embeddings()  # a transformers base model
     rows = getattr(emb, "num_embeddings", None)
     if not isinstance(rows, int):
         raise TngramError(f"the input embedding of {type(base).__name__} is not an nn.Embedding")

@@ -22,11 +22,11 @@ TrainingArguments, as Trainer does. Two ways in:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
@@ -93,7 +93,8 @@ def memory_optimizer(
     clipping cannot take sparse gradients: set max_grad_norm=0 there)."""
     if not memory_modules(model):
         raise TngramError("memory_optimizer: the model has no n-gram memory (tngram.hf.add_memory)")
-    opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    # it reads only `args` here; the model may be a peft wrapper (an nn.Module)
+    opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, cast(PreTrainedModel, model))
     opt_kwargs = {k: v for k, v in opt_kwargs.items() if k not in ("lr", "weight_decay")}
     groups = memory_param_groups_for_trainer(model, args, table_lr, decay_names)
 
@@ -138,6 +139,7 @@ class MemoryTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             opt_model = self.model if model is None else model
+            assert opt_model is not None  # Trainer has its model by the time it builds one
             self.optimizer = memory_optimizer(
                 opt_model,
                 self.args,

@@ -21,7 +21,7 @@ Letters: B batch, T time, D model width, P ple_dim, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -77,7 +77,7 @@ class PerLayerEmbedding(RowSparse, MemoryModule, nn.Module):
             nn.init.zeros_(self.proj.weight)
 
     def table_parameters(self) -> list[nn.Parameter]:
-        return [self.table.weight]
+        return [cast(nn.Parameter, self.table.weight)]
 
     def forward(
         self, h: Tensor, input_ids: Tensor, cache: dict | None = None, valid: Tensor | None = None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +73,9 @@ class ProductKeyConfig(MemoryConfig):
     def link_layers(self, modules: list[nn.Module]) -> None:
         """shared_values: the first module owns the value table, the others read it."""
         if self.shared_values:
-            for m in modules[1:]:
-                m.use_values_of(modules[0])
+            pk = [cast("ProductKeyMemory", m) for m in modules]  # what this config builds
+            for m in pk[1:]:
+                m.use_values_of(pk[0])
 
     def param_count(
         self,
@@ -118,10 +119,12 @@ class ProductKeyMemory(RowSparse, MemoryModule, nn.Module):
     def use_values_of(self, owner: "ProductKeyMemory") -> None:
         """Drop this module's value table and read `owner`'s (same shape); the table stays a
         parameter of the owner only, so it is counted, optimised and saved once."""
-        if owner.values.shape != self._parameters["values"].shape:
+        own = self._parameters["values"]
+        assert own is not None  # registered as an nn.Parameter in __init__
+        if owner.values.shape != own.shape:
             raise TngramError(
                 f"shared_values: value shapes differ {tuple(owner.values.shape)} "
-                f"vs {tuple(self._parameters['values'].shape)}"
+                f"vs {tuple(own.shape)}"
             )
         del self._parameters["values"]
         self.__dict__["_value_owner"] = [owner]  # a list: not registered as a submodule

@@ -22,7 +22,7 @@ Letters: B batch, T time, D model width, F hidden width, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -79,7 +79,7 @@ class Stem(RowSparse, MemoryModule, nn.Module):
             nn.init.zeros_(self.down.weight)
 
     def table_parameters(self) -> list[nn.Parameter]:
-        return [self.up.weight]
+        return [cast(nn.Parameter, self.up.weight)]
 
     def forward(
         self, h: Tensor, input_ids: Tensor, cache: dict | None = None, valid: Tensor | None = None
