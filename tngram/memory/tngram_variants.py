@@ -27,7 +27,7 @@ Dimension letters: B batch, T time, N max order, R CP rank, H hash heads, E hash
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +35,6 @@ from torch import Tensor, nn
 from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import RowSparse
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
-
-if TYPE_CHECKING:
-    from tngram.memory.tngram import TNGram
 
 ORDER_COMBINES = ("concat", "sum")
 # the ablation winners as TNGramConfig field overrides (recipe mini-tngram-lean)
@@ -134,6 +131,8 @@ def variant_param_count(
 def link_shared_factors(modules: list[nn.Module]) -> None:
     """share_factors: the first TN-gram module owns A_1..A_N; every other one uses them."""
     shared = [m for m in modules if getattr(getattr(m, "config", None), "share_factors", False)]
-    tn = [cast("TNGram", m) for m in shared]  # share_factors is a TNGramConfig field
+    # share_factors is a TNGramConfig field, so these are TNGram modules (typed Any: this file is
+    # imported by memory/tngram.py and must not import it back, even for type checking)
+    tn: list[Any] = shared
     for m in tn[1:]:
         m.use_factors_of(tn[0])
