@@ -127,7 +127,11 @@ def test_a_run_inside_compare_is_told_what_resumes_it(monkeypatch):
 
 
 def test_make_install_ends_with_the_path_hint_and_dist_is_ignored():
-    out = subprocess.run(["make", "-n", "install"], cwd=ROOT, capture_output=True, text=True)
+    # --no-print-directory: under `make test` this runs inside make, which would add
+    # "make[1]: Leaving directory ..." as the last line
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-n", "install"], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.returncode == 0
     assert "bin/activate" in out.stdout.strip().splitlines()[-1]
     ignored = subprocess.run(["git", "check-ignore", "-q", "dist/tngram-0.1.0.whl"], cwd=ROOT)
