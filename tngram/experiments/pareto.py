@@ -48,7 +48,7 @@ import math
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from tngram.common import TngramError, atomic_write_json, print0
 from tngram.experiments.common import (
@@ -106,10 +106,18 @@ SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "tngram-hsum": ("tngram", "hash_budget", (139, 1493, 3929, 9127, 13177)),
 }
 FAMILIES = ("raw", *SIZES)
+
+
 # the confirmation (docs/RESULTS.md): the variant chosen on the literature screen against Engram at
 # the same size index (its Δparams <= Engram's), CONFIRM_SEEDS seeds on every corpus; the seeds
 # beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
-CONFIRM = {"family": "tngram-hsum", "baseline": "engram", "size_indices": (2, 1)}
+class Confirm(TypedDict):
+    family: str
+    baseline: str
+    size_indices: tuple[int, ...]
+
+
+CONFIRM: Confirm = {"family": "tngram-hsum", "baseline": "engram", "size_indices": (2, 1)}
 CONFIRM_SEEDS = 5
 # the pair's step ratio (pareto_report.step_ratio): CONFIRM_STEP_PROCESSES fresh processes, half of
 # them
@@ -192,6 +200,8 @@ def family_config(family: str, size: int | None, cfg_of: dict[str, Any]) -> Any:
     if family == "raw":
         return cfg_of["raw"]
     method, knob, _ = SIZES[family]
+    if size is None:
+        raise ValueError(f"family {family!r} needs a size (its {knob})")
     cfg = cfg_of[method]
     if family == "dense":
         return replace(cfg, model=replace(cfg.model, n_embd=int(size)))
@@ -341,7 +351,7 @@ def specs_for(
             sizes = (
                 VOCAB_SIZES if corpus == VOCAB_CORPUS else {f: SIZES[f][2][:n_sizes] for f in SIZES}
             )
-            points = [(f, None) for f in families if f == "raw"]
+            points: list[tuple[str, int | None]] = [(f, None) for f in families if f == "raw"]
             points += [
                 (f, sizes[f][i])
                 for i in range(max(map(len, sizes.values())))
@@ -434,6 +444,8 @@ def pareto(
             )
         tune_table_lr(out, prefix, steps, nproc)
         factors = read_factors(out, tuned)
+        if factors is None:
+            raise TngramError(f"{out}/tuning/tuning.json: the table-lr tuning wrote no result")
     specs = specs_for(corpora, prefix, seeds, steps, factors)
     specs += view_specs(corpora, prefix, seeds, steps, factors)
     if train:
@@ -524,12 +536,12 @@ def bench_once(
     from tngram.experiments.runner import run_dir_of
 
     path = out / "bench.json"
-    cfgs = {}
+    cfgs: dict[str, Any] = {}
     for s in specs:  # the points on the map: those with a finished run
         if (run_dir_of(out, s) / "summary.json").is_file():
             cfgs.setdefault(point_key(s.tags["family"], s.tags["size"], s.tags["corpus"]), s.config)
     pairs = [
-        [point_key(CONFIRM[k], SIZES[CONFIRM[k]][2][i]) for k in ("family", "baseline")]
+        [point_key(f, SIZES[f][2][i]) for f in (CONFIRM["family"], CONFIRM["baseline"])]
         for i in CONFIRM["size_indices"]
     ]
     pairs += [p for p in extra_pairs or [] if p not in pairs]
