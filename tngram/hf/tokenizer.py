@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, cast
 
 from tngram.common import TngramError
 
@@ -43,7 +44,9 @@ def build_fast_tokenizer(sp_model: str | os.PathLike):
     ids = {k: sp.piece_to_id(v) for k, v in SPECIAL.items()}
     if [sp.id_to_piece(i) for i in ids.values()] != list(SPECIAL.values()):
         raise TngramError(f"{path}: expected the special pieces {SPECIAL} (parameter-golf's spec)")
-    ext = SentencePieceExtractor(str(path)).extract(BPE)
+    # transformers annotates extract() as (vocab, merges), but with a model class it returns the
+    # model's keyword arguments: a dict with "vocab", "merges", "_spm_precompiled_charsmap"
+    ext = cast(dict[str, Any], SentencePieceExtractor(str(path)).extract(BPE))
     vocab, merges, charsmap = ext["vocab"], ext["merges"], ext["_spm_precompiled_charsmap"]
     tok = Tokenizer(
         BPE(vocab=vocab, merges=merges, unk_token=SPECIAL["unk"], fuse_unk=True, byte_fallback=True)
