@@ -104,7 +104,11 @@ def test_view_specs(monkeypatch):
     base = P.base_recipe("mini", "engram").optim.tied_embed_lr
     assert lr[("engram-iso", 50)] == pytest.approx(4 * base)          # Engram's tuned x4
     assert lr[("tngram-sum-iso", 6)] == pytest.approx(2 * base)       # TN-gram's x2
-    assert lr[("pkm-iso", 11)] is None and lr[("pkm", 64)] is None     # the recipe's (embedding)
+    # the token-indexed families at their recipes' literature lr (docs/PARETO.md): product-key
+    # values 10x the embedding's (Lample et al. 2019, Memory+), STEM and PLE 1x
+    assert lr[("pkm-iso", 11)] == lr[("pkm", 64)] == pytest.approx(10 * base)
+    assert lr[("stem-iso", 24)] == lr[("stem", 432)] == pytest.approx(base)
+    assert lr[("ple-iso", 12)] == lr[("ple", 216)] == pytest.approx(base)
 
 
 def test_points_within_step():
