@@ -7,6 +7,11 @@
               Adam): a step reads and writes only the rows its batch touched
     rowwise   as sparse, with one second moment per table row (RowwiseAdam)
 
+`memory_catchup` (as `optim.memory_catchup`, with sparse / rowwise): the table optimiser adds the
+moves dense Adam would have made at the steps a row was not read, when the row is read again;
+MemoryTrainer settles the owed moves for evaluation and at the end of training, as our trainer
+does (`settle_memory_tables` for a plain Trainer).
+
 With sparse / rowwise the optimiser Trainer sees is a `TableSplitOptimizer`: Trainer's own
 optimiser class on every group but the tables, and the table optimiser on the tables, stepped,
 zeroed, scheduled (its param_groups are both lists) and checkpointed together. Gradient
@@ -17,6 +22,7 @@ The update rules are tngram.optim's, not written again here.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +30,12 @@ import torch
 from torch import nn
 
 from tngram.common import TngramError
-from tngram.optim.memory_update import MEMORY_UPDATES, setup_memory_update
+from tngram.optim.memory_update import (
+    MEMORY_UPDATES,
+    settle_tables,
+    settled_tables,
+    setup_memory_update,
+)
 
 
 class TableSplitOptimizer(torch.optim.Optimizer):
@@ -35,12 +46,12 @@ class TableSplitOptimizer(torch.optim.Optimizer):
     def __init__(self, main: torch.optim.Optimizer | None, tables: torch.optim.Optimizer) -> None:
         self.optimizers = [o for o in (main, tables) if o is not None]
         self.defaults = dict(self.optimizers[0].defaults)
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -60,10 +71,10 @@ class TableSplitOptimizer(torch.optim.Optimizer):
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         return {"optimizers": [o.state_dict() for o in self.optimizers]}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         parts = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
         if not isinstance(parts, list) or len(parts) != len(self.optimizers):
             raise TngramError(
@@ -84,18 +95,49 @@ def split_tables(
     betas: tuple[float, float],
     eps: float,
     make_main: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    catchup: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimiser of `groups` (each with "params" and "names") under memory_update: "dense"
     is make_main(groups); "sparse" / "rowwise" switch the memories to row-sparse gradients and
-    return a TableSplitOptimizer."""
+    return a TableSplitOptimizer (catchup: the table optimiser catches lazy rows up)."""
+    check_memory_update(memory_update, catchup)
+    tables, rest = setup_memory_update(model, groups, memory_update, betas, eps, catchup)
+    if tables is None:
+        return make_main(rest)
+    return TableSplitOptimizer(make_main(rest) if rest else None, tables)
+
+
+def check_memory_update(memory_update: Any, catchup: Any) -> None:
+    """One TngramError for a memory_update / memory_catchup pair our trainer would refuse."""
     if memory_update not in MEMORY_UPDATES:
         raise TngramError(
             f"memory_update must be one of {list(MEMORY_UPDATES)}, got {memory_update!r}"
         )
-    tables, rest = setup_memory_update(model, groups, memory_update, betas, eps)
-    if tables is None:
-        return make_main(rest)
-    return TableSplitOptimizer(make_main(rest) if rest else None, tables)
+    if not isinstance(catchup, bool):
+        raise TngramError(f"memory_catchup must be True or False, got {catchup!r}")
+    if catchup and memory_update == "dense":
+        raise TngramError(
+            "memory_catchup=True needs memory_update='sparse' or 'rowwise' "
+            "(dense Adam moves every row at every step already)"
+        )
+
+
+def table_optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    """The optimisers inside `opt` (accelerate's wrapper and a TableSplitOptimizer unwrapped)."""
+    inner = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer
+    return list(inner.optimizers) if isinstance(inner, TableSplitOptimizer) else [inner]
+
+
+def settle_memory_tables(opt: Any) -> None:
+    """memory_catchup: apply every table row's owed moves now (our trainer does it at the end of
+    training); nothing without catch-up. `opt`: the optimiser Trainer holds."""
+    settle_tables(table_optimizers(opt))
+
+
+def settled_memory_tables(opt: Any) -> Any:
+    """A context: the tables with their owed moves applied inside (for evaluation), exactly as
+    before after; nothing without catch-up."""
+    return settled_tables(table_optimizers(opt))
 
 
 def has_sparse_grads(model: nn.Module) -> bool:
