@@ -163,17 +163,19 @@ def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path)
     docs = tmp_path / "docs"
     (docs / "results").mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "GPU.md", docs / "GPU.md")
-    for name in ("gpu.json", "gpu-h200-fb2264d.json"):
-        shutil.copy(ROOT / "docs" / "results" / name, docs / "results" / name)
+    committed = sorted((ROOT / "docs" / "results").glob("gpu*.json"))
+    for path in committed:
+        shutil.copy(path, docs / "results" / path.name)
     shutil.copy(cpu_run[0], docs / "results" / "gpu-cpu.json")
     snap = load_snapshot(docs / "GPU.md", "gpu")
-    assert snap["runs"] == []  # a tiny CPU run is left out
+    gpu_runs = [n for n, _ in snap["runs"]]
+    assert "gpu-cpu.json" not in gpu_runs  # a tiny CPU run is left out
     assert check_doc(docs / "GPU.md") == []
     # the open table's logic on a run taken as full-size (a copy; nothing committed)
     run = dict(cpu_run[1], tiny=False)
     (docs / "results" / "gpu-cpu.json").write_text(json.dumps(run))
     snap = load_snapshot(docs / "GPU.md", "gpu")
-    assert [n for n, _ in snap["runs"]] == ["gpu-cpu.json"]
+    assert [n for n, _ in snap["runs"]] == sorted(gpu_runs + ["gpu-cpu.json"])
     wanted = {w["label"]: w for w in snap["wanted"]}
     base = snap["base_recipes"]
     eager = wanted["fwd+bwd eager, paper-l9 raw / Engram / TN-gram"]
@@ -224,3 +226,66 @@ def test_existing_results_file_is_kept_without_force(tmp_path, capsys):
     path.write_text("keep")
     assert main(["bench", "gpu", "--out", str(tmp_path), "--sections", "fwdbwd"]) == 2
     assert "--force" in capsys.readouterr().err and path.read_text() == "keep"
+
+
+def test_tables_above_the_uint16_shard_vocabulary(one_thread):  # noqa: F811
+    """The tables section's V 131,072 is above the run config's uint16-shard limit (65,536): the
+    model alone takes it (the first GPU run refused every V 131,072 item at the config check).
+    Raw at tiny shapes, V 65,536 + 1,024: the only V-sized tensor is the tied embedding, so the
+    parameter count grows by exactly 65,536 x d over V 1,024."""
+    from tngram.bench import gpu_parts
+    from tngram.bench.gpu import shapes_for
+
+    shapes = shapes_for("cpu", reps=1)
+    big = gpu_parts.table_step("raw", 65536 + 1024, "dense", shapes)
+    small = gpu_parts.table_step("raw", 1024, "dense", shapes)
+    assert "error" not in big and big["median_ms"] > 0
+    assert big["params"] - small["params"] == 65536 * 32  # d 32 (TINY_SETS)
+
+
+def test_fresh_dynamo_lets_every_model_compile(monkeypatch):
+    """Many models through one forward code object: past dynamo's recompile limit the next one
+    runs eager with no error (the first GPU run's 9th model). fresh_dynamo() before each compiled
+    item makes every one compile: each adds one graph to dynamo's count. Recompile limit 1 and the
+    "eager" backend keep it cheap."""
+    import torch._dynamo
+
+    from tngram.bench.gpu_parts import fresh_dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+
+    class Scale(nn.Module):
+        def __init__(self, k: float) -> None:
+            super().__init__()
+            self.k = k  # a Python constant: each model needs its own graph
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.k
+
+    def compiled_graphs(k: float, reset: bool) -> int:
+        before = fresh_dynamo() if reset else _graph_count()
+        f = torch.compile(Scale(k), backend="eager", dynamic=False)
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), k))
+        return _graph_count() - before
+
+    def _graph_count() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    fresh_dynamo()
+    assert compiled_graphs(2.0, reset=False) == 1
+    assert compiled_graphs(3.0, reset=False) == 0  # over the limit: eager, silently
+    assert compiled_graphs(4.0, reset=True) == 1
+    assert compiled_graphs(5.0, reset=True) == 1
+
+
+def test_a_run_note_is_shown_with_its_tables(cpu_run):
+    """A results file's "notes" (how a run deviated from its command, or what was edited after
+    it) is printed under the run's heading, before its tables."""
+    snap = dict(cpu_run[1], notes="ran through python -c with recompile_limit 64")
+    text = render_run(snap, "docs/results/gpu-x.json")
+    head, note = text.split("\n\n")[:2]
+    assert "gpu-x.json" in head
+    assert note == "Note: ran through python -c with recompile_limit 64"
+    assert "Note:" not in render_run(cpu_run[1], "docs/results/gpu-x.json")

@@ -185,7 +185,10 @@ def lookup_lines(snap: dict[str, Any]) -> str:
 
 def render_run(snap: dict[str, Any], source: str) -> str:
     """Every table of one bench-gpu results file."""
-    parts = [run_heading(snap, source), lookup_lines(snap)]
+    parts = [run_heading(snap, source)]
+    if snap.get("notes"):  # how the run deviated from its command, or what was edited after it
+        parts.append(f"Note: {snap['notes']}")
+    parts.append(lookup_lines(snap))
     if "fwdbwd" in snap["sections"]:
         parts.append(fwdbwd_table(snap))
     if "trainer" in snap["sections"]:
