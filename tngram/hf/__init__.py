@@ -41,6 +41,7 @@ _LAZY = {
     "export_run": "tngram.hf.export",
     "memory_optimizer": "tngram.hf.trainer",
     "MemoryTrainer": "tngram.hf.trainer",
+    "settle_memory_tables": "tngram.hf.table_update",
 }
 
 # modules imported by register(): each registers its own config/model classes with the Auto

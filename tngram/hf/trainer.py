@@ -30,8 +30,14 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
-from tngram.hf.table_update import has_sparse_grads, split_tables
-from tngram.optim.memory_update import MEMORY_UPDATES, clip_grad_norm
+from tngram.hf.table_update import (
+    check_memory_update,
+    has_sparse_grads,
+    settle_memory_tables,
+    settled_memory_tables,
+    split_tables,
+)
+from tngram.optim.memory_update import clip_grad_norm
 
 
 def memory_param_groups_for_trainer(
@@ -83,6 +89,7 @@ def memory_optimizer(
     table_lr: float | None = None,
     decay_names: set[str] | None = None,
     memory_update: str = "dense",
+    memory_catchup: bool = False,
 ) -> torch.optim.Optimizer:
     """The optimiser Trainer would build from `args`, with the recipe's groups: pass it as
     `Trainer(..., optimizers=(memory_optimizer(model, args, table_lr), None))`.
@@ -90,7 +97,11 @@ def memory_optimizer(
     memory_update: "dense" (Trainer's optimiser on the tables too), "sparse" (LazyAdam on
     row-sparse table gradients) or "rowwise" (RowwiseAdam), with betas and eps from `args`
     (tngram.hf.table_update). With sparse / rowwise, clip with MemoryTrainer (a plain Trainer's
-    clipping cannot take sparse gradients: set max_grad_norm=0 there)."""
+    clipping cannot take sparse gradients: set max_grad_norm=0 there).
+    memory_catchup: with sparse / rowwise, lazy rows catch up on the moves dense Adam would have
+    made while they were not read (our trainer's optim.memory_catchup); a plain Trainer must
+    then call tngram.hf.table_update.settle_memory_tables(optimizer) after training."""
+    check_memory_update(memory_update, memory_catchup)
     if not memory_modules(model):
         raise TngramError("memory_optimizer: the model has no n-gram memory (tngram.hf.add_memory)")
     # it reads only `args` here; the model may be a peft wrapper (an nn.Module)
@@ -102,29 +113,44 @@ def memory_optimizer(
         return opt_cls(gs, lr=float(args.learning_rate), **opt_kwargs)
 
     betas = (float(args.adam_beta1), float(args.adam_beta2))
-    return split_tables(model, groups, memory_update, betas, float(args.adam_epsilon), make_main)
+    eps = float(args.adam_epsilon)
+    return split_tables(model, groups, memory_update, betas, eps, make_main, memory_catchup)
 
 
 class MemoryTrainer(Trainer):
     """`Trainer` whose default optimiser follows the recipe (memory tables and factors without
     weight decay, at `memory_table_lr`, default the args' learning rate), with the tables'
-    `memory_update` ("dense" | "sparse" | "rowwise", see memory_optimizer); its gradient
-    clipping takes row-sparse gradients."""
+    `memory_update` ("dense" | "sparse" | "rowwise", see memory_optimizer) and
+    `memory_catchup`; its gradient clipping takes row-sparse gradients. With catch-up, rows owed
+    moves are settled for evaluate() / predict() (weights restored after) and at the end of
+    train(), as our trainer does."""
 
     def __init__(
         self,
         *args: Any,
         memory_table_lr: float | None = None,
         memory_update: str = "dense",
+        memory_catchup: bool = False,
         **kwargs: Any,
     ) -> None:
-        if memory_update not in MEMORY_UPDATES:
-            raise TngramError(
-                f"memory_update must be one of {list(MEMORY_UPDATES)}, got {memory_update!r}"
-            )
+        check_memory_update(memory_update, memory_catchup)
         self.memory_table_lr = memory_table_lr
         self.memory_update = memory_update
+        self.memory_catchup = memory_catchup
         super().__init__(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().train(*args, **kwargs)
+        settle_memory_tables(self.optimizer)  # catch-up: rows owed moves get them
+        return out
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with settled_memory_tables(self.optimizer):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with settled_memory_tables(self.optimizer):
+            return super().predict(*args, **kwargs)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         if not has_sparse_grads(model):
@@ -146,5 +172,6 @@ class MemoryTrainer(Trainer):
                 self.memory_table_lr,
                 set(self.get_decay_parameter_names(opt_model)),
                 self.memory_update,
+                self.memory_catchup,
             )
         return self.optimizer
