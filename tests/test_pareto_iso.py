@@ -16,8 +16,15 @@ from tngram.memory.per_layer_embedding import PerLayerEmbeddingConfig
 from tngram.memory.stem import StemConfig
 from tngram.model.gpt import GPT, GPTConfig, param_counts
 
-TINY = GPTConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, sequence_len=16,
-                 memory_layers=(0, 1))
+TINY = GPTConfig(
+    vocab_size=50,
+    n_layer=2,
+    n_embd=32,
+    n_head=2,
+    n_kv_head=1,
+    sequence_len=16,
+    memory_layers=(0, 1),
+)
 
 
 def total(cfg: GPTConfig) -> int:
@@ -49,7 +56,7 @@ def test_iso_backbone_by_hand():
     raw = total(replace(TINY, memory=None))
     iso = iso_backbone(cfg)
     assert iso.mlp_hidden == 48 and total(iso) == raw - 224
-    assert iso_backbone(cfg, multiple=1).mlp_hidden == 49          # 64 - ceil(14.25)
+    assert iso_backbone(cfg, multiple=1).mlp_hidden == 49  # 64 - ceil(14.25)
     assert total(iso_backbone(cfg, multiple=1)) == raw - 15 * 128 + 1824
 
 
@@ -58,6 +65,7 @@ def test_iso_points_keep_the_raw_total_and_use_the_largest_width(family):
     """Every ISO_SIZES point (meta-device counts): total <= the raw mini GPT's, and one more step
     of width (16) would exceed it; the memory is the family's at that size."""
     from tngram.experiments.common import base_recipe
+
     bases = {m: base_recipe("mini", m) for m in P.METHODS}
     raw = total(bases["raw"].model)
     widths = []
@@ -79,6 +87,7 @@ def test_iso_backbone_refuses_a_memory_the_mlps_cannot_pay_for():
 def test_token_family_sizes_span_the_common_range():
     """At mini, the token-indexed families land within 12% of the map's Δparams targets."""
     from tngram.experiments.common import base_recipe
+
     targets = (1.1e6, 2.2e6, 4.3e6, 8.7e6, 12.0e6)
     for fam, (method, knob, sizes) in P.TOKEN_SIZES.items():
         for size, target in zip(sizes, targets, strict=True):
@@ -91,7 +100,8 @@ def test_view_specs(monkeypatch):
     monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
     specs = P.view_specs(["default", "code", P.VOCAB_CORPUS], "mini", 2, None)
     n_points = sum(len(v[2]) for v in P.TOKEN_SIZES.values()) + sum(
-        len(v[2]) for v in P.ISO_SIZES.values())
+        len(v[2]) for v in P.ISO_SIZES.values()
+    )
     assert len(specs) == len({s.label for s in specs}) == 2 * 2 * n_points
     assert {s.tags["corpus"] for s in specs} == {"default", "code"}
     iso = [s for s in specs if s.tags["view"] == "total"]
@@ -102,11 +112,11 @@ def test_view_specs(monkeypatch):
     tuned = P.view_specs(["default"], "mini", 1, None, dict(P.TUNED_DEFAULT, oe=2.0))
     lr = {(s.tags["family"], s.tags["size"]): s.config.optim.memory_table_lr for s in tuned}
     base = P.base_recipe("mini", "engram").optim.tied_embed_lr
-    assert lr[("engram-iso", 50)] == pytest.approx(4 * base)          # Engram's tuned x4
-    assert lr[("tngram-sum-iso", 6)] == pytest.approx(2 * base)       # TN-gram's x2
+    assert lr[("engram-iso", 50)] == pytest.approx(4 * base)  # Engram's tuned x4
+    assert lr[("tngram-sum-iso", 6)] == pytest.approx(2 * base)  # TN-gram's x2
     # the token-indexed families at their recipes' literature lr (docs/PARETO.md): product-key
-    # values 10x the embedding's (Lample et al. 2019, Memory+), STEM and PLE 1x
-    assert lr[("pkm-iso", 11)] == lr[("pkm", 64)] == pytest.approx(10 * base)
+    # values 4x the embedding's (Lample et al. 2019: 1e-3 against 2.5e-4), STEM and PLE 1x
+    assert lr[("pkm-iso", 11)] == lr[("pkm", 64)] == pytest.approx(4 * base)
     assert lr[("stem-iso", 24)] == lr[("stem", 432)] == pytest.approx(base)
     assert lr[("ple-iso", 12)] == lr[("ple", 216)] == pytest.approx(base)
 
@@ -120,18 +130,37 @@ def test_report_keeps_iso_points_off_the_params_map_and_in_the_total_and_step_vi
     from tngram.experiments.pareto_report import COST_KEYS, POINT_COLUMNS, corpus_tables
 
     def point(family, size, delta, loss, step, view="params", width=256, total=592_144):
-        return {"corpus": "default", "family": family, "size": size, "delta_params": delta,
-                "val_loss": [loss], "val_bpb": [loss], "core": [], "seeds": [0], "loss": loss,
-                "step_ms": step, "decode_ms_per_token": 1.0, "view": view, "mlp_width": width,
-                "opt_state_bytes": {"memory": 0}, "total_params": total, "rows_per_token": 2,
-                "bytes_per_token": 8, "flops_per_token": 100}
-    pts = [point("raw", None, 0, 4.0, 10.0), point("pkm", 64, 1_097_728, 3.9, 20.0),
-           point("pkm-iso", 11, -15_360, 3.95, 11.0, view="total", width=176, total=576_784)]
+        return {
+            "corpus": "default",
+            "family": family,
+            "size": size,
+            "delta_params": delta,
+            "val_loss": [loss],
+            "val_bpb": [loss],
+            "core": [],
+            "seeds": [0],
+            "loss": loss,
+            "step_ms": step,
+            "decode_ms_per_token": 1.0,
+            "view": view,
+            "mlp_width": width,
+            "opt_state_bytes": {"memory": 0},
+            "total_params": total,
+            "rows_per_token": 2,
+            "bytes_per_token": 8,
+            "flops_per_token": 100,
+        }
+
+    pts = [
+        point("raw", None, 0, 4.0, 10.0),
+        point("pkm", 64, 1_097_728, 3.9, 20.0),
+        point("pkm-iso", 11, -15_360, 3.95, 11.0, view="total", width=176, total=576_784),
+    ]
     t = corpus_tables(pts, "default")
     assert [r[0] for r in t["points"]] == ["raw GPT", "product keys"]
     assert len(t["points"][0]) == len(POINT_COLUMNS)
     at = [c["header"] for c in POINT_COLUMNS].index("total params")
-    assert t["points"][1][at: at + len(COST_KEYS)] == [592_144, 2, 8, 100]
+    assert t["points"][1][at : at + len(COST_KEYS)] == [592_144, 2, 8, 100]
     assert t["total"] == [["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05)]]
     best_s = {r[0]: r[1] for r in t["best_step"]}
     assert best_s["≤ 1.25× raw"] == "product keys, iso (11)"

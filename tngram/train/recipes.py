@@ -206,11 +206,11 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
     # issue 40's families, each table lr set once from the literature relative to the backbone's
     # Adam lr (the tied embedding's, 0.05; docs/PARETO.md "The token-indexed families' table lr"):
-    # product-key values at 10x (Lample et al. 2019 and Memory+: values 1e-3 vs 1e-4), STEM's
+    # product-key values at 4x (Lample et al. 2019: values Adam 1e-3, the model 2.5e-4), STEM's
     # token-indexed up-projection at 1x (one AdamW lr for every parameter), per-layer embeddings
     # (Gemma 3n-style; no training recipe published) at 1x, the embedding's own
     "mini-pkm": lambda: _table_lr(
-        _mini(_memory("pkm", n_keys=128, key_dim=64, topk=8, n_heads=2), "mini-pkm"), 0.5
+        _mini(_memory("pkm", n_keys=128, key_dim=64, topk=8, n_heads=2), "mini-pkm"), 0.2
     ),
     "mini-stem": lambda: _table_lr(_mini(_memory("stem"), "mini-stem"), 0.05),
     "mini-ple": lambda: _table_lr(
@@ -240,7 +240,7 @@ DESCRIPTIONS: dict[str, str] = {
     "mini-tngram-hsum": "mini + TN-gram R 64, orders summed, + hashed orders 2-5, table lr x4",
     "mini-oe": "mini + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
     "mini-oe-longcat": "mini + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
-    "mini-pkm": "mini + product-key memory, 128^2 slots, top 8, 2 heads, value lr x10 (Lample)",
+    "mini-pkm": "mini + product-key memory, 128^2 slots, top 8, 2 heads, value lr x4 (Lample)",
     "mini-stem": "mini + STEM token-indexed up-projection (FFN width 256) in layers 1 and 3, lr x1",
     "mini-ple": "mini + per-layer token embeddings (64 wide, gated) in every layer, table lr x1",
 }
