@@ -14,9 +14,11 @@ A cache the memory creates itself (a call with use_cache and no cache) is made o
 adding these overrides (`memory_cache_class(DynamicCache)`, made before any compilation, so a
 fullgraph-compiled forward builds it without a class swap). A cache passed in (generate()'s
 DynamicCache or StaticCache, yours) has its class swapped for that subclass on first use, in
-eager code (it stays an instance of its own class); dynamo cannot trace a class swap, so a
-compiled forward takes a cache that is already a memory cache (made by the model, by an eager
-call, or with memory_cache_class) and refuses another with one line. Either way the cache gains
+eager code (it stays an instance of its own class). Dynamo cannot trace a class swap: in a
+compiled forward the swap runs eagerly at a graph break (`torch.compiler.disable`), so with
+fullgraph=True a plain cache stops compilation with dynamo's graph-break error whose reason is
+our line (COMPILED_PLAIN_CACHE); a cache that is already a memory cache (made by the model, by
+an eager call, or with memory_cache_class) compiles in one graph. Either way the cache gains
 `_tngram_memory = {memory key: state dict}` and `_tngram_seen` (tokens the memories saw).
 The memories keep their whole history (`keep_history`, tngram.memory.ngrams), so crop is exact:
 the cost is the memory's conv input per position, about one layer's value cache.
@@ -25,7 +27,7 @@ the cost is the memory's conv input per position, about one layer's value cache.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -33,9 +35,21 @@ from torch import Tensor
 from tngram.common import TngramError
 
 _SWAPPED: dict[type, type] = {}
+COMPILED_PLAIN_CACHE = (
+    "tngram: a compiled forward got a transformers cache that holds no n-gram memory state "
+    "(giving it one is a class swap that dynamo cannot trace, so fullgraph=True stops here): "
+    "build the cache with tngram.hf.memory_cache_class(DynamicCache)(config=model.config) (or "
+    "StaticCache), pass past_key_values=None, or make the first call eagerly"
+)
+_INSTALL_EAGERLY: Callable[[Any], None] | None = None
+
+if TYPE_CHECKING:  # the mixin's super() is the transformers Cache it is mixed into
+    from transformers.cache_utils import Cache as _CacheBase
+else:
+    _CacheBase = object
 
 
-class MemoryCacheMixin:
+class MemoryCacheMixin(_CacheBase):
     """Extends a transformers Cache so the memories' state follows its batch/time edits."""
 
     _tngram_memory: dict[str, dict[str, Any]]
@@ -93,29 +107,38 @@ def memory_cache_class(cls: type) -> type:
 def memory_states(cache: Any) -> dict[str, dict[str, Any]]:
     """The {memory key: state dict} of a transformers Cache, installing the mixin on first use."""
     if not isinstance(cache, MemoryCacheMixin):
-        if torch.compiler.is_compiling():
-            raise TngramError(
-                f"a compiled forward got a {type(cache).__name__} that holds no n-gram memory "
-                "state yet: let the model make its cache (past_key_values=None), run the first "
-                "call eagerly, or build it with tngram.hf.cache_state.memory_cache_class"
-                f"({type(cache).__name__})(...)"
-            )
-        for name in ("reorder_cache", "crop", "reset"):
-            if not callable(getattr(cache, name, None)):
-                raise TngramError(
-                    f"past_key_values of type {type(cache).__name__} is not a "
-                    "transformers Cache; pass a Cache (e.g. DynamicCache) or None"
-                )
-        try:
-            cache.__class__ = memory_cache_class(type(cache))
-        except TypeError as e:
-            raise TngramError(
-                f"cannot keep the n-gram memory state in a {type(cache).__name__} "
-                f"({e}); use DynamicCache or StaticCache"
-            ) from None
-        cache._tngram_memory = {}
-        cache._tngram_seen = 0
+        if torch.compiler.is_compiling():  # a graph break; fullgraph=True reports our line
+            assert _INSTALL_EAGERLY is not None  # made by the eager hook install (hooks.py)
+            _INSTALL_EAGERLY(cache)
+        else:
+            _install_state(cache)
     return cache._tngram_memory
+
+
+def prepare_compiled_install() -> None:
+    """Make the eager class-swap wrapper (outside any compiled region: it imports dynamo)."""
+    global _INSTALL_EAGERLY
+    if _INSTALL_EAGERLY is None:
+        _INSTALL_EAGERLY = torch.compiler.disable(_install_state, reason=COMPILED_PLAIN_CACHE)
+
+
+def _install_state(cache: Any) -> None:
+    """Give a plain transformers Cache the memory state (its class swapped for the mixin's)."""
+    for name in ("reorder_cache", "crop", "reset"):
+        if not callable(getattr(cache, name, None)):
+            raise TngramError(
+                f"past_key_values of type {type(cache).__name__} is not a "
+                "transformers Cache; pass a Cache (e.g. DynamicCache) or None"
+            )
+    try:
+        cache.__class__ = memory_cache_class(type(cache))
+    except TypeError as e:
+        raise TngramError(
+            f"cannot keep the n-gram memory state in a {type(cache).__name__} "
+            f"({e}); use DynamicCache or StaticCache"
+        ) from None
+    cache._tngram_memory = {}
+    cache._tngram_seen = 0
 
 
 def check_and_advance(cache: Any, n_new: int) -> None:
