@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tngram.common import TngramError
+
+if TYPE_CHECKING:  # the mixin's super() is the PreTrainedModel family class it is mixed into
+    from transformers import PreTrainedModel as _ModelBase
+else:
+    _ModelBase = object
 
 PREFIX = "tngram_"
 CONFIG_KEY = "tngram_memory"
@@ -42,15 +47,15 @@ class TngramConfigMixin:
     base_model_type: str = ""
 
 
-class TngramModelMixin:
+class TngramModelMixin(_ModelBase):
     """Builds the memory of `config.tngram_memory` after the family's __init__; checks loads.
 
     The building and the checks are tngram.hf.attach's `attach_from_spec` / `check_loaded`,
     which attach installs here when it is imported (it imports this module, never the other way
     round; every memory class is made through attach)."""
 
-    _tngram_build: Callable[[Any, dict], None]
-    _tngram_check: Callable[[Any, dict, Any], None]
+    _tngram_build: ClassVar[Callable[[Any, dict], None]]
+    _tngram_check: ClassVar[Callable[[Any, dict, Any], None]]
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -94,15 +99,21 @@ class TngramModelMixin:
         config = kwargs.pop("config", None)
         if config is None or isinstance(config, (str, os.PathLike)):
             hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-            config = cls.config_class.from_pretrained(config or source, **hub)  # type: ignore[attr-defined]  # noqa: E501  (a PreTrainedModel's)
+            where_from = config or source
+            if cls.config_class is None or where_from is None:
+                raise TngramError(f"{cls.__name__}.from_pretrained: name a folder or a hub repo")
+            config = cls.config_class.from_pretrained(where_from, **hub)
         spec = getattr(config, CONFIG_KEY, None)
         mem = spec.get("memory") if isinstance(spec, dict) else None
         where = f"{source}/config.json" if isinstance(source, (str, os.PathLike)) else "config"
         saved = pin_memory_tokenizer(mem, source, where, kwargs, f"{CONFIG_KEY}.memory")
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(  # type: ignore[misc]  # a PreTrainedModel's
+        # with output_loading_info=True transformers returns (model, info), not the model its
+        # annotation says
+        loaded: Any = super().from_pretrained(
             *args, config=config, output_loading_info=True, **kwargs
         )
+        model, info = loaded
         if saved is not None:  # the config keeps the folder's own name, never a full path
             getattr(model.config, CONFIG_KEY)["memory"]["tokenizer_path"] = saved
         model._tngram_check(info, source)
@@ -140,7 +151,7 @@ def config_class_for(base: type) -> type:
                 },
             )
             _CONFIGS[base], _BASES[cls] = cls, base
-            AutoConfig.register(cls.model_type, cls, exist_ok=True)
+            AutoConfig.register(PREFIX + model_type, cls, exist_ok=True)
             _register_auto_models(base, cls)
         return _CONFIGS[base]
 
@@ -150,7 +161,7 @@ def model_class_for(base: type, config_cls: type | None = None) -> type:
     base = base_class(base)
     with _LOCK:
         if base not in _MODELS:
-            cfg_cls = config_cls or config_class_for(base.config_class)
+            cfg_cls = config_cls or config_class_for(getattr(base, "config_class"))
             cls = type(
                 f"Tngram{base.__name__}",
                 (TngramModelMixin, base),
