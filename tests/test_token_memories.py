@@ -6,6 +6,7 @@ the dense gradient's touched rows."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -155,6 +156,26 @@ def test_registered_kinds_round_trip_and_bad_fields():
         PerLayerEmbeddingConfig(ple_dim=0)
     with pytest.raises(TngramError, match=r"expects h of shape"):
         SMALL["stem"].build(d_model=D, vocab_size=V)(torch.zeros(2, 5, D + 1), ids(2, 5))
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [("pkm", "product-key memory"), ("stem", "STEM memory"), ("ple", "per-layer embedding")],
+)
+def test_bad_forward_inputs_are_one_line_naming_the_memory(name, what, monkeypatch):
+    """The shared input check (memory.token_tables.check_inputs): h of the wrong width, rank or
+    (B, T), and ids of a float dtype or outside [0, V) are refused, each memory named."""
+    monkeypatch.setenv("TNGRAM_CHECK_IDS", "1")
+    m = SMALL[name].build(d_model=D, vocab_size=V)
+    shape = rf"{what} expects h of shape \(B, T, {D}\) matching input_ids \(B, T\); got h "
+    for h in (torch.zeros(2, 5, D + 1), torch.zeros(2, 5, 1, D), torch.zeros(2, 4, D)):
+        with pytest.raises(TngramError, match=shape + re.escape(str(tuple(h.shape)))):
+            m(h, ids(2, 5))
+    with pytest.raises(TngramError, match="input_ids must be an integer tensor"):
+        m(torch.zeros(2, 5, D), ids(2, 5).float())
+    with pytest.raises(TngramError, match=rf"input_ids must lie in \[0, {V}\)"):
+        m(torch.zeros(2, 5, D), ids(2, 5) + V)
+    assert m(torch.zeros(2, 5, D), ids(2, 5)).shape == (2, 5, D)
 
 
 # ---- the model: causality and incremental decoding ---------------------------------------------

@@ -26,10 +26,8 @@ from typing import ClassVar, cast
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tngram.common import TngramError
 from tngram.memory.base import MemoryConfig, MemoryModule, RowSparse
-from tngram.memory.ngrams import check_ids_in_forward
-from tngram.memory.token_tables import gather_rows
+from tngram.memory.token_tables import check_inputs, gather_rows
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -84,12 +82,7 @@ class PerLayerEmbedding(RowSparse, MemoryModule, nn.Module):
     ) -> Tensor:
         """h (B, T, D), input_ids (B, T) -> (B, T, D); per position, so `cache` and `valid` need
         no state."""
-        if h.dim() != 3 or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
-            raise TngramError(
-                f"per-layer embedding expects h of shape (B, T, {self.d_model}) matching "
-                f"input_ids (B, T); got h {tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
-            )
-        check_ids_in_forward(input_ids, self.vocab_size)
+        check_inputs("per-layer embedding", h, input_ids, self.d_model, self.vocab_size)
         e = gather_rows(self.table.weight, input_ids.long(), self.sparse_grad).to(h.dtype)
         if self.gate is not None:
             e = F.gelu(self.gate(F.rms_norm(h, (h.size(-1),))), approximate="tanh") * e

@@ -38,8 +38,7 @@ from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.memory.base import MemoryConfig, MemoryModule, RowSparse
-from tngram.memory.ngrams import check_ids_in_forward
-from tngram.memory.token_tables import gather_rows
+from tngram.memory.token_tables import check_inputs, gather_rows
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -161,12 +160,7 @@ class ProductKeyMemory(RowSparse, MemoryModule, nn.Module):
     ) -> Tensor:
         """h (B, T, D), input_ids (B, T) -> (B, T, D). Reads only h at each position, so the
         decode cache (`cache`) and the padding mask (`valid`) need no state."""
-        if h.dim() != 3 or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
-            raise TngramError(
-                f"product-key memory expects h of shape (B, T, {self.d_model}) matching "
-                f"input_ids (B, T); got h {tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
-            )
-        check_ids_in_forward(input_ids, self.vocab_size)
+        check_inputs("product-key memory", h, input_ids, self.d_model, self.vocab_size)
         w, slot = self.slots(h)  # (B, T, H, k) each
         v = gather_rows(self.values, slot, self.sparse_grad)  # (B, T, H, k, D)
         return torch.einsum("bthk,bthkd->btd", w, v.to(h.dtype))

@@ -27,10 +27,8 @@ from typing import ClassVar, cast
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tngram.common import TngramError
 from tngram.memory.base import MemoryConfig, MemoryModule, RowSparse
-from tngram.memory.ngrams import check_ids_in_forward
-from tngram.memory.token_tables import gather_rows
+from tngram.memory.token_tables import check_inputs, gather_rows
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -86,12 +84,7 @@ class Stem(RowSparse, MemoryModule, nn.Module):
     ) -> Tensor:
         """h (B, T, D), input_ids (B, T) -> (B, T, D); per position, so `cache` and `valid` need
         no state."""
-        if h.dim() != 3 or h.shape[:2] != input_ids.shape or h.shape[-1] != self.d_model:
-            raise TngramError(
-                f"STEM memory expects h of shape (B, T, {self.d_model}) matching input_ids "
-                f"(B, T); got h {tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
-            )
-        check_ids_in_forward(input_ids, self.vocab_size)
+        check_inputs("STEM memory", h, input_ids, self.d_model, self.vocab_size)
         u = self.gate(F.rms_norm(h, (h.size(-1),)))  # (B, T, F)
         up = gather_rows(self.up.weight, input_ids.long(), self.sparse_grad)  # (B, T, F)
         return self.down(F.silu(u) * up.to(u.dtype))
