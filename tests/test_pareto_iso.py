@@ -161,7 +161,55 @@ def test_report_keeps_iso_points_off_the_params_map_and_in_the_total_and_step_vi
     assert len(t["points"][0]) == len(POINT_COLUMNS)
     at = [c["header"] for c in POINT_COLUMNS].index("total params")
     assert t["points"][1][at : at + len(COST_KEYS)] == [592_144, 2, 8, 100]
-    assert t["total"] == [["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05)]]
+    assert t["total"] == [
+        ["raw GPT", 256, 592_144, [4.0], 0.0, 1.0],
+        ["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05), 1.1],
+    ]
     best_s = {r[0]: r[1] for r in t["best_step"]}
     assert best_s["≤ 1.25× raw"] == "product keys, iso (11)"
     assert best_s["≤ 2× raw"] == "product keys (64)"
+
+
+def test_aggregate_keeps_the_view_and_width_of_collected_rows():
+    """collect's rows -> aggregate -> corpus_tables, the path the report takes: an iso point
+    (view "total") stays off the Δparams map and enters the "= total parameters" table."""
+    from tngram.experiments.pareto_report import aggregate, corpus_tables
+
+    def row(family, size, seed, loss, view="params", width=256, total=592_144):
+        return {
+            "corpus": "default",
+            "family": family,
+            "size": size,
+            "seed": seed,
+            "delta_params": total - 592_144,
+            "total_params": total,
+            "val_loss": loss,
+            "val_bpb": loss,
+            "opt_state_bytes": {"memory": 0},
+            "core": None,
+            "view": view,
+            "mlp_width": width,
+            "rows_per_token": 0,
+            "bytes_per_token": 0,
+            "flops_per_token": 1,
+        }
+
+    rows = [
+        row("raw", None, 0, 4.0),
+        row("raw", None, 1, 4.2),
+        row("ple-iso", 24, 0, 3.9, "total", 208, 590_000),
+        row("ple-iso", 24, 1, 4.0, "total", 208, 590_000),
+    ]
+    bench = {"points": {"raw": {"step_ms": 10.0}, "ple-iso-24": {"step_ms": 12.0}}}
+    pts = aggregate(rows, bench)
+    t = corpus_tables(pts, "default")
+    assert [r[0] for r in t["points"]] == ["raw GPT"]  # the iso point is off the Δparams map
+    # its loss minus the raw GPT's: (3.9 + 4.0) / 2 - (4.0 + 4.2) / 2 = -0.15
+    assert t["total"][1][:5] == [
+        "per-layer embeddings, iso (24)",
+        208,
+        590_000,
+        [3.9, 4.0],
+        pytest.approx(-0.15),
+    ]
+    assert t["total"][1][5] == pytest.approx(1.2)  # step 12 ms over the raw GPT's 10 ms

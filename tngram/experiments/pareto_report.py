@@ -161,6 +161,9 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
                 "delta_params": r["delta_params"],
                 "opt_state_bytes": r["opt_state_bytes"],
                 **{k: r.get(k) for k in COST_KEYS},
+                # "total": on an iso-parameter backbone (corpus_tables keeps it off the Δ map)
+                "view": r.get("view", "params"),
+                "mlp_width": r.get("mlp_width"),
                 "val_loss": [],
                 "val_bpb": [],
                 "core": [],
@@ -184,13 +187,16 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
 
 
 def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list[list[Any]]:
-    """The "= total parameters" view: each point on an iso-parameter backbone (view "total"),
-    its MLP width and total beside the raw GPT's, and its val loss minus the raw GPT's."""
+    """The "= total parameters" view: the raw GPT, then each point on an iso-parameter backbone
+    (view "total"): its MLP width, total parameters, val loss, val loss minus the raw GPT's (mean
+    over seeds) and measured step over the raw GPT's (None where either is untimed)."""
     out = []
-    for p in points:
-        if p.get("view") == "total":
-            gap = None if raw is None else p["loss"] - raw["loss"]
-            out.append([name_of(p), p["mlp_width"], p["total_params"], p["val_loss"], gap])
+    for p in ([raw] if raw is not None else []) + [p for p in points if p.get("view") == "total"]:
+        gap = None if raw is None else p["loss"] - raw["loss"]
+        timed = raw is not None and raw.get("step_ms") and p.get("step_ms") is not None
+        ratio = p["step_ms"] / raw["step_ms"] if timed else None
+        row = [name_of(p), p["mlp_width"], p["total_params"], p["val_loss"], gap, ratio]
+        out.append(row)
     return out
 
 
@@ -284,6 +290,7 @@ TOTAL_COLUMNS = [
     {"header": "total params", "fmt": "params"},
     {"header": "val loss", "fmt": "mean_std:.4f"},
     {"header": "− raw GPT (mean)", "fmt": "+.4f"},
+    {"header": "step / raw GPT's", "fmt": ".2f"},
 ]
 BEST_P_COLUMNS = [
     {"header": "Δparams budget"},
