@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
+from tngram.cli.common import add_json_argument, add_threads_argument
 
 # optim.memory_update options, "+catchup" with optim.memory_catchup
 # (tngram.bench.vocab.UPDATE_CHOICES;
@@ -42,7 +43,12 @@ def results_file_fields(kind: str, argv: list[str]) -> dict[str, Any]:
     return {"kind": kind, "command": "tngram " + shlex.join(argv), "commit": commit}
 
 
-def _emit(res: dict[str, Any], text: str, args: argparse.Namespace) -> None:
+def _emit(
+    res: dict[str, Any], text: str, args: argparse.Namespace, kind: str | None = None
+) -> None:
+    """Print the table, or with --json the result (with `kind`: and its results_file_fields)."""
+    if kind is not None:
+        res = dict(res, **results_file_fields(kind, getattr(args, "argv", [])))
     print(json.dumps(res, indent=1) if args.json else text)
 
 
@@ -79,11 +85,7 @@ def _threads_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         steps=not args.no_steps,
     )
-    _emit(
-        dict(res, **results_file_fields("bench-threads", getattr(args, "argv", []))),
-        threads.report(res),
-        args,
-    )
+    _emit(res, threads.report(res), args, "bench-threads")
     return 0
 
 
@@ -97,11 +99,7 @@ def _contention(args: argparse.Namespace) -> int:
         steps=args.steps_per_rep,
         competitor_threads=args.competitor_threads,
     )
-    _emit(
-        dict(res, **results_file_fields("bench-contention", getattr(args, "argv", []))),
-        contention.report(res),
-        args,
-    )
+    _emit(res, contention.report(res), args, "bench-contention")
     return 0
 
 
@@ -139,11 +137,7 @@ def _vocab(args: argparse.Namespace) -> int:
         large_updates=tuple(args.large_updates) if args.large_updates else None,
         say=(lambda *a: None) if args.json else print,
     )
-    _emit(
-        dict(res, **results_file_fields("bench-vocab", getattr(args, "argv", []))),
-        vocab.report(res),
-        args,
-    )
+    _emit(res, vocab.report(res), args, "bench-vocab")
     return 0
 
 
@@ -153,11 +147,7 @@ def _trainer(args: argparse.Namespace) -> int:
     _threads(args)
     if args.gap:
         res = trainer.gap(tuple(args.recipes[:2]), reps=args.reps, warmup=args.warmup)
-        _emit(
-            dict(res, **results_file_fields("bench-trainer-gap", getattr(args, "argv", []))),
-            trainer.report_gap(res),
-            args,
-        )
+        _emit(res, trainer.report_gap(res), args, "bench-trainer-gap")
         return 0
     import torch
     import contextlib
@@ -174,9 +164,8 @@ def _trainer(args: argparse.Namespace) -> int:
         "benchmark": "trainer-phases",
         "machine": machine_info(),
         "runs": rows,
-        **results_file_fields("bench-trainer-phases", getattr(args, "argv", [])),
     }
-    _emit(res, trainer.report_phases(rows), args)
+    _emit(res, trainer.report_phases(rows), args, "bench-trainer-phases")
     return 0
 
 
@@ -275,6 +264,44 @@ def _gpu(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- arguments: each flag that several subcommands take is defined once, here ---------------
+def _reps(q: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    q.add_argument("--reps", type=int_range(1), default=default, help=help)
+
+
+def _timing(q: argparse.ArgumentParser, reps: int, warmup: int, say_default: bool = False) -> None:
+    """--reps and --warmup (their defaults spelled out in the help with say_default)."""
+    r, w = (f" (default: {reps})", f" (default: {warmup})") if say_default else ("", "")
+    _reps(q, reps, "timed repetitions" + r)
+    q.add_argument(
+        "--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions" + w
+    )
+
+
+def _common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
+    """--json, --reps, --warmup and --threads (train's thread rule)."""
+    add_json_argument(q)
+    _timing(q, reps, warmup)
+    add_threads_argument(q)
+
+
+def _batch_seq(q: argparse.ArgumentParser, batch: int, batch_help: str) -> None:
+    q.add_argument("--batch", type=int_range(1), default=batch, help=batch_help)
+    q.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
+
+
+def _recipes(q: argparse.ArgumentParser, help: str, default: list[str] | None = None) -> None:
+    q.add_argument("--recipes", nargs="+", metavar="RECIPE", default=default, help=help)
+
+
+def _stop_after(q: argparse.ArgumentParser, lo: int, default: int, help: str) -> None:
+    q.add_argument("--stop-after", type=int_range(lo), default=default, metavar="N", help=help)
+
+
+def _data_dir(q: argparse.ArgumentParser, help: str) -> None:
+    q.add_argument("--data", metavar="DIR", help=help)
+
+
 def add_commands(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
@@ -285,20 +312,9 @@ def add_commands(sub: Any) -> None:
     bs = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     bs.required = True
 
-    def common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
-        from tngram.cli.common import add_json_argument, add_threads_argument
-
-        add_json_argument(q)
-        q.add_argument("--reps", type=int_range(1), default=reps, help="timed repetitions")
-        q.add_argument(
-            "--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions"
-        )
-        add_threads_argument(q)
-
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
-    common(m, 15, 3)
-    m.add_argument("--batch", type=int_range(1), default=4, help="sequences per forward")
-    m.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
+    _common(m, 15, 3)
+    _batch_seq(m, 4, "sequences per forward")
     m.add_argument(
         "--only",
         nargs="+",
@@ -314,11 +330,8 @@ def add_commands(sub: Any) -> None:
         help="TN-gram vs Engram lookup/module/mini step at several thread "
         "counts, interleaved in one process, with speed-ups",
     )
-    from tngram.cli.common import add_json_argument
-
     add_json_argument(t)
-    t.add_argument("--reps", type=int_range(1), default=15, help="timed repetitions")
-    t.add_argument("--warmup", type=int_range(0), default=3, help="untimed warm-up repetitions")
+    _timing(t, 15, 3)
     t.add_argument(
         "--threads-list",
         type=int_range(1, 4096),
@@ -327,10 +340,7 @@ def add_commands(sub: Any) -> None:
         metavar="T",
         help="thread counts to interleave (default 1 2)",
     )
-    t.add_argument(
-        "--batch", type=int_range(1), default=4, help="sequences per lookup/module forward"
-    )
-    t.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
+    _batch_seq(t, 4, "sequences per lookup/module forward")
     t.add_argument("--no-steps", action="store_true", help="skip the mini training steps")
     t.add_argument(
         "--kernel-share",
@@ -353,10 +363,7 @@ def add_commands(sub: Any) -> None:
         metavar="RECIPE",
         help="recipe whose step is timed (default: mini-tngram)",
     )
-    ct.add_argument("--reps", type=int_range(1), default=5, help="timed repetitions (default: 5)")
-    ct.add_argument(
-        "--warmup", type=int_range(0), default=1, help="untimed warm-up repetitions (default: 1)"
-    )
+    _timing(ct, 5, 1, say_default=True)
     ct.add_argument(
         "--steps-per-rep",
         type=int_range(1),
@@ -374,10 +381,8 @@ def add_commands(sub: Any) -> None:
     ct.set_defaults(func=_contention)
 
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
-    common(s, 8, 2)
-    s.add_argument(
-        "--recipes", nargs="+", metavar="RECIPE", help="recipes (default: mini-* and paper-l9-*)"
-    )
+    _common(s, 8, 2)
+    _recipes(s, "recipes (default: mini-* and paper-l9-*)")
     s.add_argument(
         "--dtype",
         nargs="+",
@@ -400,7 +405,7 @@ def add_commands(sub: Any) -> None:
         "x optim.memory_update dense/sparse/rowwise; optimiser-state "
         "bytes per table parameter, peak RSS",
     )
-    common(v, 5, 1)
+    _common(v, 5, 1)
     v.add_argument(
         "--vocabs",
         nargs="+",
@@ -453,22 +458,16 @@ def add_commands(sub: Any) -> None:
         "optimisers, eval, checkpoints); --gap: TN-gram's step gap to "
         "Engram split into extra matmul arithmetic and the rest",
     )
-    common(tr, 11, 2)
-    tr.add_argument(
-        "--recipes",
-        nargs="+",
-        metavar="RECIPE",
+    _common(tr, 11, 2)
+    _recipes(
+        tr,
+        "recipes (default mini-tngram mini-engram; --gap uses the first two)",
         default=["mini-tngram", "mini-engram"],
-        help="recipes (default mini-tngram mini-engram; --gap uses the first two)",
     )
-    tr.add_argument(
-        "--stop-after",
-        type=int_range(1),
-        default=128,
-        metavar="N",
-        help="stop each run after N optimiser steps of the recipe's (unchanged) schedule",
+    _stop_after(
+        tr, 1, 128, "stop each run after N optimiser steps of the recipe's (unchanged) schedule"
     )
-    tr.add_argument("--data", metavar="DIR", help="dataset folder (default: the default corpus)")
+    _data_dir(tr, "dataset folder (default: the default corpus)")
     tr.add_argument(
         "--gap",
         action="store_true",
@@ -490,12 +489,11 @@ def add_commands(sub: Any) -> None:
         metavar="DIR",
         help="a dataset folder to read (default: synthetic shards)",
     )
-    common(d, 5, 1)
+    _common(d, 5, 1)
     d.add_argument(
         "--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards"
     )
-    d.add_argument("--batch", type=int_range(1), default=16, help="sequences per batch")
-    d.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
+    _batch_seq(d, 16, "sequences per batch")
     d.set_defaults(func=_data)
 
     c = bs.add_parser(
@@ -503,7 +501,7 @@ def add_commands(sub: Any) -> None:
         help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
         "generate) with the per-token FLOP ratio",
     )
-    common(c, 5, 1)
+    _common(c, 5, 1)
     c.add_argument(
         "--shapes",
         nargs="+",
@@ -551,12 +549,7 @@ def add_commands(sub: Any) -> None:
         help="seconds for all sections; an item that no longer fits is skipped and listed "
         "(default 420: the command with start-up stays under 8 minutes on one H100/H200)",
     )
-    g.add_argument(
-        "--recipes",
-        nargs="+",
-        metavar="RECIPE",
-        help="paper-l9-* recipes (default: every recipe named paper-l9-*)",
-    )
+    _recipes(g, "paper-l9-* recipes (default: every recipe named paper-l9-*)")
     g.add_argument(
         "--sections",
         nargs="+",
@@ -564,23 +557,10 @@ def add_commands(sub: Any) -> None:
         default=["doctor", "lookup", "fwdbwd", "tables", "trainer"],
         help="sections to run (default: all)",
     )
-    g.add_argument(
-        "--stop-after",
-        type=int_range(3),
-        default=10,
-        metavar="N",
-        help="trainer section: stop each recipe's run after N optimiser steps (default 10)",
+    _stop_after(
+        g, 3, 10, "trainer section: stop each recipe's run after N optimiser steps (default 10)"
     )
-    g.add_argument(
-        "--data",
-        metavar="DIR",
-        help="dataset folder for the trainer section (default: the default corpus)",
-    )
-    g.add_argument(
-        "--reps",
-        type=int_range(1),
-        default=None,
-        help="timed reps (default: 10 on a GPU, 2 on the CPU)",
-    )
+    _data_dir(g, "dataset folder for the trainer section (default: the default corpus)")
+    _reps(g, None, "timed reps (default: 10 on a GPU, 2 on the CPU)")
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
     g.set_defaults(func=_gpu)
