@@ -23,7 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.hf.cache_state import check_and_advance, memory_cache_class, memory_states
+from tngram.hf.cache_state import (
+    check_and_advance,
+    memory_cache_class,
+    memory_states,
+    prepare_compiled_install,
+)
 from tngram.hf.classes import MEMORY_ATTR
 from tngram.hf.spec import _embedding_rows
 from tngram.memory.ngrams import check_ids_in_forward
@@ -67,6 +72,7 @@ def _install_call_hooks(module: nn.Module, state: _State) -> None:
     from transformers import DynamicCache
 
     memory_cache_class(DynamicCache)  # made here, outside any compiled region
+    prepare_compiled_install()
     module._tngram_state = state
     module._tngram_call = dict(_call_positions(type(module)))
     params = inspect.signature(type(module).forward).parameters
