@@ -135,6 +135,41 @@ def test_auto_compiled_records_compiled(tiny_data, tmp_path, monkeypatch, capsys
     assert summary["steps"] == 3 and sorted(losses(tmp_path / "run")) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("update", ["sparse", "rowwise"])
+def test_auto_with_row_sparse_tables_compiles_around_the_gathers(
+    update, tiny_data, tmp_path, monkeypatch, capsys
+):
+    """Row-sparse tables: their gathers are torch.compiler.disable()d, which a fullgraph compile
+    refuses (the whole forward then ran eager). "auto" compiles them with fullgraph=False: no
+    fallback line, env.json says compiled with the graph breaks' reason, and (dynamo's "eager"
+    backend) the losses equal a run.compile=false run's bit for bit."""
+    extra = EXTRA + [f"optim.memory_update={update}"]
+    ref = tmp_path / "eager"
+    train(tiny_config(tiny_data, extra=extra + ["run.compile=false"]), ref, progress=False)
+    real_compile = torch.compile
+    calls = []
+
+    def compile_eager_backend(model, **kw):
+        calls.append(kw)
+        return real_compile(model, backend="eager", **kw)
+
+    _as_on_cuda(monkeypatch)
+    monkeypatch.setattr(torch, "compile", compile_eager_backend)
+    capsys.readouterr()
+    run = tmp_path / "auto"
+    train(tiny_config(tiny_data, extra=extra), run, progress=False)
+    assert "torch.compile failed" not in capsys.readouterr().out
+    assert calls[0] == {"dynamic": False, "fullgraph": False}
+    env = json.loads((run / "env.json").read_text())
+    assert env["compile"] == {
+        "setting": "auto",
+        "ran": "compiled",
+        "newton_schulz": "compiled",
+        "graph_breaks": "row-sparse table gathers run eager (optim.memory_update=sparse|rowwise)",
+    }
+    assert losses(run) == losses(ref) and sorted(losses(run)) == [1, 2, 3]
+
+
 def _muon_runs():
     """make() -> (parameters, Muon) from the same weights and gradients each time."""
     from tngram.optim.muon import Muon

@@ -6,6 +6,10 @@
            parameter-golf's train_gpt.py compiles its model; if that fails at the first step
            (a graph break, a backend error), the step is rerun eager from the same batches, one
            line names the reason, and the run goes on eager. On the CPU (and MPS): eager.
+           With row-sparse tables (optim.memory_update=sparse|rowwise) the tables' gathers
+           are outside dynamo (torch.compiler.disable: their backward builds a sparse
+           gradient), so the model compiles with fullgraph=False: every other op compiled,
+           the gathers eager between the graphs, instead of the whole forward eager.
 
 Why eager on the CPU: inductor's CPU kernels sum fp32 in another order than eager torch, so a
 compiled CPU run would not reproduce the CPU runs (the golden test, `make demo`) to the last
@@ -23,6 +27,8 @@ from typing import cast
 
 import torch
 from torch import nn
+
+from tngram.memory.base import RowSparse
 
 COMPILE_SETTINGS = (True, False, "auto")
 
@@ -45,6 +51,7 @@ class CompileState:
     reason: str | None = None
     armed: bool = False
     newton_schulz: str = "eager"  # Muon's (tngram.optim.muon): compiled with the forward
+    graph_breaks: str | None = None  # why an "auto" compile allows graph breaks (row-sparse)
 
     def record(self) -> dict[str, object]:
         """The env.json entry: {"setting", "ran", "reason"?, "newton_schulz"}."""
@@ -52,6 +59,8 @@ class CompileState:
         if self.reason is not None:
             out["reason"] = self.reason
         out["newton_schulz"] = self.newton_schulz
+        if self.graph_breaks is not None:
+            out["graph_breaks"] = self.graph_breaks
         return out
 
     def fall_back(self, exc: BaseException) -> str:
@@ -88,5 +97,14 @@ def compile_forward(
     if setting is True:
         compiled = cast(nn.Module, torch.compile(model, dynamic=False))
         return compiled, CompileState(setting, "compiled")
+    if row_sparse(model):
+        compiled = cast(nn.Module, torch.compile(model, dynamic=False, fullgraph=False))
+        why = "row-sparse table gathers run eager (optim.memory_update=sparse|rowwise)"
+        return compiled, CompileState(setting, "compiled", armed=True, graph_breaks=why)
     compiled = cast(nn.Module, torch.compile(model, dynamic=False, fullgraph=True))
     return compiled, CompileState(setting, "compiled", armed=True)
+
+
+def row_sparse(model: nn.Module) -> bool:
+    """Whether a memory of `model` builds row-sparse table gradients (set up before compiling)."""
+    return any(isinstance(m, RowSparse) and m.sparse_grad for m in model.modules())
