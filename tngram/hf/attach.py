@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +64,9 @@ from tngram.hf.spec import (  # noqa: F401  (re-exported)
 )
 from tngram.memory import memory_config_classes, memory_config_to_dict
 from tngram.model.gpt import memory_seed as _memory_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TRAINABLE = ("all", "memory")
 
@@ -232,13 +235,14 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
         [getattr(owner, MEMORY_ATTR) for _, owner in _memory_layers(base, cfg, ids, layer_list)]
     )
     if cfg.injection == "embedding":
-        emb = base.get_input_embeddings()
-        emb._tngram_state = state
+        emb = cast("PreTrainedModel", base).get_input_embeddings()  # a transformers base model
+        # nn.Module.__setattr__ is annotated Tensor | Module; it stores any other value as is
+        emb._tngram_state = state  # type: ignore[assignment]
         state.handles.append(emb.register_forward_hook(_embedding_hook))
     else:
         for i in ids:
             layer = layer_list[i]
-            layer._tngram_state = state
+            layer._tngram_state = state  # type: ignore[assignment]  # (as emb's above)
             state.handles.append(
                 layer.register_forward_pre_hook(
                     functools.partial(_layer_pre_hook, f"layer{i}"), with_kwargs=True
@@ -286,6 +290,8 @@ def _check_constants(model: nn.Module, where: str) -> None:
     """Every memory buffer (hash multipliers, primes, moduli, offsets) equals what the spec
     builds: a spec edited after training (e.g. Engram's memory.seed) would hash differently."""
     spec = memory_spec(model)
+    if spec is None:  # check_loaded calls this only for a model with a memory
+        raise TngramError(f"{where}: config.json has no {CONFIG_KEY}")
     base = _base(model)
     cfg, ids, layer_list = check_spec(spec, base)
     d_model, seed, vocab = (
@@ -316,7 +322,8 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
     """After from_pretrained: the memory weights match the spec (none missing, unexpected or
     re-initialised), else one TngramError (the model would run on uninitialised memory)."""
     where = f"{path}" if path is not None else "from_pretrained"
-    if memory_spec(model) is None:
+    spec = memory_spec(model)
+    if spec is None:
         return
     bad = {}
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -327,7 +334,7 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
     if bad:
         raise TngramError(
             f"{where}: the memory weights do not match config.json {CONFIG_KEY} "
-            f"(layers {memory_spec(model)['layers']}): {bad}; the spec was edited or "
+            f"(layers {spec['layers']}): {bad}; the spec was edited or "
             "the weights belong to another memory"
         )
     _check_constants(model, where)
@@ -365,10 +372,10 @@ def install_transformers_patches() -> None:
             )
         return out
 
-    from_pretrained._tngram_patched = True
+    setattr(from_pretrained, "_tngram_patched", True)  # a function's own attribute
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
 # the memory classes (tngram.hf.classes) build and check through these two
-TngramModelMixin._tngram_build = attach_from_spec  # type: ignore[assignment]
-TngramModelMixin._tngram_check = check_loaded  # type: ignore[assignment]
+TngramModelMixin._tngram_build = attach_from_spec
+TngramModelMixin._tngram_check = check_loaded
