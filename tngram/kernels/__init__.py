@@ -47,7 +47,7 @@ from tngram.kernels.policy import (
     lookup_out_dtype,
     lookup_output_for,
 )
-from tngram.kernels.sparse_rows import compact_rows
+from tngram.kernels.sparse_rows import compact_rows, host_read
 from tngram.kernels.tngram_c import c_supported, c_unavailable_reason
 from tngram.kernels.tngram_lookup import (
     DEFAULT_CHUNK_TOKENS,
@@ -81,6 +81,9 @@ def fused_lookup(
     fp32 tensor; otherwise e comes back in the factors' dtype as usual and the caller casts.
     sparse_grad: the factors get a sparse COO gradient holding only the rows this batch reads
     (`tngram.kernels.sparse_rows`); the kernel runs on the compacted rows, same numbers.
+    Factors on another device than the ngrams (tngram.hf table_device="cpu"): the rows read
+    are gathered there and moved to the ngrams' device, the kernel runs there on them; the
+    gradient flows back to the factors (dense, or row-sparse with sparse_grad); same numbers.
     sum_orders: return sum_n e_n (B, T, R) (TN-gram's order_combine="sum"). The Triton kernel
     sums in its epilogue in fp32 (orders 1..N-1 in order) and rounds once to out_dtype: no
     (N-1) R-wide e is written, and the value is torch's fp32 sum of the fp32 e (the K/V matmul
@@ -93,14 +96,16 @@ def fused_lookup(
     B, T, n_cols = ngrams.shape
     if n_cols != N:
         raise ValueError(f"ngrams have {n_cols} columns, factors have N = {N}")
+    idx = ngram_row_index(ngrams, V)  # (M, N)
+    if sparse_grad or host_read(factors, idx):
+        # the kernel sees (N, U'/N, R): the touched rows only, ids remapped (factors kept on
+        # another device: those rows gathered there and moved to the ids' device)
+        sub, idx = compact_rows(factors, idx, blocks=N, sparse=sparse_grad)
+        factors = sub.view(N, -1, R)
     if impl == "auto":  # the policy's choice, else TNGRAM_LOOKUP_IMPL, else the self-checked kernel
         impl = current_policy().lookup_impl or "auto"
         if impl == "auto":
             impl = choose_impl(factors.device.type, str(factors.dtype))
-    idx = ngram_row_index(ngrams, V)  # (M, N)
-    if sparse_grad:  # the kernel sees (N, U'/N, R): the touched rows only, ids remapped
-        sub, idx = compact_rows(factors, idx, blocks=N)
-        factors = sub.view(N, -1, R)
     # the tiny W and s are built in (at least) fp32 with ordinary autograd; their bf16 gradients
     # are rounded once, at the cast back
     up = lambda p: p.float() if p.dtype in (torch.bfloat16, torch.float16) else p

@@ -24,12 +24,21 @@ sparse gradient is produced in eager autograd (tests/test_memory_update.py compi
 
 Tables of more than two dimensions (TN-gram's (N, V, R) factors) are treated as rows of their
 last dimension: the gradient has len(shape) - 1 sparse dimensions and one dense dimension.
+
+Tables kept on another device than the model (tngram.hf's table_device="cpu"): `host_read`
+says a lookup must read through `compact_rows`, which then finds the distinct rows on the table's
+device, gathers them there and moves only those U' rows (and the remapped ids) to the ids'
+device; the gradient flows back through the move to the table's device, row-sparse with
+sparse=True or dense (index_select's own backward) with sparse=False. Same values as a lookup
+with the table beside the ids (the same rows, the same per-row sums in the same order).
+`compact_reads()` takes that path with the table on the ids' device too (for tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -38,6 +47,24 @@ from torch import Tensor
 # on (optim.memory_catchup brings the rows up to date first; tngram.optim.memory_update). Kept
 # here, not on the parameter, so that a model still pickles and deep-copies as before.
 _READ_HOOKS: dict[int, Callable[[Tensor], None]] = {}
+_FORCE_COMPACT = [False]  # compact_reads(): host_read is True for every table
+
+
+def host_read(table: Tensor, ids: Tensor) -> bool:
+    """A lookup of `table` by `ids` must go through compact_rows: the table lives on another
+    device (tngram.hf table_device), or compact_reads() is on."""
+    return table.device != ids.device or _FORCE_COMPACT[0]
+
+
+@contextlib.contextmanager
+def compact_reads() -> Iterator[None]:
+    """Inside: every table lookup reads through compact_rows, as a table on another device
+    does (the path a one-device machine can test)."""
+    old, _FORCE_COMPACT[0] = _FORCE_COMPACT[0], True
+    try:
+        yield
+    finally:
+        _FORCE_COMPACT[0] = old
 
 
 def set_read_hook(table: Tensor, hook: Callable[[Tensor], None] | None) -> None:
@@ -86,17 +113,21 @@ def sparse_row_grad(rows: Tensor, values: Tensor, shape: torch.Size | tuple[int,
 _COMPACT_ROWS_EAGER = None
 
 
-def compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, Tensor]:
+def compact_rows(
+    table: Tensor, ids: Tensor, blocks: int = 1, sparse: bool = True
+) -> tuple[Tensor, Tensor]:
     """`_compact_rows` kept out of torch.compile graphs. The `torch.compiler.disable` wrapper is
     made on first use, not at import: it imports torch._dynamo (and its triton probe), which
     `import tngram.kernels` must not pay for."""
     global _COMPACT_ROWS_EAGER
     if _COMPACT_ROWS_EAGER is None:
         _COMPACT_ROWS_EAGER = torch.compiler.disable(_compact_rows)
-    return _COMPACT_ROWS_EAGER(table, ids, blocks)
+    return _COMPACT_ROWS_EAGER(table, ids, blocks, sparse)
 
 
-def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, Tensor]:
+def _compact_rows(
+    table: Tensor, ids: Tensor, blocks: int = 1, sparse: bool = True
+) -> tuple[Tensor, Tensor]:
     """(sub (blocks * U_b, W), inv like ids) with sub[inv] == table.reshape(-1, W)[ids]; the
     gradient that reaches `table` through `sub` is sparse (the U distinct rows only).
 
@@ -104,8 +135,13 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
     an id of block j is remapped into block j of `sub`, whose blocks hold U_b rows each (U_b = the
     largest number of distinct rows read in one block; unused slots repeat table row 0 and are
     never read), so a kernel that checks "column k reads block N-1-k" still can. Not traced by
-    torch.compile (module docstring).
+    torch.compile (module docstring). sparse=False: the table's gradient is dense (index_select's
+    backward). A table on another device than `ids`: the rows are found and gathered on the
+    table's device, and sub and inv come back on the ids' device.
     """
+    if table.device != ids.device:
+        sub, inv = _compact_rows(table, ids.to(table.device), blocks, sparse)
+        return sub.to(ids.device), inv.to(ids.device)
     W = table.shape[-1]
     n_rows = table.numel() // W
     block = n_rows // blocks
@@ -116,7 +152,7 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
             hook(uniq)
     if blocks == 1:
         pos = torch.arange(uniq.numel(), device=ids.device)
-        return _CompactRows.apply(table, uniq, uniq, pos), inv
+        return _gather(table, uniq, uniq, pos, sparse), inv
     which = torch.div(uniq, block, rounding_mode="floor")  # block of each row
     counts = torch.bincount(which, minlength=blocks)
     per = max(1, int(counts.max())) if uniq.numel() else 1  # U_b
@@ -124,7 +160,14 @@ def _compact_rows(table: Tensor, ids: Tensor, blocks: int = 1) -> tuple[Tensor, 
     pos = which * per + (torch.arange(uniq.numel(), device=ids.device) - starts[which])
     src = torch.zeros(blocks * per, dtype=uniq.dtype, device=ids.device)
     src[pos] = uniq
-    return _CompactRows.apply(table, uniq, src, pos), pos[inv]
+    return _gather(table, uniq, src, pos, sparse), pos[inv]
 
 
-__all__ = ["compact_rows", "set_read_hook", "sparse_row_grad"]
+def _gather(table: Tensor, uniq: Tensor, src: Tensor, pos: Tensor, sparse: bool) -> Tensor:
+    """table.view(-1, W)[src]; the table's gradient row-sparse (sparse) or dense."""
+    if sparse:
+        return _CompactRows.apply(table, uniq, src, pos)
+    return table.reshape(-1, table.shape[-1]).index_select(0, src)
+
+
+__all__ = ["compact_reads", "compact_rows", "host_read", "set_read_hook", "sparse_row_grad"]

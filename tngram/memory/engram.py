@@ -32,7 +32,6 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule, RowSparse
 from tngram.memory.compression import (
     build_compression_from_file,
@@ -42,6 +41,7 @@ from tngram.memory.compression import (
 from tngram.memory.gating import GatedFusion
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
+from tngram.memory.token_tables import gather_rows
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -279,14 +279,9 @@ class Engram(RowSparse, MemoryModule, nn.Module):
         rows = self.row_ids(input_ids)  # (B, T, (N-1)*H)
         B, T, _ = rows.shape
         # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU
-        # (PERFORMANCE.md)
-        if (
-            self.sparse_grad and torch.is_grad_enabled()
-        ):  # row-sparse table gradient (tngram.kernels.sparse_rows), same values
-            sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
-            flat = torch.index_select(sub, 0, inv)
-        else:
-            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))  # (B*T*(N-1)*H, D_h)
+        # (PERFORMANCE.md); row-sparse table gradient with sparse_grad, and a table on another
+        # device read through its touched rows (tngram.kernels.sparse_rows), same values
+        flat = gather_rows(self.table.weight, rows, self.sparse_grad)  # (B, T, (N-1)*H, D_h)
         return flat.view(B, T, self.d_mem)  # (B, T, (N-1)*E)
 
     def forward(

@@ -37,9 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule, RowSparse
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
+from tngram.memory.token_tables import gather_rows
 
 INT64_MAX = 2**63 - 1
 
@@ -198,13 +198,9 @@ class OverEncoding(RowSparse, MemoryModule, nn.Module):
         """Concatenated slice embeddings (B, T) -> (B, T, S*Ds), before the projections."""
         rows = self.ngram_ids(input_ids) + self.offsets  # (B, T, S)
         B, T, _ = rows.shape
-        if (
-            self.sparse_grad and torch.is_grad_enabled()
-        ):  # row-sparse table gradient (tngram.kernels.sparse_rows), same values
-            sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
-            flat = torch.index_select(sub, 0, inv)
-        else:
-            flat = torch.index_select(self.table.weight, 0, rows.reshape(-1))  # (B*T*S, Ds)
+        # row-sparse table gradient with sparse_grad, and a table on another device read through
+        # its touched rows (tngram.kernels.sparse_rows), same values
+        flat = gather_rows(self.table.weight, rows, self.sparse_grad)  # (B, T, S, Ds)
         return flat.view(B, T, self.n_tables * self.slice_dim)
 
     def forward(

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tngram.kernels.sparse_rows import compact_rows
 from tngram.memory.base import RowSparse
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
+from tngram.memory.token_tables import gather_rows
 
 ORDER_COMBINES = ("concat", "sum")
 # the ablation winners as TNGramConfig field overrides (recipe mini-tngram-lean)
@@ -96,10 +96,9 @@ class HashedOrders(RowSparse, nn.Module):
     def forward(self, ngrams: Tensor) -> Tensor:
         rows = self.rows(ngrams)
         B, T, _ = rows.shape
-        if self.sparse_grad and torch.is_grad_enabled():  # same values, row-sparse table gradient
-            sub, inv = compact_rows(self.table.weight, rows.reshape(-1))
-            return torch.index_select(sub, 0, inv).view(B, T, self.width)
-        return torch.index_select(self.table.weight, 0, rows.reshape(-1)).view(B, T, self.width)
+        # row-sparse table gradient with sparse_grad, a table on another device read through its
+        # touched rows (tngram.kernels.sparse_rows), same values
+        return gather_rows(self.table.weight, rows, self.sparse_grad).view(B, T, self.width)
 
     def extra_repr(self) -> str:
         return (
