@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from tngram.common import TngramError
-from tngram.kernels.sparse_rows import compact_rows
+from tngram.kernels.sparse_rows import compact_rows, host_read
 from tngram.memory.ngrams import check_ids_in_forward
 
 
@@ -31,10 +31,12 @@ def check_inputs(what: str, h: Tensor, input_ids: Tensor, d_model: int, vocab_si
 
 
 def gather_rows(table: Tensor, ids: Tensor, sparse: bool) -> Tensor:
-    """table (R, W), ids (...) int64 in [0, R) -> (..., W)."""
+    """table (R, W), ids (...) int64 in [0, R) -> (..., W) on the ids' device (a table kept on
+    another device is read through its touched rows: tngram.kernels.sparse_rows.host_read)."""
     flat = ids.reshape(-1)
-    if sparse and torch.is_grad_enabled():
-        sub, inv = compact_rows(table, flat)  # (U, W), (n,)
+    sparse = sparse and torch.is_grad_enabled()
+    if sparse or host_read(table, flat):
+        sub, inv = compact_rows(table, flat, sparse=sparse)  # (U, W), (n,)
         rows = torch.index_select(sub, 0, inv)
     else:
         rows = torch.index_select(table, 0, flat)  # (n, W)
