@@ -28,17 +28,15 @@ it would catch one).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from triton_subprocess import Case, assert_lowers_to_sm80_cubin, run_under_interpreter
 
 from tngram.kernels import row_update as ru
 from tngram.kernels.choice import triton_available
@@ -50,7 +48,6 @@ from tngram.optim import lazy_rows
 from tngram.optim.groups import memory_table_params
 from tngram.optim.memory_update import LazyAdam, RowwiseAdam, clip_grad_norm, set_sparse_grads
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 SCRIPT = textwrap.dedent("""
@@ -142,17 +139,8 @@ K = 5
 
 @needs_triton
 def test_row_kernel_takes_the_torch_paths_steps_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    lines = run_under_interpreter(SCRIPT)
+    res = json.loads(lines[-1])
     assert len(res["opt"]) == 8
     for key, r in res["opt"].items():
         cls, _, dtype = key.split("/")
@@ -173,12 +161,9 @@ def test_row_kernel_takes_the_torch_paths_steps_under_the_interpreter():
         assert not check[bad]["passed"] and check[bad]["max_rel_err"] > 1e-3, check[bad]
 
 
-COMPILE_SCRIPT = textwrap.dedent("""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from tngram.kernels import row_update_triton as k
-    # (table dtype, rowwise, step, mark): the step with catch-up; settling before a read
+def row_kernel_cases() -> list[Case]:
+    """(table dtype, rowwise, step, mark): the step with catch-up; settling before a read."""
+    cases: list[Case] = []
     for dt, rowwise, step, mark in (("fp32", False, True, 1), ("bf16", True, True, 1),
                                     ("fp32", False, False, 2)):
         ptr = {"w_ptr": "*" + dt, "m_ptr": "*" + dt, "v_ptr": "*fp32" if rowwise else "*" + dt,
@@ -189,12 +174,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
                "eps": "fp32"}
         const = {"ROWWISE": rowwise, "STEP": step, "CATCHUP": True, "MARK": mark, "RECIP": True,
                  "BLOCK_U": 32, "BLOCK_W": 64}
-        src = ASTSource(fn=k._row_adam_kernel, signature={**sig, **{c: "constexpr" for c in const}},
-                        constexprs=const)
-        asm = triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm
-        assert "cubin" in asm
-    print("ok")
-""")
+        cases.append(("_row_adam_kernel", sig, const))
+    return cases
 
 
 @needs_triton
@@ -202,16 +183,7 @@ def test_row_kernel_compiles_for_cuda_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects: the kernel is also lowered to a
     cubin for sm_80 (triton's bundled ptxas): fp32 LazyAdam and bf16 RowwiseAdam steps with
     catch-up, and the settling before a read (no step, last steps marked where stepped)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert_lowers_to_sm80_cubin("tngram.kernels.row_update_triton", row_kernel_cases())
 
 
 def test_auto_keeps_torch_on_cpu(monkeypatch):

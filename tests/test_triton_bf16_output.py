@@ -17,20 +17,17 @@ sum and the hashed orders gives the torch lookup's loss and gradients through it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from triton_subprocess import Case, assert_lowers_to_sm80_cubin, run_under_interpreter
+
 from tngram.kernels import kernel_policy, lookup_out_dtype
 from tngram.kernels.choice import triton_available
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 SCRIPT = textwrap.dedent("""
@@ -112,70 +109,29 @@ SUM_SCRIPT = textwrap.dedent("""
 
 @needs_triton
 def test_triton_sums_the_orders_in_its_epilogue_with_the_same_numbers():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", SUM_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "2"
+    lines = run_under_interpreter(SUM_SCRIPT)
+    assert lines[-1] == "2"
 
 
 @needs_triton
 def test_triton_bf16_e_is_the_cast_of_the_fp32_e_with_the_same_gradients():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "2"
+    lines = run_under_interpreter(SCRIPT)
+    assert lines[-1] == "2"
 
 
-COMPILE_SCRIPT = textwrap.dedent("""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from tngram.kernels import tngram_triton as k
+@needs_triton
+def test_triton_bf16_and_summed_outputs_compile_for_cuda_without_a_gpu():
     fwd = {"table_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32",
            "out_ptr": "*bf16", "rstd_ptr": "*fp32", "R": "i32", "eps": "fp32"}
     bwd = {"table_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32",
            "rstd_ptr": "*fp32", "grad_ptr": "*bf16", "dtable_ptr": "*fp32", "dw_ptr": "*fp32",
            "ds_ptr": "*fp32", "M": "i32", "R": "i32"}
     flags = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024}
-    cases = [(k._tngram_fwd_kernel, fwd, {"SUM_ORDERS": s}) for s in (False, True)]
-    cases.append((k._tngram_bwd_kernel, bwd, {"NEED_TABLE": True, "BLOCK_M": 16, "BLOCK_K": 4,
-                                              "SUM_ORDERS": True}))
-    for fn, sig, extra in cases:
-        const = {**flags, **extra}
-        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}},
-                        constexprs=const)
-        assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 80, 32),
-                                         options={"num_warps": 4}).asm
-    print("ok")
-""")
-
-
-@needs_triton
-def test_triton_bf16_and_summed_outputs_compile_for_cuda_without_a_gpu():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    cases: list[Case] = [("_tngram_fwd_kernel", fwd, {**flags, "SUM_ORDERS": s})
+                         for s in (False, True)]
+    cases.append(("_tngram_bwd_kernel", bwd, {**flags, "NEED_TABLE": True, "BLOCK_M": 16,
+                                              "BLOCK_K": 4, "SUM_ORDERS": True}))
+    assert_lowers_to_sm80_cubin("tngram.kernels.tngram_triton", cases)
 
 
 def test_policy_asks_for_bf16_under_cuda_bf16_autocast(monkeypatch):
