@@ -50,6 +50,7 @@ from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     _wrap_prepare_inputs,
 )
 from tngram.hf.peft_compat import refuse_peft
+from tngram.hf.placement import check_memory_config, check_table_device, place_tables
 from tngram.hf.size_check import warn_if_large
 from tngram.hf.spec import (  # noqa: F401  (re-exported)
     SPEC_KEYS,
@@ -80,6 +81,7 @@ def add_memory(
     memory_seed: int = 0,
     vocab_size: int | None = None,
     trainable: str = "all",
+    table_device: str | None = None,
 ) -> nn.Module:
     """Add an n-gram memory to a decoder-only transformers model, in place; returns the model.
 
@@ -94,6 +96,9 @@ def add_memory(
     vocab_size: optional check: must equal the model's embedding rows.
     trainable: "all" (parameters keep their requires_grad) or "memory" (only the memory's
         parameters train: the backbone is frozen).
+    table_device: None (the memory's tables follow the model) or "cpu": the lookup tables
+        stay in host memory when the model is moved, and a call moves only the rows it reads
+        to the model's device (tngram.hf.placement); kept in the spec, so save/load keep it.
 
     A PeftModel, or a model already holding PEFT adapter layers, is refused (tngram.hf.peft_compat
     says which order works); a memory larger than the model gets a MemorySizeWarning with a
@@ -105,6 +110,7 @@ def add_memory(
 
     register()
     refuse_peft(model)
+    check_table_device(table_device)
     if trainable not in TRAINABLE:
         raise TngramError(f"trainable must be one of {list(TRAINABLE)}, got {trainable!r}")
     base = _base(model)
@@ -147,6 +153,9 @@ def add_memory(
         "memory_seed": int(memory_seed),
         "vocab_size": rows,
     }
+    if table_device is not None:
+        check_memory_config(memory_config)
+        spec["table_device"] = table_device
     _convert(model, spec)
     attach_from_spec(model, spec)
     return set_trainable(model, trainable)
@@ -248,6 +257,7 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
                     functools.partial(_layer_pre_hook, f"layer{i}"), with_kwargs=True
                 )
             )
+    place_tables(model, spec.get("table_device"))
     _install_call_hooks(base, state)
     if base is not model:
         _install_call_hooks(model, state)
@@ -338,6 +348,7 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
             "the weights belong to another memory"
         )
     _check_constants(model, where)
+    place_tables(model, spec.get("table_device"))  # device_map placed them without _apply
 
 
 def install_transformers_patches() -> None:

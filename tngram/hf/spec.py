@@ -17,12 +17,16 @@ from torch import nn
 from tngram.common import TngramError
 from tngram.hf.classes import CONFIG_KEY, TngramConfigMixin
 from tngram.hf.families import find_decoder_layers
+from tngram.hf.placement import check_memory_config, check_table_device
 from tngram.memory import memory_config_classes, memory_config_from_dict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 SPEC_KEYS = ("memory", "layers", "layers_attr", "memory_seed", "vocab_size")
+# keys a spec may carry besides SPEC_KEYS: table_device (tngram.hf.placement: where the
+# tables live, not what they compute)
+OPTIONAL_KEYS = ("table_device",)
 
 
 def _hidden_size(config: Any) -> int:
@@ -124,13 +128,16 @@ def check_spec(
     if not isinstance(spec, dict):
         raise TngramError(f"{where} must be an object, got {type(spec).__name__}")
     missing = [k for k in SPEC_KEYS if k not in spec]
-    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    unknown = sorted(set(spec) - set(SPEC_KEYS) - set(OPTIONAL_KEYS))
     if missing or unknown:
         raise TngramError(
             f"{where} must have exactly the keys {list(SPEC_KEYS)}; "
             f"missing {missing}, unknown {unknown}"
         )
     cfg = _check_memory_fields(spec["memory"], where)
+    if spec.get("table_device") is not None:
+        check_table_device(spec["table_device"], f"{where}.table_device")
+        check_memory_config(cfg)
     seed, vocab, attr = spec["memory_seed"], spec["vocab_size"], spec["layers_attr"]
     if not _is_int(seed) or not 0 <= seed < 2**63:
         raise TngramError(f"{where}.memory_seed must be an int in [0, 2^63), got {seed!r}")
