@@ -165,14 +165,15 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float) -> Tensor:
     parts = [(g.values() if g.is_sparse else g).detach() for g in grads]
     if not parts:
         return torch.zeros(())
+    dev = parts[0].device  # tables kept on the CPU (tngram.hf table_device): norms meet here
     total = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(t.float()) for t in parts])
+        torch.stack([torch.linalg.vector_norm(t.float()).to(dev) for t in parts])
     )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if coef.device.type == "cpu" and bool(coef >= 1.0):
         return total  # nothing to clip: x * 1 == x, so skip the pass (no sync on CPU)
     for t in parts:
-        t.mul_(coef.to(t.dtype))
+        t.mul_(coef.to(t.device, t.dtype))
     return total
 
 
