@@ -41,7 +41,14 @@ from tngram.hf.attach import (  # noqa: F401  (set_trainable re-exported)
     set_trainable,
 )
 from tngram.hf.classes import CONFIG_KEY, MEMORY_ATTR, TngramConfigMixin, base_class
-from tngram.hf.spec import _base, _embedding_rows, _family, check_spec, memory_spec
+from tngram.hf.spec import (
+    _base,
+    _embedding_rows,
+    _family,
+    check_digest,
+    check_spec,
+    memory_spec,
+)
 
 WEIGHTS_FILE = "tngram_memory.safetensors"
 SPEC_FILE = "tngram_memory.json"
@@ -206,6 +213,7 @@ def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "al
             )
         model.load_state_dict(tensors, strict=False)
         _check_constants(model, str(weights))
+        check_digest(spec, f"{where} spec")
     except BaseException:
         remove_memory(model)
         raise

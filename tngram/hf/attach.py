@@ -53,6 +53,7 @@ from tngram.hf.peft_compat import refuse_peft
 from tngram.hf.placement import check_memory_config, check_table_device, place_tables
 from tngram.hf.size_check import warn_if_large
 from tngram.hf.spec import (  # noqa: F401  (re-exported)
+    DIGEST_KEY,
     SPEC_KEYS,
     _base,
     _embedding_rows,
@@ -60,8 +61,10 @@ from tngram.hf.spec import (  # noqa: F401  (re-exported)
     _hidden_size,
     _is_int,
     _layer_ids,
+    check_digest,
     check_spec,
     memory_spec,
+    spec_digest,
 )
 from tngram.memory import memory_config_classes, memory_config_to_dict
 from tngram.model.gpt import memory_seed as _memory_seed
@@ -156,6 +159,7 @@ def add_memory(
     if table_device is not None:
         check_memory_config(memory_config)
         spec["table_device"] = table_device
+    spec[DIGEST_KEY] = spec_digest(spec)  # checked when the saved spec is loaded again
     _convert(model, spec)
     attach_from_spec(model, spec)
     return set_trainable(model, trainable)
@@ -349,6 +353,7 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
         )
     _check_constants(model, where)
     place_tables(model, spec.get("table_device"))  # device_map placed them without _apply
+    check_digest(spec, f"{where}/config.json {CONFIG_KEY}" if path is not None else where)
 
 
 def install_transformers_patches() -> None:

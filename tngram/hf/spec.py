@@ -3,11 +3,20 @@
 A spec is {"memory": memory config dict, "layers": decoder-layer ids, "layers_attr": dotted
 path of the decoder-layer list, "memory_seed": int, "vocab_size": int}. `check_spec` checks it
 field by field against a base model before anything is built; one TngramError names the field.
+
+add_memory also writes `digest`: {spec key: sha256 of its value} (`spec_digest`). Loading a saved
+memory (from_pretrained, load_memory) checks it after the weights (`check_digest`), so an edit
+of any key that passes the field checks but changes what the weights compute (a TN-gram
+`memory.pad_id`, Engram's `memory.seed`, `memory_seed`, the order of `layers`, ...) is refused
+with one line naming the file and the key. The memory's `tokenizer_path` is left out of its
+digest: it is a file name the folder resolves (tngram.hf.gpt_folder.pin_memory_tokenizer).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -27,6 +36,42 @@ SPEC_KEYS = ("memory", "layers", "layers_attr", "memory_seed", "vocab_size")
 # keys a spec may carry besides SPEC_KEYS: table_device (tngram.hf.placement: where the
 # tables live, not what they compute)
 OPTIONAL_KEYS = ("table_device",)
+DIGEST_KEY = "digest"  # {spec key: sha256 of its value}, written by add_memory
+_NOT_DIGESTED = ("tokenizer_path",)  # memory fields naming a file, not a number
+
+
+def spec_digest(spec: dict[str, Any]) -> dict[str, str]:
+    """{key: sha256 hex of the key's value as sorted JSON} for every key of SPEC_KEYS in spec
+    (the memory's _NOT_DIGESTED fields left out)."""
+    out = {}
+    for key in SPEC_KEYS:
+        if key not in spec:
+            continue
+        value = spec[key]
+        if key == "memory" and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in _NOT_DIGESTED}
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        out[key] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return out
+
+
+def check_digest(spec: dict[str, Any], where: str) -> None:
+    """One TngramError naming `where`.KEY unless spec's digest is the one add_memory wrote for
+    these values: a saved memory whose spec was edited (or whose digest is gone) never loads."""
+    saved = spec.get(DIGEST_KEY)
+    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
+        raise TngramError(
+            f"{where}.{DIGEST_KEY} must be the object of sha256 digests add_memory writes, got "
+            f"{saved!r}: the spec was edited, or saved before tngram wrote digests (if you "
+            "trust the folder, add tngram.hf.spec.spec_digest(spec) as its digest)"
+        )
+    for key, value in spec_digest(spec).items():
+        if saved.get(key) != value:
+            raise TngramError(
+                f"{where}.{key} was edited after saving (its sha256 is not "
+                f"{DIGEST_KEY}.{key}): the weights were trained with the saved value; "
+                "refusing a memory that would compute other numbers"
+            )
 
 
 def _hidden_size(config: Any) -> int:
@@ -128,10 +173,10 @@ def check_spec(
     if not isinstance(spec, dict):
         raise TngramError(f"{where} must be an object, got {type(spec).__name__}")
     missing = [k for k in SPEC_KEYS if k not in spec]
-    unknown = sorted(set(spec) - set(SPEC_KEYS) - set(OPTIONAL_KEYS))
+    unknown = sorted(set(spec) - set(SPEC_KEYS) - set(OPTIONAL_KEYS) - {DIGEST_KEY})
     if missing or unknown:
         raise TngramError(
-            f"{where} must have exactly the keys {list(SPEC_KEYS)}; "
+            f"{where} must have exactly the keys {list(SPEC_KEYS)} (and {DIGEST_KEY}); "
             f"missing {missing}, unknown {unknown}"
         )
     cfg = _check_memory_fields(spec["memory"], where)
@@ -150,7 +195,10 @@ def check_spec(
         raise TngramError(
             f"vocab mismatch: {where}.vocab_size is {vocab} but the input embedding has {rows} rows"
         )
-    _, layer_list = find_decoder_layers(base, _family(base.config), attr)
+    try:
+        _, layer_list = find_decoder_layers(base, _family(base.config), attr)
+    except TngramError as e:
+        raise TngramError(f"{where}.layers_attr {attr!r}: {e}") from None
     if cfg.injection == "embedding":
         if spec["layers"] != []:
             raise TngramError(
