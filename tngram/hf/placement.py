@@ -18,15 +18,16 @@ place_tables after loading (tngram.hf.attach.check_loaded), which moves them bac
 
 from __future__ import annotations
 
-import functools
+from functools import partial
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.memory.base import MemoryModule
 
 TABLE_DEVICES = ("cpu",)
 SPEC_KEY = "table_device"
@@ -51,10 +52,10 @@ def check_memory_config(cfg: Any) -> None:
         )
 
 
-def _memories(model: nn.Module) -> list[nn.Module]:
+def _memories(model: nn.Module) -> list[MemoryModule]:
     from tngram.hf.attach import memory_modules
 
-    return list(memory_modules(model).values())
+    return [cast(MemoryModule, m) for m in memory_modules(model).values()]
 
 
 def table_params(model: nn.Module) -> list[nn.Parameter]:
@@ -79,7 +80,8 @@ def _host_apply(
     empty tensor of a table's dtype; when it would change the device, the table (and its
     gradient) only takes the new dtype; otherwise (.double(), .half(), share_memory_) fn
     applies as usual."""
-    keep = {id(t) for p in module.table_parameters() for t in (p, p.grad) if t is not None}
+    tables = cast(MemoryModule, module).table_parameters()
+    keep = {id(t) for p in tables for t in (p, p.grad) if t is not None}
 
     def placed(t: Tensor) -> Tensor:
         if id(t) not in keep:
@@ -100,7 +102,8 @@ def place_tables(model: nn.Module, device: str | None) -> None:
         return
     check_table_device(device)
     for m in _memories(model):
-        m._apply = types.MethodType(functools.partial(_unbound_host_apply, device=device), m)
+        # bound on the instance (nn.Module stores a plain attribute in __dict__)
+        setattr(m, "_apply", types.MethodType(partial(_unbound_host_apply, device=device), m))
     with torch.no_grad():
         for p in table_params(model):
             # meta: from_pretrained builds on the meta device; check_loaded places them after
