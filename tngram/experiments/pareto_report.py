@@ -194,7 +194,7 @@ def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list
     for p in ([raw] if raw is not None else []) + [p for p in points if p.get("view") == "total"]:
         gap = None if raw is None else p["loss"] - raw["loss"]
         timed = raw is not None and raw.get("step_ms") and p.get("step_ms") is not None
-        ratio = p["step_ms"] / raw["step_ms"] if timed else None
+        ratio = p["step_ms"] / raw["step_ms"] if timed and raw is not None else None
         row = [name_of(p), p["mlp_width"], p["total_params"], p["val_loss"], gap, ratio]
         out.append(row)
     return out
