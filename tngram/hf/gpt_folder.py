@@ -73,11 +73,20 @@ def check_folder_config(config: Any, where: str) -> Any:
             raise BadRecordError(
                 f"{where}: field {k} must be null or a token id in [0, {m.vocab_size}), got {v!r}"
             )
-    if getattr(config, "vocab_size", m.vocab_size) != m.vocab_size:
-        raise BadRecordError(
-            f"{where}: field vocab_size {config.vocab_size} differs from gpt.vocab_size "
-            f"{m.vocab_size}"
-        )
+    # the transformers-side fields export derives from gpt (TngramGPTConfig.from_gpt_config):
+    # tools read them (generation's length, lm-eval's width), so they must say what gpt says
+    derived = {
+        "vocab_size": ("vocab_size", m.vocab_size),
+        "hidden_size": ("n_embd", m.n_embd),
+        "num_hidden_layers": ("n_layer", m.n_layer),
+        "num_attention_heads": ("n_head", m.n_head),
+        "max_position_embeddings": ("sequence_len", m.sequence_len),
+    }
+    for k, (field, want) in derived.items():
+        if getattr(config, k, want) != want:
+            raise BadRecordError(
+                f"{where}: field {k} {getattr(config, k)!r:.40} differs from gpt.{field} {want}"
+            )
     if digest is not None and digest != gpt_digest(gpt, ranks):
         raise BadRecordError(
             f"{where}: fields gpt / cp_ranks were edited after export (they do not match "
