@@ -102,12 +102,24 @@ def sparse_row_grad(rows: Tensor, values: Tensor, shape: torch.Size | tuple[int,
     """A sparse COO tensor of `shape` whose flat rows (over all but the last dim) `rows` hold
     `values` (len(rows), shape[-1]); `rows` must be sorted and distinct (it is marked coalesced)."""
     lead = tuple(shape[:-1])
-    if len(lead) == 1:
-        idx = rows.unsqueeze(0)
-    else:
-        idx = torch.stack(torch.unravel_index(rows, lead))  # (len(lead), U)
+    idx = rows.unsqueeze(0) if len(lead) == 1 else unravel_rows(rows, lead)  # (len(lead), U)
     with torch.sparse.check_sparse_tensor_invariants(enable=False):
         return torch.sparse_coo_tensor(idx, values, tuple(shape), is_coalesced=True)
+
+
+def unravel_rows(rows: Tensor, lead: tuple[int, ...]) -> Tensor:
+    """torch.stack(torch.unravel_index(rows, lead)) (len(lead), U), with Python-int divisors.
+
+    torch.unravel_index builds its divisors with torch.tensor(..., device=rows.device): on CUDA
+    two blocking host-to-device copies, each a stream synchronisation, inside the backward
+    (where the host is usually far ahead of the card). Integer floor division and remainder
+    by Python ints are exact, so the indices are the same."""
+    out, rest = [], rows
+    for size in reversed(lead[1:]):
+        out.append(torch.remainder(rest, size))
+        rest = torch.div(rest, size, rounding_mode="floor")
+    out.append(rest)
+    return torch.stack(out[::-1])
 
 
 _COMPACT_ROWS_EAGER = None
@@ -154,9 +166,12 @@ def _compact_rows(
         pos = torch.arange(uniq.numel(), device=ids.device)
         return _gather(table, uniq, uniq, pos, sparse), inv
     which = torch.div(uniq, block, rounding_mode="floor")  # block of each row
-    counts = torch.bincount(which, minlength=blocks)
-    per = max(1, int(counts.max())) if uniq.numel() else 1  # U_b
-    starts = torch.cumsum(counts, 0) - counts  # first uniq of each block
+    # uniq is sorted: block j's rows are uniq[starts[j]:ends[j]] (searchsorted, not bincount,
+    # whose CUDA kernel reads the input's min and max back to the host: two more syncs)
+    bounds = torch.arange(blocks + 1, device=ids.device, dtype=uniq.dtype) * block
+    edges = torch.searchsorted(uniq, bounds)
+    starts, counts = edges[:-1], edges[1:] - edges[:-1]  # first uniq of each block, rows in it
+    per = max(1, int(counts.max())) if uniq.numel() else 1  # U_b (the one host read here)
     pos = which * per + (torch.arange(uniq.numel(), device=ids.device) - starts[which])
     src = torch.zeros(blocks * per, dtype=uniq.dtype, device=ids.device)
     src[pos] = uniq
