@@ -123,3 +123,33 @@ def test_catchup_needs_a_lazy_update(tmp_path):
         memory_optimizer(model, args(tmp_path), memory_catchup=True)
     with pytest.raises(TngramError, match="memory_catchup must be True or False"):
         memory_optimizer(model, args(tmp_path), memory_update="sparse", memory_catchup="yes")
+
+
+def test_evaluate_sees_the_settled_tables(tmp_path):
+    """evaluate() runs on the tables with every row's owed moves applied and restores them."""
+    from tngram.hf import settle_memory_tables
+
+    model = with_memory("llama", "engram")
+    a = args(tmp_path, per_device_eval_batch_size=len(IDS))
+    trainer = InOrder(
+        model=model,
+        args=a,
+        train_dataset=Data(),
+        eval_dataset=Data(),
+        memory_table_lr=TABLE_LR,
+        memory_update="sparse",
+        memory_catchup=True,
+    )
+    super(MemoryTrainer, trainer).train()  # Trainer's train: nothing settled yet
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.eval()
+    with torch.no_grad():
+        owed = model(IDS, labels=IDS, use_cache=False).loss
+    got = trainer.evaluate()["eval_loss"]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # restored
+    settle_memory_tables(trainer.optimizer)
+    model.eval()
+    with torch.no_grad():
+        settled = model(IDS, labels=IDS, use_cache=False).loss
+    assert float(owed) != float(settled)  # the rows were owed moves
+    assert got == pytest.approx(float(settled), rel=1e-6)
