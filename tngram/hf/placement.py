@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
+from tngram.hf.classes import MEMORY_ATTR
 from tngram.memory.base import MemoryModule
 
 TABLE_DEVICES = ("cpu",)
@@ -53,9 +54,8 @@ def check_memory_config(cfg: Any) -> None:
 
 
 def _memories(model: nn.Module) -> list[MemoryModule]:
-    from tngram.hf.attach import memory_modules
-
-    return [cast(MemoryModule, m) for m in memory_modules(model).values()]
+    """The memory modules of `model` (as tngram.hf.attach.memory_modules finds them)."""
+    return [cast(MemoryModule, m) for n, m in model.named_modules() if n.endswith(MEMORY_ATTR)]
 
 
 def table_params(model: nn.Module) -> list[nn.Parameter]:
