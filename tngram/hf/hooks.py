@@ -56,7 +56,8 @@ class _State:
 @functools.lru_cache(maxsize=64)
 def _call_positions(cls: type) -> tuple[tuple[str, int], ...]:
     """(name, positional index) of the call arguments the hooks read, for cls.forward."""
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    forward = getattr(cls, "forward")  # an nn.Module class's
+    params = list(inspect.signature(forward).parameters.values())[1:]  # without self
     out = []
     for i, p in enumerate(params):
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
@@ -73,10 +74,14 @@ def _install_call_hooks(module: nn.Module, state: _State) -> None:
 
     memory_cache_class(DynamicCache)  # made here, outside any compiled region
     prepare_compiled_install()
-    module._tngram_state = state
-    module._tngram_call = dict(_call_positions(type(module)))
+    # the hooks' attributes on the module: nn.Module.__setattr__ is annotated Tensor | Module, and
+    # stores any other value as a plain attribute (read back with _attr)
+    cls: type = type(module)
+    module._tngram_state = state  # type: ignore[assignment]
+    module._tngram_call = dict(_call_positions(cls))  # type: ignore[assignment]
     params = inspect.signature(type(module).forward).parameters
-    module._tngram_cache_name = next((n for n in CACHE_NAMES if n in params), None)
+    cache_name = next((n for n in CACHE_NAMES if n in params), None)
+    module._tngram_cache_name = cache_name  # type: ignore[assignment]
     state.handles.append(module.register_forward_pre_hook(_base_pre_hook, with_kwargs=True))
     state.handles.append(module.register_forward_hook(_base_post_hook, always_call=True))
 
@@ -84,10 +89,19 @@ def _install_call_hooks(module: nn.Module, state: _State) -> None:
 # ---- hooks ---------------------------------------------------------------------------------
 
 
+def _attr(module: nn.Module, name: str) -> Any:
+    """A hooks' attribute of `module` (nn.Module.__getattr__ is typed for tensors and modules)."""
+    return getattr(module, name)
+
+
+def _state(module: nn.Module) -> _State:
+    return _attr(module, "_tngram_state")
+
+
 def _call_arg(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
     if name in kwargs:
         return kwargs[name]
-    i = module._tngram_call.get(name)
+    i = _attr(module, "_tngram_call").get(name)
     return args[i] if i is not None and i < len(args) else None
 
 
@@ -121,7 +135,7 @@ def _valid_mask(mask: Any, ids: Tensor, state: _State, past: int = 0) -> Tensor 
 
 
 def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    state: _State = base._tngram_state
+    state = _state(base)
     if state.ctx is not None or state.disabled:  # an outer hooked module already read the call
         return None
     ids = _call_arg(base, args, kwargs, "input_ids")
@@ -161,7 +175,7 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
         from transformers import DynamicCache
 
         cache = memory_cache_class(DynamicCache)(config=base.config)
-        pos = base._tngram_call.get(name)
+        pos = _attr(base, "_tngram_call").get(name)
         if pos is not None and pos < len(args):  # passed positionally (as None)
             args = (*args[:pos], cache, *args[pos + 1 :])
         else:
@@ -183,14 +197,14 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
 
 
 def _base_post_hook(module: nn.Module, args: tuple, output: Any) -> None:
-    state: _State = module._tngram_state
+    state = _state(module)
     if state.ctx is not None and state.ctx["owner"] is module:
         state.ctx = None
         state.pending_mask = None
 
 
 def _context(module: nn.Module) -> dict[str, Any]:
-    ctx = module._tngram_state.ctx
+    ctx = _state(module).ctx
     if ctx is None:
         raise TngramError(
             "a layer with an n-gram memory ran outside its model's forward, so the "
@@ -206,9 +220,9 @@ def _in_backward() -> bool:
 def _layer_pre_hook(
     key: str, layer: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict] | None:
-    if layer._tngram_state.disabled:
+    if _state(layer).disabled:
         return None
-    ctx = layer._tngram_state.ctx
+    ctx = _state(layer).ctx
     if ctx is None and "_tngram_replay" in layer.__dict__ and _in_backward():
         # activation checkpointing that wraps the layer's __call__ (transformers < 5.23)
         # recomputes it in backward, after the model's forward: replay that forward's ids
@@ -216,7 +230,8 @@ def _layer_pre_hook(
     else:
         ctx = _context(layer)
         if layer.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            layer._tngram_replay = {"ids": ctx["ids"], "valid": ctx["valid"], "states": None}
+            replay = {"ids": ctx["ids"], "valid": ctx["valid"], "states": None}
+            layer._tngram_replay = replay  # type: ignore[assignment]  # (see _install_call_hooks)
     h = args[0] if args else kwargs["hidden_states"]
     ids = ctx["ids"]
     if h.shape[:2] != ids.shape:
@@ -234,8 +249,8 @@ def _layer_pre_hook(
 
 
 def _embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
-    ctx = emb._tngram_state.ctx
-    if ctx is None or emb._tngram_state.disabled or output.shape[:2] != ctx["ids"].shape:
+    ctx = _state(emb).ctx
+    if ctx is None or _state(emb).disabled or output.shape[:2] != ctx["ids"].shape:
         return output  # a call outside the model's forward (e.g. computing inputs_embeds)
     mem_state = (
         None if ctx["states"] is None else ctx["states"].setdefault("embed", {"keep_history": True})
@@ -267,4 +282,5 @@ def _wrap_prepare_inputs(model: nn.Module) -> None:
         return orig(self, *args, **kwargs)
 
     # a bound method on the instance: deepcopy rebinds it to the copy
-    model.prepare_inputs_for_generation = types.MethodType(prepare_inputs_for_generation, model)
+    bound = types.MethodType(prepare_inputs_for_generation, model)
+    model.prepare_inputs_for_generation = bound  # type: ignore[assignment]  # (any value)
