@@ -18,8 +18,9 @@ slice-table modulus chosen so its Δparams equals TN-gram's (36,380 rows at L9, 
 TN-gram's 18,888,712; 36,000 at mini: Δ 4,336,800 vs 4,329,544, the pareto map's LongCat point).
 
 `paper-l9-tngram-sum / -hsum / -lean`: TN-gram variants that cut work from the GPU step, each
-within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1535, the largest R within
-TN-gram's Δparams: 18,879,490); R 256 summed + hashed orders 2..5 at 416 wide (mini-tngram-hsum
+within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1520, the largest multiple
+of 16 within TN-gram's Δparams: 18,695,080; an R off 16 lets Triton use only 4-byte loads and
+atomics, and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416 wide (mini-tngram-hsum
 with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's Δ: 26,421,720);
 no RMSNorm and no absorption at R 1024 (18,882,568). They keep the paper recipes' table lr.
 
@@ -164,9 +165,10 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "paper-l9-oe-longcat": lambda: _paper_l9(_longcat(36_954), "paper-l9-oe-longcat"),
     # TN-gram variants that cut the K/V input (the GPU step; issue 39), each within Engram's
     # Δparams (tests/test_paper_l9_variants.py), at the paper recipes' table lr:
-    # orders summed: K/V read R = 1535 features, not 4 x 1024; the largest R within TN-gram's Δ
+    # orders summed: K/V read R = 1520 features, not 4 x 1024; the largest multiple of 16 within
+    # TN-gram's Δ (16-byte rows: vector loads and atomics in the Triton lookup, aligned bf16 K/V)
     "paper-l9-tngram-sum": lambda: _paper_l9(
-        _tngram(1535, order_combine="sum"), "paper-l9-tngram-sum"
+        _tngram(1520, order_combine="sum"), "paper-l9-tngram-sum"
     ),
     # mini-tngram-hsum scaled with d (128 -> 512): R 256 summed + hashed orders 2..5 at 416 wide,
     # K/V read 256 + 4 x 416 = 1920 (Engram 4 x 512 = 2048); the largest budget within Engram's Δ
@@ -227,7 +229,7 @@ DESCRIPTIONS: dict[str, str] = {
     "paper-l9-tngram": "L9 + TN-gram N 5, R 1024 (the paper's Table 1)",
     "paper-l9-oe": "L9 + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
     "paper-l9-oe-longcat": "L9 + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
-    "paper-l9-tngram-sum": "L9 + TN-gram N 5, R 1535, order_combine sum (K/V read R, not 4R)",
+    "paper-l9-tngram-sum": "L9 + TN-gram N 5, R 1520, order_combine sum (K/V read R, not 4R)",
     "paper-l9-tngram-hsum": "L9 + TN-gram R 256, orders summed, + hashed orders 2-5 (416 wide)",
     "paper-l9-tngram-lean": "L9 + TN-gram N 5, R 1024, no RMSNorm, no absorption",
     "paper-l18-raw": "the paper's L18 GPT, no memory",
