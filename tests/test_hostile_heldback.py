@@ -4,7 +4,9 @@ earlier rounds, that the earlier fixes did not cover. Each is one line naming th
 - an exported tngram_gpt folder whose transformers-side fields (hidden_size, num_hidden_layers,
   num_attention_heads, max_position_embeddings) disagree with `gpt`: the model is built from
   `gpt` alone, so it loaded with the same logits while config.json told tools (generation's
-  length, lm-eval's width) something else."""
+  length, lm-eval's width) something else;
+- a checkpoint's meta.json `tokens` that is not step x data.global_batch_tokens;
+- `sample --num-samples` beyond 10000."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 import test_hostile_hf as H  # noqa: E402
+from test_hostile_ckpt import rowwise_half  # noqa: E402,F401
+from test_train_support import tiny_data  # noqa: E402,F401
 from tngram.readback import BadRecordError  # noqa: E402
 
 
@@ -40,3 +44,48 @@ def test_derived_fields_that_disagree_with_gpt_are_refused(
     msg = str(e.value)
     assert "\n" not in msg and "config.json" in msg, msg
     assert f"field {field} {value} differs from gpt.{gpt_field}" in msg, msg
+
+
+# - a checkpoint's meta.json `tokens` forged to 10^30 (or to any count its steps did not train):
+#   it resumed and the run's summary reported the forged count
+
+
+@pytest.mark.parametrize("tokens", [10**30, 3 * 512, 0])
+def test_checkpoint_tokens_other_than_steps_times_batch_are_refused(
+    tokens, rowwise_half, tiny_data, tmp_path, capsys
+):
+    """Every step adds data.global_batch_tokens (512 here) and --resume refuses another batch,
+    so step_000002's tokens must be 2 x 512."""
+    import json
+    import shutil
+
+    from test_hostile import cli, one_line_exit_2, tree_digest
+    from test_hostile_ckpt import ROWWISE, forge_manifest
+    from test_train_support import cli_args
+
+    run = tmp_path / "run"
+    shutil.copytree(rowwise_half, run)
+    c = run / "checkpoints" / "step_000002"
+    meta = json.loads((c / "meta.json").read_text())
+    assert meta["tokens"] == 2 * meta["config"]["data"]["global_batch_tokens"] == 2 * 512
+    meta["tokens"] = tokens
+    (c / "meta.json").write_text(json.dumps(meta))
+    forge_manifest(c)
+    before = tree_digest(run)
+    rc, err = cli(["train", *cli_args(tiny_data, "mini-tngram", run, ROWWISE), "--resume"], capsys)
+    one_line_exit_2(rc, err)
+    assert "meta.json: field 'tokens' must be step x data.global_batch_tokens" in err, err
+    assert tree_digest(run) == before
+
+
+# - `sample --num-samples 1e15`: accepted, and it sampled for ever (313 samples in a minute on the
+#   tiny run); now bounded like compare's --seeds
+
+
+@pytest.mark.parametrize("n", [str(10**15), "10001"])
+def test_sample_num_samples_beyond_the_bound_is_one_line(n, tmp_path, capsys):
+    from test_hostile import cli, one_line_exit_2
+
+    rc, err = cli(["sample", str(tmp_path), "--prompt", "the", "--num-samples", n], capsys)
+    one_line_exit_2(rc, err)
+    assert f"--num-samples must be in [1, 10000], got {n}" in err, err

@@ -95,7 +95,7 @@ def test_sampling_seeds_differ_and_repeat(trained, capsys):
 def test_sample_rejects_bad_flags(trained, capsys):
     _, run, _ = trained
     assert main(["sample", str(run), "--prompt", "a", "--num-samples", "0"]) == 2
-    assert "--num-samples must be >= 1" in capsys.readouterr().err
+    assert "--num-samples must be in [1, 10000], got 0" in capsys.readouterr().err
     assert main(["sample", str(run), "--prompt", "a", "--device", "tpu"]) == 2
     assert "--device must be" in capsys.readouterr().err
     with pytest.raises(TngramError, match="no config.json"):

@@ -55,12 +55,15 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_sample)
 
 
+MAX_SAMPLES = 10_000
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     import tngram
     from tngram.train.dist import resolve_device  # lazy: torch loads when the command runs
 
-    if args.num_samples < 1:
-        raise TngramError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if not 1 <= args.num_samples <= MAX_SAMPLES:  # a typo of 1e15 sampled for ever
+        raise TngramError(f"--num-samples must be in [1, {MAX_SAMPLES}], got {args.num_samples}")
     if args.max_new_tokens < 1:
         raise TngramError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.seed + args.num_samples - 1 >= 2**63:

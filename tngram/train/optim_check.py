@@ -188,4 +188,12 @@ def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
     for sec, v in config.items():  # compared with the run's config on --resume
         if sec != "name" and not isinstance(v, dict):
             raise BadRecordError(f"{file}: field config.{sec} must be an object")
+    # every step adds data.global_batch_tokens (fixed for a run: --resume refuses a change)
+    batch = config.get("data", {}).get("global_batch_tokens")
+    if isinstance(batch, int) and not isinstance(batch, bool) and "tokens" in meta:
+        if meta["tokens"] != meta["step"] * batch:
+            raise BadRecordError(
+                f"{file}: field 'tokens' must be step x data.global_batch_tokens = "
+                f"{meta['step']} x {batch}, got {meta['tokens']}"
+            )
     return meta
