@@ -20,9 +20,10 @@ TN-gram's 18,888,712; 36,000 at mini: Δ 4,336,800 vs 4,329,544, the pareto map'
 `paper-l9-tngram-sum / -hsum / -lean`: TN-gram variants that cut work from the GPU step, each
 within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1520, the largest multiple
 of 16 within TN-gram's Δparams: 18,695,080; an R off 16 lets Triton use only 4-byte loads and
-atomics, and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416 wide (mini-tngram-hsum
-with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's Δ: 26,421,720);
-no RMSNorm and no absorption at R 1024 (18,882,568). They keep the paper recipes' table lr.
+atomics, and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416 wide
+(mini-tngram-hsum with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's
+Δ: 26,421,720); no RMSNorm and no absorption at R 1024 (18,882,568). They keep the paper
+recipes' table lr.
 
 `mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed;
 docs/RESULTS.md the comparison).
