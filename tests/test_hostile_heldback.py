@@ -6,7 +6,8 @@ earlier rounds, that the earlier fixes did not cover. Each is one line naming th
   `gpt` alone, so it loaded with the same logits while config.json told tools (generation's
   length, lm-eval's width) something else;
 - a checkpoint's meta.json `tokens` that is not step x data.global_batch_tokens;
-- `sample --num-samples` beyond 10000."""
+- `sample --num-samples` beyond 10000;
+- `bench decode` prompt + tokens longer than the model's context."""
 
 from __future__ import annotations
 
@@ -89,3 +90,22 @@ def test_sample_num_samples_beyond_the_bound_is_one_line(n, tmp_path, capsys):
     rc, err = cli(["sample", str(tmp_path), "--prompt", "the", "--num-samples", n], capsys)
     one_line_exit_2(rc, err)
     assert f"--num-samples must be in [1, 10000], got {n}" in err, err
+
+
+# - `bench decode --tokens 1e15` decoded for a minute to the model's context and then failed;
+#   `--prompt 1e15` tried to allocate the prompt (out of memory): both refused before any model
+
+
+@pytest.mark.parametrize(
+    "flag, expect",
+    [("--tokens", "--prompt 16 + --tokens {n}"), ("--prompt", "--prompt {n} + --tokens 64")],
+)
+def test_bench_decode_longer_than_the_context_is_one_line_before_work(flag, expect, capsys):
+    from test_hostile import cli, one_line_exit_2
+
+    n = 10**15
+    argv = ["bench", "decode", "--shapes", "mini", "--methods", "raw", flag, str(n)]
+    rc, err = cli([*argv, "--reps", "1", "--warmup", "0"], capsys)
+    # the bench's header note (its torch threads) comes first, as for every bench
+    one_line_exit_2(rc, "\n".join(x for x in err.splitlines() if "tngram: threads:" not in x))
+    assert expect.format(n=n) + " must be at most the mini model's sequence_len 256" in err, err

@@ -107,10 +107,18 @@ def run(
     hf: bool = True,
     tiny: bool = False,
 ) -> dict[str, Any]:
-    if tokens < 2:
-        from tngram.common import TngramError
+    from tngram.common import TngramError
+    from tngram.train.recipes import get_recipe
 
+    if tokens < 2:
         raise TngramError(f"--tokens must be >= 2, got {tokens}")
+    for shape in shapes:  # before any model is built: the whole decode must fit the context
+        seq = 64 if tiny else get_recipe(f"{SHAPES[shape]}-raw").model.sequence_len
+        if prompt_len + tokens > seq:
+            raise TngramError(
+                f"--prompt {prompt_len} + --tokens {tokens} must be at most the {shape} "
+                f"model's sequence_len {seq}"
+            )
     load_before = loadavg()
     rows = []
     use_hf = hf
