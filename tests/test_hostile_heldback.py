@@ -7,7 +7,8 @@ earlier rounds, that the earlier fixes did not cover. Each is one line naming th
   length, lm-eval's width) something else;
 - a checkpoint's meta.json `tokens` that is not step x data.global_batch_tokens;
 - `sample --num-samples` beyond 10000;
-- `bench decode` prompt + tokens longer than the model's context."""
+- `bench decode` prompt + tokens longer than the model's context;
+- an exported folder's model.safetensors truncated or empty (the error named no file)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,18 @@ def test_bench_decode_longer_than_the_context_is_one_line_before_work(flag, expe
     # the bench's header note (its torch threads) comes first, as for every bench
     one_line_exit_2(rc, "\n".join(x for x in err.splitlines() if "tngram: threads:" not in x))
     assert expect.format(n=n) + " must be at most the mini model's sequence_len 256" in err, err
+
+
+# - an exported folder's model.safetensors truncated or empty: safetensors' "invalid header
+#   length" / "header too small", naming no file
+
+
+@pytest.mark.parametrize("keep", [1000, 8, 0])
+def test_truncated_exported_weights_name_the_file(keep, exported, tmp_path):
+    folder = H.edit(exported, tmp_path / "f", lambda c: None)
+    w = folder / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:keep])
+    with pytest.raises(BadRecordError) as e:
+        H.load(folder)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{w}: corrupt or truncated safetensors file" in msg, msg

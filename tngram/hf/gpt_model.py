@@ -391,12 +391,22 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             config = cls.config_class.from_pretrained(name, **hub)
         check_folder_config(config, where)
         saved_name = pin_tokenizer_path(config, source, where, kwargs)
+        from safetensors import SafetensorError
+
+        from tngram.readback import BadRecordError
+
+        weights = where.replace("config.json", "model.safetensors")
         want_info = kwargs.pop("output_loading_info", False)
-        loaded: Any = super().from_pretrained(
-            *args, config=config, output_loading_info=True, **kwargs
-        )
+        try:
+            loaded: Any = super().from_pretrained(
+                *args, config=config, output_loading_info=True, **kwargs
+            )
+        except SafetensorError as e:  # safetensors' own message names no file
+            raise BadRecordError(
+                f"{weights}: corrupt or truncated safetensors file ({e})"
+            ) from None
         model, info = loaded
-        check_loaded_weights(info, where.replace("config.json", "model.safetensors"))
+        check_loaded_weights(info, weights)
         if saved_name is not None:  # the config keeps the folder's own name, never a full path
             model.config.gpt["memory"]["tokenizer_path"] = saved_name
         model.recompute_buffers()
