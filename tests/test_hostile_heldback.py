@@ -8,7 +8,8 @@ earlier rounds, that the earlier fixes did not cover. Each is one line naming th
 - a checkpoint's meta.json `tokens` that is not step x data.global_batch_tokens;
 - `sample --num-samples` beyond 10000;
 - `bench decode` prompt + tokens longer than the model's context;
-- an exported folder's model.safetensors truncated or empty (the error named no file)."""
+- an exported folder's model.safetensors truncated or empty (the error named no file);
+- an exported folder without its gpt_digest (a rope_base edit then loaded with other logits)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,44 @@ def test_truncated_exported_weights_name_the_file(keep, exported, tmp_path):
         H.load(folder)
     msg = str(e.value)
     assert "\n" not in msg and f"{w}: corrupt or truncated safetensors file" in msg, msg
+
+
+# - an exported folder with gpt_digest removed and rope_base edited (every shape kept): it loaded
+#   with logits off by 0.0087; a folder without its digest is now refused after the other checks
+
+
+def test_exported_folder_without_its_digest_is_refused(exported, tmp_path):
+    def change(c):
+        c.pop("gpt_digest")
+        c["gpt"]["rope_base"] = 500.0
+
+    folder = H.edit(exported, tmp_path / "f", change)
+    with pytest.raises(BadRecordError) as e:
+        H.load(folder)
+    msg = str(e.value)
+    assert "\n" not in msg and "config.json: field gpt_digest is missing" in msg, msg
+
+
+def test_with_the_digest_recomputed_the_rope_edit_loads_with_other_logits(tmp_path):
+    """Negative control: the digest is the only check that sees this edit. (The weights are
+    moved off their init, whose zero attention projections would make rope_base invisible.)"""
+    import torch
+
+    from tngram.hf.gpt_folder import gpt_digest
+
+    model = H.tiny_gpt(H.tngram_mem())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    exported = H.export(model, tmp_path / "moved")
+
+    def change(c):
+        c["gpt"]["rope_base"] = 500.0
+        c["gpt_digest"] = gpt_digest(c["gpt"], c.get("cp_ranks"))
+
+    ids = torch.randint(3, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = H.load(exported)(ids).logits
+        got = H.load(H.edit(exported, tmp_path / "f", change))(ids).logits
+    assert (got - ref).abs().max() > 1e-4

@@ -12,7 +12,8 @@ checks, before a model is built:
 - a memory's `tokenizer_path` (Engram's compression): a plain file name inside the folder, never
   a path outside it (a downloaded folder must not make the loader open other files);
 
-and after the weights are read: none missing, unexpected or of another shape.
+and after the weights are read: none missing, unexpected or of another shape; last, a folder
+without its `gpt_digest` is refused (`require_digest`).
 Every failure is one BadRecordError naming the file and the field.
 """
 
@@ -94,6 +95,17 @@ def check_folder_config(config: Any, where: str) -> Any:
             f"pad_id, memory_layers); re-export the run instead"
         )
     return m
+
+
+def require_digest(config: Any, where: str) -> None:
+    """After every other check: a folder without gpt_digest is refused (with the digest gone, an
+    edit that keeps every shape, e.g. rope_base, would load with other logits)."""
+    if getattr(config, "gpt_digest", None) is None:
+        raise BadRecordError(
+            f"{where}: field gpt_digest is missing: the config was edited, or exported before "
+            "tngram wrote digests (if you trust the folder, set it to "
+            "tngram.hf.gpt_folder.gpt_digest(gpt, cp_ranks))"
+        )
 
 
 def pin_tokenizer_path(config: Any, source: Any, where: str, kwargs: dict) -> str | None:

@@ -378,6 +378,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             check_folder_config,
             check_loaded_weights,
             pin_tokenizer_path,
+            require_digest,
         )
 
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -407,6 +408,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             ) from None
         model, info = loaded
         check_loaded_weights(info, weights)
+        require_digest(config, where)
         if saved_name is not None:  # the config keeps the folder's own name, never a full path
             model.config.gpt["memory"]["tokenizer_path"] = saved_name
         model.recompute_buffers()
