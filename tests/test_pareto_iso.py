@@ -162,8 +162,9 @@ def test_report_keeps_iso_points_off_the_params_map_and_in_the_total_and_step_vi
     at = [c["header"] for c in POINT_COLUMNS].index("total params")
     assert t["points"][1][at : at + len(COST_KEYS)] == [592_144, 2, 8, 100]
     assert t["total"] == [
-        ["raw GPT", 256, 592_144, [4.0], 0.0, 1.0],
-        ["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05), 1.1],
+        ["raw GPT", 256, 592_144, [4.0], 0.0, None, None, 1.0],
+        # one seed: its paired difference 3.95 - 4.0, no interval; step 11 / 10 ms
+        ["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05), None, "1/0", 1.1],
     ]
     best_s = {r[0]: r[1] for r in t["best_step"]}
     assert best_s["≤ 1.25× raw"] == "product keys, iso (11)"
@@ -175,7 +176,7 @@ def test_aggregate_keeps_the_view_and_width_of_collected_rows():
     (view "total") stays off the Δparams map and enters the "= total parameters" table."""
     from tngram.experiments.pareto_report import aggregate, corpus_tables
 
-    def row(family, size, seed, loss, view="params", width=256, total=592_144):
+    def row_of(family, size, seed, loss, view="params", width=256, total=592_144):
         return {
             "corpus": "default",
             "family": family,
@@ -195,21 +196,25 @@ def test_aggregate_keeps_the_view_and_width_of_collected_rows():
         }
 
     rows = [
-        row("raw", None, 0, 4.0),
-        row("raw", None, 1, 4.2),
-        row("ple-iso", 24, 0, 3.9, "total", 208, 590_000),
-        row("ple-iso", 24, 1, 4.0, "total", 208, 590_000),
+        row_of("raw", None, 0, 4.0),
+        row_of("raw", None, 1, 4.2),
+        row_of("ple-iso", 24, 0, 3.9, "total", 208, 590_000),
+        row_of("ple-iso", 24, 1, 4.0, "total", 208, 590_000),
     ]
     bench = {"points": {"raw": {"step_ms": 10.0}, "ple-iso-24": {"step_ms": 12.0}}}
     pts = aggregate(rows, bench)
     t = corpus_tables(pts, "default")
     assert [r[0] for r in t["points"]] == ["raw GPT"]  # the iso point is off the Δparams map
     # its loss minus the raw GPT's: (3.9 + 4.0) / 2 - (4.0 + 4.2) / 2 = -0.15
-    assert t["total"][1][:5] == [
-        "per-layer embeddings, iso (24)",
-        208,
-        590_000,
-        [3.9, 4.0],
-        pytest.approx(-0.15),
-    ]
-    assert t["total"][1][5] == pytest.approx(1.2)  # step 12 ms over the raw GPT's 10 ms
+    # paired by seed: 3.9 - 4.0 = -0.1 and 4.0 - 4.2 = -0.2, mean -0.15, sd 0.0707; the 95%
+    # t interval with 1 df: -0.15 +- 12.706 * 0.0707 / sqrt(2) = -0.15 +- 0.6353
+    row = t["total"][1]
+    assert row[:4] == ["per-layer embeddings, iso (24)", 208, 590_000, [3.9, 4.0]]
+    assert row[4] == pytest.approx(-0.15)
+    assert row[5] == pytest.approx([-0.15 - 0.6353, -0.15 + 0.6353], abs=1e-3)
+    assert row[6] == "2/0"
+    assert row[7] == pytest.approx(1.2)  # step 12 ms over the raw GPT's 10 ms
+    # a seed the raw GPT lacks is left out of the pairing
+    rows.append(row_of("ple-iso", 24, 2, 3.0, "total", 208, 590_000))
+    t = corpus_tables(aggregate(rows, bench), "default")
+    assert t["total"][1][4] == pytest.approx(-0.15) and t["total"][1][6] == "2/0"

@@ -188,15 +188,30 @@ def aggregate(rows: list[dict[str, Any]], bench: dict[str, Any]) -> list[dict[st
 
 def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list[list[Any]]:
     """The "= total parameters" view: the raw GPT, then each point on an iso-parameter backbone
-    (view "total"): its MLP width, total parameters, val loss, val loss minus the raw GPT's (mean
-    over seeds) and measured step over the raw GPT's (None where either is untimed)."""
+    (view "total"): its MLP width, total parameters, seeds, val loss, val loss minus the raw
+    GPT's paired by seed (mean, 95% t interval, better/worse seeds; seeds the raw GPT lacks are
+    left out) and measured step over the raw GPT's (None where either is untimed)."""
+    from tngram.report.stats import paired_stats
+
+    raw_by_seed = {} if raw is None else dict(zip(raw["seeds"], raw["val_loss"]))
     out = []
     for p in ([raw] if raw is not None else []) + [p for p in points if p.get("view") == "total"]:
-        gap = None if raw is None else p["loss"] - raw["loss"]
         timed = raw is not None and raw.get("step_ms") and p.get("step_ms") is not None
-        ratio = p["step_ms"] / raw["step_ms"] if timed and raw is not None else None
-        row = [name_of(p), p["mlp_width"], p["total_params"], p["val_loss"], gap, ratio]
-        out.append(row)
+        ratio = p["step_ms"] / raw["step_ms"] if timed else None
+        diffs = [x - raw_by_seed[s] for s, x in zip(p["seeds"], p["val_loss"]) if s in raw_by_seed]
+        st = paired_stats(diffs) if diffs and p is not raw else None
+        out.append(
+            [
+                name_of(p),
+                p["mlp_width"],
+                p["total_params"],
+                p["val_loss"],
+                0.0 if p is raw else (None if st is None else st.mean),
+                None if st is None or st.n < 2 else [st.ci_low, st.ci_high],
+                None if st is None else f"{st.wins}/{st.losses}",
+                ratio,
+            ]
+        )
     return out
 
 
@@ -289,7 +304,9 @@ TOTAL_COLUMNS = [
     {"header": "MLP width"},
     {"header": "total params", "fmt": "params"},
     {"header": "val loss", "fmt": "mean_std:.4f"},
-    {"header": "− raw GPT (mean)", "fmt": "+.4f"},
+    {"header": "− raw GPT (paired mean)", "fmt": "+.4f"},
+    {"header": "95% CI", "fmt": "list:+.4f"},
+    {"header": "better/worse seeds"},
     {"header": "step / raw GPT's", "fmt": ".2f"},
 ]
 BEST_P_COLUMNS = [
