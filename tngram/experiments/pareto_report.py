@@ -197,7 +197,7 @@ def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list
     out = []
     for p in ([raw] if raw is not None else []) + [p for p in points if p.get("view") == "total"]:
         timed = raw is not None and raw.get("step_ms") and p.get("step_ms") is not None
-        ratio = p["step_ms"] / raw["step_ms"] if timed else None
+        ratio = p["step_ms"] / raw["step_ms"] if timed and raw is not None else None
         diffs = [x - raw_by_seed[s] for s, x in zip(p["seeds"], p["val_loss"]) if s in raw_by_seed]
         st = paired_stats(diffs) if diffs and p is not raw else None
         out.append(
