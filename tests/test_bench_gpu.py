@@ -243,7 +243,7 @@ def test_tables_above_the_uint16_shard_vocabulary(one_thread):  # noqa: F811
     assert big["params"] - small["params"] == 65536 * 32  # d 32 (TINY_SETS)
 
 
-def test_fresh_dynamo_lets_every_model_compile(monkeypatch):
+def test_fresh_dynamo_lets_every_model_compile():
     """Many models through one forward code object: past dynamo's recompile limit the next one
     runs eager with no error (the first GPU run's 9th model). fresh_dynamo() before each compiled
     item makes every one compile: each adds one graph to dynamo's count. Recompile limit 1 and the
@@ -251,8 +251,6 @@ def test_fresh_dynamo_lets_every_model_compile(monkeypatch):
     import torch._dynamo
 
     from tngram.bench.gpu_parts import fresh_dynamo
-
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
 
     class Scale(nn.Module):
         def __init__(self, k: float) -> None:
@@ -273,11 +271,15 @@ def test_fresh_dynamo_lets_every_model_compile(monkeypatch):
 
         return int(counters["stats"]["unique_graphs"])
 
-    fresh_dynamo()
-    assert compiled_graphs(2.0, reset=False) == 1
-    assert compiled_graphs(3.0, reset=False) == 0  # over the limit: eager, silently
-    assert compiled_graphs(4.0, reset=True) == 1
-    assert compiled_graphs(5.0, reset=True) == 1
+    # torch's own config patch: monkeypatch's undo deletes a dynamo config entry it restores
+    limit = torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=1):
+        fresh_dynamo()
+        assert compiled_graphs(2.0, reset=False) == 1
+        assert compiled_graphs(3.0, reset=False) == 0  # over the limit: eager, silently
+        assert compiled_graphs(4.0, reset=True) == 1
+        assert compiled_graphs(5.0, reset=True) == 1
+    assert torch._dynamo.config.recompile_limit == limit  # restored
 
 
 def test_a_run_note_is_shown_with_its_tables(cpu_run):

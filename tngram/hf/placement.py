@@ -44,13 +44,20 @@ def check_table_device(value: Any, where: str = "table_device") -> None:
 
 
 def check_memory_config(cfg: Any) -> None:
-    """Every memory reads its tables through compact_rows except TN-gram's fused=False
-    reference (tngram.memory.cp indexes the factors directly): refuse it with one line."""
-    if getattr(cfg, "kind", None) == "tngram" and not getattr(cfg, "fused", True):
+    """table_device='cpu' reads every table through compact_rows, which a memory supports exactly
+    when its tables can train row-sparse (the `row_sparse_problem` hook of tngram.memory.base;
+    TN-gram's fused=False reference indexes the factors in place): refuse one that cannot."""
+    if not cfg.row_sparse_problem():
+        return
+    if cfg.kind == "tngram":
         raise TngramError(
             "table_device='cpu' needs TNGramConfig(fused=True) (the default): the fused=False "
             "reference reads the factors in place, on the model's device"
         )
+    raise TngramError(
+        f"table_device='cpu' needs a memory whose tables are read row by row; "
+        f"kind {cfg.kind!r} reads them in place"
+    )
 
 
 def _memories(model: nn.Module) -> list[MemoryModule]:
