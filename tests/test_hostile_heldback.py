@@ -8,6 +8,7 @@ earlier rounds, that the earlier fixes did not cover. Each is one line naming th
 - a checkpoint's meta.json `tokens` that is not step x data.global_batch_tokens;
 - `sample --num-samples` beyond 10000;
 - `bench decode` prompt + tokens longer than the model's context;
+- bench `--reps` beyond 10000 and `--warmup` beyond 1000 (1e15 timed for ever);
 - an exported folder's model.safetensors truncated or empty (the error named no file);
 - an exported folder without its gpt_digest (a rope_base edit then loaded with other logits)."""
 
@@ -167,3 +168,18 @@ def test_with_the_digest_recomputed_the_rope_edit_loads_with_other_logits(tmp_pa
         ref = H.load(exported)(ids).logits
         got = H.load(H.edit(exported, tmp_path / "f", change))(ids).logits
     assert (got - ref).abs().max() > 1e-4
+
+
+# - bench `--reps 1e15` / `--warmup 1e15`: accepted, and the timing loop ran for ever; bounded in
+#   every bench subcommand that takes them (tngram.cli.bench.MAX_REPS / MAX_WARMUP)
+
+
+@pytest.mark.parametrize("sub", ["modules", "threads", "contention", "step", "vocab", "decode"])
+@pytest.mark.parametrize("flag, hi", [("--reps", 10_000), ("--warmup", 1_000)])
+def test_bench_reps_and_warmup_beyond_their_bound_are_one_line(sub, flag, hi, capsys):
+    from test_hostile import cli, one_line_exit_2
+
+    for n in (str(10**15), str(hi + 1)):
+        rc, err = cli(["bench", sub, flag, n], capsys)
+        one_line_exit_2(rc, err)
+        assert f"argument {flag}: must be an int >= " in err and f"<= {hi}, got '{n}'" in err, err

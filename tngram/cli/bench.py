@@ -265,8 +265,11 @@ def _gpu(args: argparse.Namespace) -> int:
 
 
 # ---- arguments: each flag that several subcommands take is defined once, here ---------------
+MAX_REPS, MAX_WARMUP = 10_000, 1_000  # a timing that repeats more is a typo, not a measurement
+
+
 def _reps(q: argparse.ArgumentParser, default: int | None, help: str) -> None:
-    q.add_argument("--reps", type=int_range(1), default=default, help=help)
+    q.add_argument("--reps", type=int_range(1, MAX_REPS), default=default, help=help)
 
 
 def _timing(q: argparse.ArgumentParser, reps: int, warmup: int, say_default: bool = False) -> None:
@@ -274,7 +277,10 @@ def _timing(q: argparse.ArgumentParser, reps: int, warmup: int, say_default: boo
     r, w = (f" (default: {reps})", f" (default: {warmup})") if say_default else ("", "")
     _reps(q, reps, "timed repetitions" + r)
     q.add_argument(
-        "--warmup", type=int_range(0), default=warmup, help="untimed warm-up repetitions" + w
+        "--warmup",
+        type=int_range(0, MAX_WARMUP),
+        default=warmup,
+        help="untimed warm-up repetitions" + w,
     )
 
 
