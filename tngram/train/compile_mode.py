@@ -54,7 +54,7 @@ class CompileState:
     graph_breaks: str | None = None  # why an "auto" compile allows graph breaks (row-sparse)
 
     def record(self) -> dict[str, object]:
-        """The env.json entry: {"setting", "ran", "reason"?, "newton_schulz"}."""
+        """The env.json entry: {"setting", "ran", "reason"?, "newton_schulz", "graph_breaks"?}."""
         out: dict[str, object] = {"setting": self.setting, "ran": self.ran}
         if self.reason is not None:
             out["reason"] = self.reason
