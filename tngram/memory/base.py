@@ -177,6 +177,12 @@ class RowSparse:
         return ""
 
 
+def builds_row_sparse_grads(model: nn.Module) -> bool:
+    """Whether a memory of `model` returns row-sparse table gradients now (`sparse_grad` set by
+    optim.memory_update sparse / rowwise)."""
+    return any(isinstance(m, RowSparse) and m.sparse_grad for m in model.modules())
+
+
 class MemoryModule:
     """Mixin of every memory nn.Module: which of its parameters are lookup tables (Adam at the
     table learning rate, never Muon) and which are control parameters (gains, scales, per-channel

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from tngram.memory.base import RowSparse
+from tngram.memory.base import builds_row_sparse_grads
 
 COMPILE_SETTINGS = (True, False, "auto")
 
@@ -97,14 +97,9 @@ def compile_forward(
     if setting is True:
         compiled = cast(nn.Module, torch.compile(model, dynamic=False))
         return compiled, CompileState(setting, "compiled")
-    if row_sparse(model):
+    if builds_row_sparse_grads(model):
         compiled = cast(nn.Module, torch.compile(model, dynamic=False, fullgraph=False))
         why = "row-sparse table gathers run eager (optim.memory_update=sparse|rowwise)"
         return compiled, CompileState(setting, "compiled", armed=True, graph_breaks=why)
     compiled = cast(nn.Module, torch.compile(model, dynamic=False, fullgraph=True))
     return compiled, CompileState(setting, "compiled", armed=True)
-
-
-def row_sparse(model: nn.Module) -> bool:
-    """Whether a memory of `model` builds row-sparse table gradients (set up before compiling)."""
-    return any(isinstance(m, RowSparse) and m.sparse_grad for m in model.modules())

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tngram.common import TngramError, get_dist_info
-from tngram.memory.base import RowSparse
+from tngram.memory.base import builds_row_sparse_grads
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def sparse_grad_params(model: nn.Module) -> list[nn.Parameter]:
     sparse / rowwise), in a fixed order (the same on every process)."""
     from tngram.optim.groups import memory_table_params
 
-    if not any(isinstance(m, RowSparse) and m.sparse_grad for m in model.modules()):
+    if not builds_row_sparse_grads(model):
         return []
     return [p for p in memory_table_params(model) if p.requires_grad]
 

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.memory.base import RowSparse
+from tngram.memory.base import builds_row_sparse_grads
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, device: torch.device, world_size: int) -> nn.Mo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if any(isinstance(m, RowSparse) and m.sparse_grad for m in model.modules()):
+    if builds_row_sparse_grads(model):
         raise TngramError(
             "run.parallel=fsdp cannot train row-sparse tables "
             "(optim.memory_update sparse/rowwise); use run.parallel=ddp or "
