@@ -14,11 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_tiny import prompt, with_memory  # noqa: E402
+from hf_tiny import plain_args, prompt, with_memory  # noqa: E402
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
-from transformers import TrainingArguments  # noqa: E402
 
 from tngram.common import TngramError  # noqa: E402
 from tngram.hf import MemoryTrainer, memory_optimizer  # noqa: E402
@@ -49,23 +48,7 @@ class InOrder(MemoryTrainer):
 
 
 def args(tmp_path, **kw):
-    return TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=len(IDS),
-        learning_rate=LR,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        per_device_train_batch_size=1,
-        max_grad_norm=NORM,
-        optim="adamw_torch",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        **kw,
-    )
+    return plain_args(tmp_path, steps=len(IDS), lr=LR, batch=1, norm=NORM, **kw)
 
 
 def cli_path(model, a, mode):

@@ -15,12 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_tiny import prompt, with_memory  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+from test_hf_compile import fresh_dynamo  # noqa: E402,F401  (autouse: dynamo reset per test)
 
 
 def test_fullgraph_with_a_plain_cache_stops_with_our_line():

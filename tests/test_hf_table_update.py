@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_tiny import prompt, with_memory  # noqa: E402
+from hf_tiny import plain_args, prompt, with_memory  # noqa: E402
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
@@ -40,23 +40,7 @@ class Data(torch.utils.data.Dataset):
 
 def args(tmp_path, **kw):
     # one batch = the whole data set, so every step sees the same tokens whatever the order
-    return TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=STEPS,
-        learning_rate=LR,
-        weight_decay=0.0,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        per_device_train_batch_size=len(IDS),
-        max_grad_norm=NORM,
-        optim="adamw_torch",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        **kw,
-    )
+    return plain_args(tmp_path, steps=STEPS, lr=LR, batch=len(IDS), norm=NORM, **kw)
 
 
 def tables_of(model):
