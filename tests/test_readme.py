@@ -128,7 +128,7 @@ def test_generated_results_blocks_equal_their_results_files(path):
     if path.name == "RESULTS.md":    # the README links here instead of carrying tables
         assert {"demo-compare-cpu", "pareto-best-params", "pareto-best-step"} <= set(names)
     if path.name == "PERFORMANCE.md":
-        assert {"bench-threads-bbf1675:candidates", "bench-threads-bbf1675:targets"} <= set(names)
+        assert {"bench-threads-8a1a1d7:candidates", "bench-threads-8a1a1d7:targets"} <= set(names)
     assert main(["report", "doc", "--check", str(path)]) == 0
 
 
