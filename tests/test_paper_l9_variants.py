@@ -1,7 +1,8 @@
 """The paper-l9 TN-gram variants that cut the GPU step's work (train/recipes.py): each within
 Engram's Δparams at paper-l9, counted on the meta device (model.gpt.param_counts, nothing
-allocated), each size the largest its rule allows (one more step would exceed its reference), and each
-cutting what it claims: the K/V input width (sum, hsum) or the norm/absorption stages (lean)."""
+allocated), each size the largest its rule allows (one more step would exceed its reference),
+and each cutting what it claims: the K/V input width (sum, hsum) or the norm/absorption stages
+(lean), or both (sum-lean)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def kv_input_width(cfg) -> int:  # noqa: ANN001
         model = GPT(cfg.model)
     fusions = [m for m in model.modules() if hasattr(m, "value_proj")]
     return fusions[0].value_proj.in_features
+
+
+def train_flops_of(cfg) -> float:  # noqa: ANN001
+    """tngram.bench.step.train_flops of one 64 x 1024-token step, on a meta-device model."""
+    from tngram.bench.step import train_flops
+
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    m = cfg.model
+    return train_flops(model, m.n_layer, m.n_embd, m.sequence_len, 64 * 1024)
 
 
 ENGRAM = delta(get_recipe("paper-l9-engram"))
@@ -72,7 +83,21 @@ def test_the_variants_cut_what_they_claim():
     m = lean.model.memory
     assert (m.cp_rank, m.use_norm, m.use_absorption) == (t.cp_rank, False, False)
     assert delta(lean) <= TNGRAM <= ENGRAM
+    # sum and lean together: sum's K/V width, lean's stages off, and the one variant whose matmul
+    # FLOPs (6 x matmul params x tokens + attention, train_flops) are below Engram's without
+    # hsum's extra hashed tables (K/V 1520 x 512 x 2 per layer against Engram's 2048 x 512 x 2)
+    sl = get_recipe("paper-l9-tngram-sum-lean")
+    m = sl.model.memory
+    assert (m.order_combine, m.cp_rank, m.use_norm, m.use_absorption) == ("sum", 1520, False, False)
+    assert kv_input_width(sl) == 1520 and delta(sl) <= delta(s) <= TNGRAM
+    assert train_flops_of(sl) < train_flops_of(engram) < train_flops_of(tngram)
+    assert train_flops_of(sl) == train_flops_of(s)  # norm/absorption hold no matmul
     # everything but the memory is the paper-l9 backbone and training setup
-    for name in ("paper-l9-tngram-sum", "paper-l9-tngram-hsum", "paper-l9-tngram-lean"):
+    for name in (
+        "paper-l9-tngram-sum",
+        "paper-l9-tngram-hsum",
+        "paper-l9-tngram-lean",
+        "paper-l9-tngram-sum-lean",
+    ):
         cfg = get_recipe(name)
         assert replace(cfg, name=tngram.name, model=replace(cfg.model, memory=t)) == tngram, name

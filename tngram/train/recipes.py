@@ -17,13 +17,13 @@ slice-table modulus chosen so its Δparams equals TN-gram's (36,380 rows at L9, 
 4 slices per order, averaged fusion), rows chosen the same way (36,954 at L9: Δ 18,888,912 vs
 TN-gram's 18,888,712; 36,000 at mini: Δ 4,336,800 vs 4,329,544, the pareto map's LongCat point).
 
-`paper-l9-tngram-sum / -hsum / -lean`: TN-gram variants that cut work from the GPU step, each
-within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1520, the largest multiple
-of 16 within TN-gram's Δparams: 18,695,080; an R off 16 lets Triton use only 4-byte loads and
-atomics, and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416 wide
-(mini-tngram-hsum with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's
-Δ: 26,421,720); no RMSNorm and no absorption at R 1024 (18,882,568). They keep the paper
-recipes' table lr.
+`paper-l9-tngram-sum / -hsum / -lean / -sum-lean`: TN-gram variants that cut work from the GPU
+step, each within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1520, the
+largest multiple of 16 within TN-gram's Δparams: 18,695,080; an R off 16 lets Triton use only
+4-byte loads and atomics, and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416
+wide (mini-tngram-hsum with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's
+Δ: 26,421,720); no RMSNorm and no absorption at R 1024 (18,882,568); sum and lean together at
+R 1520. They keep the paper recipes' table lr.
 
 `mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed;
 docs/RESULTS.md the comparison).
@@ -183,6 +183,13 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "paper-l9-tngram-lean": lambda: _paper_l9(
         _tngram(1024, use_norm=False, use_absorption=False), "paper-l9-tngram-lean"
     ),
+    # sum and lean together: the K/V input of sum (R 1520) without lean's norm and absorption
+    # passes; the one variant whose matmul FLOPs (tngram.bench.step.train_flops) are below
+    # Engram's with none of hsum's extra hashed-table reads
+    "paper-l9-tngram-sum-lean": lambda: _paper_l9(
+        _tngram(1520, order_combine="sum", use_norm=False, use_absorption=False),
+        "paper-l9-tngram-sum-lean",
+    ),
     "paper-l18-raw": lambda: _paper_l18(None, "paper-l18-raw"),
     "paper-l18-engram": lambda: _paper_l18(_engram(1024, 1024, heads=8), "paper-l18-engram"),
     "paper-l18-tngram": lambda: _paper_l18(_tngram(1800), "paper-l18-tngram"),
@@ -233,6 +240,9 @@ DESCRIPTIONS: dict[str, str] = {
     "paper-l9-tngram-sum": "L9 + TN-gram N 5, R 1520, order_combine sum (K/V read R, not 4R)",
     "paper-l9-tngram-hsum": "L9 + TN-gram R 256, orders summed, + hashed orders 2-5 (416 wide)",
     "paper-l9-tngram-lean": "L9 + TN-gram N 5, R 1024, no RMSNorm, no absorption",
+    "paper-l9-tngram-sum-lean": (
+        "L9 + TN-gram N 5, R 1520, order_combine sum, no RMSNorm, no absorption"
+    ),
     "paper-l18-raw": "the paper's L18 GPT, no memory",
     "paper-l18-engram": "L18 + Engram N 5, 8 heads per order",
     "paper-l18-tngram": "L18 + TN-gram N 5, R 1800",
