@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +38,46 @@ Trainer.train_step = train_step
 from tngram.train.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
+# The run holds at the end of step `step` until the test creates the file `go` (it does so once
+# the signal's handler has answered), so a signal from outside always lands inside that step and
+# no test depends on timing. Test code only: the package has no pause.
+PAUSE_AFTER_STEP = """
+import sys, time
+from pathlib import Path
+from tngram.train.loop import Trainer
+real = Trainer.train_step
+def train_step(self):
+    loss = real(self)
+    if self.step == {step}:
+        go = Path({go!r})
+        print("test: holding after step {step}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 120
+        while not go.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"test: {{go}} never appeared")
+            time.sleep(0.01)
+    return loss
+Trainer.train_step = train_step
+"""
+PAUSED_TRAIN = PAUSE_AFTER_STEP + """
+from tngram.train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+PAUSED_WORKER = PAUSE_AFTER_STEP + """
+from tngram.experiments.worker import main
+sys.exit(main())
+"""
+
+
+def read_until(proc: subprocess.Popen, text: str) -> str:
+    """proc's stderr up to and including the first line holding `text` (all of it when the
+    process ends first: the caller's assertion then shows it)."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if text in line:
+            break
+    return "".join(seen)
 
 
 @pytest.fixture(scope="module")
@@ -100,35 +139,44 @@ def test_second_signal_exits_at_once_and_resume_from_the_last_checkpoint_is_iden
 
 
 def test_external_sigint_while_training_then_resume_is_identical(reference, tiny_data, tmp_path):
-    """A real signal from outside, whenever it lands (after step 2 has been reported)."""
-    run = tmp_path / "run"
+    """A real SIGINT from outside while step 2 is in progress (the run holds at the end of step 2
+    until the handler's line is out): step 2 is checkpointed, exit 130, the resume is identical."""
+    run, go = tmp_path / "run", tmp_path / "go"
     args = cli_args(tiny_data, "mini-tngram", run, EXTRA)
-    proc = subprocess.Popen([sys.executable, "-m", "tngram.train", *args, "--no-progress"], env=ENV,
+    code = PAUSED_TRAIN.format(step=2, go=str(go))
+    proc = subprocess.Popen([sys.executable, "-c", code, *args, "--no-progress"], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = []
-    for line in proc.stderr:
-        err.append(line)
-        if "step 2/6" in line:
-            proc.send_signal(signal.SIGINT)
-            break
-    err += proc.stderr.readlines()
-    rc = proc.wait(timeout=180)
-    err = "".join(err)
-    if rc == 0:                    # finished before the signal was handled: nothing to resume
-        pytest.skip("the run ended before the signal arrived")
+    try:
+        err = read_until(proc, "test: holding after step 2")
+        assert "test: holding after step 2" in err, err[-2000:]
+        proc.send_signal(signal.SIGINT)
+        err += read_until(proc, "tngram: SIGINT: finishing this step")
+        assert "tngram: SIGINT: finishing this step" in err, err[-2000:]
+        go.touch()
+        err += proc.stderr.read()
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert rc == 130 and "Traceback" not in err, err[-2000:]
-    steps = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)]
-    assert len(steps) == 1 and 2 <= steps[0] <= 6
+    last = [x for x in err.splitlines() if x.strip()][-1]
+    assert "stopped by SIGINT after step 2" in last and "step_000002" in last
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)] == [2]
     again = resume(args)
     assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed {run} from step_000002" in again.stdout
     same_as_reference(reference, run)
 
 
 RUNNER = """
 import json, sys
 from pathlib import Path
+from tngram.experiments import runner
 from tngram.experiments.runner import RunSpec, run_all
 from tngram.train.config import TrainConfig
+if len(sys.argv) > 3:                          # the worker's code (PAUSED_WORKER) instead
+    runner.launch_command = lambda nproc: [sys.executable, "-c", sys.argv[3]]
 cfg = TrainConfig.from_dict(json.loads(Path(sys.argv[1]).read_text()))
 run_all([RunSpec("tiny", cfg)], Path(sys.argv[2]))
 """
@@ -136,30 +184,40 @@ run_all([RunSpec("tiny", cfg)], Path(sys.argv[2]))
 
 def test_sigterm_to_the_compare_runner_reaches_its_worker_and_rerun_is_identical(reference, tiny_data,
                                                                                  tmp_path):
-    """SIGTERM to the parent of a worker subprocess (what `compare` / `experiment` run): the
-    parent forwards it once, the worker checkpoints, both exit 143; running again resumes."""
-    cfg_file = tmp_path / "cfg.json"
+    """SIGTERM to the parent of a worker subprocess (what `compare` / `experiment` run) while the
+    worker is in step 2 (it holds there until its handler's line is out): the parent forwards it
+    once, the worker checkpoints step 2, both exit 143; running again resumes."""
+    cfg_file, go = tmp_path / "cfg.json", tmp_path / "go"
     cfg_file.write_text(json.dumps(tiny_config(tiny_data, extra=EXTRA).to_dict()))
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", textwrap.dedent(RUNNER), str(cfg_file), str(out)]
-    parent = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "runs" / "tiny" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and parent.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
-    parent.send_signal(signal.SIGTERM)
-    stdout, stderr = parent.communicate(timeout=180)
-    if parent.returncode == 0:
-        pytest.skip("the run ended before the signal arrived")
+    worker = PAUSED_WORKER.format(step=2, go=str(go))
+    parent = subprocess.Popen(cmd + [worker], env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        stderr = read_until(parent, "test: holding after step 2")
+        assert "test: holding after step 2" in stderr, stderr[-2000:]
+        parent.send_signal(signal.SIGTERM)
+        stderr += read_until(parent, "tngram: SIGTERM: finishing this step")   # the worker's
+        assert "tngram: SIGTERM: finishing this step" in stderr, stderr[-2000:]
+        go.touch()
+        stderr += parent.stderr.read()
+        parent.wait(timeout=180)
+    finally:
+        go.touch()                      # a worker left behind by a failed assertion goes on
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
     assert parent.returncode == 143, stderr[-2000:]
     assert "Traceback" not in stderr
+    assert stderr.count("the running training run(s) finish their step") == 1   # the parent, once
     assert "run the same command again" in stderr.splitlines()[-1]
     # the worker's own line gives the same advice: the runner rejects --resume and resumes itself
     assert "--resume" not in stderr and "it resumes this run from its checkpoint" in stderr
+    assert "stopped by SIGTERM after step 2" in stderr
     run = out / "runs" / "tiny"
-    assert len(ckpt.list_checkpoints(run)) == 1 and not (run / "summary.json").exists()
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)] == [2]
+    assert not (run / "summary.json").exists()
     again = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr[-2000:]
     same_as_reference(reference, run)
