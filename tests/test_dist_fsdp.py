@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,9 +48,29 @@ HERE = Path(__file__).resolve().parent
 
 
 def torchrun(args: list[str], timeout: float = 200) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    """2 processes on a port torchrun picks (--standalone); PYTHONFAULTHANDLER: a process that
+    crashes prints its Python stack into the stderr the assertions show."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# `tngram.train` as users run it; the wrapper only counts, when train() destroys the process
+# group, the FSDP-sharded modules still in memory (collected or not): none may be, else the
+# group's last reference goes with whichever garbage collection comes later (dist.release_ddp)
+COUNTING_TRAIN = """
+import gc, os, sys
+import tngram.train.loop as loop
+from torch.distributed.fsdp import FSDPModule
+real = loop.shutdown
+def shutdown(ctx):
+    alive = sum(FSDPModule in type(o).__mro__ for o in gc.get_objects())
+    print(f"test: rank {os.environ['RANK']}: {alive} FSDP modules alive at shutdown", flush=True)
+    real(ctx)
+loop.shutdown = shutdown
+from tngram.train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +85,11 @@ def single_run(tiny_data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("fsdp-two") / "run"
-    proc = torchrun(["-m", "tngram.train", *cli_args(tiny_data, "mini-tngram", run, EXTRA)])
+    proc = torchrun(["--no-python", sys.executable, "-c", COUNTING_TRAIN,
+                     *cli_args(tiny_data, "mini-tngram", run, EXTRA)])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = re.findall(r"test: rank (\d): (\d+) FSDP modules alive at shutdown", proc.stdout)
+    assert sorted(counts) == [("0", "0"), ("1", "0")], proc.stdout[-3000:]
     return run
 
 

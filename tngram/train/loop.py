@@ -129,6 +129,8 @@ def train(
         torch.set_num_threads(threads)
         if trainer is not None:
             release_ddp(trainer, ctx)  # the DDP wrapper goes before the process group
+            if getattr(trainer, "sharded", False):  # and FSDP's state, which holds the group
+                release_ddp(trainer, ctx, "model")
         shutdown(ctx)
     if ctx.is_main:  # the lock is released: the run can be resumed right away
         print(
