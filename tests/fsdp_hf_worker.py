@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -54,7 +55,9 @@ def main(steps: int = 4) -> list[float]:
         from torch.distributed.tensor import DTensor
         mem = [p for n, p in model.named_parameters() if "factors" in n]
         print(json.dumps({"losses": losses, "sharded": bool(mem) and isinstance(mem[0], DTensor)}))
-    if world > 1:
+    if world > 1:  # the model's FSDP state holds the group: it goes first (dist.release_ddp)
+        del model, opt
+        gc.collect()
         dist.destroy_process_group()
     return losses
 
