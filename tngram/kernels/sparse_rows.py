@@ -37,6 +37,7 @@ with the table beside the ids (the same rows, the same per-row sums in the same 
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -81,44 +82,62 @@ def set_read_hook(table: Tensor, hook: Callable[[Tensor], None] | None) -> None:
 
 
 class _CompactRows(torch.autograd.Function):
-    """apply(table (..., W), uniq (U,) flat row ids, src (U',), pos (U,)) -> table.view(-1, W)[src]
-    (row pos[i] of the result is row uniq[i] of the table); backward: a sparse COO gradient of
-    table's shape holding the U rows uniq."""
+    """apply(table (..., W), uniq (U,) flat row ids, src (U',), pos (U,) or None, first (U,) or
+    None) -> table.view(-1, W)[src] (row pos[i] of the result is row uniq[i] of the table; pos
+    None: src is uniq, row i is row uniq[i]); backward: a sparse COO gradient of table's shape
+    holding the U rows uniq. first: uniq's index along table's first dim, when known."""
 
     @staticmethod
-    def forward(ctx, table: Tensor, uniq: Tensor, src: Tensor, pos: Tensor) -> Tensor:  # noqa: ANN001
-        ctx.save_for_backward(uniq, pos)
+    def forward(ctx, table, uniq, src, pos, first):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(uniq, pos, first)
         ctx.shape = table.shape
         return table.reshape(-1, table.shape[-1]).index_select(0, src)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
-        uniq, pos = ctx.saved_tensors
-        return sparse_row_grad(uniq, grad.index_select(0, pos), ctx.shape), None, None, None
+        uniq, pos, first = ctx.saved_tensors
+        # pos None: the gradient's rows are uniq's already (the copy index_select(0, arange)
+        # would make); contiguous() only if autograd handed an expanded one
+        vals = grad.contiguous() if pos is None else grad.index_select(0, pos)
+        return sparse_row_grad(uniq, vals, ctx.shape, first), None, None, None, None
 
 
-def sparse_row_grad(rows: Tensor, values: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+def sparse_row_grad(
+    rows: Tensor,
+    values: Tensor,
+    shape: torch.Size | tuple[int, ...],
+    first: Tensor | None = None,
+) -> Tensor:
     """A sparse COO tensor of `shape` whose flat rows (over all but the last dim) `rows` hold
-    `values` (len(rows), shape[-1]); `rows` must be sorted and distinct (it is marked coalesced)."""
+    `values` (len(rows), shape[-1]); `rows` must be sorted and distinct (it is marked coalesced).
+    first: the rows' index along the first dim, when the caller has it (unravel_rows)."""
     lead = tuple(shape[:-1])
-    idx = rows.unsqueeze(0) if len(lead) == 1 else unravel_rows(rows, lead)  # (len(lead), U)
+    idx = rows.unsqueeze(0) if len(lead) == 1 else unravel_rows(rows, lead, first)  # (len(lead), U)
     with torch.sparse.check_sparse_tensor_invariants(enable=False):
         return torch.sparse_coo_tensor(idx, values, tuple(shape), is_coalesced=True)
 
 
-def unravel_rows(rows: Tensor, lead: tuple[int, ...]) -> Tensor:
+def unravel_rows(rows: Tensor, lead: tuple[int, ...], first: Tensor | None = None) -> Tensor:
     """torch.stack(torch.unravel_index(rows, lead)) (len(lead), U), with Python-int divisors.
 
     torch.unravel_index builds its divisors with torch.tensor(..., device=rows.device): on CUDA
     two blocking host-to-device copies, each a stream synchronisation, inside the backward
     (where the host is usually far ahead of the card). Integer floor division and remainder
-    by Python ints are exact, so the indices are the same."""
+    by Python ints are exact, so the indices are the same. first: rows // prod(lead[1:]) when
+    the caller has it (the compaction's block of each row): the rest is then rows - first *
+    prod(lead[1:]), one op instead of a division and a remainder (the same integers)."""
     out, rest = [], rows
-    for size in reversed(lead[1:]):
+    inner = lead[1:]
+    if first is not None:
+        rest = torch.sub(rows, first, alpha=math.prod(inner))
+        inner = inner[1:]
+    for size in reversed(inner):
         out.append(torch.remainder(rest, size))
         rest = torch.div(rest, size, rounding_mode="floor")
     out.append(rest)
+    if first is not None:
+        out.append(first)
     return torch.stack(out[::-1])
 
 
@@ -162,26 +181,45 @@ def _compact_rows(
     if hook is not None and torch.is_grad_enabled():
         with torch.no_grad():
             hook(uniq)
-    if blocks == 1:
-        pos = torch.arange(uniq.numel(), device=ids.device)
-        return _gather(table, uniq, uniq, pos, sparse), inv
-    which = torch.div(uniq, block, rounding_mode="floor")  # block of each row
-    # uniq is sorted: block j's rows are uniq[starts[j]:ends[j]] (searchsorted, not bincount,
+    if blocks == 1:  # sub is table[uniq]: row i of sub is uniq[i] (no position map)
+        return _gather(table, uniq, uniq, None, None, sparse), inv
+    # uniq is sorted: block j's rows are uniq[edges[j]:edges[j+1]] (searchsorted, not bincount,
     # whose CUDA kernel reads the input's min and max back to the host: two more syncs)
-    bounds = torch.arange(blocks + 1, device=ids.device, dtype=uniq.dtype) * block
-    edges = torch.searchsorted(uniq, bounds)
-    starts, counts = edges[:-1], edges[1:] - edges[:-1]  # first uniq of each block, rows in it
-    per = max(1, int(counts.max())) if uniq.numel() else 1  # U_b (the one host read here)
-    pos = which * per + (torch.arange(uniq.numel(), device=ids.device) - starts[which])
+    edges = torch.searchsorted(uniq, _block_bounds(blocks, block, uniq))  # (blocks + 1,)
+    per = max(1, int(edges.diff().max())) if uniq.numel() else 1  # U_b (the one host read here)
+    which = torch.div(uniq, block, rounding_mode="floor")  # block of each row
+    # row i of uniq (block j = which[i]) goes to j * per + its rank in the block, i - edges[j]
+    pos = torch.arange(uniq.numel(), device=ids.device).sub_(edges[which]).add_(which, alpha=per)
     src = torch.zeros(blocks * per, dtype=uniq.dtype, device=ids.device)
     src[pos] = uniq
-    return _gather(table, uniq, src, pos, sparse), pos[inv]
+    first = which if table.dim() >= 3 and table.shape[0] == blocks else None  # its 1st index
+    return _gather(table, uniq, src, pos, first, sparse), pos[inv]
 
 
-def _gather(table: Tensor, uniq: Tensor, src: Tensor, pos: Tensor, sparse: bool) -> Tensor:
+def _block_bounds(blocks: int, block: int, like: Tensor) -> Tensor:
+    """(blocks + 1,) first flat row of each block and the end, cached per shape and device (a
+    fresh arange and product each call are two more kernels)."""
+    key = (blocks, block, like.device, like.dtype)
+    got = _BOUNDS.get(key)
+    if got is None:
+        got = _BOUNDS[key] = torch.arange(blocks + 1, device=like.device, dtype=like.dtype) * block
+    return got
+
+
+_BOUNDS: dict[tuple, Tensor] = {}
+
+
+def _gather(
+    table: Tensor,
+    uniq: Tensor,
+    src: Tensor,
+    pos: Tensor | None,
+    first: Tensor | None,
+    sparse: bool,
+) -> Tensor:
     """table.view(-1, W)[src]; the table's gradient row-sparse (sparse) or dense."""
     if sparse:
-        return _CompactRows.apply(table, uniq, src, pos)
+        return _CompactRows.apply(table, uniq, src, pos, first)
     return table.reshape(-1, table.shape[-1]).index_select(0, src)
 
 

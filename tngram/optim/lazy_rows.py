@@ -205,11 +205,12 @@ class _LazyRowAdam(torch.optim.Optimizer):
                 if rows is None:
                     flat.add_(self._row_update(m_all, v_all, vals, state["step"], lr, b1, b2, eps))
                     continue
-                # the touched rows in chunks of ~_ROW_CHUNK_ELEMS entries: a chunk's moments and
-                # weights are still in cache and TLB when written back, and its temporaries are
-                # small enough for the allocator to reuse (no fresh pages to fault in each step).
+                # on the CPU the touched rows in chunks of ~_ROW_CHUNK_ELEMS entries (one chunk
+                # on a GPU, _chunk_rows): a chunk's moments and weights are still in cache and TLB
+                # when written back, and its temporaries are small enough for the allocator to
+                # reuse (no fresh pages to fault in each step).
                 # Row by row the same arithmetic, so the same numbers (docs/LOG.md 2026-11-25)
-                n = max(1, _ROW_CHUNK_ELEMS // max(1, vals.shape[-1]))
+                n = _chunk_rows(vals)
                 for a in range(0, rows.numel(), n):
                     r = rows[a : a + n]
                     m, v = m_all.index_select(0, r), v_all.index_select(0, r)
@@ -234,7 +235,7 @@ class _LazyRowAdam(torch.optim.Optimizer):
     ) -> None:
         """The touched rows' step with catch-up: their missed steps' moves, then the usual one."""
         t, last = state["step"], state["last_step"]
-        n = max(1, _ROW_CHUNK_ELEMS // max(1, vals.shape[-1]))
+        n = _chunk_rows(vals)
         for a in range(0, rows.numel(), n):
             r = rows[a : a + n]
             m, v = m_all.index_select(0, r), v_all.index_select(0, r)
@@ -352,7 +353,7 @@ class _LazyRowAdam(torch.optim.Optimizer):
         t, last = state["step"], state["last_step"]
         m_all, v_all = self._moments(p, state)
         flat = p.view(-1, p.shape[-1])
-        n = max(1, _ROW_CHUNK_ELEMS // max(1, p.shape[-1]))
+        n = _chunk_rows(p)
         for a in range(0, rows.numel(), n):
             r = rows[a : a + n]
             last_r = last.index_select(0, r)
@@ -447,6 +448,16 @@ def settle_tables(optimizers: Iterable[torch.optim.Optimizer]) -> None:
 _ROW_CHUNK_ELEMS = 1 << 18
 
 
+def _chunk_rows(t: Tensor) -> int:
+    """Touched rows per chunk for rows of t's width on t's device. The chunks are a CPU cache
+    choice; on a GPU each chunk is ~13 more kernel launches (at paper-l9 TN-gram shapes, 16 x 1024
+    tokens, ~300 chunks per table), so there every row goes in one chunk. Row by row the same
+    arithmetic either way (tests/test_memory_update_chunks.py)."""
+    if t.device.type != "cpu":
+        return max(1, t.numel() // max(1, t.shape[-1]))
+    return max(1, _ROW_CHUNK_ELEMS // max(1, t.shape[-1]))
+
+
 def _rows_and_values(p: Tensor) -> tuple[Tensor | None, Tensor]:
     """(flat row ids or None for all rows, (rows, width) gradient values) of p.grad."""
     width, grad = p.shape[-1], p.grad
@@ -459,8 +470,9 @@ def _rows_and_values(p: Tensor) -> tuple[Tensor | None, Tensor]:
 
 
 def _flat_rows(ind: Tensor, lead: torch.Size | tuple[int, ...]) -> Tensor:
-    """Row-major flat row ids from the (k, nnz) indices of a sparse tensor with k sparse dims."""
-    rows = ind[0].clone()
+    """Row-major flat row ids from the (k, nnz) indices of a sparse tensor with k sparse dims:
+    rows = ind[d] + rows * lead[d], one integer op per dim after the first (exact)."""
+    rows = ind[0]
     for d in range(1, ind.shape[0]):
-        rows.mul_(lead[d]).add_(ind[d])
+        rows = torch.add(ind[d], rows, alpha=lead[d])
     return rows
