@@ -344,8 +344,14 @@ def table_step(model: str, V: int, update: str, shapes: Any) -> dict[str, Any]:
 
     _reset_peak(dev)
     t = timed(step, shapes.reps, shapes.warmup, dev)
+    row = {}
+    if table_opt is not None:  # which path updated the touched rows (the Triton kernel or torch)
+        from tngram.kernels.row_update import resolved_row_impl
+
+        row["row_update"] = resolved_row_impl(dev)
     return {
         **t,
+        **row,
         "tokens": shapes.table_batch * m.sequence_len,
         "params": sum(p.numel() for p in net.parameters()),
         "table_params": sum(p.numel() for p in memory_table_params(net)),
