@@ -91,6 +91,14 @@ class OpCount(TorchDispatchMode):
             self.big[name] += 1
         return out
 
+    def kernels(self) -> int:
+        """Ops counted that compute something (VIEW_OPS left out)."""
+        return sum(n for k, n in self.ops.items() if k not in VIEW_OPS)
+
+    def table_sized(self) -> int:
+        """Of those, the ops that wrote a table-sized output."""
+        return sum(n for k, n in self.big.items() if k not in VIEW_OPS)
+
 
 # in-place ops that write only the rows they index (their result is the whole tensor, a view)
 ROW_WRITES = frozenset({"index_copy_", "index_add_", "index_put_", "index_fill_"})
@@ -114,9 +122,9 @@ def _table_sized(name: str, out: Any, args: tuple, big: int) -> bool:
 def _summary(c: OpCount) -> dict[str, Any]:
     kernels = {k: n for k, n in c.ops.items() if k not in VIEW_OPS}
     return {
-        "ops": sum(kernels.values()),
+        "ops": c.kernels(),
         "views": sum(n for k, n in c.ops.items() if k in VIEW_OPS),
-        "table_sized": sum(n for k, n in c.big.items() if k not in VIEW_OPS),
+        "table_sized": c.table_sized(),
         "by_op": dict(sorted(kernels.items())),
         "table_sized_by_op": {k: n for k, n in sorted(c.big.items()) if k not in VIEW_OPS},
     }
