@@ -83,8 +83,8 @@ def test_table_step_ops_off_the_cpu_do_not_grow_with_the_rows(cls):
     1024 (which the CPU splits into 12 chunks of 256 rows). Control: the CPU does chunk them."""
     counts = {}
     for dev, n_rows in (("meta", 30), ("meta", 3000), ("cpu", 3000)):
-        w = torch.nn.Parameter(torch.zeros(3, 1000, 1024, device=dev))
-        rows = torch.arange(n_rows, device=dev)
+        w = torch.nn.Parameter(torch.zeros(3, 2000, 1024, device=dev))
+        rows = torch.arange(0, 2 * n_rows, 2, device=dev)  # half the rows at most
         opt = cls([w], lr=0.1)
         for _ in range(2):  # the first step allocates the state: count the second
             w.grad = sparse_row_grad(rows, torch.ones(n_rows, 1024, device=dev), w.shape)
