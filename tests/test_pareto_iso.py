@@ -162,9 +162,19 @@ def test_report_keeps_iso_points_off_the_params_map_and_in_the_total_and_step_vi
     at = [c["header"] for c in POINT_COLUMNS].index("total params")
     assert t["points"][1][at : at + len(COST_KEYS)] == [592_144, 2, 8, 100]
     assert t["total"] == [
-        ["raw GPT", 256, 592_144, [4.0], 0.0, None, None, 1.0],
-        # one seed: its paired difference 3.95 - 4.0, no interval; step 11 / 10 ms
-        ["product keys, iso (11)", 176, 576_784, [3.95], pytest.approx(-0.05), None, "1/0", 1.1],
+        ["raw GPT", 256, 592_144, [4.0], 0.0, None, None, 1.0, None],
+        # one seed: its paired difference 3.95 - 4.0, no interval; step 11 / 10 ms; no CORE
+        [
+            "product keys, iso (11)",
+            176,
+            576_784,
+            [3.95],
+            pytest.approx(-0.05),
+            None,
+            "1/0",
+            1.1,
+            None,
+        ],
     ]
     best_s = {r[0]: r[1] for r in t["best_step"]}
     assert best_s["≤ 1.25× raw"] == "product keys, iso (11)"
@@ -201,6 +211,7 @@ def test_aggregate_keeps_the_view_and_width_of_collected_rows():
         row_of("ple-iso", 24, 0, 3.9, "total", 208, 590_000),
         row_of("ple-iso", 24, 1, 4.0, "total", 208, 590_000),
     ]
+    rows[2]["core"], rows[3]["core"] = 0.11, 0.13  # CORE of the iso point's two seeds
     bench = {"points": {"raw": {"step_ms": 10.0}, "ple-iso-24": {"step_ms": 12.0}}}
     pts = aggregate(rows, bench)
     t = corpus_tables(pts, "default")
@@ -214,6 +225,7 @@ def test_aggregate_keeps_the_view_and_width_of_collected_rows():
     assert row[5] == pytest.approx([-0.15 - 0.6353, -0.15 + 0.6353], abs=1e-3)
     assert row[6] == "2/0"
     assert row[7] == pytest.approx(1.2)  # step 12 ms over the raw GPT's 10 ms
+    assert row[8] == [0.11, 0.13] and t["total"][0][8] is None  # CORE per seed; raw not scored
     # a seed the raw GPT lacks is left out of the pairing
     rows.append(row_of("ple-iso", 24, 2, 3.0, "total", 208, 590_000))
     t = corpus_tables(aggregate(rows, bench), "default")

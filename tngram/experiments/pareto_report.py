@@ -190,7 +190,8 @@ def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list
     """The "= total parameters" view: the raw GPT, then each point on an iso-parameter backbone
     (view "total"): its MLP width, total parameters, seeds, val loss, val loss minus the raw
     GPT's paired by seed (mean, 95% t interval, better/worse seeds; seeds the raw GPT lacks are
-    left out) and measured step over the raw GPT's (None where either is untimed)."""
+    left out), measured step over the raw GPT's (None where either is untimed) and the CORE
+    scores of its seeds (None when none was scored)."""
     from tngram.report.stats import paired_stats
 
     raw_by_seed = {} if raw is None else dict(zip(raw["seeds"], raw["val_loss"]))
@@ -210,6 +211,7 @@ def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list
                 None if st is None or st.n < 2 else [st.ci_low, st.ci_high],
                 None if st is None else f"{st.wins}/{st.losses}",
                 ratio,
+                p.get("core") or None,
             ]
         )
     return out
@@ -308,6 +310,7 @@ TOTAL_COLUMNS = [
     {"header": "95% CI", "fmt": "list:+.4f"},
     {"header": "better/worse seeds"},
     {"header": "step / raw GPT's", "fmt": ".2f"},
+    {"header": "CORE", "fmt": "mean_std:.4f"},
 ]
 BEST_P_COLUMNS = [
     {"header": "Δparams budget"},
