@@ -16,12 +16,13 @@ RowwiseAdam in chunks of touched rows (`tngram.optim.lazy_rows`), where CUDA run
 kernel per table (`tngram.kernels.row_update`).
 
     python -m tngram.bench.op_counts      # the table for TN-gram and Engram, dense/sparse/rowwise
+    python -m tngram.bench.op_counts --model tngram --set model.memory.cp_rank=16
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -208,10 +209,15 @@ def op_table(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m tngram.bench.op_counts [--set ...]: print op_table at V 4096."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    extra = tuple(args[i + 1] for i, a in enumerate(args) if a == "--set" and i + 1 < len(args))
-    print(op_table(extra=extra))
+    """python -m tngram.bench.op_counts [--vocab V] [--model M ...] [--set KEY=VALUE ...]:
+    print op_table (models tngram and engram unless named; --set applies to each)."""
+    ap = argparse.ArgumentParser(prog="python -m tngram.bench.op_counts")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--model", action="append", choices=("tngram", "engram"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    a = ap.parse_args(argv)
+    models = tuple(a.model or ("tngram", "engram"))
+    print(op_table(models, vocab=a.vocab, extra=tuple(a.set)))
     return 0
 
 
