@@ -43,7 +43,9 @@ On CUDA (triton installed) the touched rows of a sparse gradient are updated by 
 in place; no gathered copies, nothing outside the touched rows read or written), after a
 first-use self-check against a float64 evaluation; it does torch's operations with torch's
 roundings (tests/test_sparse_triton.py). If the check fails or the kernel raises, one warning and
-torch's gather / update / scatter from then on. On CPU the torch path runs, unchanged.
+torch's gather / update / scatter from then on, all touched rows of a table at once (~14 kernels
+per table; the CPU's chunks of rows, `tngram.optim.lazy_rows._chunk_rows`, are a cache choice
+that would cost ~13 launches per 256 rows of width 1024 on a GPU). On CPU the torch path runs.
 TNGRAM_ROW_UPDATE_IMPL (auto | torch | triton) forces one.
 
 Which parameters: `tngram.optim.groups.memory_table_params` (TN-gram factors, Engram / OE tables);
