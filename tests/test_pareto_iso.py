@@ -212,13 +212,22 @@ def test_aggregate_keeps_the_view_and_width_of_collected_rows():
         row_of("ple-iso", 24, 1, 4.0, "total", 208, 590_000),
     ]
     rows[2]["core"], rows[3]["core"] = 0.11, 0.13  # CORE of the iso point's two seeds
+    # a larger size of the same family, listed first and with the smaller Δparams: the table
+    # lists each family's sizes in ascending order all the same
+    rows += [row_of("ple-iso", 36, 0, 3.8, "total", 64, 560_000)]
     bench = {"points": {"raw": {"step_ms": 10.0}, "ple-iso-24": {"step_ms": 12.0}}}
+    bench["points"]["ple-iso-36"] = {"step_ms": 9.0}
     pts = aggregate(rows, bench)
     t = corpus_tables(pts, "default")
     assert [r[0] for r in t["points"]] == ["raw GPT"]  # the iso point is off the Δparams map
     # its loss minus the raw GPT's: (3.9 + 4.0) / 2 - (4.0 + 4.2) / 2 = -0.15
     # paired by seed: 3.9 - 4.0 = -0.1 and 4.0 - 4.2 = -0.2, mean -0.15, sd 0.0707; the 95%
     # t interval with 1 df: -0.15 +- 12.706 * 0.0707 / sqrt(2) = -0.15 +- 0.6353
+    assert [r[0] for r in t["total"]] == [
+        "raw GPT",
+        "per-layer embeddings, iso (24)",
+        "per-layer embeddings, iso (36)",
+    ]
     row = t["total"][1]
     assert row[:4] == ["per-layer embeddings, iso (24)", 208, 590_000, [3.9, 4.0]]
     assert row[4] == pytest.approx(-0.15)

@@ -195,8 +195,11 @@ def total_rows(points: list[dict[str, Any]], raw: dict[str, Any] | None) -> list
     from tngram.report.stats import paired_stats
 
     raw_by_seed = {} if raw is None else dict(zip(raw["seeds"], raw["val_loss"]))
+    iso = [p for p in points if p.get("view") == "total"]
+    fams = list(dict.fromkeys(p["family"] for p in iso))  # families in the map's order
+    iso.sort(key=lambda p: (fams.index(p["family"]), p["size"] or 0))  # each by size
     out = []
-    for p in ([raw] if raw is not None else []) + [p for p in points if p.get("view") == "total"]:
+    for p in ([raw] if raw is not None else []) + iso:
         timed = raw is not None and raw.get("step_ms") and p.get("step_ms") is not None
         ratio = p["step_ms"] / raw["step_ms"] if timed and raw is not None else None
         diffs = [x - raw_by_seed[s] for s, x in zip(p["seeds"], p["val_loss"]) if s in raw_by_seed]
