@@ -63,29 +63,33 @@ def test_every_which_memory_command_prints_its_config(capsys, tmp_path, monkeypa
 
 
 def test_which_memory_commands_train_the_points_the_answer_names():
-    """The raw GPT, the recommended recipe and the tuned Engram it was paired with are, apart from
-    the run's name, the map's raw point, its `tngram-hsum` 3929 point and its Engram 3800 point,
-    each at its tuned table lr; the README names the recipe and the tables' label of its family."""
+    """The raw GPT, the recommended recipe, the tuned Engram it was paired with and the Engram of
+    the "= total parameters" view are, apart from the run's name, the map's raw point, its
+    `tngram-hsum` 3929 point, its Engram 3800 point and the iso view's Engram 400 point (MLP
+    narrowed by pareto_iso.iso_backbone), each at its tuned table lr; the README names the recipe
+    and the tables' label of its family."""
     from tngram.experiments import pareto as P
     from tngram.experiments.common import base_recipe
     from tngram.experiments.pareto_report import LABELS
 
     text = _section("Which memory should I use?")
-    bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
-    by_recipe = {argv[1]: _resolved(argv) for argv in _commands(text)}
+    bases = {m: base_recipe("mini", m) for m in P.METHODS}
+    by_out = {argv[argv.index("--out") + 1]: _resolved(argv) for argv in _commands(text)}
     i = P.CONFIRM["size_indices"][0]                    # the screened size (4.3 M)
     points = {
-        "mini-raw": P.family_config("raw", None, bases),
-        "mini-tngram-hsum": P.with_table_lr(
+        "runs/raw": P.family_config("raw", None, bases),
+        "runs/hsum": P.with_table_lr(
             P.family_config("tngram-hsum", P.SIZES["tngram-hsum"][2][i], bases),
             P.TUNED_DEFAULT["tngram-hsum"]),
-        "mini-engram": P.with_table_lr(
+        "runs/engram-tuned": P.with_table_lr(
             P.family_config("engram", P.SIZES["engram"][2][i], bases), P.TUNED_DEFAULT["engram"]),
+        "runs/engram-iso": P.with_table_lr(  # the largest ISO_SIZES point, as view_specs builds it
+            P.iso_config("engram", P.ISO_SIZES["engram"][2][-1], bases), P.TUNED_DEFAULT["engram"]),
     }
-    assert set(by_recipe) == set(points)
-    for recipe, point in points.items():
-        got = by_recipe[recipe]
-        assert replace(got, name=point.name).to_dict() == point.to_dict(), recipe
+    assert set(by_out) == set(points)
+    for out, point in points.items():
+        got = by_out[out]
+        assert replace(got, name=point.name).to_dict() == point.to_dict(), out
     assert f"**`{P.CONFIRM['family'].replace('tngram', 'mini-tngram')}`**" in text   # the winner
     assert f'"{LABELS[P.CONFIRM["family"]]}"' in text      # ... and its family's label in tables
     assert LABELS[P.CONFIRM["baseline"]] in text and "tuned Engram" in text
