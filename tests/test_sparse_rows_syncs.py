@@ -60,6 +60,13 @@ def test_unravel_rows_equals_torch_unravel_index(lead):
     want = torch.stack(torch.unravel_index(rows, lead))
     got = unravel_rows(rows, lead)
     assert got.dtype == want.dtype and torch.equal(got, want)
+    # with the first index given (the backward passes the forward's block ids): the same rows,
+    # and the optimiser step's flat row ids invert them
+    got = unravel_rows(rows, lead, first=want[0].clone())
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    from tngram.optim.lazy_rows import _flat_rows
+
+    assert torch.equal(_flat_rows(want, lead), rows)
 
 
 def test_compact_rows_block_layout():

@@ -15,8 +15,7 @@ import torch
 from test_sparse_rows_syncs import SYNCS
 
 from tngram.bench.op_counts import OpCount, step_op_counts
-from tngram.kernels.sparse_rows import compact_rows, sparse_row_grad, unravel_rows
-from tngram.optim.lazy_rows import _flat_rows
+from tngram.kernels.sparse_rows import compact_rows, sparse_row_grad
 from tngram.optim.row_adams import LazyAdam, RowwiseAdam
 
 # TN-gram's compaction of one factor table (N, V, R), any N (tngram.kernels.sparse_rows):
@@ -95,18 +94,6 @@ def test_table_step_ops_off_the_cpu_do_not_grow_with_the_rows(cls):
         assert _syncs(c) == 0 and c.table_sized() == 0, (dev, dict(c.ops))
     assert counts["meta", 30] == counts["meta", 3000] <= STEP_OPS[cls], counts
     assert counts["cpu", 3000] > counts["meta", 3000]  # 12 chunks: the count would catch a loop
-
-
-@pytest.mark.parametrize("lead", [(5, 7), (3, 4, 6), (1, 9), (4, 1), (2, 3, 1, 5)])
-def test_unravel_rows_with_the_first_index_given_equals_torch_unravel_index(lead):
-    n = 1
-    for s in lead:
-        n *= s
-    rows = torch.randperm(n, generator=torch.Generator().manual_seed(2)).sort().values
-    want = torch.stack(torch.unravel_index(rows, lead))
-    got = unravel_rows(rows, lead, first=want[0].clone())
-    assert got.dtype == want.dtype and torch.equal(got, want)
-    assert torch.equal(_flat_rows(want, lead), rows)  # and the step's flat ids invert it
 
 
 def test_tiny_paper_l9_step_op_counts():
