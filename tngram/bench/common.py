@@ -192,3 +192,29 @@ def fmt_si(x: float, unit: str) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.2f} {prefix}{unit}"
     return f"{x:.2f} {unit}"
+
+
+def step_optimizers(
+    net: torch.nn.Module, o: Any, memory_update: str, catchup: bool, fused: bool = False
+) -> tuple[list[torch.optim.Optimizer], torch.optim.Optimizer | None]:
+    """The trainer's optimisers for `net` under OptimConfig `o`, as the step benchmarks run them:
+    Adam (fused when `fused`), Muon when the model has matrix groups, and the table optimiser of
+    `memory_update` (setup_memory_update, which also switches the memories' gradients to
+    row-sparse). Returns (every optimiser in step order, the table optimiser or None)."""
+    from tngram.optim.groups import build_param_groups
+    from tngram.optim.memory_update import setup_memory_update
+    from tngram.optim.muon import Muon
+
+    groups = build_param_groups(net, o)
+    betas = (o.beta1, o.beta2)
+    table_opt, rest = setup_memory_update(net, groups, memory_update, betas, o.adam_eps, catchup)
+    adam = [g for g in rest if g["optimizer"] == "adam"]
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.Adam(adam, betas=betas, eps=o.adam_eps, **({"fused": True} if fused else {}))
+    ]
+    muon = [g for g in rest if g["optimizer"] == "muon"]
+    if muon:
+        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
+    if table_opt is not None:
+        opts.append(table_opt)
+    return opts, table_opt

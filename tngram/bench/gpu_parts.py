@@ -299,10 +299,9 @@ def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str,
 def table_step(model: str, V: int, update: str, shapes: Any) -> dict[str, Any]:
     """One optimiser step (forward, backward, Adam/Muon and the table optimiser of
     optim.memory_update, as the trainer sets them up) of paper-l9-MODEL at vocabulary V."""
+    from tngram.bench.common import step_optimizers
     from tngram.model.gpt import GPT
-    from tngram.optim.groups import build_param_groups, memory_table_params
-    from tngram.optim.memory_update import setup_memory_update
-    from tngram.optim.muon import Muon
+    from tngram.optim.groups import memory_table_params
 
     dev = shapes.device
     from dataclasses import replace
@@ -315,23 +314,9 @@ def table_step(model: str, V: int, update: str, shapes: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     with torch.device(dev):  # initialised on the card: 2.8 B parameters at V 128k
         net = GPT(m)
-    groups = build_param_groups(net, o)
-    table_opt, rest = setup_memory_update(
-        net, groups, o.memory_update, (o.beta1, o.beta2), o.adam_eps, o.memory_catchup
+    opts, table_opt = step_optimizers(
+        net, o, o.memory_update, o.memory_catchup, fused=dev == "cuda"
     )
-    opts: list[torch.optim.Optimizer] = [
-        torch.optim.Adam(
-            [g for g in rest if g["optimizer"] == "adam"],
-            betas=(o.beta1, o.beta2),
-            eps=o.adam_eps,
-            fused=dev == "cuda",
-        )
-    ]
-    muon = [g for g in rest if g["optimizer"] == "muon"]
-    if muon:
-        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
-    if table_opt is not None:
-        opts.append(table_opt)
     x, y = _batch(V, shapes.table_batch, m.sequence_len, dev)
 
     def step() -> None:

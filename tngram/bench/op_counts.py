@@ -142,10 +142,9 @@ def step_op_counts(
     `extra` --set strings), vocabulary `vocab`, `batch` sequences, optim.memory_update=`update`,
     on the CPU in fp32: {"forward"|"backward"|"step": {"ops", "views", "table_sized", "by_op",
     "table_sized_by_op"}, "table_numel": the smallest table's entries}."""
+    from tngram.bench.common import step_optimizers
     from tngram.model.gpt import GPT
-    from tngram.optim.groups import build_param_groups, memory_table_params
-    from tngram.optim.memory_update import setup_memory_update
-    from tngram.optim.muon import Muon
+    from tngram.optim.groups import memory_table_params
     from tngram.train.recipes import resolve_config
 
     sets = list(TINY_L9_SETS) + [f"optim.memory_update={update}"] + list(extra)
@@ -153,19 +152,7 @@ def step_op_counts(
     o, m = cfg.optim, replace(cfg.model, vocab_size=vocab)
     torch.manual_seed(0)
     net = GPT(m)
-    groups = build_param_groups(net, o)
-    table_opt, rest = setup_memory_update(
-        net, groups, o.memory_update, (o.beta1, o.beta2), o.adam_eps, o.memory_catchup
-    )
-    betas = (o.beta1, o.beta2)
-    opts: list[torch.optim.Optimizer] = [
-        torch.optim.Adam([g for g in rest if g["optimizer"] == "adam"], betas=betas, eps=o.adam_eps)
-    ]
-    muon = [g for g in rest if g["optimizer"] == "muon"]
-    if muon:
-        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
-    if table_opt is not None:
-        opts.append(table_opt)
+    opts, _ = step_optimizers(net, o, o.memory_update, o.memory_catchup)
     tables = memory_table_params(net)
     big = min(p.numel() for p in tables) if tables else vocab * m.n_embd
     seq = torch.randint(

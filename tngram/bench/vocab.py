@@ -54,30 +54,17 @@ def build(
     model: str, vocab: int, update: str, batch: int = 8, seq: int = 256, dtype: str = "bf16"
 ) -> tuple[Callable[[], None], dict[str, Any]]:
     """A closure doing one training step, and facts about the candidate (sizes, optimisers)."""
+    from tngram.bench.common import step_optimizers
     from tngram.model.gpt import GPT
-    from tngram.optim.groups import build_param_groups, memory_table_params
-    from tngram.optim.memory_update import clip_grad_norm, setup_memory_update
-    from tngram.optim.muon import Muon
+    from tngram.optim.groups import memory_table_params
+    from tngram.optim.memory_update import clip_grad_norm
 
     cfg = _config(model, vocab)
     o = cfg.optim
     torch.manual_seed(cfg.run.seed)
     net = GPT(cfg.model)
-    groups = build_param_groups(net, o)
     mode, _, catchup = update.partition("+")
-    table_opt, rest = setup_memory_update(
-        net, groups, mode, (o.beta1, o.beta2), o.adam_eps, bool(catchup)
-    )
-    opts: list[torch.optim.Optimizer] = [
-        torch.optim.Adam(
-            [g for g in rest if g["optimizer"] == "adam"], betas=(o.beta1, o.beta2), eps=o.adam_eps
-        )
-    ]
-    muon = [g for g in rest if g["optimizer"] == "muon"]
-    if muon:
-        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
-    if table_opt is not None:
-        opts.append(table_opt)
+    opts, _ = step_optimizers(net, o, mode, bool(catchup))
     gen = torch.Generator().manual_seed(0)
     s = torch.randint(1, vocab, (batch, seq + 1), generator=gen)
     x, y = s[:, :-1].contiguous(), s[:, 1:].contiguous()
