@@ -61,23 +61,29 @@ def test_log_trend_exact_line_and_noise():
 
 @pytest.mark.slow
 def test_corpora_experiment_plumbing(tiny_data, tmp_path, monkeypatch):  # noqa: F811
-    """Two 'corpora' (the same tiny dataset under two names), 1 seed, 2 steps: every table,
-    the significance rows and the figure are written; a second call trains nothing."""
+    """Two 'corpora' given as dataset folders, the way `--corpora DIR,DIR` passes them (the same
+    tiny dataset through two links, a and b), 1 seed, 2 steps: runs and tables are named by the
+    folders, every table, the significance rows and the figure are written; a second call trains
+    nothing."""
     import tngram.experiments.evidence as ev
 
-    monkeypatch.setattr(ev, "_build", lambda corpus: (str(tiny_data), 512))
+    for name in ("a", "b"):
+        (tmp_path / name).symlink_to(tiny_data, target_is_directory=True)
     monkeypatch.setattr(ev, "base_recipe", lambda prefix, m: replace(
         tiny_config(tiny_data, f"mini-{m}", extra=["run.val_every=0", "run.checkpoint_every=0"]),
         name=f"mini-{m}"))
     out = tmp_path / "ev"
-    ev.corpora(out, seeds=1, steps=2, corpora=["a", "b"])
+    corpora = [str(tmp_path / "a"), str(tmp_path / "b")]
+    ev.corpora(out, seeds=1, steps=2, corpora=corpora)
     res = json.loads((out / "corpora.json").read_text())
     assert set(res["rows"]) == {"a", "b"} and len(res["rows"]["a"]) == 3
     assert set(res["seen"]["a"]["consumed"]) == {"2", "3", "4", "5"}
     report = (out / "report.md").read_text()
     assert "| TN-gram − Engram | **pooled** | 2 |" in report and (out / "gap-vs-unseen.png").exists()
     stamp = (out / "a" / "runs" / "tngram-s0" / "summary.json").stat().st_mtime_ns
-    ev.corpora(out, seeds=1, steps=2, corpora=["a", "b"])
+    cfg = json.loads((out / "a" / "runs" / "tngram-s0" / "config.json").read_text())
+    assert cfg["data"]["dir"] == str(tmp_path / "a")  # the folder as given: the link, not its target
+    ev.corpora(out, seeds=1, steps=2, corpora=corpora)
     assert (out / "a" / "runs" / "tngram-s0" / "summary.json").stat().st_mtime_ns == stamp
 
 
@@ -237,7 +243,7 @@ def test_data_scaling_trains_each_memory_at_its_tuned_setting(tmp_path, monkeypa
     def record(cfgs, *a, **k):
         raise Seen(cfgs)
 
-    monkeypatch.setattr(ev, "_build", lambda name: (str(tmp_path), 1024))
+    monkeypatch.setattr(ev, "corpus_data", lambda name: (str(tmp_path), 1024))
     monkeypatch.setattr(ev, "check_budgets_fit", lambda *a: None)   # no dataset here (tested below)
     monkeypatch.setattr(cmp, "compare_configs", record)
     with pytest.raises(Seen) as got:

@@ -146,7 +146,7 @@ def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
     bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
     lc = P.family_config("longcat", 36000, bases).model.memory
     assert (lc.kind, lc.max_ngram, lc.n_slices, lc.average, lc.table_rows) == ("oe", 4, 4, True, 36000)
-    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 1024))
     specs = P.specs_for(["default"], "mini", 2, None, {**P.TUNED_DEFAULT, "oe": 0.5, "longcat": 0.5})
     # the map (2 seeds) + the confirmation's seeds 2..CONFIRM_SEEDS-1 of its pairs
     n_confirm = 2 * len(P.CONFIRM["size_indices"]) * (P.CONFIRM_SEEDS - 2)
@@ -183,7 +183,7 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
 
     from tngram.experiments.pareto_report import write_report
     from tngram.experiments.runner import run_dir_of
-    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 1024))
     factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
     specs = P.specs_for(["default"], "mini", 1, None, factors, families=("raw", "engram", "tngram"), n_sizes=2)
     loss = {"default-raw-s0": 3.70, "default-engram-table_budget700-s0": 3.48,
@@ -235,7 +235,7 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
 
 def test_large_vocabulary_setting_rides_with_the_default_corpus(monkeypatch):
     """`default@8192` trains every family at its recipe size and one larger, at vocabulary 8192."""
-    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
     factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
     specs = P.specs_for([P.VOCAB_CORPUS], "mini", 1, None, factors)
     got = {(s.tags["family"], s.tags["size"]) for s in specs}
@@ -290,7 +290,7 @@ def test_confirmation_adds_seeds_of_its_two_points_outside_the_map(monkeypatch):
     """specs_for(seeds=3): seeds 3 and 4 of Engram and tngram-hsum at size indices 2 and 1 on every
     corpus but the vocabulary setting, tagged confirm; the map's points (aggregate) never count them."""
     from tngram.experiments.pareto_report import aggregate
-    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if "@" in corpus else 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 8192 if "@" in corpus else 1024))
     specs = P.specs_for(["default", "code", P.VOCAB_CORPUS], "mini", 3, None, dict(P.TUNED_DEFAULT, oe=2.0))
     extra = [s for s in specs if s.tags.get("confirm")]
     assert sorted((s.tags["corpus"], s.tags["family"], s.tags["size"], s.config.run.seed) for s in extra) == sorted(
@@ -445,7 +445,7 @@ def test_core_targets_are_the_unscored_finished_runs_of_the_core_corpora(tmp_pat
     """CORE is scored on the first seed of the default corpus (and its vocabulary setting) only, once
     per finished run."""
     from tngram.experiments.runner import run_dir_of
-    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
     factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
     specs = P.specs_for(["default", "code", P.VOCAB_CORPUS], "mini", 2, None, factors, families=("raw", "engram"),
                         n_sizes=1)

@@ -97,7 +97,7 @@ def test_token_family_sizes_span_the_common_range():
 
 
 def test_view_specs(monkeypatch):
-    monkeypatch.setattr(P, "_build", lambda corpus: ("/nonexistent", 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 1024))
     specs = P.view_specs(["default", "code", P.VOCAB_CORPUS], "mini", 2, None)
     n_points = sum(len(v[2]) for v in P.TOKEN_SIZES.values()) + sum(
         len(v[2]) for v in P.ISO_SIZES.values()

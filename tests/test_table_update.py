@@ -17,7 +17,7 @@ from tngram.experiments.pareto import TUNED_DEFAULT, specs_for
 @pytest.fixture
 def specs(monkeypatch):
     # configs only: the corpus folder is named, never read (no corpus is built in the suite)
-    monkeypatch.setattr(P, "_build", lambda corpus: (f"/data/{corpus}", 1024))
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: (f"/data/{corpus}", 1024))
     return tu.specs(["default"], "mini", 2, 3, dict(TUNED_DEFAULT))
 
 

@@ -159,10 +159,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--corpora",
         default=None,
-        metavar="NAME,...",
+        metavar="NAME|DIR,...",
         help="corpora / data-scaling / pareto / table-update / dense / tuning only: built-in "
-        "corpora (`tngram data "
-        "build --corpus`), comma-separated (default: default,literature,code for corpora and "
+        "corpora (`tngram data build --corpus`) or dataset folders (`tngram data build "
+        "--from-text TEXT --out DIR`; named by the folder's name in runs and results), "
+        "comma-separated (default: default,literature,code for corpora and "
         "pareto and table-update, code-large for data-scaling)",
     )
     p.set_defaults(func=_cmd_experiment)
@@ -206,7 +207,6 @@ def _cmd_compare(args: Any) -> int:
 
 
 def _cmd_experiment(args: Any) -> int:
-    from tngram.common import TngramError
     from tngram.experiments.common import SCALES
     from tngram.experiments.runner import config_overrides, run_jobs
     from tngram.experiments.sweeps import run_experiment
@@ -219,14 +219,9 @@ def _cmd_experiment(args: Any) -> int:
     budgets = _int_list("--budgets", args.budgets)
     corpora = None
     if args.corpora is not None:
-        from tngram.data.corpus import CORPORA
+        from tngram.experiments.common import check_corpora
 
-        corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
-        bad = [c for c in corpora if c not in CORPORA]
-        if bad or not corpora:
-            raise TngramError(
-                f"--corpora: unknown corpus {bad[0] if bad else ''!r}; valid: {', '.join(CORPORA)}"
-            )
+        corpora = check_corpora([c.strip() for c in args.corpora.split(",") if c.strip()])
     with config_overrides(args.overrides), run_jobs(args.jobs):
         run_experiment(
             args.name,

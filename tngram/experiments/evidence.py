@@ -22,17 +22,18 @@ from typing import Any
 import numpy as np
 
 from tngram.common import atomic_write_json, atomic_write_text, print0
-from tngram.experiments.common import SCALES, base_recipe, default_nproc, with_data, with_steps
+from tngram.experiments.common import (
+    SCALES,
+    base_recipe,
+    corpus_data,
+    corpus_name,
+    default_nproc,
+    with_data,
+    with_steps,
+)
 
 METHODS = ("raw", "engram", "tngram")
 PAPER_TOKENS = 3.0e9  # the paper's training budget (6000 steps x 524k tokens)
-
-
-def _build(corpus: str) -> tuple[str, int]:
-    from tngram.data.build import ensure_default_data, open_dataset
-
-    info = open_dataset(ensure_default_data(corpus=corpus))
-    return str(info.dir), int(info.vocab_size)
 
 
 def _configs(prefix: str, data_dir: str, vocab: int, steps: int | None) -> dict[str, Any]:
@@ -84,13 +85,14 @@ def corpora(
     from tngram.report.compare import significance_table
     from tngram.report.plots import xy_plot
 
-    names = list(corpora or EVIDENCE_CORPORA)
+    names = list(corpora or EVIDENCE_CORPORA)  # built-in names or dataset folders
     prefix = SCALES[scale]
     best = read_best(tuned) if tuned is not None else None  # before any data or training work
     by_corpus: dict[str, list[dict[str, Any]]] = {}
     seen: dict[str, Any] = {}
-    for name in names:
-        data_dir, vocab = _build(name)
+    for corpus in names:
+        name = corpus_name(corpus)
+        data_dir, vocab = corpus_data(corpus)
         cfgs = _configs(prefix, data_dir, vocab, steps)
         if best is not None:
             cfgs = tuned_configs(cfgs, best)
@@ -109,7 +111,7 @@ def corpora(
         "|---|---|---|---|---|---|",
     ]
     series = {}
-    for name in names:
+    for name in map(corpus_name, names):
         f = seen[name]["consumed"]
         gaps = gap_points(by_corpus[name])
         lines.append(
@@ -218,7 +220,9 @@ def data_scaling(
 
     prefix = SCALES[scale]
     best = read_best(tuned) if tuned is not None else None  # before any data or training work
-    data_dir, vocab = resolve_data(data) if data else _build((corpora or [DATA_SCALING_CORPUS])[0])
+    data_dir, vocab = (
+        resolve_data(data) if data else corpus_data((corpora or [DATA_SCALING_CORPUS])[0])
+    )
     raw = base_recipe(prefix, "raw")
     base_steps = steps or raw.schedule.steps
     check_budgets_fit(data_dir, multipliers, base_steps * raw.data.global_batch_tokens)
@@ -354,7 +358,7 @@ def dense(
     from tngram.report.runs import mean_std
 
     prefix = SCALES[scale]
-    data_dir, vocab = resolve_data(data) if data else _build((corpora or ["default"])[0])
+    data_dir, vocab = resolve_data(data) if data else corpus_data((corpora or ["default"])[0])
     cfgs = _configs(prefix, data_dir, vocab, steps)
     variants = {
         **cfgs,
@@ -558,7 +562,7 @@ def tuning(
     from tngram.report.runs import mean_std
 
     prefix = SCALES[scale]
-    data_dir, vocab = resolve_data(data) if data else _build((corpora or ["literature"])[0])
+    data_dir, vocab = resolve_data(data) if data else corpus_data((corpora or ["literature"])[0])
     cfgs = _configs(prefix, data_dir, vocab, steps)
     variants, todo = {}, tuning_variants(cfgs)
     while todo:  # the grid, then one x2 step beyond any method whose best is on an edge

@@ -54,6 +54,8 @@ from tngram.common import TngramError, atomic_write_json, print0
 from tngram.experiments.common import (
     SCALES,
     base_recipe,
+    corpus_data,
+    corpus_name,
     default_nproc,
     with_data,
     with_memory,
@@ -175,7 +177,10 @@ def view_specs(
     if prefix != "mini":
         return []
     bases = {
-        c: {m: with_steps(with_data(base_recipe(prefix, m), *_build(c)), steps) for m in METHODS}
+        c: {
+            m: with_steps(with_data(base_recipe(prefix, m), *corpus_data(c)), steps)
+            for m in METHODS
+        }
         for c in corpora
         if c != VOCAB_CORPUS  # the vocabulary setting keeps the n-gram families only
     }
@@ -189,9 +194,10 @@ def view_specs(
         else:
             knob, name = ISO_SIZES[fam][1], f"{fam}-iso"
             cfg = with_table_lr(iso_config(fam, size, bases[corpus]), (factors or {}).get(fam, 1.0))
-        tags = {"corpus": corpus, "family": name, "size": size, "seed_index": s, "view": view}
+        cname = corpus_name(corpus)
+        tags = {"corpus": cname, "family": name, "size": size, "seed_index": s, "view": view}
         cfg = with_seed(replace(cfg, name=f"pareto-{name}"), s)
-        specs.append(RunSpec(f"{corpus}-{name}-{knob}{size}-s{s}", cfg, tags))
+        specs.append(RunSpec(f"{cname}-{name}-{knob}{size}-s{s}", cfg, tags))
     return specs
 
 
@@ -216,15 +222,6 @@ def with_table_lr(cfg: Any, factor: float) -> Any:
     from tngram.experiments.evidence import lr_variant
 
     return cfg if factor == 1.0 else lr_variant(cfg, factor)
-
-
-def _build(corpus: str) -> tuple[str, int]:
-    """(dataset dir, vocab) of a built-in corpus; "NAME@V" is NAME tokenised with vocabulary V."""
-    from tngram.data.build import ensure_default_data, open_dataset
-
-    name, _, vocab = corpus.partition("@")
-    info = open_dataset(ensure_default_data(vocab_size=int(vocab) if vocab else 1024, corpus=name))
-    return str(info.dir), int(info.vocab_size)
 
 
 # The large-vocabulary setting: default corpus at V 8192, each family at its recipe size and one
@@ -268,7 +265,7 @@ def tune_table_lr(out: Path, prefix: str, steps: int | None, nproc: int) -> floa
     from tngram.experiments.runner import RunSpec, run_all
     from tngram.report.runs import mean_std
 
-    data_dir, vocab = _build(TUNING_CORPUS)
+    data_dir, vocab = corpus_data(TUNING_CORPUS)
     base = _base(prefix, data_dir, vocab, steps)["oe"]
     specs = [
         RunSpec(f"oe-lr{f:g}-s{s}", with_seed(with_table_lr(base, f), s), {"factor": f})
@@ -344,7 +341,7 @@ def specs_for(
     sweep has every family at its smaller sizes first."""
     from tngram.experiments.runner import RunSpec
 
-    bases = {c: _base(prefix, *_build(c), steps) for c in corpora}
+    bases = {c: _base(prefix, *corpus_data(c), steps) for c in corpora}
     specs = []
     for s in range(seeds):
         for corpus in corpora:
@@ -363,7 +360,7 @@ def specs_for(
                 if fam in factors:
                     cfg = with_table_lr(cfg, factors[fam])
                 label = (
-                    f"{corpus}-{fam}"
+                    f"{corpus_name(corpus)}-{fam}"
                     + ("" if size is None else f"-{SIZES[fam][1]}{size}")
                     + f"-s{s}"
                 )
@@ -371,7 +368,12 @@ def specs_for(
                     RunSpec(
                         label,
                         with_seed(replace(cfg, name=f"pareto-{fam}"), s),
-                        {"corpus": corpus, "family": fam, "size": size, "seed_index": s},
+                        {
+                            "corpus": corpus_name(corpus),
+                            "family": fam,
+                            "size": size,
+                            "seed_index": s,
+                        },
                     )
                 )
     return specs + confirm_specs(corpora, bases, seeds, factors, families)
@@ -397,10 +399,10 @@ def confirm_specs(
                 cfg = with_table_lr(family_config(fam, size, bases[corpus]), factors.get(fam, 1.0))
                 specs.append(
                     RunSpec(
-                        f"{corpus}-{fam}-{SIZES[fam][1]}{size}-s{s}",
+                        f"{corpus_name(corpus)}-{fam}-{SIZES[fam][1]}{size}-s{s}",
                         with_seed(replace(cfg, name=f"pareto-{fam}"), s),
                         {
-                            "corpus": corpus,
+                            "corpus": corpus_name(corpus),
                             "family": fam,
                             "size": size,
                             "seed_index": s,
@@ -429,7 +431,8 @@ def pareto(
     column."""
     if data:
         raise TngramError(
-            "the pareto experiment trains on built-in corpora (--corpora), not --data"
+            "the pareto experiment trains on the corpora of --corpora, not --data: pass the "
+            f"dataset folder there (--corpora {data})"
         )
     prefix = SCALES[scale]
     nproc = nproc or default_nproc("cpu" if scale == "cpu" else "paper-l9")
