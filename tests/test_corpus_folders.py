@@ -32,6 +32,8 @@ def test_a_dataset_folder_is_named_by_its_folder_and_read_from_its_manifest(tiny
     assert corpus_name(str(tmp_path / "x" / ".." / "my.corpus_1")) == "my.corpus_1"
     assert corpus_data(str(link)) == (str(link), vocab)  # the link as given, absolute
     assert corpus_name("default") == "default" and corpus_name("default@8192") == "default@8192"
+    at = _link(tmp_path, tiny_data, "user@host", "mine")  # only the folder's own name is checked
+    assert check_corpora([str(at)]) == [str(at)] and corpus_name(str(at)) == "mine"
 
 
 def test_pareto_specs_of_a_dataset_folder(tiny_data, tmp_path):  # noqa: F811

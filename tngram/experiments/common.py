@@ -88,7 +88,7 @@ def check_corpora(corpora: list[str]) -> list[str]:
             except TngramError as e:
                 raise TngramError(f"--corpora: {e}") from None
         name = corpus_name(c)
-        if "@" in c or not set(name) <= _NAME_CHARS or name.startswith((".", "-")):
+        if not set(name) <= _NAME_CHARS or name.startswith((".", "-")):
             raise TngramError(
                 f"--corpora: the dataset folder {c!r} needs a name of letters, digits, '.', '_' "
                 "and '-' (it names the runs and results files); rename or link it"
