@@ -132,6 +132,18 @@ def test_trainer_section_runs_the_real_trainer(cpu_run):
     assert r["sections"]["trainer"]["paper-l9-tngram"]["lookup_impl"] in ("c", "torch")
 
 
+def test_trainer_set_reaches_the_run_and_its_table(tiny_data, tmp_path):  # noqa: F811
+    out = tmp_path / "r.json"
+    args = ["bench", "gpu", "--out", str(out), "--data", str(tiny_data), "--stop-after", "3"]
+    args += ["--sections", "trainer", "--recipes", "paper-l9-tngram"]
+    assert main(args + ["--set", "optim.memory_update=sparse"]) == 0
+    r = json.loads(out.read_text())
+    assert r["shapes"]["trainer_sets"] == ["optim.memory_update=sparse"]
+    t = r["sections"]["trainer"]["paper-l9-tngram"]
+    assert t["steps"] == 3 and t["row_update"].split()[0] in ("triton", "torch")  # sparse ran
+    assert "--stop-after 3 --set optim.memory_update=sparse`" in render_run(r, "r.json")
+
+
 def test_tables_every_vocab_and_update(cpu_run):
     tab = cpu_run[1]["sections"]["tables"]
     for V in TINY_VOCABS:
@@ -206,6 +218,8 @@ def test_budget_skips_items_and_names_them(tmp_path, capsys):
         (["--recipes", "mini-raw"], "--recipes"),
         (["--out", "/nonexistent-h39c/dir"], "does not exist"),
         (["--data", "/nonexistent-h39c-data"], "nonexistent-h39c-data"),
+        (["--set", "optim.nope=1"], "optim.nope"),
+        (["--recipes", "paper-l9-raw", "--set", "optim.memory_update=sparse"], "needs a model"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(extra, needle, tmp_path, capsys):

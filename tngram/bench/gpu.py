@@ -193,6 +193,7 @@ def run(
     data: str | None = None,
     reps: int | None = None,
     compile: bool = True,
+    trainer_sets: tuple[str, ...] = (),
     doctor: Callable[[], dict[str, Any]] | None = None,
     say: Callable[[str], None] = print,
     save: Callable[[dict[str, Any]], None] | None = None,
@@ -223,6 +224,7 @@ def run(
             "vocabs": list(shapes.vocabs),
             "tiny_sets": list(TINY_SETS) if shapes.tiny else [],
             "trainer_steps": steps,
+            "trainer_sets": list(trainer_sets),
         },
         "budget_s": budget_s,
         "recipes": names,
@@ -279,7 +281,8 @@ def run(
         cost = shapes.cost("trainer", steps) + shapes.cost("compile") * parts.trainer_compiles(
             r, shapes
         )
-        return ("trainer", r, cost, lambda: parts.trainer(r, shapes, steps, data))
+        fn = lambda: parts.trainer(r, shapes, steps, data, list(trainer_sets))
+        return ("trainer", r, cost, fn)
 
     base, rest = [r for r in names if r in BASE], [r for r in names if r not in BASE]
     for r in base if compile else []:

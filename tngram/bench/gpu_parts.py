@@ -252,9 +252,12 @@ def trainer_compiles(recipe: str, shapes: Any) -> bool:
     return c is True or (c == "auto" and shapes.device == "cuda")
 
 
-def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str, Any]:
-    """`tngram train RECIPE --stop-after steps` (log every step, no checkpoints, a short final
-    evaluation) in a throw-away folder; tokens/s = median of the per-step windows from step 3."""
+def trainer(
+    recipe: str, shapes: Any, steps: int, data: str | None, extra: list[str] | None = None
+) -> dict[str, Any]:
+    """`tngram train RECIPE --stop-after steps [--set extra]` (log every step, no checkpoints, a
+    short final evaluation) in a throw-away folder; tokens/s = median of the per-step windows
+    from step 3."""
     from tngram.train.loop import train
 
     sets = ["run.log_every=1", "run.checkpoint_every=0", "run.val_every=0"]
@@ -266,7 +269,7 @@ def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str,
     V = _dataset_vocab(data)
     if V is not None:
         sets.append(f"model.vocab_size={V}")
-    cfg = config(recipe, shapes, sets, data)
+    cfg = config(recipe, shapes, sets + list(extra or []), data)
     out = Path(tempfile.mkdtemp(prefix="tngram-bench-gpu-"))
     graphs0 = fresh_dynamo()
     _reset_peak(shapes.device)
@@ -279,6 +282,11 @@ def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str,
         env = json.loads((out / "run" / "env.json").read_text())
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    row = {}
+    if cfg.model.memory is not None and cfg.optim.memory_update != "dense":
+        from tngram.kernels.row_update import resolved_row_impl
+
+        row["row_update"] = resolved_row_impl(shapes.device)  # the Triton kernel or torch
     tr = [r for r in rows if "tokens_per_s" in r and "train_loss" in r]
     tps = [r["tokens_per_s"] for r in tr[2:]] or [r["tokens_per_s"] for r in tr]
     return {
@@ -293,6 +301,7 @@ def trainer(recipe: str, shapes: Any, steps: int, data: str | None) -> dict[str,
         "lookup_impl": env.get("tngram_lookup_impl"),
         "compile": env.get("compile") or {"setting": str(cfg.run.compile)},  # what ran
         "graphs": _graphs() - graphs0,  # graphs dynamo compiled in the run (0 when eager)
+        **row,
     }
 
 

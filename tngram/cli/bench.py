@@ -227,6 +227,11 @@ def _gpu(args: argparse.Namespace) -> int:
         from tngram.data.dataset import open_dataset
 
         open_dataset(args.data)  # a clear error now rather than after the other sections
+    if args.trainer_set:  # a bad --set stops here, not after the other sections
+        from tngram.train.recipes import resolve_config
+
+        for r in args.recipes or gpu.paper_recipes(known):
+            resolve_config(r, list(args.trainer_set))
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     path = _gpu_out(args.out, gpu.card_slug(card))
     if path.exists() and not args.force:
@@ -254,6 +259,7 @@ def _gpu(args: argparse.Namespace) -> int:
         data=args.data,
         reps=args.reps,
         compile=not args.no_compile,
+        trainer_sets=tuple(args.trainer_set),
         doctor=diagnose,
         say=lambda line: print(line, flush=True),
         save=save,
@@ -569,4 +575,13 @@ def add_commands(sub: Any) -> None:
     _data_dir(g, "dataset folder for the trainer section (default: the default corpus)")
     _reps(g, None, "timed reps (default: 10 on a GPU, 2 on the CPU)")
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
+    g.add_argument(
+        "--set",
+        dest="trainer_set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="trainer section: a setting for every recipe's run, as `tngram train --set` "
+        "(repeatable; e.g. optim.memory_update=sparse)",
+    )
     g.set_defaults(func=_gpu)

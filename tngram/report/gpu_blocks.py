@@ -108,9 +108,11 @@ def _compile_text(comp: Any) -> str:
 
 def trainer_table(snap: dict[str, Any]) -> str:
     sec = snap["sections"].get("trainer", {})
+    sets = "".join(f" --set {kv}" for kv in snap["shapes"].get("trainer_sets", []))
     lines = [
-        f"`tngram train RECIPE --stop-after {snap['shapes']['trainer_steps']}` (recipe defaults), "
-        "tokens/s as the median of the per-step windows from step 3 on:",
+        f"`tngram train RECIPE --stop-after {snap['shapes']['trainer_steps']}{sets}` "
+        + ("(recipe defaults otherwise), " if sets else "(recipe defaults), ")
+        + "tokens/s as the median of the per-step windows from step 3 on:",
         "",
         "| recipe | tokens/s | last train loss | forward | lookup | peak GiB |",
         "|---|---|---|---|---|---|",
