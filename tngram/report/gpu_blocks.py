@@ -112,20 +112,29 @@ def trainer_table(snap: dict[str, Any]) -> str:
     lines = [
         f"`tngram train RECIPE --stop-after {snap['shapes']['trainer_steps']}{sets}` "
         + ("(recipe defaults otherwise), " if sets else "(recipe defaults), ")
-        + "tokens/s as the median of the per-step windows from step 3 on:",
+        + "tokens/s as the median of the per-step windows from step 3 on; val bpb on 1,048,576 "
+        "validation tokens after the last step:",
         "",
-        "| recipe | tokens/s | last train loss | forward | lookup | peak GiB |",
-        "|---|---|---|---|---|---|",
+        "| recipe | tokens/s | step ÷ Engram's | last train loss | val bpb | forward | lookup "
+        "| peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    eng = sec.get("paper-l9-engram")
+    eng_tps = eng.get("tokens_per_s") if _ok(eng) else None
     for r in snap["recipes"]:
         t = sec.get(r)
         comp = t.get("compile") if _ok(t) else None
+        tps = t.get("tokens_per_s") if _ok(t) else None
+        # a step's time is tokens_per_step / tokens_per_s: Engram's rate over this one's
+        ratio = f"{eng_tps / tps:.3f}×" if eng_tps and tps else "–"
         lines.append(
             md_row(
                 [
                     r,
                     _cell(t, "tokens_per_s", ",.0f"),
+                    ratio,
                     _cell(t, "last_train_loss", ".4f"),
+                    _cell(t, "val_bpb", ".4f"),
                     _compile_text(comp),
                     str(t.get("lookup_impl")) if _ok(t) else "–",
                     _cell(t, "peak_gb", ".1f"),
