@@ -149,6 +149,15 @@ def test_prose_speed_numbers_follow_the_results_files():
            f"{demo['tngram']['val_loss']:.4f};" in results
     slower = round(100 * (bench["ratios"]["1"]["step"] - 1))
     assert f"a training step is {slower}% slower than Engram's" in " ".join(readme.split())
+    # the README's GPU sentence: the 40-step trainer file's tokens/s and step ratios to Engram
+    gpu = json.loads((ROOT / "docs/results/gpu-h200-7608a19-a.json").read_text())["sections"]["trainer"]
+    tps = {r: gpu[f"paper-l9-{r}"]["tokens_per_s"] for r in ("raw", "engram", "tngram", "tngram-hsum", "tngram-sum-lean")}
+    flat = " ".join(readme.split())
+    assert " / ".join(f"{tps[r] / 1e6:.2f}M" for r in ("raw", "engram", "tngram")) + " tokens/s" in flat
+    assert f"`paper-l9-tngram-hsum` ({tps['engram'] / tps['tngram-hsum']:.2f}×)" in flat
+    assert f"`-sum-lean` ({tps['engram'] / tps['tngram-sum-lean']:.2f}×" in flat
+    bpb = {r: v["val_bpb"] for r, v in gpu.items()}
+    assert min(bpb, key=bpb.get) == "paper-l9-tngram-sum-lean"  # "lowest validation loss"
 
 
 def test_one_machine_name_everywhere():
