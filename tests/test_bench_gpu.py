@@ -305,3 +305,206 @@ def test_a_run_note_is_shown_with_its_tables(cpu_run):
     assert "gpu-x.json" in head
     assert note == "Note: ran through python -c with recompile_limit 64"
     assert "Note:" not in render_run(cpu_run[1], "docs/results/gpu-x.json")
+
+
+# --- --profile ---------------------------------------------------------------------------------
+
+# real names: cuBLAS / cuBLASLt / CUTLASS (H100/H200, A100), flash / memory-efficient / cuDNN
+# attention, inductor's generated Triton kernels, our Triton kernels and custom ops (the @triton.jit
+# functions of tngram/kernels/tngram_triton.py and row_update_triton.py, the torch.library ops of
+# tngram_triton.py / tngram_c.py and the autograd node torch names after an op), CUDA copies
+KERNEL_NAMES = {
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmul",
+    "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT": "matmul",
+    "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn": "matmul",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn>": "matmul",
+    "void gemv2T_kernel_val<int, int, __nv_bfloat16, float, float, 128, 16, 4, 4>": "matmul",
+    "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>": "matmul",
+    "triton_tem_fused_mm_0": "matmul",
+    "aten::mm": "matmul",
+    "aten::addmm": "matmul",
+    "aten::bmm": "matmul",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_t>": "attention",
+    "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": (
+        "attention"
+    ),
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+    "aten::_scaled_dot_product_flash_attention": "attention",
+    "aten::_efficient_attention_backward": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention",
+    "triton_poi_fused__to_copy_add_mul_0": "fused",
+    "triton_red_fused__to_copy_add_mean_pow_rsqrt_1": "fused",
+    "triton_per_fused__log_softmax_nll_loss_forward_2": "fused",
+    "triton_poi_fused_mm_view_3": "fused",  # "mm" in an inductor name is no matmul
+    "triton_for_fused_0": "fused",
+    "_tngram_fwd_kernel": "lookup",
+    "_tngram_bwd_kernel": "lookup",
+    "_row_adam_kernel": "lookup",
+    "tngram::triton_lookup_fwd": "lookup",
+    "tngram::c_lookup_bwd": "lookup",
+    "GeneratedBackwardFor_tngram_c_lookup_fwd_default": "lookup",
+    "autograd::engine::evaluate_function: FusedTNGramLookupBackward": "lookup",
+    "Memcpy DtoD (Device -> Device)": "memcpy/memset",
+    "Memset (Device)": "memcpy/memset",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    "void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>": (
+        "other"
+    ),
+    "aten::embedding_dense_backward": "other",
+    "aten::fill_": "other",
+}
+
+
+def test_kernel_names_fall_in_their_category():
+    from tngram.bench.gpu_profile import CATEGORIES, OTHER, category
+
+    got = {name: category(name) for name in KERNEL_NAMES}
+    assert got == KERNEL_NAMES
+    assert {c for c, _ in CATEGORIES} | {OTHER} == set(KERNEL_NAMES.values())  # each one tested
+
+
+def test_profile_summary_per_step_sums_and_ranks():
+    """Three steps: µs / 1e3 / 3 = ms a step; calls / 3 = calls a step; a row of no time is
+    dropped; the categories partition the total."""
+    from tngram.bench.gpu_profile import summarise
+
+    rows = [
+        ("sm90_xmma_gemm_bf16bf16", 6, 3000.0),  # 1.0 ms a step, 2 calls
+        ("triton_poi_fused_add_0", 30, 600.0),  # 0.2 ms, 10 calls
+        ("_tngram_fwd_kernel", 3, 900.0),  # 0.3 ms
+        ("Memset (Device)", 3, 30.0),  # 0.01 ms
+        ("aten::empty", 9, 0.0),  # no time: not listed
+    ]
+    s = summarise(rows, steps=3, top=3)
+    assert s["steps"] == 3 and s["total_ms"] == pytest.approx(1.51)
+    assert s["categories"] == pytest.approx(
+        {
+            "lookup": 0.3,
+            "attention": 0.0,
+            "fused": 0.2,
+            "matmul": 1.0,
+            "memcpy/memset": 0.01,
+            "other": 0.0,
+        }
+    )
+    assert [(k["name"], k["calls"], k["ms"]) for k in s["top"]] == [
+        ("sm90_xmma_gemm_bf16bf16", 2, 1.0),
+        ("_tngram_fwd_kernel", 1, 0.3),
+        ("triton_poi_fused_add_0", 10, 0.2),
+    ]
+    assert s["top"][0]["share"] == pytest.approx(3000 / 4530, abs=1e-4)
+    long = summarise([("x" * 200, 1, 1.0)], steps=1)["top"][0]["name"]
+    assert len(long) == 80 and long.endswith("…")
+
+
+def test_cuda_profile_counts_each_kernel_once():
+    """On CUDA only the device events count (a CPU op's self device time is its kernels' time,
+    already counted through the kernels), and not the device copy of a record_function range
+    (inductor's "## Call CompiledFxGraph ##" spans the kernels it launched)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from tngram.bench.gpu_profile import event_rows
+
+    def ev(key, dev, cpu_us, dev_us, note=False):
+        return SimpleNamespace(
+            key=key,
+            count=3,
+            device_type=dev,
+            self_cpu_time_total=cpu_us,
+            self_device_time_total=dev_us,
+            is_user_annotation=note,
+        )
+
+    events = [
+        ev("aten::mm", DeviceType.CPU, 50.0, 900.0),
+        ev("sm90_xmma_gemm_bf16", DeviceType.CUDA, 0.0, 900.0),
+        ev("## Call CompiledFxGraph f0 ##", DeviceType.CUDA, 0.0, 1000.0, note=True),
+    ]
+    assert event_rows(events, "cuda") == [("sm90_xmma_gemm_bf16", 3, 900.0)]
+    assert event_rows(events, "cpu") == [("aten::mm", 3, 50.0)]
+
+
+@pytest.fixture(scope="module")
+def profile_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-gpu-profile") / "p.json"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = ["bench", "gpu", "--out", str(out), "--sections", "fwdbwd", "--recipes", *RECIPES]
+        assert main(args + ["--no-compile", "--profile"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return json.loads(out.read_text())
+
+
+def test_profile_run_records_each_fwdbwd_item(profile_run, cpu_run):
+    from tngram.bench.gpu import GPU_COST, shapes_for
+    from tngram.bench.gpu_profile import PROFILE_STEPS, TOP
+
+    r = profile_run
+    assert r["shapes"]["profile"] is True and cpu_run[1]["shapes"]["profile"] is False
+    items = r["sections"]["fwdbwd"]
+    assert sorted(items) == [f"{x}/eager" for x in sorted(RECIPES)]
+    for key, it in items.items():
+        p = it["profile"]
+        assert p["time"] == "cpu" and p["steps"] == PROFILE_STEPS and p["wall_ms"] > 0
+        # the categories partition the total (each rounded to 1e-4 ms)
+        assert sum(p["categories"].values()) == pytest.approx(p["total_ms"], abs=1e-3), key
+        ms = [k["ms"] for k in p["top"]]
+        assert 0 < len(ms) <= TOP and ms == sorted(ms, reverse=True), key
+        assert sum(k["share"] for k in p["top"]) <= 1.0 + 1e-3
+        assert all(0 < k["ms"] <= p["total_ms"] for k in p["top"])
+        # self CPU times of the ops inside the profiled steps: at most their wall time
+        assert p["total_ms"] <= p["wall_ms"] * 1.05
+    for it in cpu_run[1]["sections"]["fwdbwd"].values():
+        assert "profile" not in it  # without --profile
+    gpu = shapes_for("cuda")  # the budget's estimate grows by the profile's
+    for what in ("eager", "compile"):
+        assert gpu.cost(what, profile=True) == GPU_COST[what] + GPU_COST["profile"]
+
+
+def test_profile_attributes_the_lookup(profile_run):
+    """On the CPU the lookup is the C kernel (when it builds and passes its self-check): its ops
+    tngram::c_lookup_fwd / _bwd and their autograd node are "lookup"; the raw model has none.
+    (The torch path's aten ops cannot be told from the model's other ops.)"""
+    from tngram.kernels import resolved_impl
+
+    items = profile_run["sections"]["fwdbwd"]
+    assert items["paper-l9-raw/eager"]["profile"]["categories"]["lookup"] == 0.0
+    assert items["paper-l9-raw/eager"]["profile"]["categories"]["matmul"] > 0
+    if resolved_impl("cpu") != "c":
+        pytest.skip(f"the C lookup kernel is not used here ({resolved_impl('cpu')})")
+    assert items["paper-l9-tngram/eager"]["profile"]["categories"]["lookup"] > 0
+
+
+def test_profile_block_renders_after_the_fwdbwd_table(profile_run):
+    """Compiled rows first; the top kernels of compiled Engram / TN-gram only. The compiled item
+    here is the eager one's copy (no compile on the CPU in a fast test)."""
+    from tngram.report.gpu_blocks import profile_table
+
+    r = json.loads(json.dumps(profile_run))
+    sec = r["sections"]["fwdbwd"]
+    text = render_run(r, "p.json")
+    # the same file without its profiles renders the same text without the block
+    plain = render_run(_without_profiles(r), "p.json")
+    assert "Where a step's time goes" not in plain and text == plain + "\n\n" + profile_table(r)
+    head = "| recipe | mode | timed | lookup | attention | fused | matmul | memcpy/memset "
+    assert head + "| other | total |" in text and "Top kernels" not in text
+    p = sec["paper-l9-tngram/eager"]["profile"]
+    row = f"| paper-l9-tngram | eager | {sec['paper-l9-tngram/eager']['median_ms']:.1f} | "
+    row += " | ".join(f"{v:.2f}" for v in p["categories"].values()) + f" | {p['total_ms']:.2f} |"
+    assert row in text
+    sec["paper-l9-tngram/compile"] = sec["paper-l9-tngram/eager"]
+    text = profile_table(r)
+    rows = [line for line in text.splitlines() if line.startswith("| paper-l9-")]
+    assert rows[0].startswith("| paper-l9-tngram | compiled |")
+    assert [line.split(" | ")[1] for line in rows[3:]] == [f"`{k['name']}`" for k in p["top"][:5]]
+
+
+def _without_profiles(r):
+    sec = r["sections"]["fwdbwd"]
+    strip = {k: {f: v for f, v in it.items() if f != "profile"} for k, it in sec.items()}
+    return {**r, "sections": {**r["sections"], "fwdbwd": strip}}

@@ -8,7 +8,9 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
            paper-l9-tngram the loss and the memory gradients (fp32 and bf16), and the lookup of
            one paper-l9 TN-gram module alone, forward + backward, timed for each implementation
   fwdbwd   forward + backward of every `paper-l9-*` recipe (tngram.bench.gpu_parts), eager, then
-           under torch.compile (raw / Engram / TN-gram first, the other recipes last)
+           under torch.compile (raw / Engram / TN-gram first, the other recipes last); with
+           profile=True (`--profile`) each item also profiles a few steps after its timing:
+           its time by kernel and kernel category (tngram.bench.gpu_profile)
   tables   one optimiser step with optim.memory_update dense / sparse / rowwise at V 1k / 32k /
            128k (Engram and TN-gram), beside the raw model's step at the same V
   trainer  tokens/s of N optimiser steps through the real trainer (tngram.train.loop.train),
@@ -73,6 +75,9 @@ GPU_COST = {
     "trainer": 15,
     "trainer_step": 1.2,
     "table": 3,
+    # --profile, per fwdbwd item: 3 steps of < 0.12 s under the profiler, the profiler's start
+    # (CUPTI) and its event processing (thousands of kernels a step, eager); not measured yet
+    "profile": 8,
 }
 
 
@@ -129,10 +134,13 @@ class Shapes:
             return []
         return list(TINY_SETS) + (list(TINY_MEMORY_SETS) if has_memory else [])
 
-    def cost(self, what: str, steps: int = 0, vocab: int = 0) -> float:
-        """Estimated seconds of one item on the GPU (GPU_COST); 0.5 s at tiny shapes."""
+    def cost(self, what: str, steps: int = 0, vocab: int = 0, profile: bool = False) -> float:
+        """Estimated seconds of one item on the GPU (GPU_COST); 0.5 s at tiny shapes.
+        profile: an fwdbwd item (eager / compile) with its profile (--profile)."""
         if self.tiny:
             return 0.5
+        if profile:
+            return GPU_COST[what] + GPU_COST["profile"]
         if what == "trainer":
             return GPU_COST["trainer"] + GPU_COST["trainer_step"] * steps
         if what == "table":
@@ -193,6 +201,7 @@ def run(
     data: str | None = None,
     reps: int | None = None,
     compile: bool = True,
+    profile: bool = False,
     trainer_sets: tuple[str, ...] = (),
     doctor: Callable[[], dict[str, Any]] | None = None,
     say: Callable[[str], None] = print,
@@ -225,6 +234,7 @@ def run(
             "tiny_sets": list(TINY_SETS) if shapes.tiny else [],
             "trainer_steps": steps,
             "trainer_sets": list(trainer_sets),
+            "profile": profile,
         },
         "budget_s": budget_s,
         "recipes": names,
@@ -269,13 +279,13 @@ def run(
         item(
             "fwdbwd",
             f"{r}/eager",
-            shapes.cost("eager"),
-            partial(parts.fwdbwd, r, shapes, False, peaks),
+            shapes.cost("eager", profile=profile),
+            partial(parts.fwdbwd, r, shapes, False, peaks, profile),
         )
 
     def compiled(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
-        fn = lambda: parts.fwdbwd(r, shapes, True, peaks)
-        return ("fwdbwd", f"{r}/compile", shapes.cost("compile"), fn)
+        fn = lambda: parts.fwdbwd(r, shapes, True, peaks, profile)
+        return ("fwdbwd", f"{r}/compile", shapes.cost("compile", profile=profile), fn)
 
     def trained(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
         cost = shapes.cost("trainer", steps) + shapes.cost("compile") * parts.trainer_compiles(
@@ -318,8 +328,19 @@ def report(res: dict[str, Any]) -> str:
                 lines.append(f"  {sec:8s} {key:32s} {r.get('skipped') or 'ERROR ' + r['error']}")
             elif "median_ms" in r:
                 lines.append(f"  {sec:8s} {key:32s} {r['median_ms']:9.2f} ms")
+                lines += _profile_line(r.get("profile"))
             elif "tokens_per_s" in r:
                 lines.append(f"  {sec:8s} {key:32s} {r['tokens_per_s']:12,.0f} tokens/s")
             else:
                 lines.append(f"  {sec:8s} {key:32s} done")
     return "\n".join(lines)
+
+
+def _profile_line(p: dict[str, Any] | None) -> list[str]:
+    """An fwdbwd item's profile in one line: ms per step by category (--profile)."""
+    if p is None:
+        return []
+    if "error" in p:
+        return [f"  {'':8s} {'  profile':32s} ERROR {p['error']}"]
+    cats = ", ".join(f"{c} {ms:.2f}" for c, ms in p["categories"].items() if ms)
+    return [f"  {'':8s} {'  profile':32s} {p['total_ms']:9.2f} ms {p['time']}: {cats}"]

@@ -172,9 +172,13 @@ def lookup(shapes: Any) -> dict[str, Any]:
     return out
 
 
-def fwdbwd(recipe: str, shapes: Any, compiled: bool, peaks: tuple[Any, Any]) -> dict[str, Any]:
+def fwdbwd(
+    recipe: str, shapes: Any, compiled: bool, peaks: tuple[Any, Any], profile: bool = False
+) -> dict[str, Any]:
     """Forward + backward of the recipe's model on one micro-batch (bf16 autocast on CUDA),
-    eager or torch.compile(dynamic=False) as the trainer compiles; tokens/s, peak memory, MFU."""
+    eager or torch.compile(dynamic=False) as the trainer compiles; tokens/s, peak memory, MFU.
+    profile: after the timing, a few more steps under torch.profiler (tngram.bench.gpu_profile)
+    give the item a "profile": the step's time by kernel and kernel category."""
     from tngram.bench.step import train_flops
     from tngram.model.gpt import GPT
 
@@ -206,6 +210,11 @@ def fwdbwd(recipe: str, shapes: Any, compiled: bool, peaks: tuple[Any, Any]) -> 
     flops = train_flops(model, m.n_layer, m.n_embd, m.sequence_len, tokens)
     spec, measured = peaks
     achieved = flops / (t["median_ms"] / 1e3)
+    prof = {}
+    if profile:  # after the timing and its warm-up: nothing compiles inside the profile
+        from tngram.bench.gpu_profile import profile_steps
+
+        prof["profile"] = profile_steps(step, dev)
     return {
         **t,
         "tokens": tokens,
@@ -217,6 +226,7 @@ def fwdbwd(recipe: str, shapes: Any, compiled: bool, peaks: tuple[Any, Any]) -> 
         "mfu_spec": achieved / spec if spec else None,
         "of_measured_matmul_peak": achieved / measured["flops"],
         "peak_gb": _peak_gb(dev),
+        **prof,
     }
 
 

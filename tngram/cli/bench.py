@@ -259,6 +259,7 @@ def _gpu(args: argparse.Namespace) -> int:
         data=args.data,
         reps=args.reps,
         compile=not args.no_compile,
+        profile=args.profile,
         trainer_sets=tuple(args.trainer_set),
         doctor=diagnose,
         say=lambda line: print(line, flush=True),
@@ -575,6 +576,12 @@ def add_commands(sub: Any) -> None:
     _data_dir(g, "dataset folder for the trainer section (default: the default corpus)")
     _reps(g, None, "timed reps (default: 10 on a GPU, 2 on the CPU)")
     g.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="fwdbwd section: after each item's timing, profile 3 more steps (torch.profiler) "
+        "and record the step's time by kernel and kernel category (no extra compile)",
+    )
     g.add_argument(
         "--set",
         dest="trainer_set",

@@ -97,6 +97,74 @@ def fwdbwd_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+MODES = (("compile", "compiled"), ("eager", "eager"))
+TOP_KERNELS = (("paper-l9-engram", 5), ("paper-l9-tngram", 5))  # compiled items, top N each
+
+
+def _profiles(snap: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """(recipe, mode label, item, profile) of every fwdbwd item with a profile, compiled first."""
+    sec = snap["sections"].get("fwdbwd", {})
+    out = []
+    for mode, label in MODES:
+        for r in snap["recipes"]:
+            it = sec.get(f"{r}/{mode}")
+            if _ok(it) and isinstance(it.get("profile"), dict):
+                out.append((r, label, it, it["profile"]))
+    return out
+
+
+def profile_table(snap: dict[str, Any]) -> str:
+    """`--profile`: ms per step by kernel category for each profiled fwdbwd item, and the top
+    kernels of compiled Engram and TN-gram (TOP_KERNELS)."""
+    rows = _profiles(snap)
+    good = [p for *_, p in rows if "error" not in p]
+    cats = list(good[0]["categories"]) if good else []
+    measure = "self device time" if good and good[0].get("time") == "device" else "self CPU time"
+    steps = good[0]["steps"] if good else "?"
+    lines = [
+        f"Where a step's time goes (`--profile`): {measure} per step, ms, summed by kernel "
+        f"category over {steps} profiled steps after the timing (categories by kernel name, "
+        "tngram.bench.gpu_profile.CATEGORIES); timed = the median ms above:",
+        "",
+        "| recipe | mode | timed | " + " | ".join(cats) + " | total |",
+        "|" + "---|" * (len(cats) + 4),
+    ]
+    for r, label, it, p in rows:
+        if "error" in p:
+            lines.append(md_row([r, label, f"{it['median_ms']:.1f}", "profile error"]))
+            continue
+        cells = [f"{p['categories'].get(c, 0.0):.2f}" for c in cats]
+        lines.append(
+            md_row([r, label, f"{it['median_ms']:.1f}"] + cells + [f"{p['total_ms']:.2f}"])
+        )
+    compiled = {r: p for r, label, _, p in rows if label == "compiled" and "error" not in p}
+    tops = [(r, n, compiled[r]) for r, n in TOP_KERNELS if r in compiled]
+    if tops:
+        lines += [
+            "",
+            "Top kernels of the compiled steps:",
+            "",
+            "| recipe | kernel | category | calls a step | ms a step | share |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r, n, p in tops:
+            for k in p["top"][:n]:
+                name = "`" + k["name"].replace("|", "\\|").replace("`", "'") + "`"
+                lines.append(
+                    md_row(
+                        [
+                            r,
+                            name,
+                            k["category"],
+                            f"{k['calls']:g}",
+                            f"{k['ms']:.2f}",
+                            f"{100 * k['share']:.1f}%",
+                        ]
+                    )
+                )
+    return "\n".join(lines)
+
+
 def _compile_text(comp: Any) -> str:
     """env.json's "compile" record: what ran (eager / compiled), and Muon's Newton-Schulz."""
     if not isinstance(comp, dict):
@@ -202,6 +270,8 @@ def render_run(snap: dict[str, Any], source: str) -> str:
     parts.append(lookup_lines(snap))
     if "fwdbwd" in snap["sections"]:
         parts.append(fwdbwd_table(snap))
+        if _profiles(snap):  # only files of a --profile run
+            parts.append(profile_table(snap))
     if "trainer" in snap["sections"]:
         parts.append(trainer_table(snap))
     if "tables" in snap["sections"]:
