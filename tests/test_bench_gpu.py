@@ -338,6 +338,8 @@ KERNEL_NAMES = {
     "triton_per_fused__log_softmax_nll_loss_forward_2": "fused",
     "triton_poi_fused_mm_view_3": "fused",  # "mm" in an inductor name is no matmul
     "triton_for_fused_0": "fused",
+    "cpp_fused_add_mul_0": "fused",
+    "## Call CompiledFxGraph fsnb2zjyfkiwdol6tbxy67jp2ojrtmanwa7uxqpjjxgolt3sk36d ##": "fused",
     "_tngram_fwd_kernel": "lookup",
     "_tngram_bwd_kernel": "lookup",
     "_row_adam_kernel": "lookup",

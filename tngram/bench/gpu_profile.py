@@ -49,8 +49,10 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # flash / memory-efficient / cuDNN SDPA kernels (flash_fwd_kernel, fmha_cutlassF_*,
     # cudnn_*_sdpa_*) and their aten ops (aten::_scaled_dot_product_flash_attention, ...)
     ("attention", r"flash|sdpa|efficient_attention|fmha|scaled_dot_product|attention"),
-    # inductor's generated Triton kernels: pointwise, reduction, persistent reduction, foreach
-    ("fused", r"^triton_(poi|red|per|for)_"),
+    # inductor's generated Triton kernels: pointwise, reduction, persistent reduction, foreach;
+    # on the CPU its C++ kernels (cpp_fused_* where named), which otherwise run inside the
+    # "## Call CompiledFxGraph <hash> ##" range and are its self CPU time
+    ("fused", r"^triton_(poi|red|per|for)_|^cpp_fused_|^## call compiledfxgraph"),
     # cuBLAS / cuBLASLt / CUTLASS kernels (sm90_xmma_gemm_*, nvjet_*, ampere_*gemm*, gemv2T_*,
     # cutlass::Kernel2<...>, splitKreduce_kernel), inductor's matmul templates, and the aten ops
     (
