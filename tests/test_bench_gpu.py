@@ -424,9 +424,18 @@ def test_cuda_profile_counts_each_kernel_once():
         ev("aten::mm", DeviceType.CPU, 50.0, 900.0),
         ev("sm90_xmma_gemm_bf16", DeviceType.CUDA, 0.0, 900.0),
         ev("## Call CompiledFxGraph f0 ##", DeviceType.CUDA, 0.0, 1000.0, note=True),
+        # inductor's record of a Triton kernel's launch on the CPU, named like the kernel
+        ev("triton_poi_fused_add_0", DeviceType.CPU, 5.0, 0.0),
+        ev("triton_poi_fused_add_0", DeviceType.CUDA, 0.0, 40.0),
     ]
-    assert event_rows(events, "cuda") == [("sm90_xmma_gemm_bf16", 3, 900.0)]
-    assert event_rows(events, "cpu") == [("aten::mm", 3, 50.0)]
+    assert event_rows(events, "cuda") == [
+        ("sm90_xmma_gemm_bf16", 3, 900.0),
+        ("triton_poi_fused_add_0", 3, 40.0),
+    ]
+    assert event_rows(events, "cpu") == [
+        ("aten::mm", 3, 50.0),
+        ("triton_poi_fused_add_0", 3, 5.0),
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,8 @@ def event_rows(events: Iterable[Any], dev: str) -> list[tuple[str, int, float]]:
     on the CPU every op by self CPU time."""
     from torch.autograd import DeviceType
 
+    # not by name: inductor also records each Triton kernel's launch on the CPU under the kernel's
+    # own name, so a device event named like a CPU event can be a real kernel
     out = []
     for e in events:
         on_cpu = e.device_type == DeviceType.CPU
