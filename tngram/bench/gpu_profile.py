@@ -10,8 +10,8 @@ to keep it cheap). The item gains a "profile" dict:
     total_ms    that time summed over every kernel / op, per step
     wall_ms     wall-clock ms per profiled step (the profiler's own overhead included)
     categories  total_ms split by CATEGORIES (first match on the name, else "other")
-    top         the TOP kernels / ops by that time: name (cut to NAME_CHARS), calls per step,
-                ms per step, share of total_ms
+    top         the TOP kernels / ops by that time: name (cut to NAME_CHARS), category, calls
+                per step, ms per step, share of total_ms
 
 On CUDA the CPU-side ops (aten::mm, tngram::triton_lookup_fwd, ...) are left out of the sums:
 their device time is the kernels' time, counted once through the kernels themselves; so are
