@@ -519,3 +519,27 @@ def _without_profiles(r):
     sec = r["sections"]["fwdbwd"]
     strip = {k: {f: v for f, v in it.items() if f != "profile"} for k, it in sec.items()}
     return {**r, "sections": {**r["sections"], "fwdbwd": strip}}
+
+
+def test_table_step_profile_and_its_block(cpu_run, one_thread):  # noqa: F811
+    """--profile on the tables section: a table step's profile sums to its total by category,
+    and the block lists every profiled step and the top kernels of TN-gram's at V >= 8192."""
+    from tngram.bench import gpu_parts
+    from tngram.bench.gpu import shapes_for
+    from tngram.report.gpu_blocks import TOP_TABLE_KERNELS, tables_profile_table
+
+    it = gpu_parts.table_step("tngram", 128, "sparse", shapes_for("cpu"), profile=True)
+    p = it["profile"]
+    assert p["time"] == "cpu" and p["steps"] >= 1
+    assert sum(p["categories"].values()) == pytest.approx(p["total_ms"], abs=1e-3)
+    assert p["categories"]["lookup"] > 0  # the C lookup and the row update are ours
+    snap = json.loads(json.dumps(cpu_run[1]))
+    assert "Where a table step" not in render_run(snap, "x.json")  # no profile: no block
+    snap["sections"]["tables"]["tngram@256/sparse"] = it
+    snap["sections"]["tables"]["tngram@8192/sparse"] = it  # a key at the V the tops start at
+    block = tables_profile_table(snap)
+    assert block in render_run(snap, "x.json")
+    assert "| tngram@256/sparse |" in block
+    tops = [ln for ln in block.splitlines() if ln.startswith("| tngram@8192/sparse | `")]
+    assert len(tops) == min(TOP_TABLE_KERNELS, len(p["top"]))
+    assert not [ln for ln in block.splitlines() if ln.startswith("| tngram@256/sparse | `")]

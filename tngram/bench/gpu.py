@@ -301,8 +301,9 @@ def run(
         for model in ("raw", "engram", "tngram"):
             for upd in UPDATES if model != "raw" else ("dense",):
                 key = f"{model}@{V}" + ("" if model == "raw" else f"/{upd}")
-                fn = partial(parts.table_step, model, V, upd, shapes)
-                item("tables", key, shapes.cost("table", vocab=V), fn)
+                fn = partial(parts.table_step, model, V, upd, shapes, profile)
+                cost = shapes.cost("table", vocab=V) + (GPU_COST["profile"] if profile else 0)
+                item("tables", key, cost, fn)
     for r in base:
         item(*trained(r))
     for r in rest:

@@ -315,9 +315,13 @@ def trainer(
     }
 
 
-def table_step(model: str, V: int, update: str, shapes: Any) -> dict[str, Any]:
+def table_step(
+    model: str, V: int, update: str, shapes: Any, profile: bool = False
+) -> dict[str, Any]:
     """One optimiser step (forward, backward, Adam/Muon and the table optimiser of
-    optim.memory_update, as the trainer sets them up) of paper-l9-MODEL at vocabulary V."""
+    optim.memory_update, as the trainer sets them up) of paper-l9-MODEL at vocabulary V.
+    profile: a few more steps under torch.profiler after the timing (tngram.bench.gpu_profile):
+    where a row-sparse step's time goes (the sparse backward, the row update, the rest)."""
     from tngram.bench.common import step_optimizers
     from tngram.model.gpt import GPT
     from tngram.optim.groups import memory_table_params
@@ -349,6 +353,10 @@ def table_step(model: str, V: int, update: str, shapes: Any) -> dict[str, Any]:
     _reset_peak(dev)
     t = timed(step, shapes.reps, shapes.warmup, dev)
     row = {}
+    if profile:  # after the timing and its warm-up
+        from tngram.bench.gpu_profile import profile_steps
+
+        row["profile"] = profile_steps(step, dev)
     if table_opt is not None:  # which path updated the touched rows (the Triton kernel or torch)
         from tngram.kernels.row_update import resolved_row_impl
 

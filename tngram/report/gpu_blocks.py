@@ -99,6 +99,8 @@ def fwdbwd_table(snap: dict[str, Any]) -> str:
 
 MODES = (("compile", "compiled"), ("eager", "eager"))
 TOP_KERNELS = (("paper-l9-engram", 5), ("paper-l9-tngram", 5))  # compiled items, top N each
+TOP_TABLE_KERNELS = 4  # top kernels shown for each profiled TN-gram table step at V >= ...
+TOP_TABLE_MIN_V = 8192  # ... this (where row-sparse updates should beat dense)
 
 
 def _profiles(snap: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
@@ -162,6 +164,57 @@ def profile_table(snap: dict[str, Any]) -> str:
                         ]
                     )
                 )
+    return "\n".join(lines)
+
+
+def _top_rows(label: str, p: dict[str, Any], n: int) -> list[str]:
+    """The first n of a profile's top kernels as table rows led by `label`."""
+    out = []
+    for k in p["top"][:n]:
+        name = "`" + k["name"].replace("|", "\\|").replace("`", "'") + "`"
+        ms = [f"{k['calls']:g}", f"{k['ms']:.2f}", f"{100 * k['share']:.1f}%"]
+        out.append(md_row([label, name, k["category"]] + ms))
+    return out
+
+
+def tables_profile_table(snap: dict[str, Any]) -> str:
+    """`--profile` on the tables section: each profiled table step's time by kernel category,
+    and the top kernels of TN-gram's dense, sparse and rowwise steps at V >= TOP_TABLE_MIN_V."""
+    sec = snap["sections"].get("tables", {})
+    rows = [(k, it, it["profile"]) for k, it in sec.items() if _ok(it) and "profile" in it]
+    good = [p for *_, p in rows if "error" not in p]
+    cats = list(good[0]["categories"]) if good else []
+    measure = "self device time" if good and good[0].get("time") == "device" else "self CPU time"
+    lines = [
+        f"Where a table step's time goes (`--profile`): {measure} per step, ms, by kernel "
+        "category; timed = the median ms above:",
+        "",
+        "| step | timed | " + " | ".join(cats) + " | total |",
+        "|" + "---|" * (len(cats) + 3),
+    ]
+    for key, it, p in rows:
+        if "error" in p:
+            lines.append(md_row([key, f"{it['median_ms']:.1f}", "profile error"]))
+            continue
+        cells = [f"{p['categories'].get(c, 0.0):.2f}" for c in cats]
+        lines.append(md_row([key, f"{it['median_ms']:.1f}"] + cells + [f"{p['total_ms']:.2f}"]))
+    tops = [
+        (k, p)
+        for k, _, p in rows
+        if k.startswith("tngram@")
+        and int(k[7:].split("/")[0]) >= TOP_TABLE_MIN_V
+        and "error" not in p
+    ]
+    if tops:
+        lines += [
+            "",
+            f"Top kernels of TN-gram's table steps at V ≥ {TOP_TABLE_MIN_V:,}:",
+            "",
+            "| step | kernel | category | calls a step | ms a step | share |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k, p in tops:
+            lines += _top_rows(k, p, TOP_TABLE_KERNELS)
     return "\n".join(lines)
 
 
@@ -276,6 +329,8 @@ def render_run(snap: dict[str, Any], source: str) -> str:
         parts.append(trainer_table(snap))
     if "tables" in snap["sections"]:
         parts.append(tables_table(snap))
+        if any(_ok(it) and "profile" in it for it in snap["sections"]["tables"].values()):
+            parts.append(tables_profile_table(snap))
     return "\n\n".join(parts)
 
 
