@@ -352,7 +352,7 @@ def table_step(
 
     _reset_peak(dev)
     t = timed(step, shapes.reps, shapes.warmup, dev)
-    row = {}
+    row: dict[str, Any] = {}
     if profile:  # after the timing and its warm-up
         from tngram.bench.gpu_profile import profile_steps
 

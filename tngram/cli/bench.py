@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
-from tngram.cli.common import add_json_argument, add_threads_argument
+from tngram.cli.common import add_json_argument, add_set_argument, add_threads_argument
 
 # optim.memory_update options, "+catchup" with optim.memory_catchup
 # (tngram.bench.vocab.UPDATE_CHOICES;
@@ -227,11 +227,11 @@ def _gpu(args: argparse.Namespace) -> int:
         from tngram.data.dataset import open_dataset
 
         open_dataset(args.data)  # a clear error now rather than after the other sections
-    if args.trainer_set:  # a bad --set stops here, not after the other sections
+    if args.overrides:  # a bad --set stops here, not after the other sections
         from tngram.train.recipes import resolve_config
 
         for r in args.recipes or gpu.paper_recipes(known):
-            resolve_config(r, list(args.trainer_set))
+            resolve_config(r, list(args.overrides))
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     path = _gpu_out(args.out, gpu.card_slug(card))
     if path.exists() and not args.force:
@@ -260,7 +260,7 @@ def _gpu(args: argparse.Namespace) -> int:
         reps=args.reps,
         compile=not args.no_compile,
         profile=args.profile,
-        trainer_sets=tuple(args.trainer_set),
+        trainer_sets=tuple(args.overrides),
         doctor=diagnose,
         say=lambda line: print(line, flush=True),
         save=save,
@@ -582,12 +582,8 @@ def add_commands(sub: Any) -> None:
         help="fwdbwd section: after each item's timing, profile 3 more steps (torch.profiler) "
         "and record the step's time by kernel and kernel category (no extra compile)",
     )
-    g.add_argument(
-        "--set",
-        dest="trainer_set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+    add_set_argument(
+        g,
         help="trainer section: a setting for every recipe's run, as `tngram train --set` "
         "(repeatable; e.g. optim.memory_update=sparse)",
     )
