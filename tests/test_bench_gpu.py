@@ -475,6 +475,9 @@ def test_profile_run_records_each_fwdbwd_item(profile_run, cpu_run):
     gpu = shapes_for("cuda")  # the budget's estimate grows by the profile's
     for what in ("eager", "compile"):
         assert gpu.cost(what, profile=True) == GPU_COST[what] + GPU_COST["profile"]
+    for V in (1024, 131072):  # a table step's estimate grows by the same, at every V
+        plain = gpu.cost("table", vocab=V)
+        assert gpu.cost("table", vocab=V, profile=True) == plain + GPU_COST["profile"]
 
 
 def test_profile_attributes_the_lookup(profile_run):

@@ -75,8 +75,9 @@ GPU_COST = {
     "trainer": 15,
     "trainer_step": 1.2,
     "table": 3,
-    # --profile, per fwdbwd item: 3 steps of < 0.12 s under the profiler, the profiler's start
-    # (CUPTI) and its event processing (thousands of kernels a step, eager); not measured yet
+    # --profile, per fwdbwd or tables item: 3 steps of < 0.12 s under the profiler, the
+    # profiler's start (CUPTI) and its event processing (thousands of kernels a step, eager);
+    # not measured yet
     "profile": 8,
 }
 
@@ -136,16 +137,15 @@ class Shapes:
 
     def cost(self, what: str, steps: int = 0, vocab: int = 0, profile: bool = False) -> float:
         """Estimated seconds of one item on the GPU (GPU_COST); 0.5 s at tiny shapes.
-        profile: an fwdbwd item (eager / compile) with its profile (--profile)."""
+        profile: the item also profiles a few steps (--profile: fwdbwd and tables items)."""
         if self.tiny:
             return 0.5
-        if profile:
-            return GPU_COST[what] + GPU_COST["profile"]
+        extra = GPU_COST["profile"] if profile else 0
         if what == "trainer":
             return GPU_COST["trainer"] + GPU_COST["trainer_step"] * steps
         if what == "table":
-            return GPU_COST["table"] * (1 + vocab / 131072)
-        return GPU_COST[what]
+            return GPU_COST["table"] * (1 + vocab / 131072) + extra
+        return GPU_COST[what] + extra
 
 
 def shapes_for(device: str, reps: int | None = None) -> Shapes:
@@ -302,8 +302,7 @@ def run(
             for upd in UPDATES if model != "raw" else ("dense",):
                 key = f"{model}@{V}" + ("" if model == "raw" else f"/{upd}")
                 fn = partial(parts.table_step, model, V, upd, shapes, profile)
-                cost = shapes.cost("table", vocab=V) + (GPU_COST["profile"] if profile else 0)
-                item("tables", key, cost, fn)
+                item("tables", key, shapes.cost("table", vocab=V, profile=profile), fn)
     for r in base:
         item(*trained(r))
     for r in rest:
@@ -338,7 +337,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def _profile_line(p: dict[str, Any] | None) -> list[str]:
-    """An fwdbwd item's profile in one line: ms per step by category (--profile)."""
+    """An item's profile (fwdbwd or tables) in one line: ms per step by category (--profile)."""
     if p is None:
         return []
     if "error" in p:

@@ -150,20 +150,7 @@ def profile_table(snap: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for r, n, p in tops:
-            for k in p["top"][:n]:
-                name = "`" + k["name"].replace("|", "\\|").replace("`", "'") + "`"
-                lines.append(
-                    md_row(
-                        [
-                            r,
-                            name,
-                            k["category"],
-                            f"{k['calls']:g}",
-                            f"{k['ms']:.2f}",
-                            f"{100 * k['share']:.1f}%",
-                        ]
-                    )
-                )
+            lines += _top_rows(r, p, n)
     return "\n".join(lines)
 
 
