@@ -2,14 +2,20 @@
 docs/GPU.md blocks generated from the GPU results files (tngram.report.gpu_blocks)."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from tngram.bench.gpu import TINY_VOCABS, card_slug, paper_recipes
+from tngram.bench.gpu import SECTIONS, TINY_VOCABS, card_slug, paper_recipes
+from tngram.bench.gpu_kernels import TINY_KERNEL_TOKENS, triton_runs_here
+from tngram.cli.bench import GPU_SECTIONS
+from tngram.kernels import triton_available
 from tngram.cli.main import main
 from tngram.report.docblocks import check_doc, load_snapshot, render
 from tngram.report.gpu_blocks import measured_in, render_run
@@ -69,10 +75,15 @@ def test_results_file_schema_and_provenance(cpu_run):
         and r["machine"]
         and r["command"].startswith("tngram bench gpu")
     )
-    assert r["recipes"] == RECIPES and r["skipped"] == []
-    assert set(r["sections"]) == {"doctor", "lookup", "fwdbwd", "trainer", "tables"}
-    for sec in r["sections"].values():
-        for key, item in sec.items():
+    # the kernels section needs the Triton lookup, which a plain CPU process cannot run: its
+    # item is listed as skipped with the reason (test_kernels_section_under_the_interpreter)
+    why = triton_runs_here("cpu")
+    assert why and r["skipped"] == [f"kernels paper-l9-tngram: {why}"]
+    assert r["sections"]["kernels"] == {"paper-l9-tngram": {"skipped": why}}
+    assert set(r["sections"]) == {"doctor", "lookup", "kernels", "fwdbwd", "trainer", "tables"}
+    assert tuple(r["sections"]) == SECTIONS == GPU_SECTIONS  # the CLI's list is the bench's
+    for name, sec in r["sections"].items():
+        for key, item in sec.items() if name != "kernels" else ():
             assert "error" not in item and "skipped" not in item, (key, item)
     doc = r["sections"]["doctor"]["self_checks"]
     assert (
@@ -168,6 +179,38 @@ def test_run_renders_its_numbers(cpu_run):
     assert f"{e['median_ms']:.1f}" in text
     assert f"{r['sections']['trainer']['paper-l9-raw']['tokens_per_s']:,.0f}" in text
     assert "not run" in text  # the compiled column (--no-compile)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton)")
+def test_kernels_section_under_the_interpreter(tmp_path):
+    """`--sections kernels` as a user runs it, in a process with the Triton interpreter: every
+    backward variant of the summed recipe's lookup at two warps counts, gradients agreeing
+    with the default's, `fastest` the lowest median, the bwd time the difference of medians,
+    and the docs table showing it."""
+    out = tmp_path / "k.json"
+    cmd = [sys.executable, "-m", "tngram", "bench", "gpu", "--out", str(out), "--sections",
+           "kernels", "--recipes", "paper-l9-raw", "paper-l9-tngram-sum", "--reps", "1"]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["skipped"] == [] and list(r["sections"]["kernels"]) == ["paper-l9-tngram-sum"]
+    it = r["sections"]["kernels"]["paper-l9-tngram-sum"]
+    assert it["tokens"] == TINY_KERNEL_TOKENS and it["order_combine"] == "sum"
+    assert it["cp_rank"] == 24 and it["max_ngram"] == 5 and it["absorption"] and it["use_norm"]
+    v = it["variants"]
+    # default_warps(24) is 4 (BLOCK_R 32 <= 1024): the forward's warps and twice them
+    assert sorted(v) == ["fused/w4", "fused/w8", "split/w4", "split/w8"]
+    for k, x in v.items():
+        assert k == f"{x['backward']}/w{x['warps']}"
+        assert x["grad_rel_diff"] < 1e-5  # fp32: only the order of the dW / ds sums differs
+        assert x["bwd_ms"] == pytest.approx(x["fwdbwd"]["median_ms"] - it["fwd"]["median_ms"])
+    assert v["fused/w4"]["grad_rel_diff"] == 0.0  # the reference itself
+    assert it["fastest"] == min(v, key=lambda k: v[k]["fwdbwd"]["median_ms"])
+    text = render_run(dict(r, tiny=False), "k.json")
+    ratio = v["split/w8"]["fwdbwd"]["median_ms"] / v["fused/w4"]["fwdbwd"]["median_ms"]
+    assert f"{v['split/w8']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
+    assert f"`{it['fastest']}` |" in text
 
 
 def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path):
@@ -342,6 +385,7 @@ KERNEL_NAMES = {
     "## Call CompiledFxGraph fsnb2zjyfkiwdol6tbxy67jp2ojrtmanwa7uxqpjjxgolt3sk36d ##": "fused",
     "_tngram_fwd_kernel": "lookup",
     "_tngram_bwd_kernel": "lookup",
+    "_tngram_bwd_ws_kernel": "lookup",
     "_row_adam_kernel": "lookup",
     "tngram::triton_lookup_fwd": "lookup",
     "tngram::c_lookup_bwd": "lookup",

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tngram.kernels import (absorption_weights, c_unavailable_reason, fused_lookup, ngram_row_index,
-                            resolved_impl, triton_available)
+from tngram.kernels import (absorption_weights, c_unavailable_reason, fused_lookup, kernel_policy,
+                            ngram_row_index, resolved_impl, triton_available)
 from tngram.memory.cp import absorption_products, order_embeddings, order_vectors
 from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.tngram import TNGramConfig
@@ -237,6 +237,68 @@ def test_triton_kernels_match_reference_under_interpreter():
     assert err16 < 1e-2, err16
 
 
+TRITON_SPLIT_SCRIPT = textwrap.dedent("""
+    import torch
+    from tngram.kernels import fused_lookup, kernel_policy
+    from tngram.memory.cp import order_embeddings, order_vectors
+    from tngram.memory.ngrams import suffix_ngrams
+    V, R = 11, 20
+    # (N, use_norm, scales, absorb, orders summed, dtype); 2 x 70 tokens: three programs of the
+    # split backward's dW / ds kernel per order (64 tokens each), the last one partly dead
+    cases = [(5, True, True, True, False, torch.float32), (5, True, True, True, True, torch.float32),
+             (4, False, True, True, True, torch.float32), (3, True, False, False, False, torch.float32),
+             (5, True, True, True, True, torch.bfloat16)]
+    worst = {}
+    for N, use_norm, scales, absorb, summed, dtype in cases:
+        g = torch.Generator().manual_seed(N)
+        f = torch.randn(N, V, R, generator=g).to(dtype).requires_grad_()
+        a = torch.randn(N - 2, R, generator=g).to(dtype).requires_grad_() if absorb else None
+        l = (0.3 * torch.randn(N - 1, generator=g)).to(dtype).requires_grad_() if scales else None
+        ng = suffix_ngrams(torch.randint(0, V, (2, 70), generator=g), N, pad_id=2)
+        up = torch.randn(2, 70, R if summed else (N - 1) * R, generator=g).to(dtype)
+        leaves = [p for p in (f, a, l) if p is not None]
+        f64 = [p.detach().double().requires_grad_() for p in leaves]
+        it = iter(f64)
+        args = [next(it) if p is not None else None for p in (f, a, l)]
+        ref = order_embeddings(order_vectors(args[0], args[1], ng), args[2], use_norm)
+        if summed:
+            ref = ref.unflatten(-1, (N - 1, R)).sum(-2)
+        ref_g = torch.autograd.grad(ref, f64, up.double())
+        with kernel_policy(triton_backward="split", triton_backward_warps=8):
+            got = fused_lookup(f, a, l, ng, use_norm=use_norm, impl="triton", sum_orders=summed)
+        got_g = torch.autograd.grad(got, leaves, up)
+        assert len(got_g) == len(ref_g) == len(leaves)
+        for x, t in zip((got, *got_g), (ref, *ref_g)):
+            rel = ((x.double() - t).abs().max() / t.abs().max().clamp_min(1e-12)).item()
+            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), rel)
+    print(worst["torch.float32"], worst["torch.bfloat16"])
+""")
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton)")
+def test_triton_split_backward_matches_reference_under_interpreter():
+    """kernel_policy(triton_backward="split"): the rows kernel without its dW / ds tile plus the
+    per-order dW / ds kernel give the fp64 reference's gradients, with the tolerances of the
+    fused backward's test above (concatenated and summed orders, with and without norm,
+    absorption and scales; more tokens than one dW / ds program holds)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", TRITON_SPLIT_SCRIPT], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err32, err16 = map(float, out.stdout.split())
+    assert err32 < 1e-5, err32
+    assert err16 < 1e-2, err16
+
+
+def test_kernel_policy_rejects_unknown_triton_backwards():
+    with pytest.raises(ValueError, match="triton_backward must be one of"):
+        with kernel_policy(triton_backward="tiled"):
+            pass
+    with pytest.raises(ValueError, match="triton_backward_warps"):
+        with kernel_policy(triton_backward_warps=6):
+            pass
+
+
 COMPILE_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -249,8 +311,12 @@ COMPILE_SCRIPT = textwrap.dedent("""
                   "dw_ptr", "ds_ptr"]), "M": "i32", "R": "i32"}
     flags = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024,
              "SUM_ORDERS": False}
+    ws = {n: t for n, t in bwd.items() if n != "dtable_ptr"}
+    rows = {"NEED_TABLE": True, "BLOCK_M": 16, "BLOCK_K": 4, "ACC_WS": True}
     for fn, sig, extra in ((k._tngram_fwd_kernel, fwd, {}),
-                           (k._tngram_bwd_kernel, bwd, {"NEED_TABLE": True, "BLOCK_M": 16, "BLOCK_K": 4})):
+                           (k._tngram_bwd_kernel, bwd, rows),
+                           (k._tngram_bwd_kernel, bwd, {**rows, "ACC_WS": False}),
+                           (k._tngram_bwd_ws_kernel, ws, {"BLOCK_M": 64})):
         const = {**flags, **extra}
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
         assert "cubin" in triton.compile(src, target=GPUTarget("cuda", 80, 32), options={"num_warps": 4}).asm
@@ -261,7 +327,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton)")
 def test_triton_kernels_compile_for_cuda_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr loop bounds), so
-    both kernels are also lowered to a cubin for sm_80 (triton's bundled ptxas, no device)."""
+    the kernels (forward, fused backward, the split backward's two) are also lowered to a cubin for sm_80 (triton's bundled ptxas, no device)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True,

@@ -130,7 +130,7 @@ def test_triton_bf16_and_summed_outputs_compile_for_cuda_without_a_gpu():
     cases: list[Case] = [("_tngram_fwd_kernel", fwd, {**flags, "SUM_ORDERS": s})
                          for s in (False, True)]
     cases.append(("_tngram_bwd_kernel", bwd, {**flags, "NEED_TABLE": True, "BLOCK_M": 16,
-                                              "BLOCK_K": 4, "SUM_ORDERS": True}))
+                                              "BLOCK_K": 4, "SUM_ORDERS": True, "ACC_WS": True}))
     assert_lowers_to_sm80_cubin("tngram.kernels.tngram_triton", cases)
 
 

@@ -7,6 +7,9 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
   lookup   TN-gram's compiled lookup (Triton on CUDA, C on the CPU) against the torch path: inside
            paper-l9-tngram the loss and the memory gradients (fp32 and bf16), and the lookup of
            one paper-l9 TN-gram module alone, forward + backward, timed for each implementation
+  kernels  the Triton lookup's backward variants (fused / split, two num_warps each) of every
+           chosen TN-gram recipe's module at the fwdbwd batch, interleaved, with their gradients
+           compared (tngram.bench.gpu_kernels)
   fwdbwd   forward + backward of every `paper-l9-*` recipe (tngram.bench.gpu_parts), eager, then
            under torch.compile (raw / Engram / TN-gram first, the other recipes last); with
            profile=True (`--profile`) each item also profiles a few steps after its timing:
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 
 BASE = ("paper-l9-raw", "paper-l9-engram", "paper-l9-tngram")
-SECTIONS = ("doctor", "lookup", "fwdbwd", "tables", "trainer")
+SECTIONS = ("doctor", "lookup", "kernels", "fwdbwd", "tables", "trainer")
 UPDATES = ("dense", "sparse", "rowwise")
 GPU_VOCABS = (1024, 32768, 131072)
 TINY_VOCABS = (128, 256, 512)
@@ -70,6 +73,9 @@ PEAK_BF16 = (
 GPU_COST = {
     "doctor": 30,
     "lookup": 25,
+    # one recipe: 5 Triton compiles (forward, 4 backward variants) of a few s each, then 13
+    # rounds of 5 calls of < 0.1 s at 64 x 1024 tokens; not measured yet
+    "kernels": 20,
     "eager": 6,
     "compile": 50,
     "trainer": 15,
@@ -86,6 +92,14 @@ def card_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; 'cpu' -> 'cpu'."""
     s = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.IGNORECASE).lower()
     return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "unknown"
+
+
+def has_tngram(recipe: str) -> bool:
+    """The recipe's model has a TN-gram memory (the kernels section's items)."""
+    from tngram.memory.tngram import TNGramConfig
+    from tngram.train.recipes import get_recipe
+
+    return isinstance(get_recipe(recipe).model.memory, TNGramConfig)
 
 
 def paper_recipes(names: list[str]) -> list[str]:
@@ -210,6 +224,7 @@ def run(
     """Measure `sections` for `recipes` (default: every paper-l9-*) inside `budget_s` seconds.
     `save(res)` runs after every item ("complete" false until the last), so a run killed from
     outside still leaves the numbers it had."""
+    from tngram.bench import gpu_kernels
     from tngram.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names
 
@@ -274,6 +289,13 @@ def run(
     if doctor is not None:
         item("doctor", "self_checks", shapes.cost("doctor"), lambda: parts.doctor_summary(doctor()))
     item("lookup", "paper-l9-tngram", shapes.cost("lookup"), lambda: parts.lookup(shapes))
+    no_triton = gpu_kernels.triton_runs_here(device)
+    for r in [r for r in names if has_tngram(r)] if "kernels" in sections else []:
+        if no_triton:  # e.g. a CPU run without the Triton interpreter: listed, not an error
+            res["sections"]["kernels"][r] = {"skipped": no_triton}
+            res["skipped"].append(f"kernels {r}: {no_triton}")
+            continue
+        item("kernels", r, shapes.cost("kernels"), partial(gpu_kernels.lookup_backwards, r, shapes))
     peaks = (peak_spec, res["flops"]["peak_matmul_measured"])
     for r in names:
         item(

@@ -43,7 +43,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # cannot be told from the model's other ops)
     (
         "lookup",
-        r"^tngram::|tngram_(c|triton)_lookup|_tngram_(fwd|bwd)_kernel|_row_adam_kernel"
+        r"^tngram::|tngram_(c|triton)_lookup|_tngram_(fwd|bwd|bwd_ws)_kernel|_row_adam_kernel"
         r"|FusedTNGramLookup",
     ),
     # flash / memory-efficient / cuDNN SDPA kernels (flash_fwd_kernel, fmha_cutlassF_*,

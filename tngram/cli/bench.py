@@ -18,6 +18,8 @@ from tngram.cli.common import add_json_argument, add_set_argument, add_threads_a
 # (tngram.bench.vocab.UPDATE_CHOICES;
 # spelled out here so that building the parser does not import torch)
 TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchup")
+# tngram.bench.gpu.SECTIONS, in its order (tests/test_bench_gpu.py checks they agree)
+GPU_SECTIONS = ("doctor", "lookup", "kernels", "fwdbwd", "tables", "trainer")
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -566,8 +568,8 @@ def add_commands(sub: Any) -> None:
     g.add_argument(
         "--sections",
         nargs="+",
-        choices=("doctor", "lookup", "fwdbwd", "tables", "trainer"),
-        default=["doctor", "lookup", "fwdbwd", "tables", "trainer"],
+        choices=GPU_SECTIONS,
+        default=list(GPU_SECTIONS),
         help="sections to run (default: all)",
     )
     _stop_after(

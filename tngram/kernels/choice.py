@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tngram.kernels.policy import TRITON_BACKWARDS, kernel_policy
 from tngram.kernels.tngram_c import c_lookup, c_unavailable_reason
 from tngram.kernels.tngram_lookup import (
     FusedTNGramLookup,
@@ -171,11 +172,14 @@ def _compare(impl: str, device: torch.device, dtype: torch.dtype) -> float:
     ):
         leaves, ngrams, up = _case(N, dtype, device, absorb, scales)
         ref = _run(plain_lookup, leaves, ngrams, up, use_norm, torch.device("cpu"), torch.float64)
-        got = _run(IMPL_FNS[impl], leaves, ngrams, up, use_norm, device, dtype)
-        for x, r in zip(got, ref):
-            if x.shape != r.shape or not bool(torch.isfinite(x).all()):
-                return float("inf")
-            worst = max(worst, (x - r).abs().max().item() / max(1.0, r.abs().max().item()))
+        # the Triton kernel: each backward kernel_policy can pick, so whichever runs was checked
+        for bwd in TRITON_BACKWARDS if impl == "triton" else (None,):
+            with kernel_policy(**({} if bwd is None else {"triton_backward": bwd})):
+                got = _run(IMPL_FNS[impl], leaves, ngrams, up, use_norm, device, dtype)
+            for x, r in zip(got, ref):
+                if x.shape != r.shape or not bool(torch.isfinite(x).all()):
+                    return float("inf")
+                worst = max(worst, (x - r).abs().max().item() / max(1.0, r.abs().max().item()))
     return worst
 
 

@@ -1,6 +1,7 @@
 """Kernel and dtype policy: the one place that decides how a memory's forward runs, not what it
 computes. Every setting gives the same numbers (bit-identical, or equal up to summation order for
-fuse_kv); the defaults are the fastest measured (docs/PERFORMANCE.md), and benchmarks and tests
+fuse_kv and triton_backward); the defaults are the fastest measured (docs/PERFORMANCE.md; on a
+GPU, docs/GPU.md), and benchmarks and tests
 change them only through `kernel_policy(...)`, never by setting attributes on modules.
 
     lookup_impl          "auto" | "torch" | "c" | "triton": the TN-gram lookup kernel
@@ -10,6 +11,17 @@ change them only through `kernel_policy(...)`, never by setting attributes on mo
                          (e's only consumer is the K/V matmul, which autocast runs in bf16
                          anyway): no fp32 copy of e and no cast pass (the C kernel on CPU, the
                          Triton kernel on CUDA; bit-identical to the cast). Default True.
+    triton_backward      "fused" | "split": how the Triton lookup's backward computes the
+                         absorption and scale gradients (tngram.kernels.tngram_triton). "fused"
+                         (default): in the rows kernel, an (N-1) x R accumulator tile held
+                         across its token loop. "split": a second kernel, one order per
+                         program; the rows kernel then needs about half the registers (~2x
+                         the programs per SM). Equal up to fp32 summation order. Default
+                         "fused" until a GPU measures "split" faster (`tngram bench gpu
+                         --sections kernels`).
+    triton_backward_warps
+                         num_warps of the Triton backward's kernels; 0 (default): the forward's
+                         (4 up to R 1024, else 8). Same numbers at any value.
     fuse_kv              with one hyper-connection branch, K and V are one matmul against
                          [W_K; W_V] (tngram.memory.gating.GatedFusion.keys_values) ...
     fuse_kv_min_rows     ... from this many rows of e on (default 64; below it, as at decode time,
@@ -32,12 +44,15 @@ from torch import Tensor
 
 FUSE_KV_MIN_ROWS = 64
 LOOKUP_IMPLS = ("auto", "torch", "c", "triton")
+TRITON_BACKWARDS = ("fused", "split")
 
 
 @dataclass(frozen=True)
 class KernelPolicy:
     lookup_impl: str | None = None  # None: TNGRAM_LOOKUP_IMPL or "auto" (kernels.choice)
     bf16_lookup_output: bool = True
+    triton_backward: str = "fused"
+    triton_backward_warps: int = 0
     fuse_kv: bool = True
     fuse_kv_min_rows: int = FUSE_KV_MIN_ROWS
 
@@ -56,6 +71,15 @@ def kernel_policy(**changes: Any) -> Iterator[KernelPolicy]:
     if changes.get("lookup_impl") not in (None, *LOOKUP_IMPLS):
         raise ValueError(
             f"lookup_impl must be one of {LOOKUP_IMPLS}, got {changes['lookup_impl']!r}"
+        )
+    if changes.get("triton_backward", "fused") not in TRITON_BACKWARDS:
+        raise ValueError(
+            f"triton_backward must be one of {TRITON_BACKWARDS}, got {changes['triton_backward']!r}"
+        )
+    if changes.get("triton_backward_warps", 0) not in (0, 1, 2, 4, 8, 16, 32):
+        raise ValueError(
+            "triton_backward_warps must be 0 (the default) or a power of two up to 32, "
+            f"got {changes['triton_backward_warps']!r}"
         )
     old = _current
     _current = replace(old, **changes)

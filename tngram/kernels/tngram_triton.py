@@ -17,6 +17,15 @@ with D_j = W_j db_j and db_j the RMSNorm backward. Row gradients go to an fp32 t
 atomic adds (rows repeat across tokens); dW and ds are summed over the program's tokens in
 registers ((N-1) x BLOCK_R tile) and added atomically once per program.
 
+split backward (kernel_policy(triton_backward="split")): the same rows kernel without the tile
+(ACC_WS=False), then `_tngram_bwd_ws_kernel` on a (token blocks, N-1) grid: one order slot per
+program, one R-wide dW accumulator over SPLIT_WS_TOKENS tokens. It recomputes the prefix
+products once more (O(N^2) more row loads, cache hits) to give the rows kernel about half its
+registers: for sm_90 (triton 3.9, compiled without a GPU) at N 5, R 1024, 4 warps the rows
+kernel needs 113 registers a thread instead of 211 (scripts/triton_registers.py). Which is
+faster is a GPU measurement (`tngram bench gpu --sections kernels`); same numbers up to the
+fp32 order of the dW / ds sums.
+
 Dimension letters: M tokens, N max order, V vocab, R CP rank.
 """
 
@@ -29,7 +38,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tngram.kernels.policy import current_policy
 from tngram.kernels.triton_round import round_to
+
+SPLIT_WS_TOKENS = 64  # tokens per program of the split backward's dW / ds kernel
 
 
 @triton.jit
@@ -103,6 +115,7 @@ def _tngram_bwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUM_ORDERS: tl.constexpr = False,
+    ACC_WS: tl.constexpr = True,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
@@ -144,13 +157,16 @@ def _tngram_bwd_kernel(
                 r = tl.load(rstd_ptr + m * (N - 1) + j)
                 y = b * r
                 gdot = tl.sum(g * y, axis=0)
-                ds_acc += tl.where(kk == j, gdot, 0.0)
+                if ACC_WS:
+                    ds_acc += tl.where(kk == j, gdot, 0.0)
                 db = (r * s) * g - (r * s * gdot / R) * y
             else:
-                ds_acc += tl.where(kk == j, tl.sum(g * b, axis=0), 0.0)
+                if ACC_WS:
+                    ds_acc += tl.where(kk == j, tl.sum(g * b, axis=0), 0.0)
                 db = s * g
             if HAS_W:
-                dw_acc += tl.where(kk[:, None] == j, (db * Pk)[None, :], 0.0)
+                if ACC_WS:
+                    dw_acc += tl.where(kk[:, None] == j, (db * Pk)[None, :], 0.0)
                 db = db * wj
             if NEED_TABLE:
                 G = G + db  # grad w.r.t. P_k
@@ -160,19 +176,92 @@ def _tngram_bwd_kernel(
             row0 = tl.load(idx_ptr + m * N)
             tl.atomic_add(dtable_ptr + row0 * R + cols, G, mask=mask)
     kmask = kk < N - 1
-    if HAS_W:
+    if HAS_W and ACC_WS:
         tl.atomic_add(
             dw_ptr + kk[:, None] * R + cols[None, :],
             dw_acc,
             mask=kmask[:, None] & (cols[None, :] < R),
         )
-    if HAS_S:
+    if HAS_S and ACC_WS:
         tl.atomic_add(ds_ptr + kk, ds_acc, mask=kmask)
+
+
+@triton.jit
+def _tngram_bwd_ws_kernel(
+    table_ptr,
+    idx_ptr,
+    w_ptr,
+    s_ptr,
+    rstd_ptr,
+    grad_ptr,
+    dw_ptr,
+    ds_ptr,
+    M,
+    R,
+    N: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_S: tl.constexpr,
+    USE_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SUM_ORDERS: tl.constexpr = False,
+):
+    """The split backward's second kernel: dW_j and ds_j of ONE order slot j = program_id(1)
+    over BLOCK_M tokens, in one R-wide accumulator (no (N-1) x R tile held across the token
+    loop). Per token: P = rows 0..j+1 multiplied, b = P w_j, then the same db as the rows kernel."""
+    pid = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # order slot: e_{j+1} reads rows 0..j+1
+    cols = tl.arange(0, BLOCK_R)
+    dw_acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    ds_acc = tl.zeros((BLOCK_R,), dtype=tl.float32)  # summed over R once, at the end
+    s = 1.0
+    if HAS_S:
+        s = tl.load(s_ptr + j).to(tl.float32)
+    wj = tl.full((BLOCK_R,), 1.0, dtype=tl.float32)
+    if HAS_W:
+        wj = tl.load(w_ptr + j * R + cols, mask=cols < R, other=0.0).to(tl.float32)
+    for i in range(0, BLOCK_M):
+        m_raw = pid * BLOCK_M + i
+        m = tl.minimum(m_raw, M - 1)  # clamped: loads stay in bounds
+        mask = (cols < R) & ((cols * 0 + m_raw) < M)  # dead tokens add nothing
+        row0 = tl.load(idx_ptr + m * N)
+        P = tl.load(table_ptr + row0 * R + cols, mask=mask, other=0.0).to(tl.float32)
+        for q in tl.static_range(1, N):  # rows q <= j+1 (j is not a compile-time constant)
+            rq = tl.load(idx_ptr + m * N + q)
+            use = mask & ((cols * 0 + q) <= j + 1)
+            P = P * tl.load(table_ptr + rq * R + cols, mask=use, other=1.0).to(tl.float32)
+        if SUM_ORDERS:
+            g = tl.load(grad_ptr + m * R + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(
+                tl.float32
+            )
+        b = P * wj
+        if USE_NORM:
+            r = tl.load(rstd_ptr + m * (N - 1) + j)
+            y = b * r
+            gy = g * y
+            ds_acc += gy
+            db = (r * s) * g - (r * s * tl.sum(gy, axis=0) / R) * y
+        else:
+            ds_acc += g * b
+            db = s * g
+        if HAS_W:
+            dw_acc += db * P
+    if HAS_W:
+        tl.atomic_add(dw_ptr + j * R + cols, dw_acc, mask=cols < R)
+    if HAS_S:
+        tl.atomic_add(ds_ptr + j, tl.sum(ds_acc, axis=0))
 
 
 def _launch_cfg(R: int) -> tuple[int, int]:
     block_r = triton.next_power_of_2(R)
     return block_r, (4 if block_r <= 1024 else 8)
+
+
+def default_warps(R: int) -> int:
+    """num_warps of the forward (and of the backward unless triton_backward_warps says)."""
+    return _launch_cfg(R)[1]
 
 
 # The launches are wrapped as torch.library custom ops (forward, backward) with fake
@@ -190,11 +279,14 @@ def triton_lookup_fwd(
     eps: float,
     out_bf16: bool = False,
     sum_orders: bool = False,
+    split_bwd: bool = False,
+    bwd_warps: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype (bf16 with
     out_bf16: the fp32 e rounded, bit-identical to casting it), rstd (M, N-1) fp32.
     sum_orders: e summed over the orders, (M, R), in the epilogue (fp32, in order 1..N-1, then
-    rounded once): no (N-1) R-wide e is written."""
+    rounded once): no (N-1) R-wide e is written. split_bwd, bwd_warps: how its autograd runs
+    the backward (`triton_lookup_bwd`'s split and warps; the forward ignores them)."""
     N, V, R = factors.shape
     M = idx.shape[0]
     table = factors.contiguous().view(N * V, R)
@@ -227,7 +319,18 @@ def triton_lookup_fwd(
 
 
 @triton_lookup_fwd.register_fake
-def _(factors, idx, W, scales, use_norm, eps, out_bf16=False, sum_orders=False):  # noqa: ANN001, ANN202
+def _(
+    factors,
+    idx,
+    W,
+    scales,
+    use_norm,
+    eps,
+    out_bf16=False,
+    sum_orders=False,
+    split_bwd=False,
+    bwd_warps=0,
+):  # noqa: ANN001, ANN202, E501
     N, V, R = factors.shape
     M = idx.shape[0]
     e_dtype = torch.bfloat16 if out_bf16 else factors.dtype
@@ -248,8 +351,12 @@ def triton_lookup_bwd(
     use_norm: bool,
     need_factors: bool,
     sum_orders: bool = False,
+    split: bool = False,
+    warps: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> d factors (N, V, R) (empty unless need_factors), dW (N-1, R), ds (N-1,) fp32."""
+    """-> d factors (N, V, R) (empty unless need_factors), dW (N-1, R), ds (N-1,) fp32.
+    split: the rows kernel leaves dW and ds to `_tngram_bwd_ws_kernel` (module docstring).
+    warps: num_warps of both kernels (0: `_launch_cfg`'s, the forward's)."""
     N, V, R = factors.shape
     M = idx.shape[0]
     dev = factors.device
@@ -259,9 +366,11 @@ def triton_lookup_bwd(
     ds = torch.zeros(N - 1, dtype=torch.float32, device=dev)
     Wc = W.contiguous() if W is not None else table
     sc = scales.contiguous() if scales is not None else table
-    block_r, warps = _launch_cfg(R)
+    block_r, default_warps = _launch_cfg(R)
+    warps = warps or default_warps
     block_m = 16
-    if M > 0:
+    flags = dict(N=N, HAS_W=W is not None, HAS_S=scales is not None, USE_NORM=use_norm)
+    if M > 0 and (need_factors or not split):
         grid = (triton.cdiv(M, block_m),)
         _tngram_bwd_kernel[grid](
             table,
@@ -275,14 +384,30 @@ def triton_lookup_bwd(
             ds,
             M,
             R,
-            N=N,
-            HAS_W=W is not None,
-            HAS_S=scales is not None,
-            USE_NORM=use_norm,
+            **flags,
             NEED_TABLE=need_factors,
             BLOCK_M=block_m,
             BLOCK_R=block_r,
             BLOCK_K=triton.next_power_of_2(N - 1),
+            SUM_ORDERS=sum_orders,
+            ACC_WS=not split,
+            num_warps=warps,
+        )
+    if M > 0 and split and (W is not None or scales is not None):
+        _tngram_bwd_ws_kernel[(triton.cdiv(M, SPLIT_WS_TOKENS), N - 1)](
+            table,
+            idx.contiguous(),
+            Wc,
+            sc,
+            rstd,
+            grad.contiguous(),
+            dW,
+            ds,
+            M,
+            R,
+            **flags,
+            BLOCK_M=SPLIT_WS_TOKENS,
+            BLOCK_R=block_r,
             SUM_ORDERS=sum_orders,
             num_warps=warps,
         )
@@ -291,7 +416,19 @@ def triton_lookup_bwd(
 
 
 @triton_lookup_bwd.register_fake
-def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors, sum_orders=False):  # noqa: ANN001, ANN202
+def _(
+    grad,
+    factors,
+    idx,
+    W,
+    scales,
+    rstd,
+    use_norm,
+    need_factors,
+    sum_orders=False,
+    split=False,
+    warps=0,
+):  # noqa: ANN001, ANN202, E501
     N, V, R = factors.shape
     return (
         factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
@@ -301,22 +438,35 @@ def _(grad, factors, idx, W, scales, rstd, use_norm, need_factors, sum_orders=Fa
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    factors, idx, W, scales, use_norm, eps, _, sum_orders = inputs
+    factors, idx, W, scales, use_norm, eps, _, sum_orders, split_bwd, bwd_warps = inputs
     ctx.save_for_backward(factors, idx, W, scales, output[1])
     ctx.use_norm, ctx.sum_orders = use_norm, sum_orders
+    ctx.split_bwd, ctx.bwd_warps = split_bwd, bwd_warps
 
 
 def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
     factors, idx, W, scales, rstd = ctx.saved_tensors
     need_f, _, need_W, need_s = ctx.needs_input_grad[:4]
     d_f, dW, ds = triton_lookup_bwd(
-        grad_out, factors, idx, W, scales, rstd, ctx.use_norm, need_f, ctx.sum_orders
+        grad_out,
+        factors,
+        idx,
+        W,
+        scales,
+        rstd,
+        ctx.use_norm,
+        need_f,
+        ctx.sum_orders,
+        ctx.split_bwd,
+        ctx.bwd_warps,
     )
     return (
         d_f if need_f else None,
         None,
         dW.to(W.dtype) if (W is not None and need_W) else None,
         ds.to(scales.dtype) if (scales is not None and need_s) else None,
+        None,
+        None,
         None,
         None,
         None,
@@ -346,7 +496,11 @@ def triton_lookup(
     if out_dtype not in (None, factors.dtype, torch.bfloat16):
         raise ValueError(f"triton_lookup out_dtype must be None or bfloat16, got {out_dtype}")
     out_bf16 = out_dtype == torch.bfloat16
-    return triton_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_bf16, sum_orders)[0]
+    pol = current_policy()  # the backward's variant and warps (tngram.kernels.policy)
+    split, warps = pol.triton_backward == "split", pol.triton_backward_warps
+    return triton_lookup_fwd(
+        factors, idx, W, scales, use_norm, eps, out_bf16, sum_orders, split, warps
+    )[0]
 
 
 # dtypes it writes directly (fused_lookup's out_dtype); it can sum the orders (sum_orders)

@@ -274,6 +274,50 @@ def tables_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def kernels_table(snap: dict[str, Any]) -> str:
+    """The kernels section: each TN-gram recipe's lookup forward and forward + backward per
+    Triton backward variant (ms, and ÷ the default "fused" at the forward's warps)."""
+    sec = snap["sections"].get("kernels", {})
+    names = []
+    for it in sec.values():
+        for k in it.get("variants", {}) if _ok(it) else ():
+            if k not in names:
+                names.append(k)
+    lines = [
+        "The Triton lookup alone (one TN-gram module, uniform random ids, bf16 output), forward "
+        "and forward + backward per backward variant, median ms (÷ `fused` at the forward's "
+        "warps), interleaved in one process:",
+        "",
+        "| recipe | R | fwd ms | " + " | ".join(f"`{n}`" for n in names) + " | fastest |",
+        "|" + "---|" * (len(names) + 4),
+    ]
+    for r, it in sec.items():
+        if not _ok(it):
+            why = it.get("skipped") if isinstance(it, dict) else None  # e.g. no Triton there
+            lines.append(md_row([r, "", why or _cell(it, "", "")] + [""] * len(names) + [""]))
+            continue
+        v = it["variants"]
+        ref = next((x for x in v.values() if x["backward"] == "fused"), None)
+        cells = [r, str(it["cp_rank"]), f"{it['fwd']['median_ms']:.2f}"]
+        for n in names:
+            x = v.get(n)
+            cells.append(
+                "–"
+                if x is None
+                else f"{x['fwdbwd']['median_ms']:.2f}"
+                + (f" ({_ratio(x['fwdbwd'], ref['fwdbwd'])})" if ref else "")
+            )
+        cells.append(f"`{it['fastest']}`")
+        lines.append(md_row(cells))
+    worst = max(
+        (x["grad_rel_diff"] for it in sec.values() if _ok(it) for x in it["variants"].values()),
+        default=None,
+    )
+    if worst is not None:
+        lines += ["", f"Every variant's gradients within {worst:.1e} (relative) of `fused`'s."]
+    return "\n".join(lines)
+
+
 def lookup_lines(snap: dict[str, Any]) -> str:
     lk = snap["sections"].get("lookup", {}).get("paper-l9-tngram")
     doc = snap["sections"].get("doctor", {}).get("self_checks")
@@ -308,6 +352,8 @@ def render_run(snap: dict[str, Any], source: str) -> str:
     if snap.get("notes"):  # how the run deviated from its command, or what was edited after it
         parts.append(f"Note: {snap['notes']}")
     parts.append(lookup_lines(snap))
+    if snap["sections"].get("kernels"):
+        parts.append(kernels_table(snap))
     if "fwdbwd" in snap["sections"]:
         parts.append(fwdbwd_table(snap))
         if _profiles(snap):  # only files of a --profile run

@@ -1,0 +1,161 @@
+"""`tngram bench gpu --sections kernels`: the Triton lookup's backward variants, timed on the card.
+
+For each chosen recipe with a TN-gram memory, its first TN-gram module's lookup stage
+(`memory_vector`, what the model runs before K/V: gathers, products, per-order norm and scale,
+the orders summed for order_combine="sum") at the forward+backward batch of the fwdbwd section
+(B x T uniform random ids), bf16 output on CUDA as under the trainer's autocast:
+
+    fwd                        the forward alone (the same kernel for every variant)
+    <backward>/w<warps>        forward + backward, for backward in kernel_policy's
+                               TRITON_BACKWARDS ("fused": one kernel; "split": a rows kernel and a
+                               dW / ds kernel) at the forward's num_warps and at twice it
+
+All variants are timed in one process, interleaved rep by rep (CUDA events around each call),
+so their ratios share the card's state. Each variant's gradients (factors, absorption vectors,
+log-scales) are compared with the default's ("fused" at the forward's warps): they differ only
+in the fp32 order of the dW / ds sums. `fastest` names the variant with the lowest median.
+
+Runs where the Triton lookup runs: on CUDA, or on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1, as tests/test_bench_gpu.py runs it at tiny shapes: TINY_KERNEL_SETS and
+TINY_KERNEL_TOKENS; those times are the interpreter's, no kernel figures). Elsewhere the item
+says why it did not run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from tngram.bench.gpu_parts import config
+from tngram.kernels import kernel_policy
+from tngram.kernels.policy import TRITON_BACKWARDS
+
+# at tiny shapes (the CPU, under the interpreter) a narrow CP rank, not a power of two (the lane
+# masks): the interpreter runs a 1024-wide row op by op
+TINY_KERNEL_SETS = ("model.memory.cp_rank=24",)
+TINY_KERNEL_TOKENS = 40  # one sequence: 3 programs of the rows kernel, 1 of the dW / ds kernel
+
+
+def triton_runs_here(device: str) -> str:
+    """An empty string when the Triton lookup can run on `device` in this process, else why
+    not."""
+    from tngram.kernels import triton_available
+
+    if not triton_available():
+        return "triton is not installed"
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the Triton lookup runs on CUDA (or on the CPU under TRITON_INTERPRET=1)"
+    return ""
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], Any]], reps: int, warmup: int, dev: str
+) -> dict[str, dict[str, float]]:
+    """median / min / max ms of each fn over `reps` rounds (after `warmup`), one call of every
+    fn per round in turn; CUDA events and a synchronisation around each call on CUDA."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + reps):
+        for name, fn in fns.items():
+            if dev == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                ms = a.elapsed_time(b)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                times[name].append(ms)
+    return {
+        k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "reps": reps}
+        for k, v in times.items()
+    }
+
+
+def _tngram_module(recipe: str, shapes: Any) -> tuple[Any, Any]:
+    """(the first TN-gram module of the recipe's model on the device, or None when it has none;
+    the model's config)."""
+    from tngram.memory.tngram import TNGram
+    from tngram.model.gpt import GPT
+
+    cfg = config(recipe, shapes, list(TINY_KERNEL_SETS) if shapes.tiny else [])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    mods = [m for m in model.modules() if isinstance(m, TNGram)]
+    return (mods[0].to(shapes.device), cfg.model) if mods else (None, cfg.model)
+
+
+def lookup_backwards(recipe: str, shapes: Any) -> dict[str, Any]:
+    """The item of one recipe (module docstring)."""
+    from tngram.kernels.tngram_triton import default_warps
+
+    dev = shapes.device
+    why = triton_runs_here(dev)
+    if why:
+        return {"error": f"not run: {why}"}
+    mod, m = _tngram_module(recipe, shapes)
+    if mod is None:
+        return {"error": f"not run: {recipe} has no TN-gram memory"}
+    c = mod.config
+    summed = c.order_combine == "sum"
+    g = torch.Generator().manual_seed(0)
+    B, T = (1, TINY_KERNEL_TOKENS) if shapes.tiny else (shapes.batch, m.sequence_len)
+    ids = torch.randint(0, m.vocab_size, (B, T), generator=g).to(dev)
+    out_dtype = torch.bfloat16 if dev == "cuda" else None
+    with torch.no_grad():
+        e0 = mod.memory_vector(ids, out_dtype, summed)
+    up = torch.randn(e0.shape, generator=g).to(device=dev, dtype=e0.dtype)
+    leaves = [p for p in (mod.factors, mod.absorb, mod.log_scales) if p is not None]
+    warps = default_warps(c.cp_rank)
+    variants = {f"{b}/w{w}": (b, w) for w in (warps, 2 * warps) for b in TRITON_BACKWARDS}
+
+    def fwd() -> None:
+        with torch.no_grad(), kernel_policy(lookup_impl="triton"):
+            mod.memory_vector(ids, out_dtype, summed)
+
+    def fwdbwd(bwd: str, w: int) -> list[torch.Tensor]:
+        with kernel_policy(lookup_impl="triton", triton_backward=bwd, triton_backward_warps=w):
+            e = mod.memory_vector(ids, out_dtype, summed)
+            return list(torch.autograd.grad(e, leaves, up))
+
+    fns: dict[str, Callable[[], Any]] = {"fwd": fwd}
+    fns.update({k: partial(fwdbwd, b, w) for k, (b, w) in variants.items()})
+    t = interleaved_ms(fns, shapes.reps, shapes.warmup, dev)
+    ref = fwdbwd("fused", warps)
+    rows: dict[str, Any] = {}
+    for k, (b, w) in variants.items():
+        got = fwdbwd(b, w)
+        diff = max(
+            ((x.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+            for x, r in zip(got, ref)
+        )
+        rows[k] = {
+            "backward": b,
+            "warps": w,
+            "fwdbwd": t[k],
+            "bwd_ms": t[k]["median_ms"] - t["fwd"]["median_ms"],
+            "grad_rel_diff": diff,
+        }
+    return {
+        "tokens": int(ids.numel()),
+        "ids": "uniform random",
+        "max_ngram": c.max_ngram,
+        "cp_rank": c.cp_rank,
+        "order_combine": c.order_combine,
+        "use_norm": c.use_norm,
+        "absorption": mod.absorb is not None,
+        "out_dtype": str(out_dtype or mod.factors.dtype).replace("torch.", ""),
+        "fwd": t["fwd"],
+        "variants": rows,
+        "fastest": min(rows, key=lambda k: rows[k]["fwdbwd"]["median_ms"]),
+    }
