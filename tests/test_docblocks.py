@@ -160,6 +160,25 @@ def test_prose_speed_numbers_follow_the_results_files():
     assert min(bpb, key=bpb.get) == "paper-l9-tngram-sum-lean"  # "lowest validation loss"
 
 
+def test_register_counts_in_gpu_md_follow_their_results_file():
+    """docs/GPU.md's register counts of the Triton backward (compiled for sm_90 without a GPU)
+    are scripts/triton_registers.py's, from docs/results/triton-registers.json."""
+    regs = json.loads((ROOT / "docs/results/triton-registers.json").read_text())["recipes"]
+    gpu = " ".join((ROOT / "docs/GPU.md").read_text().split())
+    tn, sm = regs["paper-l9-tngram"]["by_warps"]["4"], regs["paper-l9-tngram-sum"]["by_warps"]["8"]
+    fused, rows = tn["backward fused"], tn["backward split, rows"]
+    assert f"It needs {fused['registers']} registers a thread at `paper-l9-tngram` (R 1,024, 4 " \
+           f"warps), which leaves {fused['warps_per_sm']} warps resident per SM" in gpu
+    assert f"and {sm['backward fused']['registers']} at `-sum` (R 1,520, 8 warps: " \
+           f"{sm['backward fused']['warps_per_sm']} warps per SM)" in gpu
+    assert f"Without the tile the rows kernel needs {rows['registers']} " \
+           f"({rows['warps_per_sm']} warps per SM) and {sm['backward split, rows']['registers']}." in gpu
+    for r in regs.values():  # "at twice the warps ... as many registers or fewer, as many warps"
+        lo, hi = (r["by_warps"][w] for w in sorted(r["by_warps"], key=int))
+        assert all(hi[k]["registers"] <= lo[k]["registers"] for k in lo)
+        assert all(hi[k]["warps_per_sm"] >= lo[k]["warps_per_sm"] for k in lo)
+
+
 def test_one_machine_name_everywhere():
     """Every CPU number here was measured on one 2-core AMD EPYC: the docs never call it anything
     else, and every committed results file names it (the GPU files name their card instead)."""
