@@ -15,6 +15,8 @@ from torch import nn
 from tngram.bench.gpu import SECTIONS, TINY_VOCABS, card_slug, paper_recipes
 from tngram.bench.gpu_kernels import TINY_KERNEL_TOKENS, triton_runs_here
 from tngram.cli.bench import GPU_SECTIONS
+from tngram.cli.bench import TRITON_BACKWARDS as CLI_BACKWARDS
+from tngram.kernels.policy import TRITON_BACKWARDS
 from tngram.kernels import triton_available
 from tngram.cli.main import main
 from tngram.report.docblocks import check_doc, load_snapshot, render
@@ -82,6 +84,7 @@ def test_results_file_schema_and_provenance(cpu_run):
     assert r["sections"]["kernels"] == {"paper-l9-tngram": {"skipped": why}}
     assert set(r["sections"]) == {"doctor", "lookup", "kernels", "fwdbwd", "trainer", "tables"}
     assert tuple(r["sections"]) == SECTIONS == GPU_SECTIONS  # the CLI's list is the bench's
+    assert TRITON_BACKWARDS == CLI_BACKWARDS
     for name, sec in r["sections"].items():
         for key, item in sec.items() if name != "kernels" else ():
             assert "error" not in item and "skipped" not in item, (key, item)
@@ -213,6 +216,32 @@ def test_kernels_section_under_the_interpreter(tmp_path):
     assert f"`{it['fastest']}` |" in text
 
 
+def test_kernel_policy_reaches_the_sections_and_the_file(tmp_path):
+    """--triton-backward / --triton-backward-warps hold while the sections run (the doctor
+    section, run inside, sees them), are recorded, named in the run's heading, and undone
+    after the run."""
+    from tngram.bench import gpu
+    from tngram.kernels import current_policy
+
+    seen = []
+
+    def doctor():
+        seen.append(current_policy())
+        return {"passed": True, "self_checks": {}}
+
+    pol = {"triton_backward": "split", "triton_backward_warps": 8}
+    res = gpu.run(sections=("doctor",), recipes=["paper-l9-raw"], policy=pol, doctor=doctor,
+                  say=lambda _: None)
+    assert (seen[0].triton_backward, seen[0].triton_backward_warps) == ("split", 8)
+    assert res["kernel_policy"] == pol and current_policy().triton_backward == "fused"
+    fields = {"commit": "abc1234", "command": "x", "machine": "m"}
+    assert "Triton backward: split, 8 warps" in render_run(dict(res, **fields), "x.json")
+    res = gpu.run(sections=("doctor",), recipes=["paper-l9-raw"], doctor=doctor,
+                  say=lambda _: None)
+    assert res["kernel_policy"] == {"triton_backward": "fused", "triton_backward_warps": 0}
+    assert "Triton backward" not in render_run(dict(res, **fields), "x.json")  # the default
+
+
 def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path):
     assert check_doc(ROOT / "docs" / "GPU.md") == []
     docs = tmp_path / "docs"
@@ -263,6 +292,7 @@ def test_budget_skips_items_and_names_them(tmp_path, capsys):
         (["--data", "/nonexistent-h39c-data"], "nonexistent-h39c-data"),
         (["--set", "optim.nope=1"], "optim.nope"),
         (["--recipes", "paper-l9-raw", "--set", "optim.memory_update=sparse"], "needs a model"),
+        (["--triton-backward-warps", "6"], "power of two"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(extra, needle, tmp_path, capsys):

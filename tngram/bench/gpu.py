@@ -217,13 +217,53 @@ def run(
     compile: bool = True,
     profile: bool = False,
     trainer_sets: tuple[str, ...] = (),
+    policy: dict[str, Any] | None = None,
     doctor: Callable[[], dict[str, Any]] | None = None,
     say: Callable[[str], None] = print,
     save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Measure `sections` for `recipes` (default: every paper-l9-*) inside `budget_s` seconds.
     `save(res)` runs after every item ("complete" false until the last), so a run killed from
-    outside still leaves the numbers it had."""
+    outside still leaves the numbers it had. policy: tngram.kernels.kernel_policy settings for
+    every section but kernels (which sets its own), recorded as "kernel_policy"."""
+    from tngram.kernels import kernel_policy
+
+    with kernel_policy(**(policy or {})) as pol:
+        return _run(
+            budget_s,
+            recipes,
+            sections,
+            steps,
+            data,
+            reps,
+            compile,
+            profile,
+            trainer_sets,
+            {
+                "triton_backward": pol.triton_backward,
+                "triton_backward_warps": pol.triton_backward_warps,
+            },
+            doctor,
+            say,
+            save,
+        )
+
+
+def _run(
+    budget_s: float,
+    recipes: list[str] | None,
+    sections: tuple[str, ...],
+    steps: int,
+    data: str | None,
+    reps: int | None,
+    compile: bool,
+    profile: bool,
+    trainer_sets: tuple[str, ...],
+    policy: dict[str, Any],
+    doctor: Callable[[], dict[str, Any]] | None,
+    say: Callable[[str], None],
+    save: Callable[[dict[str, Any]], None] | None,
+) -> dict[str, Any]:
     from tngram.bench import gpu_kernels
     from tngram.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names
@@ -251,6 +291,7 @@ def run(
             "trainer_sets": list(trainer_sets),
             "profile": profile,
         },
+        "kernel_policy": policy,
         "budget_s": budget_s,
         "recipes": names,
         "sections": {s: {} for s in sections},

@@ -20,6 +20,8 @@ from tngram.cli.common import add_json_argument, add_set_argument, add_threads_a
 TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchup")
 # tngram.bench.gpu.SECTIONS, in its order (tests/test_bench_gpu.py checks they agree)
 GPU_SECTIONS = ("doctor", "lookup", "kernels", "fwdbwd", "tables", "trainer")
+# tngram.kernels.policy.TRITON_BACKWARDS (the same test checks it)
+TRITON_BACKWARDS = ("fused", "split")
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -234,6 +236,17 @@ def _gpu(args: argparse.Namespace) -> int:
 
         for r in args.recipes or gpu.paper_recipes(known):
             resolve_config(r, list(args.overrides))
+    policy = {
+        "triton_backward": args.triton_backward,
+        "triton_backward_warps": args.triton_backward_warps,
+    }
+    from tngram.kernels import kernel_policy
+
+    try:  # the policy's own check (a power of two), before any measurement
+        with kernel_policy(**policy):
+            pass
+    except ValueError as e:
+        raise TngramError(f"--triton-backward-warps: {e}") from None
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     path = _gpu_out(args.out, gpu.card_slug(card))
     if path.exists() and not args.force:
@@ -263,6 +276,7 @@ def _gpu(args: argparse.Namespace) -> int:
         compile=not args.no_compile,
         profile=args.profile,
         trainer_sets=tuple(args.overrides),
+        policy=policy,
         doctor=diagnose,
         say=lambda line: print(line, flush=True),
         save=save,
@@ -588,5 +602,21 @@ def add_commands(sub: Any) -> None:
         g,
         help="trainer section: a setting for every recipe's run, as `tngram train --set` "
         "(repeatable; e.g. optim.memory_update=sparse)",
+    )
+    g.add_argument(
+        "--triton-backward",
+        choices=TRITON_BACKWARDS,
+        default="fused",
+        help="how the TN-gram Triton lookup's backward runs in every section but kernels: "
+        "fused (one kernel) or split (its absorption and scale gradients in a second kernel); "
+        "default fused",
+    )
+    g.add_argument(
+        "--triton-backward-warps",
+        type=int_range(0, 32),
+        default=0,
+        metavar="N",
+        help="num_warps of that backward in every section but kernels: 0 = the forward's, or a "
+        "power of two up to 32 (default 0)",
     )
     g.set_defaults(func=_gpu)

@@ -50,11 +50,18 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def run_heading(snap: dict[str, Any], source: str) -> str:
+    pol = snap.get("kernel_policy") or {}  # named only when not the default (files before: none)
+    bwd, warps = pol.get("triton_backward", "fused"), pol.get("triton_backward_warps", 0)
     return (
         f"**{snap['card']}** (torch {snap['torch']}, triton {snap.get('triton') or 'none'}, "
         f"commit {snap['commit']}; `{source}`; {snap.get('elapsed_s', '?')} s of a "
         f"{snap.get('budget_s', 0):.0f} s budget"
         + ("" if snap.get("complete") else "; INCOMPLETE: the run stopped before its end")
+        + (
+            f"; Triton backward: {bwd}" + (f", {warps} warps" if warps else "")
+            if (bwd, warps) != ("fused", 0)
+            else ""
+        )
         + ")"
     )
 
