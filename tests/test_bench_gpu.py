@@ -14,8 +14,8 @@ from torch import nn
 
 from tngram.bench.gpu import SECTIONS, TINY_VOCABS, card_slug, paper_recipes
 from tngram.bench.gpu_kernels import TINY_KERNEL_TOKENS, triton_runs_here
-from tngram.cli.bench import GPU_SECTIONS
-from tngram.cli.bench import TRITON_BACKWARDS as CLI_BACKWARDS
+from tngram.cli.bench_gpu import GPU_SECTIONS
+from tngram.cli.bench_gpu import TRITON_BACKWARDS as CLI_BACKWARDS
 from tngram.kernels.policy import TRITON_BACKWARDS
 from tngram.kernels import triton_available
 from tngram.cli.main import main

@@ -12,16 +12,21 @@ import json
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
-from tngram.cli.common import add_json_argument, add_set_argument, add_threads_argument
+from tngram.cli.bench_args import (
+    add_batch_seq,
+    add_common,
+    add_data_dir,
+    add_recipes,
+    add_stop_after,
+    add_timing,
+    results_file_fields,
+)
+from tngram.cli.common import add_json_argument
 
 # optim.memory_update options, "+catchup" with optim.memory_catchup
 # (tngram.bench.vocab.UPDATE_CHOICES;
 # spelled out here so that building the parser does not import torch)
 TABLE_UPDATES = ("dense", "sparse", "rowwise", "sparse+catchup", "rowwise+catchup")
-# tngram.bench.gpu.SECTIONS, in its order (tests/test_bench_gpu.py checks they agree)
-GPU_SECTIONS = ("doctor", "lookup", "kernels", "fwdbwd", "tables", "trainer")
-# tngram.kernels.policy.TRITON_BACKWARDS (the same test checks it)
-TRITON_BACKWARDS = ("fused", "split")
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -30,21 +35,6 @@ def _threads(args: argparse.Namespace) -> None:
     from tngram.cli.common import use_threads
 
     use_threads(args.threads, vars(args).get("device") or "cpu", "benchmarking")
-
-
-def results_file_fields(kind: str, argv: list[str]) -> dict[str, Any]:
-    """kind, command and commit, so that `--json` output can be committed as docs/results/NAME.json
-    and shown in the docs as generated tables (tngram.report.docblocks)."""
-    import shlex
-    from pathlib import Path
-
-    from tngram.train.metrics import git_info
-
-    git = git_info(Path(__file__).resolve().parent)
-    commit = (git.get("commit") or "unknown")[:7] + (
-        " (with uncommitted changes)" if git.get("dirty") else ""
-    )
-    return {"kind": kind, "command": "tngram " + shlex.join(argv), "commit": commit}
 
 
 def _emit(
@@ -201,136 +191,6 @@ def _decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpu_out(out: str | None, slug: str) -> Any:
-    """The results file: --out FILE.json, or gpu-<card>.json in --out DIR (default docs/results)."""
-    from pathlib import Path
-
-    from tngram.common import TngramError
-
-    p = Path(out) if out else Path("docs/results")
-    path = p if p.suffix == ".json" else p / f"gpu-{slug}.json"
-    if not path.parent.is_dir():
-        raise TngramError(f"--out: folder {path.parent} does not exist")
-    return path
-
-
-def _gpu(args: argparse.Namespace) -> int:
-    """Validate everything before any measurement (exit 2 on bad input), then run and write."""
-    import torch
-
-    from tngram.bench import gpu
-    from tngram.cli.doctor import diagnose
-    from tngram.common import TngramError, atomic_write_json
-    from tngram.train.recipes import recipe_names
-
-    known = recipe_names()
-    bad = [r for r in args.recipes or [] if r not in known or not r.startswith("paper-l9-")]
-    if bad:
-        raise TngramError(f"--recipes: {bad} are not paper-l9-* recipes (`tngram recipes`)")
-    if args.data is not None:
-        from tngram.data.dataset import open_dataset
-
-        open_dataset(args.data)  # a clear error now rather than after the other sections
-    if args.overrides:  # a bad --set stops here, not after the other sections
-        from tngram.train.recipes import resolve_config
-
-        for r in args.recipes or gpu.paper_recipes(known):
-            resolve_config(r, list(args.overrides))
-    policy = {
-        "triton_backward": args.triton_backward,
-        "triton_backward_warps": args.triton_backward_warps,
-    }
-    from tngram.kernels import kernel_policy
-
-    try:  # the policy's own check (a power of two), before any measurement
-        with kernel_policy(**policy):
-            pass
-    except ValueError as e:
-        raise TngramError(f"--triton-backward-warps: {e}") from None
-    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    path = _gpu_out(args.out, gpu.card_slug(card))
-    if path.exists() and not args.force:
-        raise TngramError(f"--out: {path} exists (pass --force to replace it)")
-    fields = results_file_fields("bench-gpu", getattr(args, "argv", []))
-
-    def save(res: dict[str, Any]) -> None:
-        res.update(fields)
-        res["machine"] = (
-            f"{res['card']}"
-            + (
-                f" ({res['card_memory_gb']} GiB, driver {res['driver']})"
-                if res.get("driver")
-                else ""
-            )
-            + f", torch {res['torch']}, triton {res['triton'] or 'none'}"
-        )
-        atomic_write_json(path, res)
-
-    res = gpu.run(
-        budget_s=args.budget,
-        recipes=args.recipes,
-        sections=tuple(args.sections),
-        steps=args.stop_after,
-        data=args.data,
-        reps=args.reps,
-        compile=not args.no_compile,
-        profile=args.profile,
-        trainer_sets=tuple(args.overrides),
-        policy=policy,
-        doctor=diagnose,
-        say=lambda line: print(line, flush=True),
-        save=save,
-    )
-    save(res)
-    print(gpu.report(res))
-    print(f"wrote {path}")
-    return 0
-
-
-# ---- arguments: each flag that several subcommands take is defined once, here ---------------
-MAX_REPS, MAX_WARMUP = 10_000, 1_000  # a timing that repeats more is a typo, not a measurement
-
-
-def _reps(q: argparse.ArgumentParser, default: int | None, help: str) -> None:
-    q.add_argument("--reps", type=int_range(1, MAX_REPS), default=default, help=help)
-
-
-def _timing(q: argparse.ArgumentParser, reps: int, warmup: int, say_default: bool = False) -> None:
-    """--reps and --warmup (their defaults spelled out in the help with say_default)."""
-    r, w = (f" (default: {reps})", f" (default: {warmup})") if say_default else ("", "")
-    _reps(q, reps, "timed repetitions" + r)
-    q.add_argument(
-        "--warmup",
-        type=int_range(0, MAX_WARMUP),
-        default=warmup,
-        help="untimed warm-up repetitions" + w,
-    )
-
-
-def _common(q: argparse.ArgumentParser, reps: int, warmup: int) -> None:
-    """--json, --reps, --warmup and --threads (train's thread rule)."""
-    add_json_argument(q)
-    _timing(q, reps, warmup)
-    add_threads_argument(q)
-
-
-def _batch_seq(q: argparse.ArgumentParser, batch: int, batch_help: str) -> None:
-    q.add_argument("--batch", type=int_range(1), default=batch, help=batch_help)
-    q.add_argument("--seq", type=int_range(1), default=256, help="tokens per sequence")
-
-
-def _recipes(q: argparse.ArgumentParser, help: str, default: list[str] | None = None) -> None:
-    q.add_argument("--recipes", nargs="+", metavar="RECIPE", default=default, help=help)
-
-
-def _stop_after(q: argparse.ArgumentParser, lo: int, default: int, help: str) -> None:
-    q.add_argument("--stop-after", type=int_range(lo), default=default, metavar="N", help=help)
-
-
-def _data_dir(q: argparse.ArgumentParser, help: str) -> None:
-    q.add_argument("--data", metavar="DIR", help=help)
-
-
 def add_commands(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
@@ -342,8 +202,8 @@ def add_commands(sub: Any) -> None:
     bs.required = True
 
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
-    _common(m, 15, 3)
-    _batch_seq(m, 4, "sequences per forward")
+    add_common(m, 15, 3)
+    add_batch_seq(m, 4, "sequences per forward")
     m.add_argument(
         "--only",
         nargs="+",
@@ -360,7 +220,7 @@ def add_commands(sub: Any) -> None:
         "counts, interleaved in one process, with speed-ups",
     )
     add_json_argument(t)
-    _timing(t, 15, 3)
+    add_timing(t, 15, 3)
     t.add_argument(
         "--threads-list",
         type=int_range(1, 4096),
@@ -369,7 +229,7 @@ def add_commands(sub: Any) -> None:
         metavar="T",
         help="thread counts to interleave (default 1 2)",
     )
-    _batch_seq(t, 4, "sequences per lookup/module forward")
+    add_batch_seq(t, 4, "sequences per lookup/module forward")
     t.add_argument("--no-steps", action="store_true", help="skip the mini training steps")
     t.add_argument(
         "--kernel-share",
@@ -392,7 +252,7 @@ def add_commands(sub: Any) -> None:
         metavar="RECIPE",
         help="recipe whose step is timed (default: mini-tngram)",
     )
-    _timing(ct, 5, 1, say_default=True)
+    add_timing(ct, 5, 1, say_default=True)
     ct.add_argument(
         "--steps-per-rep",
         type=int_range(1),
@@ -410,8 +270,8 @@ def add_commands(sub: Any) -> None:
     ct.set_defaults(func=_contention)
 
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
-    _common(s, 8, 2)
-    _recipes(s, "recipes (default: mini-* and paper-l9-*)")
+    add_common(s, 8, 2)
+    add_recipes(s, "recipes (default: mini-* and paper-l9-*)")
     s.add_argument(
         "--dtype",
         nargs="+",
@@ -434,7 +294,7 @@ def add_commands(sub: Any) -> None:
         "x optim.memory_update dense/sparse/rowwise; optimiser-state "
         "bytes per table parameter, peak RSS",
     )
-    _common(v, 5, 1)
+    add_common(v, 5, 1)
     v.add_argument(
         "--vocabs",
         nargs="+",
@@ -487,16 +347,16 @@ def add_commands(sub: Any) -> None:
         "optimisers, eval, checkpoints); --gap: TN-gram's step gap to "
         "Engram split into extra matmul arithmetic and the rest",
     )
-    _common(tr, 11, 2)
-    _recipes(
+    add_common(tr, 11, 2)
+    add_recipes(
         tr,
         "recipes (default mini-tngram mini-engram; --gap uses the first two)",
         default=["mini-tngram", "mini-engram"],
     )
-    _stop_after(
+    add_stop_after(
         tr, 1, 128, "stop each run after N optimiser steps of the recipe's (unchanged) schedule"
     )
-    _data_dir(tr, "dataset folder (default: the default corpus)")
+    add_data_dir(tr, "dataset folder (default: the default corpus)")
     tr.add_argument(
         "--gap",
         action="store_true",
@@ -518,11 +378,11 @@ def add_commands(sub: Any) -> None:
         metavar="DIR",
         help="a dataset folder to read (default: synthetic shards)",
     )
-    _common(d, 5, 1)
+    add_common(d, 5, 1)
     d.add_argument(
         "--tokens", type=int_range(1), default=8_000_000, help="tokens in the synthetic shards"
     )
-    _batch_seq(d, 16, "sequences per batch")
+    add_batch_seq(d, 16, "sequences per batch")
     d.set_defaults(func=_data)
 
     c = bs.add_parser(
@@ -530,7 +390,7 @@ def add_commands(sub: Any) -> None:
         help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
         "generate) with the per-token FLOP ratio",
     )
-    _common(c, 5, 1)
+    add_common(c, 5, 1)
     c.add_argument(
         "--shapes",
         nargs="+",
@@ -550,73 +410,6 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")
     c.set_defaults(func=_decode)
 
-    g = bs.add_parser(
-        "gpu",
-        help="the GPU numbers in one command inside a time budget (doctor, Triton vs torch, "
-        "fwd+bwd eager/compiled, trainer tokens/s, sparse vs dense tables, MFU) -> "
-        "docs/results/gpu-<card>.json; tiny shapes on the CPU",
-        description="Sections, in order while the time budget lasts: doctor (the kernel "
-        "self-checks), lookup (Triton or C against torch inside paper-l9-tngram, and one "
-        "module's lookup timed), fwdbwd (forward + backward of every paper-l9-* recipe, eager, "
-        "then compiled, with FLOPs, MFU and peak memory), tables (one step per "
-        "optim.memory_update at V 1k/32k/128k), trainer (tokens/s of N trainer steps); "
-        "paper-l9 raw / Engram / TN-gram first, the other recipes' compiled and trainer items "
-        "last. An item that no longer fits the budget is skipped and named. Writes one results "
-        "file; docs/GPU.md's tables are generated from it (`tngram report doc docs/GPU.md`).",
-    )
-    g.add_argument(
-        "--out",
-        metavar="PATH",
-        help="results file (.json) or folder for gpu-<card>.json (default: docs/results)",
-    )
-    g.add_argument("--force", action="store_true", help="replace an existing results file")
-    g.add_argument(
-        "--budget",
-        type=float_range(0.0, lo_open=True),
-        default=420.0,
-        metavar="S",
-        help="seconds for all sections; an item that no longer fits is skipped and listed "
-        "(default 420: the command with start-up stays under 8 minutes on one H100/H200)",
-    )
-    _recipes(g, "paper-l9-* recipes (default: every recipe named paper-l9-*)")
-    g.add_argument(
-        "--sections",
-        nargs="+",
-        choices=GPU_SECTIONS,
-        default=list(GPU_SECTIONS),
-        help="sections to run (default: all)",
-    )
-    _stop_after(
-        g, 3, 10, "trainer section: stop each recipe's run after N optimiser steps (default 10)"
-    )
-    _data_dir(g, "dataset folder for the trainer section (default: the default corpus)")
-    _reps(g, None, "timed reps (default: 10 on a GPU, 2 on the CPU)")
-    g.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
-    g.add_argument(
-        "--profile",
-        action="store_true",
-        help="fwdbwd section: after each item's timing, profile 3 more steps (torch.profiler) "
-        "and record the step's time by kernel and kernel category (no extra compile)",
-    )
-    add_set_argument(
-        g,
-        help="trainer section: a setting for every recipe's run, as `tngram train --set` "
-        "(repeatable; e.g. optim.memory_update=sparse)",
-    )
-    g.add_argument(
-        "--triton-backward",
-        choices=TRITON_BACKWARDS,
-        default="fused",
-        help="how the TN-gram Triton lookup's backward runs in every section but kernels: "
-        "fused (one kernel) or split (its absorption and scale gradients in a second kernel); "
-        "default fused",
-    )
-    g.add_argument(
-        "--triton-backward-warps",
-        type=int_range(0, 32),
-        default=0,
-        metavar="N",
-        help="num_warps of that backward in every section but kernels: 0 = the forward's, or a "
-        "power of two up to 32 (default 0)",
-    )
-    g.set_defaults(func=_gpu)
+    from tngram.cli.bench_gpu import add_gpu_command  # its own file: the longest subcommand
+
+    add_gpu_command(bs)
