@@ -229,27 +229,29 @@ def run(
     from tngram.kernels import kernel_policy
 
     with kernel_policy(**(policy or {})) as pol:
+        recorded = {
+            "triton_backward": pol.triton_backward,
+            "triton_backward_warps": pol.triton_backward_warps,
+        }
         return _run(
-            budget_s,
-            recipes,
-            sections,
-            steps,
-            data,
-            reps,
-            compile,
-            profile,
-            trainer_sets,
-            {
-                "triton_backward": pol.triton_backward,
-                "triton_backward_warps": pol.triton_backward_warps,
-            },
-            doctor,
-            say,
-            save,
+            budget_s=budget_s,
+            recipes=recipes,
+            sections=sections,
+            steps=steps,
+            data=data,
+            reps=reps,
+            compile=compile,
+            profile=profile,
+            trainer_sets=trainer_sets,
+            policy=recorded,
+            doctor=doctor,
+            say=say,
+            save=save,
         )
 
 
 def _run(
+    *,
     budget_s: float,
     recipes: list[str] | None,
     sections: tuple[str, ...],
@@ -264,6 +266,7 @@ def _run(
     say: Callable[[str], None],
     save: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
+    """`run`'s body, under its kernel policy (`policy`: what the file records of it)."""
     from tngram.bench import gpu_kernels
     from tngram.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names

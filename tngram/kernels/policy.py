@@ -1,8 +1,8 @@
 """Kernel and dtype policy: the one place that decides how a memory's forward runs, not what it
 computes. Every setting gives the same numbers (bit-identical, or equal up to summation order for
 fuse_kv and triton_backward); the defaults are the fastest measured (docs/PERFORMANCE.md; on a
-GPU, docs/GPU.md), and benchmarks and tests
-change them only through `kernel_policy(...)`, never by setting attributes on modules.
+GPU, docs/GPU.md), and benchmarks and tests change them only through `kernel_policy(...)`, never
+by setting attributes on modules.
 
     lookup_impl          "auto" | "torch" | "c" | "triton": the TN-gram lookup kernel
                          (tngram.kernels.fused_lookup). Default: the environment variable
@@ -15,10 +15,10 @@ change them only through `kernel_policy(...)`, never by setting attributes on mo
                          absorption and scale gradients (tngram.kernels.tngram_triton). "fused"
                          (default): in the rows kernel, an (N-1) x R accumulator tile held
                          across its token loop. "split": a second kernel, one order per
-                         program; the rows kernel then needs about half the registers (~2x
-                         the programs per SM). Equal up to fp32 summation order. Default
-                         "fused" until a GPU measures "split" faster (`tngram bench gpu
-                         --sections kernels`).
+                         program; the rows kernel then needs fewer registers a thread (sm_90,
+                         N 5, R 1024, 4 warps: 113 against 211; docs/GPU.md). Equal up to fp32
+                         summation order. Default "fused" until a GPU measures "split" faster
+                         (`tngram bench gpu --sections kernels`).
     triton_backward_warps
                          num_warps of the Triton backward's kernels; 0 (default): the forward's
                          (4 up to R 1024, else 8). Same numbers at any value.

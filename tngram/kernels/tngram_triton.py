@@ -330,7 +330,7 @@ def _(
     sum_orders=False,
     split_bwd=False,
     bwd_warps=0,
-):  # noqa: ANN001, ANN202, E501
+):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
     e_dtype = torch.bfloat16 if out_bf16 else factors.dtype
@@ -366,8 +366,8 @@ def triton_lookup_bwd(
     ds = torch.zeros(N - 1, dtype=torch.float32, device=dev)
     Wc = W.contiguous() if W is not None else table
     sc = scales.contiguous() if scales is not None else table
-    block_r, default_warps = _launch_cfg(R)
-    warps = warps or default_warps
+    block_r, fwd_warps = _launch_cfg(R)
+    warps = warps or fwd_warps
     block_m = 16
     flags = dict(N=N, HAS_W=W is not None, HAS_S=scales is not None, USE_NORM=use_norm)
     if M > 0 and (need_factors or not split):
@@ -428,7 +428,7 @@ def _(
     sum_orders=False,
     split=False,
     warps=0,
-):  # noqa: ANN001, ANN202, E501
+):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     return (
         factors.new_empty(N, V, R) if need_factors else factors.new_empty(0),
