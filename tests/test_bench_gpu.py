@@ -242,6 +242,26 @@ def test_kernel_policy_reaches_the_sections_and_the_file(tmp_path):
     assert "Triton backward" not in render_run(dict(res, **fields), "x.json")  # the default
 
 
+def test_allocator_trips_per_step_and_their_line():
+    """On CUDA each timed item records how often per call the caching allocator went to the
+    driver (the cumulative segment count of torch.cuda.memory_stats) or retried; the tables
+    block names the items where it did."""
+    from tngram.bench.gpu_parts import alloc_deltas
+    from tngram.report.gpu_blocks import tables_table
+
+    before = {"segment.all.allocated": 40, "num_alloc_retries": 1, "other": 7}
+    after = {"segment.all.allocated": 55, "num_alloc_retries": 1, "other": 9}
+    assert alloc_deltas(before, after, 10) == {"cuda_mallocs": 1.5, "alloc_retries": 0.0}
+    item = {"median_ms": 90.0, "min_ms": 80.0, "max_ms": 99.0, "reps": 10}
+    sec = {"raw@1024": dict(item, cuda_mallocs=0.0), "tngram@1024/sparse": dict(item, cuda_mallocs=1.5)}
+    snap = {"sections": {"tables": sec}, "shapes": {"table_batch": 16, "vocabs": [1024]}}
+    text = tables_table(snap)
+    assert "per timed step, where any: tngram@1024/sparse 1.5." in text
+    assert "raw@1024 0.0" not in text
+    snap["sections"]["tables"] = {"raw@1024": item}  # an older file: no counts, no line
+    assert "cudaMalloc" not in tables_table(snap)
+
+
 def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path):
     assert check_doc(ROOT / "docs" / "GPU.md") == []
     docs = tmp_path / "docs"

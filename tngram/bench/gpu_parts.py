@@ -28,11 +28,29 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
+# torch.cuda.memory_stats() counters: segments the caching allocator had to get from the driver
+# (cudaMalloc, which blocks the host) and allocations retried after freeing its cache
+ALLOC_COUNTERS = {"cuda_mallocs": "segment.all.allocated", "alloc_retries": "num_alloc_retries"}
+
+
+def alloc_deltas(before: dict[str, Any], after: dict[str, Any], reps: int) -> dict[str, float]:
+    """Per timed call, how often the allocator went to the driver or retried (ALLOC_COUNTERS),
+    from two torch.cuda.memory_stats() snapshots around `reps` calls: a step whose tensors
+    change size from call to call (row-sparse tables: the distinct rows a batch reads) can
+    miss the allocator's cache, and each miss is a blocking cudaMalloc."""
+    return {
+        name: (after.get(key, 0) - before.get(key, 0)) / max(1, reps)
+        for name, key in ALLOC_COUNTERS.items()
+    }
+
+
 def timed(fn: Callable[[], Any], reps: int, warmup: int, dev: str) -> dict[str, Any]:
-    """median / min / max ms of `reps` calls of fn after `warmup` untimed ones."""
+    """median / min / max ms of `reps` calls of fn after `warmup` untimed ones; on CUDA also the
+    allocator's trips to the driver per call (`alloc_deltas`)."""
     for _ in range(warmup):
         fn()
     _sync(dev)
+    before = torch.cuda.memory_stats() if dev == "cuda" else None
     ts = []
     for _ in range(reps):
         if dev == "cuda":
@@ -46,7 +64,10 @@ def timed(fn: Callable[[], Any], reps: int, warmup: int, dev: str) -> dict[str, 
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
+    out = {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
+    if before is not None:
+        out.update(alloc_deltas(before, torch.cuda.memory_stats(), reps))
+    return out
 
 
 def _reset_peak(dev: str) -> None:

@@ -278,6 +278,17 @@ def tables_table(snap: dict[str, Any]) -> str:
                 ms = _cell(r, "median_ms", ".1f")
                 cells.append(ms + (f" ({_ratio(r, raw)})" if _ok(r) and _ok(raw) else ""))
         lines.append(md_row(cells))
+    mallocs = [
+        f"{k} {it['cuda_mallocs']:.1f}"
+        for k, it in sec.items()
+        if _ok(it) and (it.get("cuda_mallocs") or 0) > 0
+    ]
+    if mallocs:  # files from before the allocator counts have none
+        lines += [
+            "",
+            "Segments the allocator had to get from the driver (cudaMalloc) per timed step, "
+            "where any: " + ", ".join(mallocs) + ".",
+        ]
     return "\n".join(lines)
 
 
