@@ -16,7 +16,7 @@ by setting attributes on modules.
                          (default): in the rows kernel, an (N-1) x R accumulator tile held
                          across its token loop. "split": a second kernel, one order per
                          program; the rows kernel then needs fewer registers a thread (sm_90,
-                         N 5, R 1024, 4 warps: 113 against 211; docs/GPU.md). Equal up to fp32
+                         N 5, R 1024, 4 warps: 113 against 209; docs/GPU.md). Equal up to fp32
                          summation order. Default "fused" until a GPU measures "split" faster
                          (`tngram bench gpu --sections kernels`).
     triton_backward_warps

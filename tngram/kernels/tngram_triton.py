@@ -22,7 +22,7 @@ split backward (kernel_policy(triton_backward="split")): the same rows kernel wi
 program, one R-wide dW accumulator over SPLIT_WS_TOKENS tokens. It recomputes the prefix
 products once more (O(N^2) more row loads, cache hits) to give the rows kernel about half its
 registers: for sm_90 (triton 3.9, compiled without a GPU) at N 5, R 1024, 4 warps the rows
-kernel needs 113 registers a thread instead of 211 (scripts/triton_registers.py). Which is
+kernel needs 113 registers a thread instead of 209 (scripts/triton_registers.py). Which is
 faster is a GPU measurement (`tngram bench gpu --sections kernels`); same numbers up to the
 fp32 order of the dW / ds sums.
 
@@ -94,6 +94,35 @@ def _tngram_fwd_kernel(
 
 
 @triton.jit
+def _load_grad(grad_ptr, m, j, R, cols, mask, N: tl.constexpr, SUM_ORDERS: tl.constexpr):
+    """The gradient of token m's order-j output, fp32: its row of the (M, N-1, R) gradient, or
+    with SUM_ORDERS the summed output's row (every order's e got it)."""
+    if SUM_ORDERS:
+        g = tl.load(grad_ptr + m * R + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(tl.float32)
+    return g
+
+
+@triton.jit
+def _order_grad(g, b, rstd_ptr, m, j, s, R, N: tl.constexpr, USE_NORM: tl.constexpr):
+    """Backward of one order's output e_j = s rstd b (e_j = s b without the norm), per token:
+    g the gradient of e_j, b the pre-norm row (BLOCK_R lanes) -> (db, gy, gy summed over R)
+    with gy = g * de_j/ds per lane, whose sum is this token's part of ds_j."""
+    if USE_NORM:
+        r = tl.load(rstd_ptr + m * (N - 1) + j)
+        y = b * r
+        gy = g * y
+        gdot = tl.sum(gy, axis=0)
+        db = (r * s) * g - (r * s * gdot / R) * y
+    else:
+        gy = g * b
+        gdot = tl.sum(gy, axis=0)
+        db = s * g
+    return db, gy, gdot
+
+
+@triton.jit
 def _tngram_bwd_kernel(
     table_ptr,
     idx_ptr,
@@ -140,12 +169,7 @@ def _tngram_bwd_kernel(
             rlast = tl.load(idx_ptr + m * N + (k - 1))
             xlast = tl.load(table_ptr + rlast * R + cols, mask=mask, other=0.0).to(tl.float32)
             Pk = Pkm1 * xlast
-            if SUM_ORDERS:  # every order's e got the summed row's gradient
-                g = tl.load(grad_ptr + m * R + cols, mask=mask, other=0.0).to(tl.float32)
-            else:
-                g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(
-                    tl.float32
-                )
+            g = _load_grad(grad_ptr, m, j, R, cols, mask, N, SUM_ORDERS)
             b = Pk
             if HAS_W:
                 wj = tl.load(w_ptr + j * R + cols, mask=cols < R, other=0.0).to(tl.float32)
@@ -153,17 +177,9 @@ def _tngram_bwd_kernel(
             s = 1.0
             if HAS_S:
                 s = tl.load(s_ptr + j).to(tl.float32)
-            if USE_NORM:
-                r = tl.load(rstd_ptr + m * (N - 1) + j)
-                y = b * r
-                gdot = tl.sum(g * y, axis=0)
-                if ACC_WS:
-                    ds_acc += tl.where(kk == j, gdot, 0.0)
-                db = (r * s) * g - (r * s * gdot / R) * y
-            else:
-                if ACC_WS:
-                    ds_acc += tl.where(kk == j, tl.sum(g * b, axis=0), 0.0)
-                db = s * g
+            db, gy, gdot = _order_grad(g, b, rstd_ptr, m, j, s, R, N, USE_NORM)
+            if ACC_WS:
+                ds_acc += tl.where(kk == j, gdot, 0.0)
             if HAS_W:
                 if ACC_WS:
                     dw_acc += tl.where(kk[:, None] == j, (db * Pk)[None, :], 0.0)
@@ -230,22 +246,9 @@ def _tngram_bwd_ws_kernel(
             rq = tl.load(idx_ptr + m * N + q)
             use = mask & ((cols * 0 + q) <= j + 1)
             P = P * tl.load(table_ptr + rq * R + cols, mask=use, other=1.0).to(tl.float32)
-        if SUM_ORDERS:
-            g = tl.load(grad_ptr + m * R + cols, mask=mask, other=0.0).to(tl.float32)
-        else:
-            g = tl.load(grad_ptr + (m * (N - 1) + j) * R + cols, mask=mask, other=0.0).to(
-                tl.float32
-            )
-        b = P * wj
-        if USE_NORM:
-            r = tl.load(rstd_ptr + m * (N - 1) + j)
-            y = b * r
-            gy = g * y
-            ds_acc += gy
-            db = (r * s) * g - (r * s * tl.sum(gy, axis=0) / R) * y
-        else:
-            ds_acc += g * b
-            db = s * g
+        g = _load_grad(grad_ptr, m, j, R, cols, mask, N, SUM_ORDERS)
+        db, gy, _ = _order_grad(g, P * wj, rstd_ptr, m, j, s, R, N, USE_NORM)
+        ds_acc += gy
         if HAS_W:
             dw_acc += db * P
     if HAS_W:
