@@ -213,7 +213,7 @@ def test_kernels_section_under_the_interpreter(tmp_path):
     text = render_run(dict(r, tiny=False), "k.json")
     ratio = v["split/w8"]["fwdbwd"]["median_ms"] / v["fused/w4"]["fwdbwd"]["median_ms"]
     assert f"{v['split/w8']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
-    assert f"`{it['fastest']}` |" in text
+    assert f"`{it['fastest']}` |" in text and "(one TN-gram module, uniform random ids, float32 output)" in text
 
 
 def test_kernel_policy_reaches_the_sections_and_the_file(tmp_path):

@@ -301,10 +301,11 @@ def kernels_table(snap: dict[str, Any]) -> str:
         for k in it.get("variants", {}) if _ok(it) else ():
             if k not in names:
                 names.append(k)
+    dtypes = sorted({it["out_dtype"] for it in sec.values() if _ok(it)})
     lines = [
-        "The Triton lookup alone (one TN-gram module, uniform random ids, bf16 output), forward "
-        "and forward + backward per backward variant, median ms (÷ `fused` at the forward's "
-        "warps), interleaved in one process:",
+        f"The Triton lookup alone (one TN-gram module, uniform random ids, "
+        f"{' / '.join(dtypes) or 'no'} output), forward and forward + backward per backward "
+        "variant, median ms (÷ `fused` at the forward's warps), interleaved in one process:",
         "",
         "| recipe | R | fwd ms | " + " | ".join(f"`{n}`" for n in names) + " | fastest |",
         "|" + "---|" * (len(names) + 4),
