@@ -214,6 +214,8 @@ def test_kernels_section_under_the_interpreter(tmp_path):
     ratio = v["split/w8"]["fwdbwd"]["median_ms"] / v["fused/w4"]["fwdbwd"]["median_ms"]
     assert f"{v['split/w8']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
     assert f"`{it['fastest']}` |" in text and "(one TN-gram module, uniform random ids, float32 output)" in text
+    fast = v[it["fastest"]]["fwdbwd"]["median_ms"]  # the command's own summary names it too
+    assert f"fastest {it['fastest']} (ms: " in p.stdout and f"{it['fastest']} {fast:.2f}" in p.stdout
 
 
 def test_kernel_policy_reaches_the_sections_and_the_file(tmp_path):

@@ -392,6 +392,11 @@ def report(res: dict[str, Any]) -> str:
         for key, r in items.items():
             if "skipped" in r or "error" in r:
                 lines.append(f"  {sec:8s} {key:32s} {r.get('skipped') or 'ERROR ' + r['error']}")
+            elif "variants" in r:  # kernels: each backward's fwd+bwd ms, the fastest named
+                ms = ", ".join(
+                    f"{k} {v['fwdbwd']['median_ms']:.2f}" for k, v in r["variants"].items()
+                )
+                lines.append(f"  {sec:8s} {key:32s} fastest {r['fastest']} (ms: {ms})")
             elif "median_ms" in r:
                 lines.append(f"  {sec:8s} {key:32s} {r['median_ms']:9.2f} ms")
                 lines += _profile_line(r.get("profile"))
