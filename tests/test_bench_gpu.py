@@ -244,6 +244,20 @@ def test_kernel_policy_reaches_the_sections_and_the_file(tmp_path):
     assert "Triton backward" not in render_run(dict(res, **fields), "x.json")  # the default
 
 
+def test_allocator_settings_are_recorded_and_named(monkeypatch):
+    """PYTORCH_CUDA_ALLOC_CONF changes how a step allocates on CUDA: the file records it and
+    the tables' heading names it; unset, neither says anything."""
+    from tngram.bench import gpu
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert gpu.versions()["alloc_conf"] is None
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    res = gpu.run(sections=("doctor",), recipes=["paper-l9-raw"], say=lambda _: None)
+    assert res["alloc_conf"] == "expandable_segments:True"
+    fields = {"commit": "abc1234", "command": "x", "machine": "m"}
+    assert "; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)" in render_run(dict(res, **fields), "x.json")
+
+
 def test_allocator_trips_per_step_and_their_line():
     """On CUDA each timed item records how often per call the caching allocator went to the
     driver (the cumulative segment count of torch.cuda.memory_stats) or retried; the tables

@@ -35,6 +35,7 @@ and its results file are checked on the CPU by the tests; those numbers are no G
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import time
@@ -176,6 +177,9 @@ def versions() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": None,
         "python": platform.python_version(),
+        # the CUDA caching allocator's settings (e.g. expandable_segments:True), read by torch
+        # when CUDA starts: a run with them set is another configuration, named in the tables
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
     }
     if cuda:
         props = torch.cuda.get_device_properties(0)

@@ -62,6 +62,7 @@ def run_heading(snap: dict[str, Any], source: str) -> str:
             if (bwd, warps) != ("fused", 0)
             else ""
         )
+        + (f"; PYTORCH_CUDA_ALLOC_CONF={snap['alloc_conf']}" if snap.get("alloc_conf") else "")
         + ")"
     )
 
