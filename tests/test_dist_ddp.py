@@ -26,7 +26,11 @@ pytestmark = pytest.mark.dist
 EXTRA = ["schedule.steps=6", "schedule.warmdown_steps=3", "run.val_every=3", "run.checkpoint_every=0"]
 
 
-def test_two_gloo_processes_equal_single_process(tiny_data, tmp_path):
+@pytest.mark.parametrize("muon", ["auto", "stacked"])
+def test_two_gloo_processes_equal_single_process(tiny_data, tmp_path, monkeypatch, muon):
+    """muon: TNGRAM_MUON_IMPL in both runs ("auto" is the CPU's per-matrix loop; "stacked" is
+    CUDA's default, where each process stacks only its own share of the matrices)."""
+    monkeypatch.setenv("TNGRAM_MUON_IMPL", muon)
     single = tmp_path / "single"
     with single_thread():
         s1 = train(tiny_config(tiny_data, extra=EXTRA), single)
@@ -41,6 +45,9 @@ def test_two_gloo_processes_equal_single_process(tiny_data, tmp_path):
 
     import json
     s2 = json.loads((ddp / "summary.json").read_text())
+    expect = "loop" if muon == "auto" else muon  # what each run's env.json says Muon ran
+    for run in (single, ddp):
+        assert json.loads((run / "env.json").read_text())["muon_impl"] == expect
     assert s2["world_size"] == 2 and s2["grad_accum_steps"] == 1
     l1, l2 = losses(single), losses(ddp)
     assert sorted(l1) == sorted(l2) == list(range(1, 7))

@@ -86,3 +86,85 @@ def test_muon_update_equals_hand_computation():
 def test_muon_rejects_non_matrices():
     with pytest.raises(ValueError):
         Muon([torch.nn.Parameter(torch.zeros(5))])
+
+
+def test_stacked_newton_schulz_is_each_matrix_on_its_own():
+    """A (k, rows, cols) stack: each matrix normalised by its own norm and orthogonalised on its
+    own. On the CPU the batched matmuls give the per-matrix bits exactly (measured), so the
+    comparison is equality (the per-matrix function is checked against the SVD above); the
+    matrices differ in scale by up to 10^6, so one norm shared by the stack would not pass."""
+    torch.manual_seed(3)
+    for shape in [(3, 24, 40), (4, 40, 24), (2, 32, 32)]:  # wide, tall (transposed), square
+        G = torch.randn(*shape) * torch.tensor([1e-3, 1.0, 1e3, 7.0])[: shape[0], None, None]
+        out = zeropower_newton_schulz(G, steps=5)
+        assert out.dtype == torch.bfloat16 and out.shape == G.shape
+        for k in range(shape[0]):
+            assert torch.equal(out[k], zeropower_newton_schulz(G[k], steps=5)), (shape, k)
+
+
+def _mixed_params() -> list[torch.nn.Parameter]:
+    """Shapes as in a GPT block: repeated (stacked), tall and wide, and one of a kind."""
+    torch.manual_seed(4)
+    shapes = [(16, 16), (8, 16), (8, 16), (16, 16), (32, 16), (16, 32), (16, 16), (12, 20)]
+    return [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_stacked_by_shape_equals_one_matrix_at_a_time(nesterov):
+    """stack_shapes=True (the CUDA default) against the per-matrix loop, 3 steps with the
+    momentum buffers carried: bit-equal on the CPU. One parameter has no gradient at step 2
+    (it must not move, and its buffer must not change), so the share of a stack changes."""
+    runs = {}
+    for stack in (False, True):
+        params = _mixed_params()
+        opt = Muon(params, lr=0.03, momentum=0.9, nesterov=nesterov, stack_shapes=stack)
+        g = torch.Generator().manual_seed(5)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = None if (step == 1 and i == 3) else torch.randn(p.shape, generator=g)
+            before = params[3].detach().clone()
+            opt.step()
+            if step == 1:
+                assert torch.equal(params[3].detach(), before)
+        runs[stack] = [p.detach() for p in params], [opt.state[p]["momentum_buffer"] for p in params]
+    (w0, b0), (w1, b1) = runs[False], runs[True]
+    for a, b in zip(w0 + b0, w1 + b1):
+        assert torch.equal(a, b)
+    # the steps did move every matrix: an orthogonal-like (m, n) update has entries of RMS
+    # 1/sqrt(max(m, n)) >= 1/sqrt(32), times lr 0.03 is 5e-3 a step (measured 8.5e-3 - 1.3e-2)
+    for p0, p in zip(_mixed_params(), w0):
+        assert (p - p0.detach()).abs().mean() > 2e-3
+
+
+def test_muon_impl_follows_the_device_and_the_environment(monkeypatch):
+    from tngram.common import TngramError
+    from tngram.optim.muon import muon_impl
+
+    monkeypatch.delenv("TNGRAM_MUON_IMPL", raising=False)
+    assert muon_impl("cpu") == "loop" and muon_impl(torch.device("cuda")) == "stacked"
+    monkeypatch.setenv("TNGRAM_MUON_IMPL", "stacked")
+    assert muon_impl("cpu") == "stacked"
+    monkeypatch.setenv("TNGRAM_MUON_IMPL", "loop")
+    assert muon_impl("cuda") == "loop"
+    monkeypatch.setenv("TNGRAM_MUON_IMPL", "batched")
+    with pytest.raises(TngramError, match="TNGRAM_MUON_IMPL must be one of"):
+        muon_impl("cpu")
+
+
+def test_a_bad_muon_impl_stops_train_before_any_model(tmp_path):
+    """The CLI path: one line naming the variable, exit 2, nothing written."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TNGRAM_MUON_IMPL="fast")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tngram", "train", "mini-raw", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "tngram: error: TNGRAM_MUON_IMPL must be one of ('auto', 'loop', 'stacked'), got 'fast'"
+    ]
+    assert not out.exists()

@@ -203,7 +203,7 @@ def step_optimizers(
     row-sparse). Returns (every optimiser in step order, the table optimiser or None)."""
     from tngram.optim.groups import build_param_groups
     from tngram.optim.memory_update import setup_memory_update
-    from tngram.optim.muon import Muon
+    from tngram.optim.muon import Muon, muon_impl
 
     groups = build_param_groups(net, o)
     betas = (o.beta1, o.beta2)
@@ -214,7 +214,17 @@ def step_optimizers(
     ]
     muon = [g for g in rest if g["optimizer"] == "muon"]
     if muon:
-        opts.append(Muon(muon, lr=o.matrix_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps))
+        dev = next(net.parameters()).device
+        stack = muon_impl(dev) == "stacked"  # as the trainer: stacked by shape on CUDA
+        opts.append(
+            Muon(
+                muon,
+                lr=o.matrix_lr,
+                momentum=o.muon_momentum,
+                ns_steps=o.muon_ns_steps,
+                stack_shapes=stack,
+            )
+        )
     if table_opt is not None:
         opts.append(table_opt)
     return opts, table_opt

@@ -122,6 +122,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise TngramError("--out DIR is required (the run folder)")
     if args.accept_changed_data and not args.resume:
         raise TngramError("--accept-changed-data only applies with --resume")
+    from tngram.optim.muon import forced_muon_impl
+
+    forced_muon_impl()  # a bad TNGRAM_MUON_IMPL stops here, before any model is built
     import os
     from tngram.train.loop import train
     from tngram.train.portable import ACCEPT_CHANGED_DATA_ENV

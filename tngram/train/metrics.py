@@ -63,6 +63,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
     import numpy
     import tngram
     from tngram.kernels import resolved_impl, self_check_results
+    from tngram.optim.muon import muon_impl
 
     info: dict[str, Any] = {
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -81,6 +82,7 @@ def env_info(device: torch.device, world_size: int, grad_accum: int) -> dict[str
         "grad_accum_steps": grad_accum,
         "tngram_lookup_impl": resolved_impl(device),  # what a TN-gram memory's fused lookup runs
         "lookup_self_checks": self_check_results(),  # compiled kernels vs torch (first use)
+        "muon_impl": muon_impl(device),  # Muon's matrices one by one or stacked by shape
     }
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda

@@ -17,7 +17,7 @@ from tngram.common import TngramError, atomic_write_json
 from tngram.model.gpt import GPT, param_counts
 from tngram.optim.groups import build_param_groups, format_param_table
 from tngram.optim.memory_update import setup_memory_update
-from tngram.optim.muon import Muon
+from tngram.optim.muon import Muon, muon_impl
 from tngram.train import checkpoint as ckpt
 from tngram.train import compile_mode
 from tngram.train.compile_mode import compile_forward
@@ -283,6 +283,7 @@ class TrainerSetup:
                 ns_steps=o.muon_ns_steps,
                 ddp_rank=ctx.ddp_rank,
                 world_size=ctx.world_size,
+                stack_shapes=muon_impl(device) == "stacked",  # CUDA: one stack per shape
             )
         if table_opt is not None:
             self.optimizers["memory"] = table_opt
