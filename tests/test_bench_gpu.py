@@ -82,7 +82,8 @@ def test_results_file_schema_and_provenance(cpu_run):
     why = triton_runs_here("cpu")
     assert why and r["skipped"] == [f"kernels paper-l9-tngram: {why}"]
     assert r["sections"]["kernels"] == {"paper-l9-tngram": {"skipped": why}}
-    assert set(r["sections"]) == {"doctor", "lookup", "kernels", "fwdbwd", "trainer", "tables"}
+    assert set(r["sections"]) == {"doctor", "lookup", "kernels", "optim", "fwdbwd", "trainer",
+                                  "tables"}
     assert tuple(r["sections"]) == SECTIONS == GPU_SECTIONS  # the CLI's list is the bench's
     assert TRITON_BACKWARDS == CLI_BACKWARDS
     for name, sec in r["sections"].items():
@@ -144,6 +145,9 @@ def test_trainer_section_runs_the_real_trainer(cpu_run):
         assert t["last_train_loss"] == pytest.approx(t["losses"][-1], abs=1e-4)
         assert t["tokens_per_s"] > 0 and t["val_bpb"] > 0
     assert r["sections"]["trainer"]["paper-l9-tngram"]["lookup_impl"] in ("c", "torch")
+    # the run's env.json says how Muon ran (per matrix on the CPU), and the table says it
+    assert {r["sections"]["trainer"][x]["muon_impl"] for x in RECIPES} == {"loop"}
+    assert "| eager (Newton-Schulz eager, loop) |" in render_run(r, "gpu-cpu.json")
 
 
 def test_trainer_set_reaches_the_run_and_its_table(tiny_data, tmp_path):  # noqa: F811
@@ -182,6 +186,30 @@ def test_run_renders_its_numbers(cpu_run):
     assert f"{e['median_ms']:.1f}" in text
     assert f"{r['sections']['trainer']['paper-l9-raw']['tokens_per_s']:,.0f}" in text
     assert "not run" in text  # the compiled column (--no-compile)
+
+
+def test_optim_section_times_both_muons_and_they_agree(cpu_run):
+    """The optimiser step alone: Adam, Muon per matrix and stacked, for each recipe. The tiny
+    GPT has 6 Muon matrices a block (q, k, v, attention out, fc, MLP out) and 2 layers; the
+    TN-gram recipe adds its memory layer's K and V projections. On the CPU the two Muons'
+    updates are bit-equal (tests/test_optim_muon.py), so the recorded difference is 0."""
+    r = cpu_run[1]
+    sec = r["sections"]["optim"]
+    assert list(sec) == RECIPES
+    for name, it in sec.items():
+        assert it["muon_matrices"] == 6 * 2 + (2 if "tngram" in name else 0)
+        assert sum(it["muon_shapes"].values()) == it["muon_matrices"]
+        assert it["newton_schulz"] == "eager" and it["update_rel_diff"] == 0.0
+        t = it["optimisers"]
+        assert set(t) == {"adam", "muon/loop", "muon/stacked"}
+        assert all(v["reps"] == r["shapes"]["reps"] for v in t.values())
+        ratio = t["muon/stacked"]["median_ms"] / t["muon/loop"]["median_ms"]
+        assert it["stacked_over_loop"] == pytest.approx(ratio)
+    text = render_run(r, "docs/results/gpu-cpu.json")
+    it = sec["paper-l9-tngram"]
+    assert (f"| paper-l9-tngram | 14 ({len(it['muon_shapes'])}) | "
+            f"{it['optimisers']['adam']['median_ms']:.2f} | ") in text
+    assert "the stacked updates within 0.0e+00 (relative) of the per-matrix ones" in text
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton)")

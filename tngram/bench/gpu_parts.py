@@ -330,6 +330,7 @@ def trainer(
         "wall_s": wall,
         "peak_gb": _peak_gb(shapes.device),
         "lookup_impl": env.get("tngram_lookup_impl"),
+        "muon_impl": env.get("muon_impl"),  # Muon per matrix ("loop") or stacked by shape
         "compile": env.get("compile") or {"setting": str(cfg.run.compile)},  # what ran
         "graphs": _graphs() - graphs0,  # graphs dynamo compiled in the run (0 when eager)
         **row,

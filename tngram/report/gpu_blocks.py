@@ -213,12 +213,14 @@ def tables_profile_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _compile_text(comp: Any) -> str:
-    """env.json's "compile" record: what ran (eager / compiled), and Muon's Newton-Schulz."""
+def _compile_text(comp: Any, muon: Any = None) -> str:
+    """env.json's "compile" record: what ran (eager / compiled), and Muon's Newton-Schulz
+    (`muon`: its muon_impl, "loop" or "stacked", in files that record it)."""
     if not isinstance(comp, dict):
         return "–"
     ran = str(comp.get("ran") or comp.get("setting") or "?")
     ns = comp.get("newton_schulz")
+    ns = ", ".join(str(x) for x in (ns, muon) if x)
     return ran + (f" (Newton-Schulz {ns})" if ns else "")
 
 
@@ -251,7 +253,7 @@ def trainer_table(snap: dict[str, Any]) -> str:
                     ratio,
                     _cell(t, "last_train_loss", ".4f"),
                     _cell(t, "val_bpb", ".4f"),
-                    _compile_text(comp),
+                    _compile_text(comp, t.get("muon_impl") if _ok(t) else None),
                     str(t.get("lookup_impl")) if _ok(t) else "–",
                     _cell(t, "peak_gb", ".1f"),
                 ]
@@ -338,6 +340,46 @@ def kernels_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def optim_table(snap: dict[str, Any]) -> str:
+    """The optim section: each recipe's optimiser step alone, Adam and Muon per matrix against
+    stacked by shape (median ms, interleaved)."""
+    sec = snap["sections"].get("optim", {})
+    lines = [
+        "The optimiser step alone (random gradients), median ms, interleaved in one process; "
+        "Muon one matrix at a time (`loop`) and stacked by shape (`stacked`):",
+        "",
+        "| recipe | Muon matrices (shapes) | Adam | Muon `loop` | Muon `stacked` "
+        "| stacked ÷ loop |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r, it in sec.items():
+        if not _ok(it):
+            lines.append(md_row([r, _cell(it, "", "")] + [""] * 4))
+            continue
+        t = it["optimisers"]
+        lines.append(
+            md_row(
+                [
+                    r,
+                    f"{it['muon_matrices']} ({len(it['muon_shapes'])})",
+                    f"{t['adam']['median_ms']:.2f}",
+                    f"{t['muon/loop']['median_ms']:.2f}",
+                    f"{t['muon/stacked']['median_ms']:.2f}",
+                    f"{it['stacked_over_loop']:.2f}×",
+                ]
+            )
+        )
+    worst = max((it["update_rel_diff"] for it in sec.values() if _ok(it)), default=None)
+    if worst is not None:
+        ns = {it["newton_schulz"] for it in sec.values() if _ok(it)}
+        lines += [
+            "",
+            f"Newton-Schulz {' / '.join(sorted(ns))}. One step of each from the same state: "
+            f"the stacked updates within {worst:.1e} (relative) of the per-matrix ones.",
+        ]
+    return "\n".join(lines)
+
+
 def lookup_lines(snap: dict[str, Any]) -> str:
     lk = snap["sections"].get("lookup", {}).get("paper-l9-tngram")
     doc = snap["sections"].get("doctor", {}).get("self_checks")
@@ -374,6 +416,8 @@ def render_run(snap: dict[str, Any], source: str) -> str:
     parts.append(lookup_lines(snap))
     if snap["sections"].get("kernels"):
         parts.append(kernels_table(snap))
+    if snap["sections"].get("optim"):
+        parts.append(optim_table(snap))
     if "fwdbwd" in snap["sections"]:
         parts.append(fwdbwd_table(snap))
         if _profiles(snap):  # only files of a --profile run
