@@ -82,8 +82,8 @@ def test_results_file_schema_and_provenance(cpu_run):
     why = triton_runs_here("cpu")
     assert why and r["skipped"] == [f"kernels paper-l9-tngram: {why}"]
     assert r["sections"]["kernels"] == {"paper-l9-tngram": {"skipped": why}}
-    assert set(r["sections"]) == {"doctor", "lookup", "kernels", "optim", "fwdbwd", "trainer",
-                                  "tables"}
+    assert set(r["sections"]) == {"doctor", "lookup", "kernels", "attention", "optim", "fwdbwd",
+                                  "trainer", "tables"}
     assert tuple(r["sections"]) == SECTIONS == GPU_SECTIONS  # the CLI's list is the bench's
     assert TRITON_BACKWARDS == CLI_BACKWARDS
     for name, sec in r["sections"].items():
@@ -186,6 +186,35 @@ def test_run_renders_its_numbers(cpu_run):
     assert f"{e['median_ms']:.1f}" in text
     assert f"{r['sections']['trainer']['paper-l9-raw']['tokens_per_s']:,.0f}" in text
     assert "not run" in text  # the compiled column (--no-compile)
+
+
+def test_attention_section_per_backend(cpu_run):
+    """paper-l9's attention at the tiny shapes (TINY_SETS: d 32, 2 heads, 1 kv head, seq 64; the
+    fwdbwd batch of 2): torch's pick named, every backend that runs timed and within fp32
+    rounding of the fp32 math reference, the others listed with their error (the CPU has no
+    cuDNN or memory-efficient kernel), the FLOP rate from 7 B H T^2 D."""
+    from torch.nn.attention import SDPBackend
+
+    r = cpu_run[1]
+    it = r["sections"]["attention"]["paper-l9"]
+    assert it["shape"] == {"batch": 2, "heads": 2, "kv_heads": 1, "seq": 64, "head_dim": 16}
+    assert it["flops_fwdbwd"] == 7 * 2 * 2 * 64 * 64 * 16 and it["dtype"] == "float32"
+    q = torch.zeros(2, 64, 2, 16).transpose(1, 2)
+    kv = torch.zeros(2, 64, 1, 16).transpose(1, 2)
+    pick = SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=True))
+    assert it["default_backend"] == pick.name.lower().replace("_attention", "")
+    rows = it["backends"]
+    assert {"cudnn", "efficient"} <= {k for k, v in rows.items() if "error" in v}
+    for name in ("flash", "math", "default"):
+        t = rows[name]["fwdbwd"]
+        assert rows[name]["tflops"] == pytest.approx(it["flops_fwdbwd"] / t["median_ms"] / 1e9)
+    assert rows["math"]["rel_diff"] == 0.0 and rows["flash"]["rel_diff"] < 1e-5
+    assert rows["default"]["backend"] == it["default_backend"]
+    assert it["fastest"] in ("flash", "math")
+    text = render_run(r, "gpu-cpu.json")
+    assert f"torch's own pick here: `{it['default_backend']}`" in text
+    assert f"| `math` | {rows['math']['fwdbwd']['median_ms']:.2f} |" in text
+    assert "| `cudnn` | cannot run here (its error is in the file) |" in text
 
 
 def test_optim_section_times_both_muons_and_they_agree(cpu_run):

@@ -10,6 +10,8 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
   kernels  the Triton lookup's backward variants (fused / split, two num_warps each) of every
            chosen TN-gram recipe's module at the fwdbwd batch, interleaved, with their gradients
            compared (tngram.bench.gpu_kernels)
+  attention the GPT's attention alone at paper-l9's shapes, forward + backward per SDPA backend
+           (cuDNN, flash, memory-efficient, math) and torch's own pick (tngram.bench.gpu_attention)
   optim    the optimiser step alone of every chosen recipe: fused Adam, and Muon one matrix at a
            time against its same-shape stacks, interleaved (tngram.bench.gpu_optim)
   fwdbwd   forward + backward of every `paper-l9-*` recipe (tngram.bench.gpu_parts), eager, then
@@ -49,7 +51,16 @@ from typing import Any
 import torch
 
 BASE = ("paper-l9-raw", "paper-l9-engram", "paper-l9-tngram")
-SECTIONS = ("doctor", "lookup", "kernels", "optim", "fwdbwd", "tables", "trainer")
+SECTIONS = (
+    "doctor",
+    "lookup",
+    "kernels",
+    "attention",
+    "optim",
+    "fwdbwd",
+    "tables",
+    "trainer",
+)
 UPDATES = ("dense", "sparse", "rowwise")
 GPU_VOCABS = (1024, 32768, 131072)
 TINY_VOCABS = (128, 256, 512)
@@ -82,6 +93,9 @@ GPU_COST = {
     # one recipe: Newton-Schulz compiled for 2-D and 3-D inputs (a few graphs of a few s each),
     # then 13 rounds of 3 optimiser steps of < 0.05 s; not measured yet
     "optim": 40,
+    # paper-l9's attention alone: 5 variants x 13 rounds of < 0.1 s (math: the B x H x T x T
+    # scores in memory) and their first calls; not measured yet
+    "attention": 15,
     "eager": 6,
     "compile": 50,
     "trainer": 15,
@@ -276,7 +290,7 @@ def _run(
     save: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
     """`run`'s body, under its kernel policy (`policy`: what the file records of it)."""
-    from tngram.bench import gpu_kernels, gpu_optim
+    from tngram.bench import gpu_attention, gpu_kernels, gpu_optim
     from tngram.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names
 
@@ -349,6 +363,12 @@ def _run(
             res["skipped"].append(f"kernels {r}: {no_triton}")
             continue
         item("kernels", r, shapes.cost("kernels"), partial(gpu_kernels.lookup_backwards, r, shapes))
+    item(
+        "attention",
+        "paper-l9",
+        shapes.cost("attention"),
+        partial(gpu_attention.attention_backends, shapes),
+    )
     for r in names:
         item("optim", r, shapes.cost("optim"), partial(gpu_optim.optimiser_steps, r, shapes))
     peaks = (peak_spec, res["flops"]["peak_matmul_measured"])
@@ -408,6 +428,13 @@ def report(res: dict[str, Any]) -> str:
                     f"{k} {v['fwdbwd']['median_ms']:.2f}" for k, v in r["variants"].items()
                 )
                 lines.append(f"  {sec:8s} {key:32s} fastest {r['fastest']} (ms: {ms})")
+            elif "backends" in r:  # attention: each SDPA backend's fwd+bwd ms, torch's pick
+                ms = ", ".join(
+                    f"{k} {v['fwdbwd']['median_ms']:.2f}"
+                    for k, v in r["backends"].items()
+                    if "fwdbwd" in v
+                )
+                lines.append(f"  {sec:8s} {key:32s} default {r['default_backend']} (ms: {ms})")
             elif "optimisers" in r:  # optim: Adam, and Muon per matrix against stacked
                 ms = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in r["optimisers"].items())
                 lines.append(f"  {sec:8s} {key:32s} ms: {ms}")

@@ -20,7 +20,16 @@ from tngram.cli.bench_args import (
 from tngram.cli.common import add_set_argument
 
 # tngram.bench.gpu.SECTIONS, in its order (tests/test_bench_gpu.py checks they agree)
-GPU_SECTIONS = ("doctor", "lookup", "kernels", "optim", "fwdbwd", "tables", "trainer")
+GPU_SECTIONS = (
+    "doctor",
+    "lookup",
+    "kernels",
+    "attention",
+    "optim",
+    "fwdbwd",
+    "tables",
+    "trainer",
+)
 # tngram.kernels.policy.TRITON_BACKWARDS (the same test checks it)
 TRITON_BACKWARDS = ("fused", "split")
 
@@ -121,7 +130,8 @@ def add_gpu_command(bs: Any) -> None:
         description="Sections, in order while the time budget lasts: doctor (the kernel "
         "self-checks), lookup (Triton or C against torch inside paper-l9-tngram, and one "
         "module's lookup timed), kernels (the Triton lookup's backward variants of each TN-gram "
-        "recipe timed against each other), optim (the optimiser step alone: Adam, and Muon per "
+        "recipe timed against each other), attention (paper-l9's attention alone per SDPA "
+        "backend, and torch's pick), optim (the optimiser step alone: Adam, and Muon per "
         "matrix against stacked by shape), fwdbwd (forward + backward of every paper-l9-* "
         "recipe, eager, then compiled, with FLOPs, MFU and peak memory), tables (one step per "
         "optim.memory_update at V 1k/32k/128k), trainer (tokens/s of N trainer steps); "

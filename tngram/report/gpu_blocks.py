@@ -21,32 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError
+from tngram.report.gpu_cells import cell as _cell
+from tngram.report.gpu_cells import ok as _ok
+from tngram.report.gpu_cells import ratio as _ratio
+from tngram.report.gpu_micro_blocks import attention_table, kernels_table, optim_table
 from tngram.report.markdown import md_row
 
 MODELS = (("raw", "raw"), ("engram", "Engram"), ("tngram", "TN-gram"))
 UPDATES = ("dense", "sparse", "rowwise")
-
-
-def _ok(r: Any) -> bool:
-    return isinstance(r, dict) and "skipped" not in r and "error" not in r
-
-
-def _cell(r: Any, field: str, spec: str, scale: float = 1.0) -> str:
-    """A number of an item, or why there is none (skipped / error / not run)."""
-    if r is None:
-        return "not run"
-    if "skipped" in r:
-        return "skipped (budget)"
-    if "error" in r:
-        return "error"
-    v = r.get(field)
-    return "–" if v is None else format(v * scale, spec)
-
-
-def _ratio(a: Any, b: Any) -> str:
-    if _ok(a) and _ok(b):
-        return f"{a['median_ms'] / b['median_ms']:.2f}×"
-    return "–"
 
 
 def run_heading(snap: dict[str, Any], source: str) -> str:
@@ -295,91 +277,6 @@ def tables_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def kernels_table(snap: dict[str, Any]) -> str:
-    """The kernels section: each TN-gram recipe's lookup forward and forward + backward per
-    Triton backward variant (ms, and ÷ the default "fused" at the forward's warps)."""
-    sec = snap["sections"].get("kernels", {})
-    names = []
-    for it in sec.values():
-        for k in it.get("variants", {}) if _ok(it) else ():
-            if k not in names:
-                names.append(k)
-    dtypes = sorted({it["out_dtype"] for it in sec.values() if _ok(it)})
-    lines = [
-        f"The Triton lookup alone (one TN-gram module, uniform random ids, "
-        f"{' / '.join(dtypes) or 'no'} output), forward and forward + backward per backward "
-        "variant, median ms (÷ `fused` at the forward's warps), interleaved in one process:",
-        "",
-        "| recipe | R | fwd ms | " + " | ".join(f"`{n}`" for n in names) + " | fastest |",
-        "|" + "---|" * (len(names) + 4),
-    ]
-    for r, it in sec.items():
-        if not _ok(it):
-            why = it.get("skipped") if isinstance(it, dict) else None  # e.g. no Triton there
-            lines.append(md_row([r, "", why or _cell(it, "", "")] + [""] * len(names) + [""]))
-            continue
-        v = it["variants"]
-        ref = next((x for x in v.values() if x["backward"] == "fused"), None)
-        cells = [r, str(it["cp_rank"]), f"{it['fwd']['median_ms']:.2f}"]
-        for n in names:
-            x = v.get(n)
-            cells.append(
-                "–"
-                if x is None
-                else f"{x['fwdbwd']['median_ms']:.2f}"
-                + (f" ({_ratio(x['fwdbwd'], ref['fwdbwd'])})" if ref else "")
-            )
-        cells.append(f"`{it['fastest']}`")
-        lines.append(md_row(cells))
-    worst = max(
-        (x["grad_rel_diff"] for it in sec.values() if _ok(it) for x in it["variants"].values()),
-        default=None,
-    )
-    if worst is not None:
-        lines += ["", f"Every variant's gradients within {worst:.1e} (relative) of `fused`'s."]
-    return "\n".join(lines)
-
-
-def optim_table(snap: dict[str, Any]) -> str:
-    """The optim section: each recipe's optimiser step alone, Adam and Muon per matrix against
-    stacked by shape (median ms, interleaved)."""
-    sec = snap["sections"].get("optim", {})
-    lines = [
-        "The optimiser step alone (random gradients), median ms, interleaved in one process; "
-        "Muon one matrix at a time (`loop`) and stacked by shape (`stacked`):",
-        "",
-        "| recipe | Muon matrices (shapes) | Adam | Muon `loop` | Muon `stacked` "
-        "| stacked ÷ loop |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r, it in sec.items():
-        if not _ok(it):
-            lines.append(md_row([r, _cell(it, "", "")] + [""] * 4))
-            continue
-        t = it["optimisers"]
-        lines.append(
-            md_row(
-                [
-                    r,
-                    f"{it['muon_matrices']} ({len(it['muon_shapes'])})",
-                    f"{t['adam']['median_ms']:.2f}",
-                    f"{t['muon/loop']['median_ms']:.2f}",
-                    f"{t['muon/stacked']['median_ms']:.2f}",
-                    f"{it['stacked_over_loop']:.2f}×",
-                ]
-            )
-        )
-    worst = max((it["update_rel_diff"] for it in sec.values() if _ok(it)), default=None)
-    if worst is not None:
-        ns = {it["newton_schulz"] for it in sec.values() if _ok(it)}
-        lines += [
-            "",
-            f"Newton-Schulz {' / '.join(sorted(ns))}. One step of each from the same state: "
-            f"the stacked updates within {worst:.1e} (relative) of the per-matrix ones.",
-        ]
-    return "\n".join(lines)
-
-
 def lookup_lines(snap: dict[str, Any]) -> str:
     lk = snap["sections"].get("lookup", {}).get("paper-l9-tngram")
     doc = snap["sections"].get("doctor", {}).get("self_checks")
@@ -416,6 +313,8 @@ def render_run(snap: dict[str, Any], source: str) -> str:
     parts.append(lookup_lines(snap))
     if snap["sections"].get("kernels"):
         parts.append(kernels_table(snap))
+    if snap["sections"].get("attention"):
+        parts.append(attention_table(snap))
     if snap["sections"].get("optim"):
         parts.append(optim_table(snap))
     if "fwdbwd" in snap["sections"]:
