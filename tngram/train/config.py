@@ -93,6 +93,9 @@ class RunConfig:
     # multi-process training: "ddp" (replicas) | "fsdp" (FSDP2 shards, tngram.train.fsdp);
     # config.json omits it when "ddp"
     parallel: str = "ddp"
+    # which attention kernel torch prefers (tngram.train.sdpa): "auto" (torch's order) | "cudnn"
+    # | "flash" | "efficient" | "math"; config.json omits it when "auto"
+    sdpa: str = "auto"
 
     def __post_init__(self) -> None:
         check_run(self)
@@ -119,6 +122,8 @@ class TrainConfig:
         run = asdict(self.run)
         if run["parallel"] == "ddp":
             del run["parallel"]
+        if run["sdpa"] == "auto":
+            del run["sdpa"]
         return {
             "name": self.name,
             "model": self.model.to_dict(),

@@ -12,6 +12,7 @@ from typing import Any
 
 from tngram.common import TngramError
 from tngram.memory.base import MemoryConfig
+from tngram.train.sdpa import SDPA_SETTINGS
 
 DTYPES = ("auto", "fp32", "bf16")
 _SECTION_NAME = {
@@ -161,6 +162,7 @@ def check_data(d: Any) -> None:
 def check_run(r: Any) -> None:
     check_finite(r)
     _check(r.parallel in ("ddp", "fsdp"), "run.parallel", "ddp or fsdp", r.parallel)
+    _check(r.sdpa in SDPA_SETTINGS, "run.sdpa", " / ".join(SDPA_SETTINGS), r.sdpa)
     _check(0 <= r.seed < 2**63, "run.seed", "in [0, 2^63) (a 64-bit seed)", r.seed)
     _check(
         r.device == "auto" or r.device == "cpu" or r.device == "mps" or r.device.startswith("cuda"),

@@ -63,6 +63,7 @@ from tngram.train.fsdp import gather_for_save, local_parameters
 from tngram.train.health import LossHealth, check_step_memory
 from tngram.train.metrics import Progress, check_logger, last_logged_loss, tail_seconds, timed
 from tngram.train.rundir import release_run_dir
+from tngram.train.sdpa import sdpa_preference
 from tngram.train.sharded_checkpoint import save_step_checkpoint
 from tngram.train.signals import StopRequest, TrainingStopped, exit_code, signal_name
 from tngram.train.step_reads import (
@@ -117,10 +118,11 @@ def train(
     lock = trainer = None
     try:
         lock = claim(run_dir, cfg, resume, ctx)
-        trainer = Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress)
-        trainer.watch = watch
-        with StopRequest() as signals:  # SIGTERM / SIGINT: finish the step, checkpoint, stop
-            return trainer.run(signals)
+        with sdpa_preference(cfg.run.sdpa):  # the attention kernel torch prefers (run.sdpa)
+            trainer = Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress)
+            trainer.watch = watch
+            with StopRequest() as signals:  # SIGTERM / SIGINT: finish the step, checkpoint, stop
+                return trainer.run(signals)
     except TrainingStopped as stop:
         stopped = stop
     finally:

@@ -22,6 +22,7 @@ from tngram.train import checkpoint as ckpt
 from tngram.train import compile_mode
 from tngram.train.compile_mode import compile_forward
 from tngram.train.config import TrainConfig
+from tngram.train.sdpa import sdpa_pick
 from tngram.train.dist import DistContext, broadcast_str, wrap_ddp
 from tngram.train.fsdp import shard_model
 from tngram.train.health import check_batch_vs_data
@@ -350,6 +351,11 @@ class TrainerSetup:
                 run_dir, self.data
             )  # tokenizer + manifest copy: the run folder stands alone
             self.env = env_info(self.device, ctx.world_size, self.accum)
+            m = cfg.model  # the attention kernel torch picks for the model (run.sdpa)
+            self.env["sdpa"] = cfg.run.sdpa
+            self.env["sdpa_backend"] = sdpa_pick(
+                m.n_head, m.n_kv_head, m.n_embd // m.n_head, m.sequence_len, self.device, self.amp
+            )
             self.write_env()
         self.log = MetricsLog(
             run_dir,
