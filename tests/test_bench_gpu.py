@@ -147,7 +147,9 @@ def test_trainer_section_runs_the_real_trainer(cpu_run):
     assert r["sections"]["trainer"]["paper-l9-tngram"]["lookup_impl"] in ("c", "torch")
     # the run's env.json says how Muon ran (per matrix on the CPU), and the table says it
     assert {r["sections"]["trainer"][x]["muon_impl"] for x in RECIPES} == {"loop"}
-    assert "| eager (Newton-Schulz eager, loop) |" in render_run(r, "gpu-cpu.json")
+    # and which attention kernel torch picked for the model (the CPU's flash kernel, run.sdpa auto)
+    assert {r["sections"]["trainer"][x]["sdpa_backend"] for x in RECIPES} == {"flash"}
+    assert "| eager (Newton-Schulz eager, loop; attention flash) |" in render_run(r, "gpu-cpu.json")
 
 
 def test_trainer_set_reaches_the_run_and_its_table(tiny_data, tmp_path):  # noqa: F811

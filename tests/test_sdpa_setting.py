@@ -73,13 +73,20 @@ def test_config_values_and_file():
 def test_a_run_records_its_setting_and_torchs_pick(tiny_data, tmp_path):  # noqa: F811
     from tngram.train.loop import train
 
-    extra = ["schedule.steps=2", "run.val_every=0", "run.checkpoint_every=0", "run.sdpa=math"]
+    extra = ["schedule.steps=3", "run.val_every=0", "run.checkpoint_every=0", "run.sdpa=math"]
     with single_thread():
-        train(tiny_config(tiny_data, "mini-raw", extra=extra), tmp_path / "run")
+        train(tiny_config(tiny_data, "mini-raw", extra=extra), tmp_path / "run", max_steps=2)
     env = json.loads((tmp_path / "run" / "env.json").read_text())
     assert env["sdpa"] == "math" and env["sdpa_backend"] == "math"
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["run"]["sdpa"] == "math"
+    # like run.compile, the kernel may change when the run resumes (the same attention)
+    extra[-1] = "run.sdpa=auto"
+    with single_thread():
+        summary = train(tiny_config(tiny_data, "mini-raw", extra=extra), tmp_path / "run",
+                        resume=True)
+    assert summary["steps"] == 3
+    assert json.loads((tmp_path / "run" / "env.json").read_text())["sdpa_backend"] == "flash"
 
 
 def test_a_compiled_model_fixes_the_kernel_of_its_preference():

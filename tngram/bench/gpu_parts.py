@@ -331,6 +331,7 @@ def trainer(
         "peak_gb": _peak_gb(shapes.device),
         "lookup_impl": env.get("tngram_lookup_impl"),
         "muon_impl": env.get("muon_impl"),  # Muon per matrix ("loop") or stacked by shape
+        "sdpa_backend": env.get("sdpa_backend"),  # the attention kernel torch picked (run.sdpa)
         "compile": env.get("compile") or {"setting": str(cfg.run.compile)},  # what ran
         "graphs": _graphs() - graphs0,  # graphs dynamo compiled in the run (0 when eager)
         **row,

@@ -195,15 +195,18 @@ def tables_profile_table(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _compile_text(comp: Any, muon: Any = None) -> str:
+def _compile_text(comp: Any, muon: Any = None, attention: Any = None) -> str:
     """env.json's "compile" record: what ran (eager / compiled), and Muon's Newton-Schulz
-    (`muon`: its muon_impl, "loop" or "stacked", in files that record it)."""
+    (`muon`: its muon_impl, "loop" or "stacked", and `attention`: the SDPA kernel torch picked,
+    in files that record them)."""
     if not isinstance(comp, dict):
         return "–"
     ran = str(comp.get("ran") or comp.get("setting") or "?")
     ns = comp.get("newton_schulz")
     ns = ", ".join(str(x) for x in (ns, muon) if x)
-    return ran + (f" (Newton-Schulz {ns})" if ns else "")
+    extra = [f"Newton-Schulz {ns}"] if ns else []
+    extra += [f"attention {attention}"] if attention else []
+    return ran + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def trainer_table(snap: dict[str, Any]) -> str:
@@ -235,7 +238,11 @@ def trainer_table(snap: dict[str, Any]) -> str:
                     ratio,
                     _cell(t, "last_train_loss", ".4f"),
                     _cell(t, "val_bpb", ".4f"),
-                    _compile_text(comp, t.get("muon_impl") if _ok(t) else None),
+                    _compile_text(
+                        comp,
+                        t.get("muon_impl") if _ok(t) else None,
+                        t.get("sdpa_backend") if _ok(t) else None,
+                    ),
                     str(t.get("lookup_impl")) if _ok(t) else "–",
                     _cell(t, "peak_gb", ".1f"),
                 ]

@@ -41,6 +41,7 @@ RESUMABLE_RUN_FIELDS = (
     "keep_checkpoints",
     "threads",
     "parallel",
+    "sdpa",  # which attention kernel computes the same attention
 )
 
 
