@@ -20,6 +20,8 @@ it at about 1e-2; 0 up to fp32 order on the CPU). bf16 on CUDA, fp32 on the CPU 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,17 +74,22 @@ def attention_backends(shapes: Any) -> dict[str, Any]:
     up = torch.randn(B, T, H, D, generator=g).to(device=dev, dtype=dtype).transpose(1, 2)
     gqa = KV != H
 
-    def run(backend: str | None, qkv: tuple[torch.Tensor, ...] = (q, k, v)) -> list[torch.Tensor]:
+    def run(
+        backend: str | None, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (q, k, v)
+    ) -> list[torch.Tensor]:
         ctx = sdpa_kernel(_sdp(backend)) if backend else torch.enable_grad()
         with ctx:
-            y = F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=gqa)
+            a, b, c = qkv
+            y = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
             return [y.detach(), *torch.autograd.grad(y, qkv, up.to(y.dtype))]
 
     with torch.no_grad():
         choice = backend_name(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa))
     # the reference for every backend's values: the math backend on fp32 copies
-    ref = run("math", tuple(x.detach().float().requires_grad_() for x in (q, k, v)))
-    fns, rows = {"default": lambda: run(None)}, {}
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = run("math", (q32, k32, v32))
+    fns: dict[str, Callable[[], Any]] = {"default": lambda: run(None)}
+    rows: dict[str, dict[str, Any]] = {}
     for name in BACKENDS:
         try:
             got = run(name)
@@ -90,7 +97,7 @@ def attention_backends(shapes: Any) -> dict[str, Any]:
             rows[name] = {"error": str(e).strip().splitlines()[0][:200]}
             continue
         rows[name] = {"rel_diff": _rel_diff(got, ref)}
-        fns[name] = lambda name=name: run(name)
+        fns[name] = partial(run, name)
     t = interleaved_ms(fns, shapes.reps, shapes.warmup, dev)
     flops = 7 * B * H * T * T * D
     for name, timing in t.items():

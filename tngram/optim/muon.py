@@ -201,10 +201,9 @@ class Muon(torch.optim.Optimizer):
         share = [k for k, (i, _) in enumerate(live) if i % self.world_size == self.ddp_rank]
         if not share:
             return []
+        us: list[Tensor] = [bufs[k] for k in share]
         if group["nesterov"]:
-            us = torch._foreach_add([grads[k] for k in share], [bufs[k] for k in share], alpha=mu)
-        else:
-            us = [bufs[k] for k in share]
+            us = list(torch._foreach_add([grads[k] for k in share], us, alpha=mu))
         return [(live[k][0], u) for k, u in zip(share, us)]
 
     def _orthogonalised(
