@@ -28,6 +28,8 @@ def test_doctor_reports_lookups_self_checks_and_what_to_install(fresh_lookup_cho
     assert info["tngram_lookup"]["cpu/bfloat16"].startswith("torch")
     assert info["self_checks"]["c/float32"]["passed"] and info["c_kernel"]["openmp"]
     assert any("no CUDA device" in a for a in info["advice"])      # this machine has no GPU
+    # paper-l9's attention in the CPU's training dtype: torch's CPU flash kernel; Muon per matrix
+    assert info["attention"] == {"cpu/float32": "flash"} and info["muon"] == {"cpu": "loop"}
     # a kernel that fails its self-check: exit 1, FAILED in the table, advice to report it
     fresh_lookup_choice.setattr(choice, "_CHOICE", {})
     fresh_lookup_choice.setattr(choice, "SELF_CHECKS", {})
@@ -35,6 +37,8 @@ def test_doctor_reports_lookups_self_checks_and_what_to_install(fresh_lookup_cho
     with pytest.warns(RuntimeWarning):
         assert main(["doctor"]) == 1
     out = capsys.readouterr().out
+    assert "attention kernel torch picks for paper-l9 (run.sdpa=auto): cpu/float32 -> flash" in out
+    assert "Muon's Newton-Schulz: cpu -> loop (TNGRAM_MUON_IMPL=auto)" in out
     assert "c/float32" in out and "FAILED" in out and "TN-gram cpu/float32    -> torch (c kernel failed" in out
 
 

@@ -91,8 +91,31 @@ def diagnose() -> dict[str, Any]:
     info["engram_lookup"] = "torch index_select on the hashed rows (every device)"
     info["overencoding_lookup"] = "torch index_select (every device)"
     info["self_checks"] = self_check_results()
+    info["attention"], info["muon"] = _attention_and_muon(devices)
+    info["sdpa_env"] = "run.sdpa=auto"
+    info["muon_impl_env"] = os.environ.get("TNGRAM_MUON_IMPL", "auto")
     info["advice"] = advice(info)
     return info
+
+
+def _attention_and_muon(devices: list[tuple[str, Any]]) -> tuple[dict, dict]:
+    """The attention kernel torch picks for paper-l9's attention in each device's training
+    dtype (bf16 on CUDA, fp32 on the CPU; run.sdpa=auto), and how Muon runs on each device."""
+    import torch
+
+    from tngram.optim.muon import muon_impl
+    from tngram.train.recipes import resolve_config
+    from tngram.train.sdpa import sdpa_pick
+
+    m = resolve_config("paper-l9-raw", []).model
+    heads = (m.n_head, m.n_kv_head, m.n_embd // m.n_head, m.sequence_len)
+    train_dtype = {"cpu": torch.float32, "cuda": torch.bfloat16}
+    attention = {
+        f"{d}/{str(t).replace('torch.', '')}": sdpa_pick(*heads, torch.device(d), t)
+        for d, t in train_dtype.items()
+        if any(d == dev for dev, _ in devices)
+    }
+    return attention, {d: muon_impl(d) for d in train_dtype if any(d == x for x, _ in devices)}
 
 
 def advice(info: dict[str, Any]) -> list[str]:
@@ -153,6 +176,10 @@ def report(info: dict[str, Any]) -> str:
         lines.append(f"  TN-gram {key:14s} -> {impl}")
     lines.append(f"  Engram                 -> {info['engram_lookup']}")
     lines.append(f"  Over-Encoding          -> {info['overencoding_lookup']}")
+    picks = ", ".join(f"{k} -> {v}" for k, v in info["attention"].items())
+    lines.append(f"attention kernel torch picks for paper-l9 ({info['sdpa_env']}): {picks}")
+    muon = ", ".join(f"{k} -> {v}" for k, v in info["muon"].items())
+    lines.append(f"Muon's Newton-Schulz: {muon} (TNGRAM_MUON_IMPL={info['muon_impl_env']})")
     lines.append("self-checks (compiled kernel vs plain torch in fp64, forward + gradients):")
     if not info["self_checks"]:
         lines.append(
