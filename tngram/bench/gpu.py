@@ -50,17 +50,9 @@ from typing import Any
 
 import torch
 
+from tngram.bench.gpu_sections import SECTIONS
+
 BASE = ("paper-l9-raw", "paper-l9-engram", "paper-l9-tngram")
-SECTIONS = (
-    "doctor",
-    "lookup",
-    "kernels",
-    "attention",
-    "optim",
-    "fwdbwd",
-    "tables",
-    "trainer",
-)
 UPDATES = ("dense", "sparse", "rowwise")
 GPU_VOCABS = (1024, 32768, 131072)
 TINY_VOCABS = (128, 256, 512)

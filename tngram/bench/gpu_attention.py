@@ -29,30 +29,9 @@ import torch.nn.functional as F
 
 from tngram.bench.gpu_kernels import interleaved_ms
 from tngram.bench.gpu_parts import config
+from tngram.train.sdpa import SDPA_SETTINGS, sdpa_backend, sdpa_name
 
-BACKENDS = ("cudnn", "flash", "efficient", "math")
-
-
-def _sdp(name: str) -> Any:
-    from torch.nn.attention import SDPBackend
-
-    return {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[name]
-
-
-def backend_name(choice: int) -> str:
-    """torch._fused_sdp_choice's integer -> our name ("flash", "cudnn", ...)."""
-    from torch.nn.attention import SDPBackend
-
-    got = SDPBackend(choice)
-    for name in BACKENDS:
-        if _sdp(name) == got:
-            return name
-    return got.name.lower()
+BACKENDS = SDPA_SETTINGS[1:]  # cudnn, flash, efficient, math
 
 
 def attention_backends(shapes: Any) -> dict[str, Any]:
@@ -77,14 +56,14 @@ def attention_backends(shapes: Any) -> dict[str, Any]:
     def run(
         backend: str | None, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (q, k, v)
     ) -> list[torch.Tensor]:
-        ctx = sdpa_kernel(_sdp(backend)) if backend else torch.enable_grad()
+        ctx = sdpa_kernel(sdpa_backend(backend)) if backend else torch.enable_grad()
         with ctx:
             a, b, c = qkv
             y = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
             return [y.detach(), *torch.autograd.grad(y, qkv, up.to(y.dtype))]
 
     with torch.no_grad():
-        choice = backend_name(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa))
+        choice = sdpa_name(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa))
     # the reference for every backend's values: the math backend on fp32 copies
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = run("math", (q32, k32, v32))

@@ -17,19 +17,10 @@ from tngram.cli.bench_args import (
     add_stop_after,
     results_file_fields,
 )
+from tngram.bench.gpu_sections import SECTIONS
 from tngram.cli.common import add_set_argument
 
-# tngram.bench.gpu.SECTIONS, in its order (tests/test_bench_gpu.py checks they agree)
-GPU_SECTIONS = (
-    "doctor",
-    "lookup",
-    "kernels",
-    "attention",
-    "optim",
-    "fwdbwd",
-    "tables",
-    "trainer",
-)
+GPU_SECTIONS = SECTIONS  # the bench's sections, in their order
 # tngram.kernels.policy.TRITON_BACKWARDS (the same test checks it)
 TRITON_BACKWARDS = ("fused", "split")
 

@@ -34,7 +34,9 @@ _ORDER = {
 }
 
 
-def _backend(name: str) -> Any:
+def sdpa_backend(name: str) -> Any:
+    """Our name of an SDPA kernel ("cudnn", "flash", "efficient", "math") -> torch's
+    SDPBackend."""
     from torch.nn.attention import SDPBackend
 
     return {
@@ -52,7 +54,7 @@ def sdpa_preference(setting: str) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
 
-    return sdpa_kernel([_backend(b) for b in _ORDER[setting]], set_priority=True)
+    return sdpa_kernel([sdpa_backend(b) for b in _ORDER[setting]], set_priority=True)
 
 
 def sdpa_pick(
@@ -68,9 +70,18 @@ def sdpa_pick(
     dt = dtype or torch.float32
     q = torch.zeros(1, seq, n_head, head_dim, device=device, dtype=dt).transpose(1, 2)
     kv = torch.zeros(1, seq, n_kv_head, head_dim, device=device, dtype=dt).transpose(1, 2)
-    from torch.nn.attention import SDPBackend
-
-    choice = SDPBackend(
+    return sdpa_name(
         torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=n_kv_head != n_head)
     )
-    return choice.name.lower().replace("_attention", "")
+
+
+def sdpa_name(choice: int) -> str:
+    """torch._fused_sdp_choice's integer -> our name ("cudnn", "flash", "efficient", "math";
+    torch's own name, lower case, for any other)."""
+    from torch.nn.attention import SDPBackend
+
+    got = SDPBackend(choice)
+    for name in SDPA_SETTINGS[1:]:
+        if sdpa_backend(name) == got:
+            return name
+    return got.name.lower()
