@@ -190,6 +190,20 @@ def test_run_renders_its_numbers(cpu_run):
     assert "not run" in text  # the compiled column (--no-compile)
 
 
+def test_vocabs_choose_the_table_steps(tmp_path, one_thread):  # noqa: F811
+    """--vocabs: the tables section steps at those vocabularies only (the next card's sparse
+    question at V 32,768 alone); the file records them."""
+    out = tmp_path / "t.json"
+    rc = main(["bench", "gpu", "--out", str(out), "--sections", "tables", "--vocabs", "300",
+               "--recipes", "paper-l9-raw"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["shapes"]["vocabs"] == [300]
+    keys = ["raw@300"] + [f"{m}@300/{u}" for m in ("engram", "tngram")
+                          for u in ("dense", "sparse", "rowwise")]
+    assert list(r["sections"]["tables"]) == keys
+
+
 def test_attention_section_per_backend(cpu_run):
     """paper-l9's attention at the tiny shapes (TINY_SETS: d 32, 2 heads, 1 kv head, seq 64; the
     fwdbwd batch of 2): torch's pick named, every backend that runs timed and within fp32
@@ -401,6 +415,15 @@ def test_budget_must_be_positive(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "gpu", "--out", str(tmp_path), "--budget", "0"])
     assert exc.value.code == 2 and "--budget" in capsys.readouterr().err
+
+
+def test_vocabs_are_bounded(tmp_path, capsys):
+    """Above twice the largest default a table step would not fit a card: refused at parse."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "gpu", "--out", str(tmp_path), "--vocabs", "32768", "1000000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--vocabs" in err[0]
+    assert not list(tmp_path.iterdir())
 
 
 def test_existing_results_file_is_kept_without_force(tmp_path, capsys):

@@ -232,6 +232,7 @@ def run(
     compile: bool = True,
     profile: bool = False,
     trainer_sets: tuple[str, ...] = (),
+    vocabs: tuple[int, ...] | None = None,
     policy: dict[str, Any] | None = None,
     doctor: Callable[[], dict[str, Any]] | None = None,
     say: Callable[[str], None] = print,
@@ -240,7 +241,8 @@ def run(
     """Measure `sections` for `recipes` (default: every paper-l9-*) inside `budget_s` seconds.
     `save(res)` runs after every item ("complete" false until the last), so a run killed from
     outside still leaves the numbers it had. policy: tngram.kernels.kernel_policy settings for
-    every section but kernels (which sets its own), recorded as "kernel_policy"."""
+    every section but kernels (which sets its own), recorded as "kernel_policy". vocabs: the
+    tables section's vocabularies (default: the device's, GPU_VOCABS or TINY_VOCABS)."""
     from tngram.kernels import kernel_policy
 
     with kernel_policy(**(policy or {})) as pol:
@@ -258,6 +260,7 @@ def run(
             compile=compile,
             profile=profile,
             trainer_sets=trainer_sets,
+            vocabs=vocabs,
             policy=recorded,
             doctor=doctor,
             say=say,
@@ -276,6 +279,7 @@ def _run(
     compile: bool,
     profile: bool,
     trainer_sets: tuple[str, ...],
+    vocabs: tuple[int, ...] | None,
     policy: dict[str, Any],
     doctor: Callable[[], dict[str, Any]] | None,
     say: Callable[[str], None],
@@ -289,6 +293,10 @@ def _run(
     budget = Budget(budget_s)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = shapes_for(device, reps)
+    if vocabs:
+        from dataclasses import replace
+
+        shapes = replace(shapes, vocabs=tuple(vocabs))
     names = paper_recipes(recipes if recipes is not None else recipe_names())
     ver = versions()
     res: dict[str, Any] = {

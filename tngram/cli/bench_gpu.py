@@ -21,6 +21,7 @@ from tngram.bench.gpu_sections import SECTIONS
 from tngram.cli.common import add_set_argument
 
 GPU_SECTIONS = SECTIONS  # the bench's sections, in their order
+MAX_TABLE_VOCAB = 262_144  # twice the largest default: a table step at 131k builds 2.8 B params
 # tngram.kernels.policy.TRITON_BACKWARDS (the same test checks it)
 TRITON_BACKWARDS = ("fused", "split")
 
@@ -100,6 +101,7 @@ def _gpu(args: argparse.Namespace) -> int:
         compile=not args.no_compile,
         profile=args.profile,
         trainer_sets=tuple(args.overrides),
+        vocabs=tuple(args.vocabs) if args.vocabs else None,
         policy=policy,
         doctor=diagnose,
         say=lambda line: print(line, flush=True),
@@ -163,6 +165,14 @@ def add_gpu_command(bs: Any) -> None:
         action="store_true",
         help="fwdbwd section: after each item's timing, profile 3 more steps (torch.profiler) "
         "and record the step's time by kernel and kernel category (no extra compile)",
+    )
+    g.add_argument(
+        "--vocabs",
+        nargs="+",
+        type=int_range(64, MAX_TABLE_VOCAB),
+        metavar="V",
+        help="tables section: the vocabularies to step at (default: 1024 32768 131072 on a "
+        "GPU, 128 256 512 on the CPU)",
     )
     add_set_argument(
         g,
