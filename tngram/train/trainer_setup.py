@@ -22,13 +22,13 @@ from tngram.train import checkpoint as ckpt
 from tngram.train import compile_mode
 from tngram.train.compile_mode import compile_forward
 from tngram.train.config import TrainConfig
-from tngram.train.sdpa import sdpa_pick
 from tngram.train.dist import DistContext, broadcast_str, wrap_ddp
 from tngram.train.fsdp import shard_model
 from tngram.train.health import check_batch_vs_data
 from tngram.train.metrics import MetricsLog, env_info
 from tngram.train.portable import record_dataset
 from tngram.train.rundir import claim_run_dir, release_run_dir
+from tngram.train.sdpa import sdpa_pick
 from tngram.train.sharded_checkpoint import load_step_checkpoint
 from tngram.train.warmstart import apply_warmstart
 
