@@ -1,12 +1,12 @@
 """`tngram bench gpu --sections attention`: the GPT's attention alone, per SDPA backend.
 
-Attention is about a third of paper-l9's FLOPs by the bench's count (12 L d T of about 160 M a
-token at T 1024). torch's scaled_dot_product_attention picks its kernel by a priority list that
-depends on the torch build, the card and the cuDNN version: FlashAttention 2, cuDNN's fused
-attention, the memory-efficient kernel or the math fallback. parameter-golf enables only flash;
-reports disagree on which is faster on Hopper. This item times, at paper-l9-raw's attention
-shapes and the fwdbwd batch (q (B, H, T, D) and k, v (B, H_kv, T, D), laid out as the model's
-transposed projections, causal, GQA), forward + backward of:
+Attention is about a third of paper-l9's FLOPs by the bench's count (12 L d T = 57 M of 159 M a
+token at T 1024, the rest 6 x 17.0 M matmul parameters). torch's scaled_dot_product_attention picks
+its kernel by a priority list that depends on the torch build, the card and the cuDNN version:
+FlashAttention 2, cuDNN's fused attention, the memory-efficient kernel or the math fallback.
+parameter-golf enables only flash; reports disagree on which is faster on Hopper. This item times,
+at paper-l9-raw's attention shapes and the fwdbwd batch (q (B, H, T, D) and k, v (B, H_kv, T, D),
+laid out as the model's transposed projections, causal, GQA), forward + backward of:
 
     default        what torch picks here, named in `default_backend`
     <backend>      torch restricted to one backend (sdpa_kernel); an error if it cannot run
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tngram.bench.gpu_kernels import interleaved_ms
+from tngram.bench.gpu_kernels import interleaved_ms, max_rel_diff
 from tngram.bench.gpu_parts import config
 from tngram.train.sdpa import SDPA_SETTINGS, sdpa_backend, sdpa_name
 
@@ -75,7 +75,7 @@ def attention_backends(shapes: Any) -> dict[str, Any]:
         except RuntimeError as e:  # this backend cannot run these shapes on this device
             rows[name] = {"error": str(e).strip().splitlines()[0][:200]}
             continue
-        rows[name] = {"rel_diff": _rel_diff(got, ref)}
+        rows[name] = {"rel_diff": max_rel_diff(got, ref)}
         fns[name] = partial(run, name)
     t = interleaved_ms(fns, shapes.reps, shapes.warmup, dev)
     flops = 7 * B * H * T * T * D
@@ -93,11 +93,3 @@ def attention_backends(shapes: Any) -> dict[str, Any]:
         "backends": rows,
         "fastest": min(timed, key=lambda n: rows[n]["fwdbwd"]["median_ms"]) if timed else None,
     }
-
-
-def _rel_diff(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """Largest relative Frobenius difference over the output and the three gradients (fp64)."""
-    return max(
-        float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-        for a, b in zip(got, ref)
-    )

@@ -82,6 +82,14 @@ def interleaved_ms(
     }
 
 
+def max_rel_diff(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """Largest relative Frobenius difference ||got_i - ref_i|| / ||ref_i|| over the pairs (fp64)."""
+    return max(
+        float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+        for a, b in zip(got, ref)
+    )
+
+
 def _tngram_module(recipe: str, shapes: Any) -> tuple[Any, Any]:
     """(the first TN-gram module of the recipe's model on the device, or None when it has none;
     the model's config)."""
@@ -135,11 +143,7 @@ def lookup_backwards(recipe: str, shapes: Any) -> dict[str, Any]:
     ref = grads[f"fused/w{warps}"]  # the default: what every variant is compared with
     rows: dict[str, Any] = {}
     for k, (b, w) in variants.items():
-        got = grads[k]
-        diff = max(
-            ((x.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
-            for x, r in zip(got, ref)
-        )
+        diff = max_rel_diff(grads[k], ref)
         rows[k] = {
             "backward": b,
             "warps": w,
