@@ -738,3 +738,43 @@ def test_table_step_profile_and_its_block(cpu_run, one_thread):  # noqa: F811
     tops = [ln for ln in block.splitlines() if ln.startswith("| tngram@8192/sparse | `")]
     assert len(tops) == min(TOP_TABLE_KERNELS, len(p["top"]))
     assert not [ln for ln in block.splitlines() if ln.startswith("| tngram@256/sparse | `")]
+
+
+def test_table_step_memory_need_counts_the_real_model(one_thread):  # noqa: F811
+    """The memory guard's count is the model the step builds: the parameters on the meta device
+    equal the real model's (table_step's "params"), times 16 bytes (weight, gradient, Adam's
+    two moments) plus 4 on the CPU (foreach Adam's sqrt temporary)."""
+    from tngram.bench import gpu_parts
+    from tngram.bench.gpu import shapes_for
+
+    shapes = shapes_for("cpu", reps=1)
+    for model in ("raw", "engram", "tngram"):
+        real = gpu_parts.table_step(model, 512, "dense", shapes)
+        n, gib = gpu_parts.table_step_need(model, 512, shapes)
+        assert n == real["params"] and gib == n * 20 / 2**30
+
+
+def test_tables_too_big_for_memory_are_skipped_and_named(tmp_path, monkeypatch, one_thread):  # noqa: F811
+    """A table step that cannot fit the free memory is skipped before anything is allocated
+    (on the CPU the OOM killer would take every item's numbers): Engram's tables at V 4,096
+    (tiny shapes) need more than raw's; with free memory between the two, raw runs and every
+    memory row says why it did not."""
+    from tngram.bench import gpu_parts
+    from tngram.bench.gpu import shapes_for
+
+    shapes = shapes_for("cpu", reps=1)
+    raw = gpu_parts.table_step_need("raw", 4096, shapes)[1]
+    small = min(gpu_parts.table_step_need(m, 4096, shapes)[1] for m in ("engram", "tngram"))
+    assert raw < small
+    monkeypatch.setattr(gpu_parts, "free_gib", lambda dev: (raw + small) / 2)
+    out = tmp_path / "t.json"
+    rc = main(["bench", "gpu", "--out", str(out), "--sections", "tables", "--vocabs", "4096",
+               "--recipes", "paper-l9-raw"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    tables = r["sections"]["tables"]
+    assert "median_ms" in tables["raw@4096"]
+    skipped = [k for k in tables if k != "raw@4096"]
+    assert len(skipped) == 6
+    assert all(tables[k]["skipped"].startswith("memory: needs") for k in skipped)
+    assert len(r["skipped"]) == 6 and "skipped (memory)" in render_run(r, "x.json")

@@ -19,7 +19,9 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
            profile=True (`--profile`) each item also profiles a few steps after its timing:
            its time by kernel and kernel category (tngram.bench.gpu_profile)
   tables   one optimiser step with optim.memory_update dense / sparse / rowwise at V 1k / 32k /
-           128k (Engram and TN-gram), beside the raw model's step at the same V
+           128k (Engram and TN-gram), beside the raw model's step at the same V; a step whose
+           parameters would not fit the free memory is skipped and named
+           (gpu_parts.memory_shortfall)
   trainer  tokens/s of N optimiser steps through the real trainer (tngram.train.loop.train),
            median of the per-step windows from step 3 on, as `tngram train --stop-after N`
            (raw / Engram / TN-gram here, the other recipes last, after their compiled fwdbwd)
@@ -332,11 +334,23 @@ def _run(
         "peak_matmul_measured": parts.matmul_peak(device, shapes.tiny),
     }
 
-    def item(section: str, key: str, cost: float, fn: Callable[[], dict[str, Any]]) -> None:
+    def item(
+        section: str,
+        key: str,
+        cost: float,
+        fn: Callable[[], dict[str, Any]],
+        short: Callable[[], str] | None = None,
+    ) -> None:
+        """Run fn() as res["sections"][section][key], unless the time budget or `short()` (a
+        reason it would not fit in memory, or "") says skip it."""
         if section not in sections:
             return
+        why = ""
         if not budget.fits(cost):
             why = f"time budget: {budget.left():.0f} s left of {budget_s:.0f}, needs ~{cost:.0f} s"
+        elif short is not None:
+            why = short()
+        if why:
             res["sections"][section][key] = {"skipped": why}
             res["skipped"].append(f"{section} {key}: {why}")
             say(f"[{budget.elapsed():5.0f}s] skip {section} {key} ({why})")
@@ -399,7 +413,8 @@ def _run(
             for upd in UPDATES if model != "raw" else ("dense",):
                 key = f"{model}@{V}" + ("" if model == "raw" else f"/{upd}")
                 fn = partial(parts.table_step, model, V, upd, shapes, profile)
-                item("tables", key, shapes.cost("table", vocab=V, profile=profile), fn)
+                short = partial(parts.memory_shortfall, model, V, shapes)
+                item("tables", key, shapes.cost("table", vocab=V, profile=profile), fn, short)
     for r in base:
         item(*trained(r))
     for r in rest:

@@ -338,6 +338,55 @@ def trainer(
     }
 
 
+# bytes a table step holds per parameter at least: the fp32 weight, its gradient and Adam's two
+# moments (16); on the CPU torch's foreach Adam also keeps one parameter-sized temporary (its
+# sqrt of the second moment; the fused CUDA Adam none). Activations are not counted.
+STEP_BYTES_PER_PARAM = {"cuda": 16, "cpu": 20}
+
+
+def table_step_need(model: str, V: int, shapes: Any) -> tuple[int, float]:
+    """(parameters, GiB at least) of `table_step`'s model at vocabulary V: the parameters counted
+    on the meta device (nothing allocated) times STEP_BYTES_PER_PARAM."""
+    from dataclasses import replace
+
+    from tngram.model.gpt import GPT
+
+    cfg = config(f"paper-l9-{model}", shapes)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(replace(cfg.model, vocab_size=V)).parameters())
+    return n, n * STEP_BYTES_PER_PARAM.get(shapes.device, 16) / GIB
+
+
+def free_gib(dev: str) -> float | None:
+    """Memory free for a new item: the card's free memory (after torch's cache is emptied), or
+    on the CPU MemAvailable of /proc/meminfo; None where neither can be read."""
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info()[0] / GIB
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return None
+
+
+def memory_shortfall(model: str, V: int, shapes: Any) -> str:
+    """Why `table_step` would not fit in memory here ("" when it fits or free memory is unknown):
+    the run would otherwise die of it (the CPU's OOM killer takes every item's numbers)."""
+    free = free_gib(shapes.device)
+    n, need = table_step_need(model, V, shapes)
+    if free is None or need <= free:
+        return ""
+    per = STEP_BYTES_PER_PARAM.get(shapes.device, 16)
+    return (
+        f"memory: needs at least {need:.1f} GiB ({n:,} parameters x {per} bytes: weight, "
+        f"gradient, Adam's moments), {free:.1f} GiB free"
+    )
+
+
 def table_step(
     model: str, V: int, update: str, shapes: Any, profile: bool = False
 ) -> dict[str, Any]:

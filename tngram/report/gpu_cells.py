@@ -14,8 +14,8 @@ def cell(r: Any, field: str, spec: str, scale: float = 1.0) -> str:
     """A number of an item, or why there is none (skipped / error / not run)."""
     if r is None:
         return "not run"
-    if "skipped" in r:
-        return "skipped (budget)"
+    if "skipped" in r:  # the reason's first word: the time budget, or memory (bench.gpu)
+        return "skipped (memory)" if str(r["skipped"]).startswith("memory") else "skipped (budget)"
     if "error" in r:
         return "error"
     v = r.get(field)
