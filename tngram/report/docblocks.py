@@ -17,7 +17,8 @@ the renderer:
 - "bench-contention": the output of `tngram bench contention --json` (view "table");
 - "bench-vocab": the output of `tngram bench vocab --json` (views "table", "goals");
 - "gpu-index" (docs/results/gpu.json): every `tngram bench gpu` results file beside it and the
-  numbers still open (tngram.report.gpu_blocks); "gpu-check": the first GPU check's raw numbers;
+  numbers still open (tngram.report.gpu_blocks), view "goals": the GPU goal point by point
+  (tngram.report.gpu_goals); "gpu-check": the first GPU check's raw numbers;
 - "summary": sentences whose numbers are cells of other results files (tngram.report.summary;
   the summary that opens docs/RESULTS.md);
 - "table": a table stored as it is shown: "columns" (each a header and an optional "fmt") and
@@ -40,7 +41,7 @@ from typing import Any
 
 from tngram.common import MissingFileError, TngramError
 from tngram.report.bench_blocks import render_contention, render_threads, render_vocab
-from tngram.report.gpu_blocks import render_check, render_index, resolve_index
+from tngram.report.gpu_blocks import render_check, render_goals, render_index, resolve_index
 
 # the Markdown pieces (render_cell and render_table also importable from here, as before)
 from tngram.report.markdown import (
@@ -94,7 +95,7 @@ def render(snap: dict[str, Any], name: str) -> str:
     if kind == "summary":
         return render_summary(snap) + "\n\n" + provenance(snap, source)
     if kind == "gpu-index":  # its own closing line names every file it read
-        return render_index(snap)
+        return render_goals(snap) if view == "goals" else render_index(snap)
     if kind == "gpu-check":
         return render_check(snap) + "\n\n" + provenance(snap, source)
     raise TngramError(

@@ -24,6 +24,7 @@ from tngram.common import TngramError
 from tngram.report.gpu_cells import cell as _cell
 from tngram.report.gpu_cells import ok as _ok
 from tngram.report.gpu_cells import ratio as _ratio
+from tngram.report.gpu_goals import goals_table
 from tngram.report.gpu_micro_blocks import attention_table, kernels_table, optim_table
 from tngram.report.markdown import md_row
 
@@ -341,8 +342,9 @@ def render_run(snap: dict[str, Any], source: str) -> str:
 
 
 def resolve_index(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
-    """`snap` with "runs": [(file name, bench-gpu snapshot)] of docs/results/gpu-*.json, in name
-    order, tiny CPU runs left out."""
+    """`snap` with "runs": [(file name, bench-gpu snapshot)] of docs/results/gpu-*.json, oldest
+    first as the index's "order" lists them, tiny CPU runs left out. A run the order does not
+    list is refused with one line saying where to add it (the goals block reads the newest)."""
     runs = []
     for path in sorted(results_dir.glob("gpu-*.json")):
         try:
@@ -351,7 +353,27 @@ def resolve_index(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
             raise TngramError(f"{path}: not valid JSON ({e})") from None
         if isinstance(other, dict) and other.get("kind") == "bench-gpu" and not other.get("tiny"):
             runs.append((path.name, other))
+    order = list(snap.get("order", []))
+    missing = [name for name, _ in runs if name not in order]
+    if missing:
+        raise TngramError(
+            f'{results_dir / "gpu.json"}: "order" (the runs, oldest first) does not list '
+            f"{', '.join(missing)}; add it where it belongs"
+        )
+    runs.sort(key=lambda run: order.index(run[0]))
     return {**snap, "runs": runs}
+
+
+def render_goals(snap: dict[str, Any]) -> str:
+    """The "gpu:goals" view of the index: the goal point by point (tngram.report.gpu_goals)."""
+    if "runs" not in snap:
+        raise TngramError("a 'gpu-index' results file must be resolved against docs/results first")
+    files = ", ".join(f"`{n}`" for n, _ in snap["runs"]) or "none yet"
+    return (
+        goals_table(snap["runs"])
+        + "\n\nGenerated from the `tngram bench gpu` results files in `docs/results/` (oldest "
+        + f"first: {files}) by `tngram/report/gpu_goals.py`, which says what each point reads."
+    )
 
 
 def _items(want: dict[str, Any], run: dict[str, Any], base: list[str]) -> list[tuple[str, str]]:
