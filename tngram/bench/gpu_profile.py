@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -137,13 +138,21 @@ def profile_steps(step: Callable[[], None], dev: str, steps: int = PROFILE_STEPS
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     try:
-        with profile(activities=acts, record_shapes=False, with_stack=False) as prof:
+        # torch 2.11 (the card's) warns on every profile() that events of earlier cycles are
+        # dropped; this profile has one cycle, so the warning says nothing here
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            prof = profile(activities=acts, record_shapes=False, with_stack=False)
+            prof.start()
+        try:
             t0 = time.perf_counter()
             for _ in range(steps):
                 step()
             if dev == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
+        finally:
+            prof.stop()
         rows = event_rows(prof.key_averages(), dev)
     except Exception as e:  # CUPTI missing or busy: the timing stands without a profile
         return {"error": f"{type(e).__name__}: {e}"[:400]}
