@@ -59,7 +59,16 @@ def test_tngram_step_needs_the_time_and_the_loss():
     text, met = tngram_step(trainer_run(tps, worse))
     assert not met and text.startswith("closest `-hsum`: 0.952× Engram's step, val bpb 1.6100")
     better = dict(worse, **{"paper-l9-tngram-hsum": 1.58})
-    assert tngram_step(trainer_run(tps, better))[1] is True
+    assert tngram_step(trainer_run(tps, better)) == (
+        "meets it `-hsum`: 0.952× Engram's step, val bpb 1.5800 against 1.6000 "
+        "(2 TN-gram recipes)",
+        True,
+    )
+    # the row shown is the recipe that meets the point, not the faster one that does not:
+    # -sum 1.0e6 / 1.1e6 = 0.909 with a worse loss, -hsum 0.952 with a better one
+    two = dict(tps, **{"paper-l9-tngram-sum": 1.1e6})
+    text, met = tngram_step(trainer_run(two, dict(better, **{"paper-l9-tngram-sum": 1.7})))
+    assert met and text.startswith("meets it `-hsum`: 0.952×")
     # the slower recipe with the lower loss does not meet it: 1.0e6 / 0.9e6 = 1.111
     slow = {"paper-l9-engram": 1.0e6, "paper-l9-tngram": 0.9e6}
     assert tngram_step(trainer_run(slow, better)) == (
