@@ -93,7 +93,9 @@ def diagnose() -> dict[str, Any]:
     info["self_checks"] = self_check_results()
     info["attention"], info["muon"] = _attention_and_muon(devices)
     info["sdpa_env"] = "run.sdpa=auto"
-    info["muon_impl_env"] = os.environ.get("TNGRAM_MUON_IMPL", "auto")
+    from tngram.optim.muon import forced_muon_impl
+
+    info["muon_impl_env"] = forced_muon_impl()  # TNGRAM_MUON_IMPL, validated
     info["advice"] = advice(info)
     return info
 
