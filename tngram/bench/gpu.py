@@ -19,9 +19,9 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
            profile=True (`--profile`) each item also profiles a few steps after its timing:
            its time by kernel and kernel category (tngram.bench.gpu_profile)
   tables   one optimiser step with optim.memory_update dense / sparse / rowwise at V 1k / 32k /
-           128k (Engram and TN-gram), beside the raw model's step at the same V; a step whose
-           parameters would not fit the free memory is skipped and named
-           (gpu_parts.memory_shortfall)
+           128k (Engram and TN-gram), beside the raw model's step at the same V, the candidates
+           of one V timed interleaved, as many at once as fit the free memory; a step whose
+           parameters would not fit even alone is skipped and named (tngram.bench.gpu_tables)
   trainer  tokens/s of N optimiser steps through the real trainer (tngram.train.loop.train),
            median of the per-step windows from step 3 on, as `tngram train --stop-after N`
            (raw / Engram / TN-gram here, the other recipes last, after their compiled fwdbwd)
@@ -55,7 +55,6 @@ import torch
 from tngram.bench.gpu_sections import SECTIONS
 
 BASE = ("paper-l9-raw", "paper-l9-engram", "paper-l9-tngram")
-UPDATES = ("dense", "sparse", "rowwise")
 GPU_VOCABS = (1024, 32768, 131072)
 TINY_VOCABS = (128, 256, 512)
 # the tiny shapes of a CPU run: applied with --set semantics to every recipe
@@ -288,7 +287,7 @@ def _run(
     save: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
     """`run`'s body, under its kernel policy (`policy`: what the file records of it)."""
-    from tngram.bench import gpu_attention, gpu_kernels, gpu_optim
+    from tngram.bench import gpu_attention, gpu_kernels, gpu_optim, gpu_tables
     from tngram.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names
 
@@ -334,6 +333,23 @@ def _run(
         "peak_matmul_measured": parts.matmul_peak(device, shapes.tiny),
     }
 
+    def skip(section: str, key: str, why: str) -> None:
+        res["sections"][section][key] = {"skipped": why}
+        res["skipped"].append(f"{section} {key}: {why}")
+        say(f"[{budget.elapsed():5.0f}s] skip {section} {key} ({why})")
+
+    def over_budget(cost: float) -> str:
+        if budget.fits(cost):
+            return ""
+        return f"time budget: {budget.left():.0f} s left of {budget_s:.0f}, needs ~{cost:.0f} s"
+
+    def done() -> None:
+        res["elapsed_s"] = round(budget.elapsed(), 1)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if save is not None:
+            save(res)
+
     def item(
         section: str,
         key: str,
@@ -345,27 +361,44 @@ def _run(
         reason it would not fit in memory, or "") says skip it."""
         if section not in sections:
             return
-        why = ""
-        if not budget.fits(cost):
-            why = f"time budget: {budget.left():.0f} s left of {budget_s:.0f}, needs ~{cost:.0f} s"
-        elif short is not None:
-            why = short()
+        why = over_budget(cost) or (short() if short is not None else "")
         if why:
-            res["sections"][section][key] = {"skipped": why}
-            res["skipped"].append(f"{section} {key}: {why}")
-            say(f"[{budget.elapsed():5.0f}s] skip {section} {key} ({why})")
-            return
+            return skip(section, key, why)
         say(f"[{budget.elapsed():5.0f}s] {section} {key}")
         try:
             out = fn()
         except Exception as e:  # one failed item must not lose the others' numbers
             out = {"error": f"{type(e).__name__}: {e}"[:400]}
         res["sections"][section][key] = out
-        res["elapsed_s"] = round(budget.elapsed(), 1)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        if save is not None:
-            save(res)
+        done()
+
+    def items(
+        section: str,
+        keys: list[str],
+        costs: list[float],
+        fn: Callable[[list[str]], dict[str, Any]],
+        why: str = "",
+    ) -> None:
+        """Items measured together: fn(chosen) -> {key: result} for the longest prefix `chosen`
+        of `keys` whose summed `costs` fit the time budget; the rest, or all of them when `why`
+        (a reason to skip them) is given, are skipped."""
+        n = 0 if why else len(keys)
+        while n and over_budget(sum(costs[:n])):
+            n -= 1
+        why = why or over_budget(sum(costs[: n + 1]))
+        chosen, out = keys[:n], {}
+        if chosen:
+            say(f"[{budget.elapsed():5.0f}s] {section} {', '.join(chosen)}")
+            try:
+                out = fn(chosen)
+            except Exception as e:  # one failed group must not lose the other items' numbers
+                out = {k: {"error": f"{type(e).__name__}: {e}"[:400]} for k in chosen}
+        for k in keys:  # in the order of `keys`
+            if k in out:
+                res["sections"][section][k] = out[k]
+            else:
+                skip(section, k, why)
+        done()
 
     if doctor is not None:
         item("doctor", "self_checks", shapes.cost("doctor"), lambda: parts.doctor_summary(doctor()))
@@ -408,13 +441,15 @@ def _run(
     base, rest = [r for r in names if r in BASE], [r for r in names if r not in BASE]
     for r in base if compile else []:
         item(*compiled(r))
-    for V in shapes.vocabs:
-        for model in ("raw", "engram", "tngram"):
-            for upd in UPDATES if model != "raw" else ("dense",):
-                key = f"{model}@{V}" + ("" if model == "raw" else f"/{upd}")
-                fn = partial(parts.table_step, model, V, upd, shapes, profile)
-                short = partial(parts.memory_shortfall, model, V, shapes)
-                item("tables", key, shapes.cost("table", vocab=V, profile=profile), fn, short)
+    for V in shapes.vocabs if "tables" in sections else ():
+        for group, why in gpu_tables.plan(V, shapes):
+            keys = [c.key for c in group]
+            costs = [shapes.cost("table", vocab=V, profile=profile) for _ in group]
+
+            def fn(chosen: list[str], group: list = group) -> dict[str, Any]:
+                return gpu_tables.time_group(group[: len(chosen)], shapes, profile)
+
+            items("tables", keys, costs, fn, why)
     for r in base:
         item(*trained(r))
     for r in rest:

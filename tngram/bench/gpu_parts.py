@@ -44,6 +44,31 @@ def alloc_deltas(before: dict[str, Any], after: dict[str, Any], reps: int) -> di
     }
 
 
+def call_ms(fn: Callable[[], Any], dev: str) -> float:
+    """Milliseconds of one call of fn: CUDA events around it (then a synchronisation) on a GPU,
+    the wall clock on the CPU."""
+    if dev == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def spread(ts: list[float]) -> dict[str, Any]:
+    """median / min / max ms and the number of timed calls."""
+    return {
+        "median_ms": statistics.median(ts),
+        "min_ms": min(ts),
+        "max_ms": max(ts),
+        "reps": len(ts),
+    }
+
+
 def timed(fn: Callable[[], Any], reps: int, warmup: int, dev: str) -> dict[str, Any]:
     """median / min / max ms of `reps` calls of fn after `warmup` untimed ones; on CUDA also the
     allocator's trips to the driver per call (`alloc_deltas`)."""
@@ -51,31 +76,18 @@ def timed(fn: Callable[[], Any], reps: int, warmup: int, dev: str) -> dict[str, 
         fn()
     _sync(dev)
     before = torch.cuda.memory_stats() if dev == "cuda" else None
-    ts = []
-    for _ in range(reps):
-        if dev == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-    out = {"median_ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "reps": reps}
+    out = spread([call_ms(fn, dev) for _ in range(reps)])
     if before is not None:
         out.update(alloc_deltas(before, torch.cuda.memory_stats(), reps))
     return out
 
 
-def _reset_peak(dev: str) -> None:
+def reset_peak(dev: str) -> None:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
 
-def _peak_gb(dev: str) -> float | None:
+def peak_gb(dev: str) -> float | None:
     return torch.cuda.max_memory_allocated() / GIB if dev == "cuda" else None
 
 
@@ -108,8 +120,15 @@ def config(
     return resolve_config(recipe, shapes.sets(has_memory) + list(extra or []), data)
 
 
-def _batch(V: int, B: int, T: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
-    s = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(0)).to(dev)
+# distinct batches a table step cycles through: a row-sparse step's tensors then change size from
+# step to step (the distinct rows a batch reads), as in training, and the allocator's trips to the
+# driver that this causes are counted
+TABLE_BATCHES = 4
+
+
+def _batch(V: int, B: int, T: int, dev: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) (B, T) of uniform random tokens below V, from `seed`."""
+    s = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(seed)).to(dev)
     return s[:, :-1].contiguous(), s[:, 1:].contiguous()
 
 
@@ -218,7 +237,7 @@ def fwdbwd(
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    _reset_peak(dev)
+    reset_peak(dev)
     t0 = time.perf_counter()
     step()  # the first call compiles; counted in setup_s
     _sync(dev)
@@ -246,7 +265,7 @@ def fwdbwd(
         "flops": flops,
         "mfu_spec": achieved / spec if spec else None,
         "of_measured_matmul_peak": achieved / measured["flops"],
-        "peak_gb": _peak_gb(dev),
+        "peak_gb": peak_gb(dev),
         **prof,
     }
 
@@ -303,7 +322,7 @@ def trainer(
     cfg = config(recipe, shapes, sets + list(extra or []), data)
     out = Path(tempfile.mkdtemp(prefix="tngram-bench-gpu-"))
     graphs0 = fresh_dynamo()
-    _reset_peak(shapes.device)
+    reset_peak(shapes.device)
     try:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the run's own lines
@@ -328,7 +347,7 @@ def trainer(
         "last_train_loss": float(tr[-1]["train_loss"]) if tr else None,
         "val_bpb": summary.get("val_bpb"),
         "wall_s": wall,
-        "peak_gb": _peak_gb(shapes.device),
+        "peak_gb": peak_gb(shapes.device),
         "lookup_impl": env.get("tngram_lookup_impl"),
         "muon_impl": env.get("muon_impl"),  # Muon per matrix ("loop") or stacked by shape
         "sdpa_backend": env.get("sdpa_backend"),  # the attention kernel torch picked (run.sdpa)
@@ -387,20 +406,20 @@ def memory_shortfall(model: str, V: int, shapes: Any) -> str:
     )
 
 
-def table_step(
-    model: str, V: int, update: str, shapes: Any, profile: bool = False
-) -> dict[str, Any]:
-    """One optimiser step (forward, backward, Adam/Muon and the table optimiser of
-    optim.memory_update, as the trainer sets them up) of paper-l9-MODEL at vocabulary V.
-    profile: a few more steps under torch.profiler after the timing (tngram.bench.gpu_profile):
-    where a row-sparse step's time goes (the sparse backward, the row update, the rest)."""
+def table_setup(
+    model: str, V: int, update: str, shapes: Any
+) -> tuple[Callable[[], None], dict[str, Any]]:
+    """(step, facts) for `table_step`: the model paper-l9-MODEL at vocabulary V built on the
+    device with the trainer's optimisers for optim.memory_update=`update`; step() runs one
+    optimiser step on the next of TABLE_BATCHES batches. facts: tokens, parameters, table
+    parameters, and which path updates the touched rows (row-sparse updates)."""
+    from dataclasses import replace
+
     from tngram.bench.common import step_optimizers
     from tngram.model.gpt import GPT
     from tngram.optim.groups import memory_table_params
 
     dev = shapes.device
-    from dataclasses import replace
-
     extra = [] if model == "raw" else [f"optim.memory_update={update}"]
     cfg = config(f"paper-l9-{model}", shapes, extra)
     # V above 65536 is refused by the run config (uint16 token shards), not by the model: only the
@@ -412,9 +431,14 @@ def table_step(
     opts, table_opt = step_optimizers(
         net, o, o.memory_update, o.memory_catchup, fused=dev == "cuda"
     )
-    x, y = _batch(V, shapes.table_batch, m.sequence_len, dev)
+    batches = [
+        _batch(V, shapes.table_batch, m.sequence_len, dev, seed) for seed in range(TABLE_BATCHES)
+    ]
+    done = [0]
 
     def step() -> None:
+        x, y = batches[done[0] % len(batches)]
+        done[0] += 1
         with _amp(dev):
             loss = net(x, y)
         loss.backward()
@@ -422,22 +446,33 @@ def table_step(
             opt.step()
         net.zero_grad(set_to_none=True)
 
-    _reset_peak(dev)
-    t = timed(step, shapes.reps, shapes.warmup, dev)
-    row: dict[str, Any] = {}
-    if profile:  # after the timing and its warm-up
-        from tngram.bench.gpu_profile import profile_steps
-
-        row["profile"] = profile_steps(step, dev)
+    facts: dict[str, Any] = {
+        "tokens": shapes.table_batch * m.sequence_len,
+        "batches": len(batches),
+        "params": sum(p.numel() for p in net.parameters()),
+        "table_params": sum(p.numel() for p in memory_table_params(net)),
+    }
     if table_opt is not None:  # which path updated the touched rows (the Triton kernel or torch)
         from tngram.kernels.row_update import resolved_row_impl
 
-        row["row_update"] = resolved_row_impl(dev)
-    return {
-        **t,
-        **row,
-        "tokens": shapes.table_batch * m.sequence_len,
-        "params": sum(p.numel() for p in net.parameters()),
-        "table_params": sum(p.numel() for p in memory_table_params(net)),
-        "peak_gb": _peak_gb(dev),
-    }
+        facts["row_update"] = resolved_row_impl(dev)
+    return step, facts
+
+
+def table_step(
+    model: str, V: int, update: str, shapes: Any, profile: bool = False
+) -> dict[str, Any]:
+    """One optimiser step (forward, backward, Adam/Muon and the table optimiser of
+    optim.memory_update, as the trainer sets them up) of paper-l9-MODEL at vocabulary V, timed
+    alone (the tables section times the candidates of one V interleaved: tngram.bench.gpu_tables).
+    profile: a few more steps under torch.profiler after the timing (tngram.bench.gpu_profile):
+    where a row-sparse step's time goes (the sparse backward, the row update, the rest)."""
+    step, facts = table_setup(model, V, update, shapes)
+    dev = shapes.device
+    reset_peak(dev)
+    t = timed(step, shapes.reps, shapes.warmup, dev)
+    if profile:  # after the timing and its warm-up
+        from tngram.bench.gpu_profile import profile_steps
+
+        t["profile"] = profile_steps(step, dev)
+    return {**t, **facts, "peak_gb": peak_gb(dev)}

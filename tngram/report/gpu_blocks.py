@@ -282,7 +282,34 @@ def tables_table(snap: dict[str, Any]) -> str:
             "Segments the allocator had to get from the driver (cudaMalloc) per timed step, "
             "where any: " + ", ".join(mallocs) + ".",
         ]
-    return "\n".join(lines)
+    how = timed_how(sec)
+    return "\n".join(lines + (["", how] if how else []))
+
+
+def timed_how(sec: dict[str, Any]) -> str:
+    """How the table steps were timed, for files that record it (tngram.bench.gpu_tables): the
+    groups timed interleaved, the batches cycled, the steps re-timed alone after running out of
+    memory together; "" for older files (each step timed alone, on one batch)."""
+    groups: list[list[str]] = []
+    for k, it in sec.items():
+        if _ok(it) and it.get("interleaved_with"):
+            g = sorted([k, *it["interleaved_with"]], key=list(sec).index)
+            if g not in groups:
+                groups.append(g)
+    if not groups:
+        return ""
+    batches = sorted({it["batches"] for it in sec.values() if _ok(it) and "batches" in it})
+    alone = [k for k, it in sec.items() if _ok(it) and not it.get("interleaved_with")]
+    oom = [k for k, it in sec.items() if it.get("alone_after_oom")]
+    return (
+        "Timed interleaved in one process (every step of a group in turn, round after round"
+        + (f"; each step reads the next of its {batches[0]} batches" if len(batches) == 1 else "")
+        + "), in these groups: "
+        + "; ".join(", ".join(g) for g in groups)
+        + "."
+        + (f" Timed alone: {', '.join(alone)}." if alone else "")
+        + (f" Out of memory together, re-timed alone: {', '.join(oom)}." if oom else "")
+    )
 
 
 def lookup_lines(snap: dict[str, Any]) -> str:
