@@ -17,6 +17,15 @@ to an uncoalesced one, which the optimisers (torch.optim.SparseAdam, tngram.opti
 coalesce. Its values equal the dense gradient's touched rows exactly (the same per-row sums in
 the same order), so a sparse update can be checked against a dense computation.
 
+torch's AccumulateGrad stores a parameter's first sparse gradient as a shallow copy made without
+the coalesced flag (torch/csrc/autograd/functions/accumulate_grad.h), so `p.grad` would say
+uncoalesced and the optimiser would coalesce it again: a sort, a copy of every value and, on
+CUDA, a host sync, per table per step. A post-accumulate-grad hook on the table (`_remark`)
+sets the flag again when `p.grad` is exactly the gradient this backward produced (the same
+indices and values storage, held until the check, and the same row count); after a second
+contribution (accumulated micro-steps, a table read twice) it is another tensor and stays as
+torch left it.
+
 torch.compile: torch's own sparse embedding gradients do not compile (pytorch/pytorch#150656),
 and neither would this Function. The compaction is therefore `torch.compiler.disable`d: dynamo
 breaks the graph around it, the compiled graphs see `sub` as an ordinary dense input, and the
@@ -91,6 +100,7 @@ class _CompactRows(torch.autograd.Function):
     def forward(ctx, table, uniq, src, pos, first):  # noqa: ANN001, ANN205
         ctx.save_for_backward(uniq, pos, first)
         ctx.shape = table.shape
+        ctx.key = _watch_accumulation(table)
         return table.reshape(-1, table.shape[-1]).index_select(0, src)
 
     @staticmethod
@@ -100,7 +110,50 @@ class _CompactRows(torch.autograd.Function):
         # pos None: the gradient's rows are uniq's already (the copy index_select(0, arange)
         # would make); contiguous() only if autograd handed an expanded one
         vals = grad.contiguous() if pos is None else grad.index_select(0, pos)
-        return sparse_row_grad(uniq, vals, ctx.shape, first), None, None, None, None
+        out = sparse_row_grad(uniq, vals, ctx.shape, first)
+        if ctx.key is not None:  # checked by _remark once AccumulateGrad has stored it
+            _FRESH[ctx.key] = (out._indices(), out._values())
+        return out, None, None, None, None
+
+
+# id(table) -> (indices, values) of the coalesced gradient its last backward produced, until the
+# table's post-accumulate-grad hook (_remark) has compared p.grad with it; the strong references
+# keep the storage from being reused by another tensor before the comparison
+_FRESH: dict[int, tuple[Tensor, Tensor]] = {}
+_WATCHED: set[int] = set()  # id(table) of the tables with the hook
+
+
+def _watch_accumulation(table: Tensor) -> int | None:
+    """Give a leaf table that requires grad the `_remark` hook (once); its key, else None."""
+    if not (table.is_leaf and table.requires_grad):
+        return None  # e.g. a cast of the parameter: its gradient reaches the leaf as a new tensor
+    key = id(table)
+    if key not in _WATCHED:
+        _WATCHED.add(key)
+        table.register_post_accumulate_grad_hook(_remark)
+        weakref.finalize(table, _forget, key)
+    return key
+
+
+def _forget(key: int) -> None:
+    _WATCHED.discard(key)
+    _FRESH.pop(key, None)
+
+
+def _remark(p: Tensor) -> None:
+    """After AccumulateGrad: mark p.grad coalesced if it is the gradient `_CompactRows` just
+    produced (module docstring), which was coalesced."""
+    fresh = _FRESH.pop(id(p), None)
+    g = p.grad
+    if fresh is None or g is None or not g.is_sparse or g.is_coalesced():
+        return
+    ind, vals = fresh
+    if (
+        g._nnz() == ind.shape[1]
+        and g._indices().data_ptr() == ind.data_ptr()
+        and g._values().data_ptr() == vals.data_ptr()
+    ):
+        g._coalesced_(True)
 
 
 def sparse_row_grad(
