@@ -11,16 +11,21 @@ check that the flag is never set on a gradient whose rows are not sorted and dis
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_sparse_rows_syncs import SYNCS
 
 from tngram.bench.op_counts import OpCount
-from tngram.kernels.sparse_rows import sparse_row_grad
+from tngram.kernels.sparse_rows import accumulate_at_exit, sparse_row_grad
 from tngram.memory.engram import EngramConfig
 from tngram.memory.tngram import TNGramConfig
 from tngram.optim.memory_update import set_sparse_grads
 from tngram.optim.row_adams import LazyAdam, RowwiseAdam
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_train_support import tiny_data  # noqa: F401
 
 
 def _rows_sorted_and_distinct(g: torch.Tensor) -> bool:
@@ -137,3 +142,93 @@ def test_a_table_read_twice_in_one_step_is_not_marked_wrongly(monkeypatch):
     if g.is_coalesced():
         assert _rows_sorted_and_distinct(g)
     torch.testing.assert_close(g.coalesce().to_dense(), dense_table.grad, rtol=1e-6, atol=1e-7)
+
+
+class SparseAdds(TorchDispatchMode):
+    """Counts the additions that take a sparse tensor (torch's accumulation of sparse grads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.overloadpacket.__name__ in ("add", "add_") and any(
+            isinstance(a, torch.Tensor) and a.is_sparse for a in args
+        ):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _micro_steps(mod, k: int, deferred: bool) -> int:
+    """k forward + backward passes of `mod` (inside accumulate_at_exit when `deferred`); the
+    sparse additions they dispatched."""
+    count = SparseAdds()
+    with accumulate_at_exit() if deferred else contextlib.nullcontext():
+        for i in range(k):
+            ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(30 + i))
+            h = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(40 + i))
+            loss = mod(h, ids).square().mean()
+            with count:
+                loss.backward()
+    return count.n
+
+
+@pytest.mark.parametrize("make", [_tngram, _engram], ids=["tngram", "engram"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_accumulate_at_exit_adds_the_micro_steps_up_once(make, k, monkeypatch):
+    """Inside accumulate_at_exit the micro-steps' table gradients are not added one by one (no
+    sparse addition during the backwards, p.grad cleared after each); on exit p.grad holds all
+    their rows once (nnz = the micro-steps' nnz summed), and its coalesced values are the sum
+    of the dense gradients (the same model with dense gradients, the same batches). One
+    micro-step: its gradient as it was, marked coalesced."""
+    monkeypatch.setenv("TNGRAM_CHECK_IDS", "0")
+    mod, table = make()
+    dense_mod, dense_table = make()
+    set_sparse_grads(dense_mod, False)
+    each = []
+    for i in range(k):  # each micro-step's own gradient, for its row count
+        one, one_table = make()
+        ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(30 + i))
+        h = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(40 + i))
+        one(h, ids).square().mean().backward()
+        each.append(one_table.grad._nnz())
+    assert _micro_steps(mod, k, deferred=True) == 0
+    _micro_steps(dense_mod, k, deferred=False)
+    g = table.grad
+    assert g is not None and g.is_sparse and g._nnz() == sum(each)
+    assert g.is_coalesced() == (k == 1)
+    torch.testing.assert_close(g.coalesce().to_dense(), dense_table.grad, rtol=1e-6, atol=1e-7)
+    # control: without it, torch adds each later micro-step's gradient to p.grad
+    plain, _ = make()
+    assert _micro_steps(plain, k, deferred=False) == k - 1
+
+
+def test_the_trainer_adds_sparse_micro_steps_up_once(tiny_data, tmp_path, monkeypatch):  # noqa: F811
+    """The trainer's micro-steps run inside accumulate_at_exit: a TN-gram run with row-sparse
+    tables and 2 micro-steps per step (tiny_config: 512 tokens a step, 4 x 64 a micro-step)
+    dispatches no sparse addition (without it: one per table per step, the control above), and
+    the optimiser gets one gradient per table, holding the rows of both micro-steps uncoalesced."""
+    from test_train_support import tiny_config
+
+    from tngram.train.loop import train
+
+    monkeypatch.setenv("TNGRAM_CHECK_IDS", "0")
+    cfg = tiny_config(
+        tiny_data,
+        "mini-tngram",
+        ["optim.memory_update=sparse", "schedule.steps=1", "schedule.warmdown_steps=0",
+         "run.checkpoint_every=0", "run.val_every=0"],
+    )
+    seen = []
+    real = LazyAdam.step
+
+    def step(self, closure=None):  # noqa: ANN001, ANN202
+        seen.extend(p.grad for group in self.param_groups for p in group["params"])
+        return real(self, closure)
+
+    monkeypatch.setattr(LazyAdam, "step", step)
+    adds = SparseAdds()
+    with adds:
+        train(cfg, tmp_path / "run")
+    assert seen and adds.n == 0
+    assert all(g is not None and g.is_sparse and not g.is_coalesced() for g in seen)

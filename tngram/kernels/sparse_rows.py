@@ -26,6 +26,15 @@ indices and values storage, held until the check, and the same row count); after
 contribution (accumulated micro-steps, a table read twice) it is another tensor and stays as
 torch left it.
 
+Accumulated micro-steps (`accumulate_at_exit`, around the trainer's micro-steps). torch adds a
+sparse gradient to `p.grad` by concatenating rows (on CUDA without merging them: ATen's
+add_out_sparse_cuda), so k micro-steps copy the growing gradient k - 1 times: (k(k+1)/2 - 1)
+micro-steps' worth of rows, 35 at k = 8. Inside `accumulate_at_exit()` the same hook sets each
+accumulated gradient aside and clears `p.grad`, so the next micro-step's gradient is stored, not
+added; on exit `p.grad` is their concatenation made once (k micro-steps' worth of rows; one
+micro-step: its gradient, still marked coalesced). The optimiser coalesces it as before: the
+rows and their sums are the same, the order of a row's additions the coalesce's own.
+
 torch.compile: torch's own sparse embedding gradients do not compile (pytorch/pytorch#150656),
 and neither would this Function. The compaction is therefore `torch.compiler.disable`d: dynamo
 breaks the graph around it, the compiled graphs see `sub` as an ordinary dense input, and the
@@ -142,18 +151,65 @@ def _forget(key: int) -> None:
 
 def _remark(p: Tensor) -> None:
     """After AccumulateGrad: mark p.grad coalesced if it is the gradient `_CompactRows` just
-    produced (module docstring), which was coalesced."""
+    produced (module docstring), which was coalesced; inside `accumulate_at_exit`, then set
+    p.grad aside."""
     fresh = _FRESH.pop(id(p), None)
     g = p.grad
-    if fresh is None or g is None or not g.is_sparse or g.is_coalesced():
+    if g is None:
         return
-    ind, vals = fresh
-    if (
-        g._nnz() == ind.shape[1]
-        and g._indices().data_ptr() == ind.data_ptr()
-        and g._values().data_ptr() == vals.data_ptr()
-    ):
-        g._coalesced_(True)
+    if fresh is not None and g.is_sparse and not g.is_coalesced():
+        ind, vals = fresh
+        if (
+            g._nnz() == ind.shape[1]
+            and g._indices().data_ptr() == ind.data_ptr()
+            and g._values().data_ptr() == vals.data_ptr()
+        ):
+            g._coalesced_(True)
+    if _DEFER[0]:
+        _SET_ASIDE.setdefault(id(p), (weakref.ref(p), []))[1].append(g)
+        p.grad = None
+
+
+_DEFER = [False]  # accumulate_at_exit() is active
+# id(table) -> (the table, the gradients set aside inside accumulate_at_exit(), in order)
+_SET_ASIDE: dict[int, tuple[weakref.ref, list[Tensor]]] = {}
+
+
+@contextlib.contextmanager
+def accumulate_at_exit() -> Iterator[None]:
+    """Inside: the gradients row-sparse tables accumulate are set aside; on exit each table's
+    `p.grad` is their sum, made once (module docstring). Nested: the outer one does it."""
+    if _DEFER[0]:
+        yield
+        return
+    _DEFER[0] = True
+    try:
+        yield
+    finally:
+        _DEFER[0] = False
+        aside = list(_SET_ASIDE.values())
+        _SET_ASIDE.clear()
+        for ref, grads in aside:
+            p = ref()
+            if p is not None:
+                p.grad = _summed(grads if p.grad is None else [*grads, p.grad])
+
+
+def _summed(grads: list[Tensor]) -> Tensor:
+    """The sum of a table's gradients: the sparse ones concatenated once (uncoalesced unless
+    there is one), the dense ones added to that."""
+    sparse = [g for g in grads if g.is_sparse]
+    out: Tensor | None = sparse[0] if len(sparse) == 1 else None
+    if len(sparse) > 1:
+        ind = torch.cat([g._indices() for g in sparse], 1)
+        vals = torch.cat([g._values() for g in sparse], 0)
+        with torch.sparse.check_sparse_tensor_invariants(enable=False):
+            out = torch.sparse_coo_tensor(ind, vals, sparse[0].shape, is_coalesced=False)
+    for g in grads:
+        if not g.is_sparse:
+            out = g if out is None else g + out
+    assert out is not None  # grads is never empty
+    return out
 
 
 def sparse_row_grad(
@@ -276,4 +332,11 @@ def _gather(
     return table.reshape(-1, table.shape[-1]).index_select(0, src)
 
 
-__all__ = ["compact_reads", "compact_rows", "host_read", "set_read_hook", "sparse_row_grad"]
+__all__ = [
+    "accumulate_at_exit",
+    "compact_reads",
+    "compact_rows",
+    "host_read",
+    "set_read_hook",
+    "sparse_row_grad",
+]

@@ -42,6 +42,7 @@ from torch import Tensor
 from tngram.common import TngramError, atomic_write_json
 from tngram.cpu import StepWatch
 from tngram.eval.bpb import evaluate_bpb
+from tngram.kernels.sparse_rows import accumulate_at_exit
 from tngram.optim.memory_update import clip_grad_norm, settle_tables, settled_tables
 from tngram.optim.schedules import lr_multiplier, muon_momentum
 from tngram.train import checkpoint as ckpt
@@ -269,16 +270,18 @@ class Trainer(TrainerSetup):
         return loss
 
     def _forward_backward(self) -> Tensor:
-        """Sum of gradients over the micro-steps (DDP all-reduces on the last only); the mean
-        loss, on the device (averaged over processes)."""
+        """Sum of gradients over the micro-steps (DDP all-reduces on the last only; row-sparse
+        tables add theirs up once, at the end: accumulate_at_exit); the mean loss, on the device
+        (averaged over processes)."""
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
-            x, y = self.batches.next_batch()  # on the device (CUDA: pinned, sent one ahead)
-            with no_sync(self.fwd_model, micro == self.accum - 1):
-                with self.autocast():
-                    loss = self.fwd_model(x, y)
-                (loss / self.accum).backward()
-            loss_sum += loss.detach()
+        with accumulate_at_exit():
+            for micro in range(self.accum):
+                x, y = self.batches.next_batch()  # on the device (CUDA: pinned, sent one ahead)
+                with no_sync(self.fwd_model, micro == self.accum - 1):
+                    with self.autocast():
+                        loss = self.fwd_model(x, y)
+                    (loss / self.accum).backward()
+                loss_sum += loss.detach()
         return all_reduce_mean(loss_sum / self.accum, self.ctx)
 
     def _first_step(self) -> Tensor:
