@@ -38,6 +38,15 @@ def _rows_sorted_and_distinct(g: torch.Tensor) -> bool:
     return bool((flat[1:] > flat[:-1]).all())
 
 
+def _assert_truthful_and_dense(g, dense):  # noqa: ANN001
+    """g is a sparse gradient whose coalesced flag, if set, is true, and whose rows summed are
+    the dense gradient `dense`."""
+    assert g is not None and g.is_sparse
+    if g.is_coalesced():
+        assert _rows_sorted_and_distinct(g)
+    torch.testing.assert_close(g.coalesce().to_dense(), dense, rtol=1e-6, atol=1e-7)
+
+
 def test_torch_drops_the_flag_of_a_first_sparse_gradient():
     """Why the hook exists: a Function returning a coalesced sparse gradient leaves p.grad
     marked uncoalesced (if torch stops doing this, `_remark` is no longer needed)."""
@@ -118,11 +127,7 @@ def test_accumulated_micro_steps_keep_a_truthful_flag(make, monkeypatch):
         h = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(20 + k))
         mod(h, ids).square().mean().backward()
         dense_mod(h, ids).square().mean().backward()
-    g = table.grad
-    assert g is not None and g.is_sparse
-    if g.is_coalesced():
-        assert _rows_sorted_and_distinct(g)
-    torch.testing.assert_close(g.coalesce().to_dense(), dense_table.grad, rtol=1e-6, atol=1e-7)
+    _assert_truthful_and_dense(table.grad, dense_table.grad)
 
 
 def test_a_table_read_twice_in_one_step_is_not_marked_wrongly(monkeypatch):
@@ -137,11 +142,7 @@ def test_a_table_read_twice_in_one_step_is_not_marked_wrongly(monkeypatch):
     h = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(4))
     (mod(h, ids).square().mean() + mod(h.flip(1), ids.flip(1)).sum()).backward()
     (dense_mod(h, ids).square().mean() + dense_mod(h.flip(1), ids.flip(1)).sum()).backward()
-    g = table.grad
-    assert g is not None and g.is_sparse
-    if g.is_coalesced():
-        assert _rows_sorted_and_distinct(g)
-    torch.testing.assert_close(g.coalesce().to_dense(), dense_table.grad, rtol=1e-6, atol=1e-7)
+    _assert_truthful_and_dense(table.grad, dense_table.grad)
 
 
 class SparseAdds(TorchDispatchMode):
