@@ -26,11 +26,12 @@ def test_pack_keeps_order_and_fits_each_group():
 
 
 def test_interleaved_rounds_rotate_and_time_every_candidate():
-    """Warm-up: every candidate in order; round r then starts at candidate r mod n, so each one
-    is timed `reps` times and none always follows the same other."""
+    """gpu_parts.interleaved_ms (the timer of the kernels, attention, optim and tables sections).
+    Warm-up: every candidate in order; round r then starts at candidate r mod n, so each one is
+    timed `reps` times and none always follows the same other."""
     calls = []
     steps = {k: (lambda k=k: calls.append(k)) for k in "abc"}
-    out = gpu_tables.interleaved(steps, reps=3, warmup=1, dev="cpu")
+    out = gpu_parts.interleaved_ms(steps, reps=3, warmup=1, dev="cpu")
     assert calls == list("abc") + list("abc") + list("bca") + list("cab")
     for k in "abc":
         assert (

@@ -233,3 +233,20 @@ def test_the_trainer_adds_sparse_micro_steps_up_once(tiny_data, tmp_path, monkey
         train(cfg, tmp_path / "run")
     assert seen and adds.n == 0
     assert all(g is not None and g.is_sparse and not g.is_coalesced() for g in seen)
+
+
+def test_a_dense_gradient_set_aside_is_added_to_the_sparse_ones():
+    """_summed, the sum accumulate_at_exit makes: sparse gradients concatenated once, a dense one
+    (a table also read without row-sparse gradients) added; the same as adding them densely."""
+    from tngram.kernels.sparse_rows import _summed
+
+    shape = (3, 5, 4)
+    a = sparse_row_grad(torch.tensor([1, 6]), torch.randn(2, 4), shape)
+    b = sparse_row_grad(torch.tensor([6, 12]), torch.randn(2, 4), shape)
+    d = torch.randn(shape)
+    got = _summed([a, d, b])
+    assert not got.is_sparse
+    torch.testing.assert_close(got, a.to_dense() + d + b.to_dense())
+    both = _summed([a, b])
+    assert both.is_sparse and both._nnz() == 4 and not both.is_coalesced()
+    torch.testing.assert_close(both.to_dense(), a.to_dense() + b.to_dense())

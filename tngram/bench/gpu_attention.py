@@ -11,7 +11,7 @@ laid out as the model's transposed projections, causal, GQA), forward + backward
     default        what torch picks here, named in `default_backend`
     <backend>      torch restricted to one backend (sdpa_kernel); an error if it cannot run
 
-interleaved round by round in one process (tngram.bench.gpu_kernels.interleaved_ms), each with
+interleaved round by round in one process (tngram.bench.gpu_parts.interleaved_ms), each with
 its FLOP rate (7 B H T^2 D a causal forward + backward: 2 for the forward's two matmuls over
 half the square, 2.5 times that for the backward) and its output and gradients compared with
 the math backend's on fp32 copies of q, k, v (`rel_diff`: bf16 rounding on CUDA, which bounds
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tngram.bench.gpu_kernels import interleaved_ms, max_rel_diff
-from tngram.bench.gpu_parts import config
+from tngram.bench.gpu_kernels import max_rel_diff
+from tngram.bench.gpu_parts import config, interleaved_ms
 from tngram.train.sdpa import SDPA_SETTINGS, sdpa_backend, sdpa_name
 
 BACKENDS = SDPA_SETTINGS[1:]  # cudnn, flash, efficient, math

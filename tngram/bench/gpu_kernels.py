@@ -24,15 +24,13 @@ says why it did not run.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
-from tngram.bench.gpu_parts import config
+from tngram.bench.gpu_parts import config, interleaved_ms
 from tngram.kernels import kernel_policy
 from tngram.kernels.policy import TRITON_BACKWARDS
 
@@ -52,34 +50,6 @@ def triton_runs_here(device: str) -> str:
     if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the Triton lookup runs on CUDA (or on the CPU under TRITON_INTERPRET=1)"
     return ""
-
-
-def interleaved_ms(
-    fns: dict[str, Callable[[], Any]], reps: int, warmup: int, dev: str
-) -> dict[str, dict[str, float]]:
-    """median / min / max ms of each fn over `reps` rounds (after `warmup`), one call of every
-    fn per round in turn; CUDA events and a synchronisation around each call on CUDA."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(warmup + reps):
-        for name, fn in fns.items():
-            if dev == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ms = a.elapsed_time(b)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ms = (time.perf_counter() - t0) * 1e3
-            if i >= warmup:
-                times[name].append(ms)
-    return {
-        k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "reps": reps}
-        for k, v in times.items()
-    }
 
 
 def max_rel_diff(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

@@ -11,7 +11,7 @@ work):
     muon/loop      Muon, one matrix at a time (tngram.optim.muon, stack_shapes=False)
     muon/stacked   Muon, the matrices of a shape as one stack (the CUDA default)
 
-interleaved round by round in one process (tngram.bench.gpu_kernels.interleaved_ms), with
+interleaved round by round in one process (tngram.bench.gpu_parts.interleaved_ms), with
 Newton-Schulz compiled on CUDA as the trainer compiles it, eager on the CPU. Before the timing,
 both Muons take one step from the same weights, gradients and empty momentum: `update_rel_diff`
 is the largest relative Frobenius difference of any matrix's update between them (0 on the
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from tngram.bench.gpu_kernels import interleaved_ms, max_rel_diff
-from tngram.bench.gpu_parts import config, fresh_dynamo
+from tngram.bench.gpu_kernels import max_rel_diff
+from tngram.bench.gpu_parts import config, fresh_dynamo, interleaved_ms
 
 
 def _muon(groups: list[dict], o: Any, stack: bool, compiled: bool) -> torch.optim.Optimizer:

@@ -82,6 +82,32 @@ def timed(fn: Callable[[], Any], reps: int, warmup: int, dev: str) -> dict[str, 
     return out
 
 
+def interleaved_ms(
+    fns: dict[str, Callable[[], Any]], reps: int, warmup: int, dev: str
+) -> dict[str, dict[str, Any]]:
+    """key -> median / min / max ms of `reps` timed calls of fns[key] (`call_ms`), after
+    `warmup` untimed ones each, one call of every fn per round in turn, round r starting at the
+    (r mod n)-th: a drift of clocks or load lands on all alike, and none always follows the same
+    other. On CUDA also each key's allocator trips per call (`alloc_deltas`, read around its own
+    calls)."""
+    keys = list(fns)
+    for _ in range(warmup):
+        for k in keys:
+            fns[k]()
+    _sync(dev)
+    ts: dict[str, list[float]] = {k: [] for k in keys}
+    trips: dict[str, dict[str, float]] = {k: {} for k in keys}
+    for r in range(reps):
+        for j in range(len(keys)):
+            k = keys[(r + j) % len(keys)]
+            before = torch.cuda.memory_stats() if dev == "cuda" else None
+            ts[k].append(call_ms(fns[k], dev))
+            if before is not None:
+                d = alloc_deltas(before, torch.cuda.memory_stats(), reps)
+                trips[k] = {n: trips[k].get(n, 0.0) + x for n, x in d.items()}
+    return {k: {**spread(ts[k]), **trips[k]} for k in keys}
+
+
 def reset_peak(dev: str) -> None:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()

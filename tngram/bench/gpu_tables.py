@@ -4,11 +4,12 @@ At each vocabulary V the candidates are the raw step and, for Engram and TN-gram
 step per `optim.memory_update` (dense / sparse / rowwise), each as `gpu_parts.table_setup` builds
 it. The goal's points are ratios between them (a memory step against the raw step, `sparse`
 against `dense`), so they are timed in one process, interleaved: every candidate's warm-up first,
-then `reps` rounds in which each candidate steps once, round r starting at candidate r mod n.
-A drift of the card's clocks or of the host's load then lands on every candidate alike, and no
-candidate always follows the same other one. (At commit 7608a19 each candidate's 10 steps ran in
-a row; the spread inside one candidate, e.g. TN-gram `sparse` at V 32,768: 88.9 to 134.3 ms
-around a median of 121.4, was as large as the differences the goal asks about.)
+then `reps` rounds in which each candidate steps once, round r starting at candidate r mod n
+(`gpu_parts.interleaved_ms`). A drift of the card's clocks or of the host's load then lands on
+every candidate alike, and no candidate always follows the same other one. (At commit 7608a19
+each candidate's 10 steps ran in a row; the spread inside one candidate, e.g. TN-gram `sparse`
+at V 32,768: 88.9 to 134.3 ms around a median of 121.4, was as large as the differences the
+goal asks about.)
 
 Candidates interleave only when they are alive at once, so they are packed, in order, into
 groups whose parameters and optimiser state fit the free memory less one step's activations
@@ -21,7 +22,6 @@ item was timed with; absent: timed alone).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,31 +104,6 @@ def plan(V: int, shapes: Any) -> list[tuple[list[Candidate], str]]:
     return out
 
 
-def interleaved(
-    steps: dict[str, Callable[[], None]], reps: int, warmup: int, dev: str
-) -> dict[str, dict[str, Any]]:
-    """key -> median / min / max ms of `reps` timed calls of steps[key] (`gpu_parts.call_ms`),
-    after `warmup` untimed ones each; round r calls them in order from the (r mod n)-th. On CUDA
-    also each key's allocator trips per call (its counters read around each of its calls)."""
-    keys = list(steps)
-    for _ in range(warmup):
-        for k in keys:
-            steps[k]()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    ts: dict[str, list[float]] = {k: [] for k in keys}
-    trips: dict[str, dict[str, float]] = {k: {} for k in keys}
-    for r in range(reps):
-        for j in range(len(keys)):
-            k = keys[(r + j) % len(keys)]
-            before = torch.cuda.memory_stats() if dev == "cuda" else None
-            ts[k].append(parts.call_ms(steps[k], dev))
-            if before is not None:
-                d = parts.alloc_deltas(before, torch.cuda.memory_stats(), reps)
-                trips[k] = {n: trips[k].get(n, 0.0) + x for n, x in d.items()}
-    return {k: {**parts.spread(ts[k]), **trips[k]} for k in keys}
-
-
 def time_group(group: list[Candidate], shapes: Any, profile: bool = False) -> dict[str, Any]:
     """key -> result of each candidate of `group`, all built at once and timed `interleaved`
     (one alone: the same, a group of one). Peak memory is the group's (its items say
@@ -158,7 +133,7 @@ def _time_together(group: list[Candidate], shapes: Any, profile: bool) -> dict[s
     built = {c.key: parts.table_setup(c.model, c.V, c.update, shapes) for c in group}
     parts.reset_peak(dev)
     steps = {k: step for k, (step, _) in built.items()}
-    times = interleaved(steps, shapes.reps, shapes.warmup, dev)
+    times = parts.interleaved_ms(steps, shapes.reps, shapes.warmup, dev)
     peak = parts.peak_gb(dev)
     out: dict[str, Any] = {}
     for k, (step, facts) in built.items():
@@ -180,7 +155,6 @@ __all__ = [
     "Candidate",
     "activation_reserve_gib",
     "candidates",
-    "interleaved",
     "pack",
     "plan",
     "time_group",
