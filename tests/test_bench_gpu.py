@@ -275,18 +275,26 @@ def test_kernels_section_under_the_interpreter(tmp_path):
     assert it["tokens"] == TINY_KERNEL_TOKENS and it["order_combine"] == "sum"
     assert it["cp_rank"] == 24 and it["max_ngram"] == 5 and it["absorption"] and it["use_norm"]
     v = it["variants"]
-    # default_warps(24) is 4 (BLOCK_R 32 <= 1024): the forward's warps and twice them
-    assert sorted(v) == ["fused/w4", "fused/w8", "split/w4", "split/w8"]
+    # default_warps(24) is 4 (BLOCK_R 32 <= 1024): the forward's warps and twice them, and the
+    # plain-autograd stage compiled by torch.compile (no --no-compile here)
+    assert sorted(v) == ["fused/w4", "fused/w8", "inductor", "split/w4", "split/w8"]
     for k, x in v.items():
+        assert x["grad_rel_diff"] < 1e-5  # fp32: only the order of the sums differs
+        if k == "inductor":
+            assert x["backward"] == "inductor" and x["warps"] is None and x["bwd_ms"] is None
+            continue
         assert k == f"{x['backward']}/w{x['warps']}"
-        assert x["grad_rel_diff"] < 1e-5  # fp32: only the order of the dW / ds sums differs
         assert x["bwd_ms"] == pytest.approx(x["fwdbwd"]["median_ms"] - it["fwd"]["median_ms"])
+    assert v["inductor"]["fwdbwd"]["reps"] == 1
     assert v["fused/w4"]["grad_rel_diff"] == 0.0  # the reference itself
     assert it["fastest"] == min(v, key=lambda k: v[k]["fwdbwd"]["median_ms"])
     text = render_run(dict(r, tiny=False), "k.json")
     ratio = v["split/w8"]["fwdbwd"]["median_ms"] / v["fused/w4"]["fwdbwd"]["median_ms"]
     assert f"{v['split/w8']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
     assert f"`{it['fastest']}` |" in text and "(one TN-gram module, uniform random ids, float32 output)" in text
+    assert "`inductor`: the same stage without a hand-written kernel" in text
+    ratio = v["inductor"]["fwdbwd"]["median_ms"] / v["fused/w4"]["fwdbwd"]["median_ms"]
+    assert f"{v['inductor']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
     fast = v[it["fastest"]]["fwdbwd"]["median_ms"]  # the command's own summary names it too
     assert f"fastest {it['fastest']} (ms: " in p.stdout and f"{it['fastest']} {fast:.2f}" in p.stdout
 

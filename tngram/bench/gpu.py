@@ -8,8 +8,9 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
            paper-l9-tngram the loss and the memory gradients (fp32 and bf16), and the lookup of
            one paper-l9 TN-gram module alone, forward + backward, timed for each implementation
   kernels  the Triton lookup's backward variants (fused / split, two num_warps each) of every
-           chosen TN-gram recipe's module at the fwdbwd batch, interleaved, with their gradients
-           compared (tngram.bench.gpu_kernels)
+           chosen TN-gram recipe's module at the fwdbwd batch, and the same stage without a
+           hand-written kernel compiled by torch.compile (`inductor`; not with compile=False),
+           interleaved, with their gradients compared (tngram.bench.gpu_kernels)
   attention the GPT's attention alone at paper-l9's shapes, forward + backward per SDPA backend
            (cuDNN, flash, memory-efficient, math) and torch's own pick (tngram.bench.gpu_attention)
   optim    the optimiser step alone of every chosen recipe: fused Adam, and Muon one matrix at a
@@ -83,6 +84,10 @@ GPU_COST = {
     # one recipe: 5 Triton compiles (forward, 4 backward variants) of a few s each, then 13
     # rounds of 5 calls of < 0.1 s at 64 x 1024 tokens; not measured yet
     "kernels": 20,
+    # its `inductor` variant (compile=True): torch.compile of the lookup stage's forward and
+    # backward graphs (the model's compiled fwdbwd set-up was 25-36 s at 7608a19, this is a
+    # small part of that graph), then 13 rounds of one call; not measured yet
+    "kernels_inductor": 20,
     # one recipe: Newton-Schulz compiled for 2-D and 3-D inputs (a few graphs of a few s each),
     # then 13 rounds of 3 optimiser steps of < 0.05 s; not measured yet
     "optim": 40,
@@ -409,7 +414,9 @@ def _run(
             res["sections"]["kernels"][r] = {"skipped": no_triton}
             res["skipped"].append(f"kernels {r}: {no_triton}")
             continue
-        item("kernels", r, shapes.cost("kernels"), partial(gpu_kernels.lookup_backwards, r, shapes))
+        fn = partial(gpu_kernels.lookup_backwards, r, shapes, compile)
+        cost = shapes.cost("kernels") + (shapes.cost("kernels_inductor") if compile else 0)
+        item("kernels", r, cost, fn)
     item(
         "attention",
         "paper-l9",

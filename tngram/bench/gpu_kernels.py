@@ -9,11 +9,18 @@ the orders summed for order_combine="sum") at the forward+backward batch of the 
     <backward>/w<warps>        forward + backward, for backward in kernel_policy's
                                TRITON_BACKWARDS ("fused": one kernel; "split": a rows kernel and a
                                dW / ds kernel) at the forward's num_warps and at twice it
+    inductor                   forward + backward of the same stage with no hand-written kernel:
+                               the plain-autograd path (model.memory.fused=false) under
+                               torch.compile(fullgraph=True), the code inductor generates for it
+                               (Triton on CUDA, C++ on the CPU); skipped with compile=False
+                               (`--no-compile`). Does the hand-written kernel beat the compiler?
 
 All variants are timed in one process, interleaved rep by rep (CUDA events around each call),
 so their ratios share the card's state. Each variant's gradients (factors, absorption vectors,
 log-scales) are compared with the default's ("fused" at the forward's warps): they differ only
-in the fp32 order of the dW / ds sums. `fastest` names the variant with the lowest median.
+in the fp32 order of the dW / ds sums (inductor's: in its own order, and e cast to bf16 after
+an fp32 computation where the kernel writes bf16 itself). `fastest` names the variant with the
+lowest median.
 
 Runs where the Triton lookup runs: on CUDA, or on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1, as tests/test_bench_gpu.py runs it at tiny shapes: TINY_KERNEL_SETS and
@@ -23,14 +30,16 @@ says why it did not run.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 
-from tngram.bench.gpu_parts import config, interleaved_ms
+from tngram.bench.gpu_parts import config, fresh_dynamo, interleaved_ms
 from tngram.kernels import kernel_policy
 from tngram.kernels.policy import TRITON_BACKWARDS
 
@@ -73,8 +82,27 @@ def _tngram_module(recipe: str, shapes: Any) -> tuple[Any, Any]:
     return (mods[0].to(shapes.device), cfg.model) if mods else (None, cfg.model)
 
 
-def lookup_backwards(recipe: str, shapes: Any) -> dict[str, Any]:
-    """The item of one recipe (module docstring)."""
+def inductor_lookup(
+    mod: Any, ids: torch.Tensor, dtype: torch.dtype, summed: bool
+) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
+    """(fn, leaves): fn() runs the lookup stage of a copy of `mod` with fused=False (the
+    plain-autograd path, the same parameter values) compiled by torch.compile, e cast to
+    `dtype`; leaves are the copy's factors, absorption vectors and log-scales, as
+    lookup_backwards' leaves of `mod`."""
+    plain = copy.deepcopy(mod)
+    plain.config = replace(mod.config, fused=False)
+
+    def stage(x: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, R) summed, else (N-1) R
+        return plain.memory_vector(x, None, summed).to(dtype)
+
+    fresh_dynamo()  # one compile per recipe through the same `stage` code: no recompile limit
+    compiled = torch.compile(stage, fullgraph=True, dynamic=False)
+    leaves = [p for p in (plain.factors, plain.absorb, plain.log_scales) if p is not None]
+    return partial(compiled, ids), leaves
+
+
+def lookup_backwards(recipe: str, shapes: Any, compile: bool = True) -> dict[str, Any]:
+    """The item of one recipe (module docstring); compile=False leaves out `inductor`."""
     from tngram.kernels.tngram_triton import default_warps
 
     dev = shapes.device
@@ -108,6 +136,9 @@ def lookup_backwards(recipe: str, shapes: Any) -> dict[str, Any]:
 
     fns: dict[str, Callable[[], Any]] = {"fwd": fwd}
     fns.update({k: partial(fwdbwd, b, w) for k, (b, w) in variants.items()})
+    if compile:
+        stage, plain_leaves = inductor_lookup(mod, ids, e0.dtype, summed)
+        fns["inductor"] = lambda: list(torch.autograd.grad(stage(), plain_leaves, up))
     t = interleaved_ms(fns, shapes.reps, shapes.warmup, dev)
     grads = {k: fwdbwd(b, w) for k, (b, w) in variants.items()}
     ref = grads[f"fused/w{warps}"]  # the default: what every variant is compared with
@@ -120,6 +151,15 @@ def lookup_backwards(recipe: str, shapes: Any) -> dict[str, Any]:
             "fwdbwd": t[k],
             "bwd_ms": t[k]["median_ms"] - t["fwd"]["median_ms"],
             "grad_rel_diff": diff,
+        }
+    if compile:  # its own forward is not timed alone: no bwd_ms
+        got = fns["inductor"]()
+        rows["inductor"] = {
+            "backward": "inductor",
+            "warps": None,
+            "fwdbwd": t["inductor"],
+            "bwd_ms": None,
+            "grad_rel_diff": max_rel_diff(got, ref),
         }
     return {
         "tokens": int(ids.numel()),

@@ -22,7 +22,13 @@ def kernels_table(snap: dict[str, Any]) -> str:
     lines = [
         f"The Triton lookup alone (one TN-gram module, uniform random ids, "
         f"{' / '.join(dtypes) or 'no'} output), forward and forward + backward per backward "
-        "variant, median ms (÷ `fused` at the forward's warps), interleaved in one process:",
+        "variant, median ms (÷ `fused` at the forward's warps), interleaved in one process"
+        + (
+            "; `inductor`: the same stage without a hand-written kernel (the plain-autograd "
+            "path), compiled by torch.compile:"
+            if any("inductor" in it.get("variants", {}) for it in sec.values() if ok(it))
+            else ":"
+        ),
         "",
         "| recipe | R | fwd ms | " + " | ".join(f"`{n}`" for n in names) + " | fastest |",
         "|" + "---|" * (len(names) + 4),
