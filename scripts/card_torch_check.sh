@@ -25,7 +25,8 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
     tests/test_compile_auto.py tests/test_fused_lookup.py tests/test_kernel_choice.py \
     tests/test_kernel_policy.py tests/test_memory_update.py tests/test_optim_muon.py \
     tests/test_sdpa_setting.py tests/test_sparse_triton.py tests/test_triton_bf16_output.py \
-    tests/test_bench_gpu_tables.py tests/test_sparse_rows_coalesced.py
+    tests/test_bench_gpu_tables.py tests/test_sparse_rows_coalesced.py \
+    tests/test_bench_gpu_inductor.py
 n=0
 grep '^OUT=\$OUT ' docs/GPU.md | while read -r call; do
     n=$((n + 1))
