@@ -26,7 +26,7 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "triton", tr
     tests/test_kernel_policy.py tests/test_memory_update.py tests/test_optim_muon.py \
     tests/test_sdpa_setting.py tests/test_sparse_triton.py tests/test_triton_bf16_output.py \
     tests/test_bench_gpu_tables.py tests/test_sparse_rows_coalesced.py \
-    tests/test_bench_gpu_inductor.py
+    tests/test_bench_gpu_kernel_items.py
 n=0
 grep '^OUT=\$OUT ' docs/GPU.md | while read -r call; do
     n=$((n + 1))

@@ -286,6 +286,12 @@ def test_kernels_section_under_the_interpreter(tmp_path):
         assert k == f"{x['backward']}/w{x['warps']}"
         assert x["bwd_ms"] == pytest.approx(x["fwdbwd"]["median_ms"] - it["fwd"]["median_ms"])
     assert v["inductor"]["fwdbwd"]["reps"] == 1
+    a = it["row_grads"]  # the factor-gradient adds alone: M N rows of R into N V rows
+    assert (a["adds"], a["width"]) == (TINY_KERNEL_TOKENS * 5, 24)
+    assert a["rows"] == 5 * 1024  # N factors of paper-l9's vocabulary (the tiny sets keep it)
+    assert set(a["timings"]) == {"copy", "atomic/uniform", "sorted/uniform", "atomic/zipf",
+                                 "sorted/zipf"}
+    assert a["sorted_rel_diff/uniform"] < 1e-6 and a["sorted_rel_diff/zipf"] < 1e-6
     assert v["fused/w4"]["grad_rel_diff"] == 0.0  # the reference itself
     assert it["fastest"] == min(v, key=lambda k: v[k]["fwdbwd"]["median_ms"])
     text = render_run(dict(r, tiny=False), "k.json")
@@ -293,6 +299,10 @@ def test_kernels_section_under_the_interpreter(tmp_path):
     assert f"{v['split/w8']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
     assert f"`{it['fastest']}` |" in text and "(one TN-gram module, uniform random ids, float32 output)" in text
     assert "`inductor`: the same stage without a hand-written kernel" in text
+    t = a["timings"]
+    assert (f"| paper-l9-tngram-sum | {TINY_KERNEL_TOKENS * 5:,} × 24 | "
+            f"{t['copy']['median_ms']:.2f} | {t['atomic/uniform']['median_ms']:.2f} / "
+            f"{t['sorted/uniform']['median_ms']:.2f} | {a['max_row_adds/uniform']:,} |") in text
     ratio = v["inductor"]["fwdbwd"]["median_ms"] / v["fused/w4"]["fwdbwd"]["median_ms"]
     assert f"{v['inductor']['fwdbwd']['median_ms']:.2f} ({ratio:.2f}×)" in text
     fast = v[it["fastest"]]["fwdbwd"]["median_ms"]  # the command's own summary names it too

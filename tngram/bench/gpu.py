@@ -10,7 +10,8 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
   kernels  the Triton lookup's backward variants (fused / split, two num_warps each) of every
            chosen TN-gram recipe's module at the fwdbwd batch, and the same stage without a
            hand-written kernel compiled by torch.compile (`inductor`; not with compile=False),
-           interleaved, with their gradients compared (tngram.bench.gpu_kernels)
+           interleaved, with their gradients compared; and the backward's factor-gradient adds
+           alone, atomic against sorted, for uniform and Zipf ids (tngram.bench.gpu_kernels)
   attention the GPT's attention alone at paper-l9's shapes, forward + backward per SDPA backend
            (cuDNN, flash, memory-efficient, math) and torch's own pick (tngram.bench.gpu_attention)
   optim    the optimiser step alone of every chosen recipe: fused Adam, and Muon one matrix at a

@@ -15,6 +15,16 @@ the orders summed for order_combine="sum") at the forward+backward batch of the 
                                (Triton on CUDA, C++ on the CPU); skipped with compile=False
                                (`--no-compile`). Does the hand-written kernel beat the compiler?
 
+    row_grads                  the factor-gradient adds alone, the part of the backward that
+                               runs as atomics: the M x N rows of R fp32 a backward adds into the
+                               (N V, R) gradient (`row_grad_adds`), as index_add_ (atomic adds on
+                               CUDA), as torch's sort-based index_put_(accumulate=True) under
+                               torch.use_deterministic_algorithms, and a copy of the same rows
+                               (the bytes alone), for the section's uniform ids and for ids drawn
+                               from a Zipf law (p(rank r) ~ 1/r, as token frequencies in text
+                               roughly are: a few rows take many of the adds). Whether a backward
+                               that sorts before it adds would pay is the card's to say.
+
 All variants are timed in one process, interleaved rep by rep (CUDA events around each call),
 so their ratios share the card's state. Each variant's gradients (factors, absorption vectors,
 log-scales) are compared with the default's ("fused" at the forward's warps): they differ only
@@ -31,6 +41,7 @@ says why it did not run.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -101,6 +112,64 @@ def inductor_lookup(
     return partial(compiled, ids), leaves
 
 
+def zipf_ids(V: int, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Ids (shape) drawn with p(id r) ~ 1 / (r + 1), r = 0..V-1 (Zipf, exponent 1)."""
+    p = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)
+    n = math.prod(shape)
+    return torch.multinomial(p, n, replacement=True, generator=g).reshape(shape)
+
+
+def row_grad_adds(
+    N: int,
+    V: int,
+    R: int,
+    pad_id: int,
+    id_sets: dict[str, torch.Tensor],
+    reps: int,
+    warmup: int,
+    dev: str,
+) -> dict[str, Any]:
+    """The factor-gradient adds of one lookup backward alone (module docstring, `row_grads`):
+    for each (B, T) id set, rows = the (M N,) flat factor rows the lookup reads
+    (ngram_row_index), vals (M N, R) fp32; timed interleaved: index_add_ ("atomic/<ids>"),
+    index_put_(accumulate=True) deterministic ("sorted/<ids>"), vals.clone() ("copy"). Each
+    sorted sum is compared with its atomic one (`sorted_rel_diff`), and the item records how
+    many adds the most-read row takes (`max_row_adds`)."""
+    from tngram.kernels.tngram_lookup import ngram_row_index
+    from tngram.memory.ngrams import suffix_ngrams
+
+    g = torch.Generator().manual_seed(1)
+    rows = {
+        k: ngram_row_index(suffix_ngrams(x, N, pad_id), V).reshape(-1).to(dev)
+        for k, x in id_sets.items()
+    }
+    M = next(iter(rows.values())).numel()
+    vals = torch.randn(M, R, generator=g).to(dev)
+
+    def atomic(r: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(N * V, R, device=dev).index_add_(0, r, vals)
+
+    def sorted_(r: torch.Tensor) -> torch.Tensor:
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            return torch.zeros(N * V, R, device=dev).index_put_((r,), vals, accumulate=True)
+        finally:
+            torch.use_deterministic_algorithms(was)
+
+    fns: dict[str, Callable[[], Any]] = {"copy": vals.clone}
+    for k, r in rows.items():
+        fns[f"atomic/{k}"] = partial(atomic, r)
+        fns[f"sorted/{k}"] = partial(sorted_, r)
+    t = interleaved_ms(fns, reps, warmup, dev)
+    out: dict[str, Any] = {"adds": M, "width": R, "rows": N * V, "timings": t}
+    for k, r in rows.items():
+        a, b = atomic(r), sorted_(r)
+        out[f"sorted_rel_diff/{k}"] = max_rel_diff([b], [a])
+        out[f"max_row_adds/{k}"] = int(torch.bincount(r.cpu(), minlength=N * V).max())
+    return out
+
+
 def lookup_backwards(recipe: str, shapes: Any, compile: bool = True) -> dict[str, Any]:
     """The item of one recipe (module docstring); compile=False leaves out `inductor`."""
     from tngram.kernels.tngram_triton import default_warps
@@ -161,6 +230,10 @@ def lookup_backwards(recipe: str, shapes: Any, compile: bool = True) -> dict[str
             "bwd_ms": None,
             "grad_rel_diff": max_rel_diff(got, ref),
         }
+    id_sets = {"uniform": ids.cpu(), "zipf": zipf_ids(m.vocab_size, tuple(ids.shape), g)}
+    adds = row_grad_adds(
+        c.max_ngram, m.vocab_size, c.cp_rank, c.pad_id, id_sets, shapes.reps, shapes.warmup, dev
+    )
     return {
         "tokens": int(ids.numel()),
         "ids": "uniform random",
@@ -173,4 +246,5 @@ def lookup_backwards(recipe: str, shapes: Any, compile: bool = True) -> dict[str
         "fwd": t["fwd"],
         "variants": rows,
         "fastest": min(rows, key=lambda k: rows[k]["fwdbwd"]["median_ms"]),
+        "row_grads": adds,
     }

@@ -1,5 +1,6 @@
-"""The GPU results tables of the micro-benchmark sections: the Triton lookup's backwards
-(kernels), the attention per SDPA backend (attention) and the optimiser step (optim)."""
+"""The GPU results tables of the micro-benchmark sections: the Triton lookup's backwards and
+its factor-gradient adds alone (kernels), the attention per SDPA backend (attention) and the
+optimiser step (optim)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,36 @@ def kernels_table(snap: dict[str, Any]) -> str:
     )
     if worst is not None:
         lines += ["", f"Every variant's gradients within {worst:.1e} (relative) of `fused`'s."]
+    adds = row_grads_table(sec)
+    return "\n".join(lines + (["", adds] if adds else []))
+
+
+def row_grads_table(sec: dict[str, Any]) -> str:
+    """The kernels items' `row_grads`: the factor-gradient adds alone per id set, atomic
+    (index_add_) and sorted (deterministic index_put_), against a copy of the same rows; ""
+    when no item has them (files from before they were timed)."""
+    items = {r: it["row_grads"] for r, it in sec.items() if ok(it) and "row_grads" in it}
+    if not items:
+        return ""
+    lines = [
+        "The factor-gradient adds alone (the backward's rows of R fp32 added into the factors' "
+        "gradient), median ms: `index_add_` (atomic adds on CUDA), torch's sort-based "
+        "`index_put_(accumulate=True)` (deterministic), and a copy of the same rows; the ids "
+        "uniform or drawn from a Zipf law (exponent 1), with the most adds one row takes:",
+        "",
+        "| recipe | rows added × R | copy | uniform: atomic / sorted | most to one row "
+        "| Zipf: atomic / sorted | most to one row |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, a in items.items():
+        t = a["timings"]
+        cells = [r, f"{a['adds']:,} × {a['width']:,}", f"{t['copy']['median_ms']:.2f}"]
+        for ids in ("uniform", "zipf"):
+            at, so = t[f"atomic/{ids}"]["median_ms"], t[f"sorted/{ids}"]["median_ms"]
+            cells += [f"{at:.2f} / {so:.2f}", f"{a[f'max_row_adds/{ids}']:,}"]
+        lines.append(md_row(cells))
+    worst = max(v for a in items.values() for k, v in a.items() if k.startswith("sorted_rel"))
+    lines += ["", f"The sorted sums within {worst:.1e} (relative) of the atomic ones."]
     return "\n".join(lines)
 
 
