@@ -238,6 +238,7 @@ def test_triton_kernels_match_reference_under_interpreter():
 
 
 TRITON_SPLIT_SCRIPT = textwrap.dedent("""
+    import sys
     import torch
     from tngram.kernels import fused_lookup, kernel_policy
     from tngram.memory.cp import order_embeddings, order_vectors
@@ -264,7 +265,7 @@ TRITON_SPLIT_SCRIPT = textwrap.dedent("""
         if summed:
             ref = ref.unflatten(-1, (N - 1, R)).sum(-2)
         ref_g = torch.autograd.grad(ref, f64, up.double())
-        with kernel_policy(triton_backward="split", triton_backward_warps=8):
+        with kernel_policy(triton_backward=sys.argv[1], triton_backward_warps=8):
             got = fused_lookup(f, a, l, ng, use_norm=use_norm, impl="triton", sum_orders=summed)
         got_g = torch.autograd.grad(got, leaves, up)
         assert len(got_g) == len(ref_g) == len(leaves)
@@ -276,13 +277,16 @@ TRITON_SPLIT_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton)")
-def test_triton_split_backward_matches_reference_under_interpreter():
+@pytest.mark.parametrize("backward", ["split", "sorted"])
+def test_triton_split_and_sorted_backwards_match_reference_under_interpreter(backward):
     """kernel_policy(triton_backward="split"): the rows kernel without its dW / ds tile plus the
-    per-order dW / ds kernel give the fp64 reference's gradients, with the tolerances of the
-    fused backward's test above (concatenated and summed orders, with and without norm,
-    absorption and scales; more tokens than one dW / ds program holds)."""
+    per-order dW / ds kernel; "sorted": the rows kernel storing each token's row gradients and
+    a sort-based sum per row. Both give the fp64 reference's gradients, with the tolerances of
+    the fused backward's test above (concatenated and summed orders, with and without norm,
+    absorption and scales; more tokens than one dW / ds program holds; rows read by many
+    tokens: V 11, 140 tokens)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", TRITON_SPLIT_SCRIPT], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", TRITON_SPLIT_SCRIPT, backward], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     err32, err16 = map(float, out.stdout.split())
@@ -308,14 +312,15 @@ COMPILE_SCRIPT = textwrap.dedent("""
     fwd = {**ptr(["table_ptr", "idx_ptr", "w_ptr", "s_ptr", "out_ptr", "rstd_ptr"]), "R": "i32",
            "eps": "fp32"}
     bwd = {**ptr(["table_ptr", "idx_ptr", "w_ptr", "s_ptr", "rstd_ptr", "grad_ptr", "dtable_ptr",
-                  "dw_ptr", "ds_ptr"]), "M": "i32", "R": "i32"}
+                  "drows_ptr", "dw_ptr", "ds_ptr"]), "M": "i32", "R": "i32"}
     flags = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024,
              "SUM_ORDERS": False}
-    ws = {n: t for n, t in bwd.items() if n != "dtable_ptr"}
-    rows = {"NEED_TABLE": True, "BLOCK_M": 16, "BLOCK_K": 4, "ACC_WS": True}
+    ws = {n: t for n, t in bwd.items() if n not in ("dtable_ptr", "drows_ptr")}
+    rows = {"NEED_TABLE": True, "BLOCK_M": 16, "BLOCK_K": 4, "ACC_WS": True, "ROWS_OUT": False}
     for fn, sig, extra in ((k._tngram_fwd_kernel, fwd, {}),
                            (k._tngram_bwd_kernel, bwd, rows),
                            (k._tngram_bwd_kernel, bwd, {**rows, "ACC_WS": False}),
+                           (k._tngram_bwd_kernel, bwd, {**rows, "ROWS_OUT": True}),
                            (k._tngram_bwd_ws_kernel, ws, {"BLOCK_M": 64})):
         const = {**flags, **extra}
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
@@ -327,7 +332,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install triton)")
 def test_triton_kernels_compile_for_cuda_without_a_gpu():
     """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr loop bounds), so
-    the kernels (forward, fused backward, the split backward's two) are also lowered to a cubin for sm_80 (triton's bundled ptxas, no device)."""
+    the kernels (forward, fused backward, the split backward's two, the sorted backward's rows
+    kernel) are also lowered to a cubin for sm_80 (triton's bundled ptxas, no device)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True,

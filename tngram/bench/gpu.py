@@ -7,8 +7,8 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
   lookup   TN-gram's compiled lookup (Triton on CUDA, C on the CPU) against the torch path: inside
            paper-l9-tngram the loss and the memory gradients (fp32 and bf16), and the lookup of
            one paper-l9 TN-gram module alone, forward + backward, timed for each implementation
-  kernels  the Triton lookup's backward variants (fused / split, two num_warps each) of every
-           chosen TN-gram recipe's module at the fwdbwd batch, and the same stage without a
+  kernels  the Triton lookup's backward variants (fused / split / sorted, two num_warps each) of
+           every chosen TN-gram recipe's module at the fwdbwd batch, and the same stage without a
            hand-written kernel compiled by torch.compile (`inductor`; not with compile=False),
            interleaved, with their gradients compared; and the backward's factor-gradient adds
            alone, atomic against sorted, for uniform and Zipf ids (tngram.bench.gpu_kernels)
@@ -82,9 +82,10 @@ PEAK_BF16 = (
 GPU_COST = {
     "doctor": 30,
     "lookup": 25,
-    # one recipe: 5 Triton compiles (forward, 4 backward variants) of a few s each, then 13
-    # rounds of 5 calls of < 0.1 s at 64 x 1024 tokens; not measured yet
-    "kernels": 20,
+    # one recipe: 7 Triton compiles (forward, 6 backward variants) of a few s each, then 13
+    # rounds of 7 calls of < 0.1 s at 64 x 1024 tokens, and the row_grads adds (13 rounds of 5
+    # calls of a few ms); not measured yet
+    "kernels": 25,
     # its `inductor` variant (compile=True): torch.compile of the lookup stage's forward and
     # backward graphs (the model's compiled fwdbwd set-up was 25-36 s at 7608a19, this is a
     # small part of that graph), then 13 rounds of one call; not measured yet

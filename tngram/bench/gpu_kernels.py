@@ -8,7 +8,9 @@ the orders summed for order_combine="sum") at the forward+backward batch of the 
     fwd                        the forward alone (the same kernel for every variant)
     <backward>/w<warps>        forward + backward, for backward in kernel_policy's
                                TRITON_BACKWARDS ("fused": one kernel; "split": a rows kernel and a
-                               dW / ds kernel) at the forward's num_warps and at twice it
+                               dW / ds kernel; "sorted": the fused kernel storing its row
+                               gradients, then a sort-based sum per row) at the forward's num_warps
+                               and at twice it
     inductor                   forward + backward of the same stage with no hand-written kernel:
                                the plain-autograd path (model.memory.fused=false) under
                                torch.compile(fullgraph=True), the code inductor generates for it

@@ -23,7 +23,7 @@ from tngram.cli.common import add_set_argument
 GPU_SECTIONS = SECTIONS  # the bench's sections, in their order
 MAX_TABLE_VOCAB = 262_144  # twice the largest default: a table step at 131k builds 2.8 B params
 # tngram.kernels.policy.TRITON_BACKWARDS (the same test checks it)
-TRITON_BACKWARDS = ("fused", "split")
+TRITON_BACKWARDS = ("fused", "split", "sorted")
 
 
 def _gpu_out(out: str | None, slug: str) -> Any:
@@ -185,8 +185,9 @@ def add_gpu_command(bs: Any) -> None:
         choices=TRITON_BACKWARDS,
         default="fused",
         help="how the TN-gram Triton lookup's backward runs in every section but kernels: "
-        "fused (one kernel) or split (its absorption and scale gradients in a second kernel); "
-        "default fused",
+        "fused (one kernel), split (its absorption and scale gradients in a second kernel) or "
+        "sorted (the factor rows' gradients stored, then summed per row by a sort, not added "
+        "by atomics); default fused",
     )
     g.add_argument(
         "--triton-backward-warps",

@@ -11,13 +11,16 @@ by setting attributes on modules.
                          (e's only consumer is the K/V matmul, which autocast runs in bf16
                          anyway): no fp32 copy of e and no cast pass (the C kernel on CPU, the
                          Triton kernel on CUDA; bit-identical to the cast). Default True.
-    triton_backward      "fused" | "split": how the Triton lookup's backward computes the
-                         absorption and scale gradients (tngram.kernels.tngram_triton). "fused"
-                         (default): in the rows kernel, an (N-1) x R accumulator tile held
+    triton_backward      "fused" | "split" | "sorted": how the Triton lookup's backward runs
+                         (tngram.kernels.tngram_triton). For the absorption and scale
+                         gradients, "fused" (default): in the rows kernel, an (N-1) x R tile held
                          across its token loop. "split": a second kernel, one order per
                          program; the rows kernel then needs fewer registers a thread (sm_90,
                          N 5, R 1024, 4 warps: 113 against 209; docs/GPU.md). Equal up to fp32
-                         summation order. Default "fused" until a GPU measures "split" faster
+                         summation order. "sorted": the fused kernel stores each token's row
+                         gradients and torch's sort-based index_put_ sums them per row, in
+                         place of its atomic adds (tngram.kernels.tngram_triton; deterministic
+                         factor gradients). Default "fused" until a GPU measures another faster
                          (`tngram bench gpu --sections kernels`).
     triton_backward_warps
                          num_warps of the Triton backward's kernels; 0 (default): the forward's
@@ -44,7 +47,7 @@ from torch import Tensor
 
 FUSE_KV_MIN_ROWS = 64
 LOOKUP_IMPLS = ("auto", "torch", "c", "triton")
-TRITON_BACKWARDS = ("fused", "split")
+TRITON_BACKWARDS = ("fused", "split", "sorted")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,15 @@ kernel needs 113 registers a thread instead of 209 (scripts/triton_registers.py)
 faster is a GPU measurement (`tngram bench gpu --sections kernels`); same numbers up to the
 fp32 order of the dW / ds sums.
 
+sorted backward (kernel_policy(triton_backward="sorted")): the fused rows kernel stores each
+token's N row gradients (ROWS_OUT: an (M N, R) fp32 buffer, 4 M N R bytes, e.g. 1.3 GB at
+64 x 1,024 tokens and R 1,024) instead of adding them to the table gradient by atomics, and
+torch's sort-based index_put_(accumulate=True) sums them per row (`_sum_rows_sorted`). The
+atomics it replaces are N R per token, and the rows of frequent tokens take many of them; the
+sorted sum writes and reads the buffer once more. Which is faster is a GPU measurement (the
+kernels section, also `row_grads` there); the factor gradients are then the same sums in
+another order (deterministic), dW and ds the fused kernel's.
+
 Dimension letters: M tokens, N max order, V vocab, R CP rank.
 """
 
@@ -131,6 +140,7 @@ def _tngram_bwd_kernel(
     rstd_ptr,
     grad_ptr,
     dtable_ptr,
+    drows_ptr,
     dw_ptr,
     ds_ptr,
     M,
@@ -145,6 +155,7 @@ def _tngram_bwd_kernel(
     BLOCK_K: tl.constexpr,
     SUM_ORDERS: tl.constexpr = False,
     ACC_WS: tl.constexpr = True,
+    ROWS_OUT: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_R)
@@ -186,11 +197,17 @@ def _tngram_bwd_kernel(
                 db = db * wj
             if NEED_TABLE:
                 G = G + db  # grad w.r.t. P_k
-                tl.atomic_add(dtable_ptr + rlast * R + cols, G * Pkm1, mask=mask)
+                if ROWS_OUT:  # token m's row gradient of column k-1, summed later (sorted)
+                    tl.store(drows_ptr + (m * N + (k - 1)) * R + cols, G * Pkm1, mask=mask)
+                else:
+                    tl.atomic_add(dtable_ptr + rlast * R + cols, G * Pkm1, mask=mask)
                 G = G * xlast  # grad w.r.t. P_{k-1}
         if NEED_TABLE:
-            row0 = tl.load(idx_ptr + m * N)
-            tl.atomic_add(dtable_ptr + row0 * R + cols, G, mask=mask)
+            if ROWS_OUT:
+                tl.store(drows_ptr + m * N * R + cols, G, mask=mask)
+            else:
+                row0 = tl.load(idx_ptr + m * N)
+                tl.atomic_add(dtable_ptr + row0 * R + cols, G, mask=mask)
     kmask = kk < N - 1
     if HAS_W and ACC_WS:
         tl.atomic_add(
@@ -257,6 +274,19 @@ def _tngram_bwd_ws_kernel(
         tl.atomic_add(ds_ptr + j, tl.sum(ds_acc, axis=0))
 
 
+def _sum_rows_sorted(dtable: Tensor, rows: Tensor, drows: Tensor) -> None:
+    """dtable[rows[i]] += drows[i] for every i, by torch's sort-based index_put_ (on CUDA: sort
+    the row ids, then one sum per distinct row; no atomic adds to one address from many
+    threads); deterministic mode on CUDA and the CPU picks that path whatever the caller set."""
+    was = torch.are_deterministic_algorithms_enabled()
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        dtable.index_put_((rows,), drows, accumulate=True)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 def _launch_cfg(R: int) -> tuple[int, int]:
     block_r = triton.next_power_of_2(R)
     return block_r, (4 if block_r <= 1024 else 8)
@@ -284,12 +314,14 @@ def triton_lookup_fwd(
     sum_orders: bool = False,
     split_bwd: bool = False,
     bwd_warps: int = 0,
+    sorted_bwd: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """factors (N, V, R), idx (M, N) row ids -> e (M, N-1, R) in factors' dtype (bf16 with
     out_bf16: the fp32 e rounded, bit-identical to casting it), rstd (M, N-1) fp32.
     sum_orders: e summed over the orders, (M, R), in the epilogue (fp32, in order 1..N-1, then
-    rounded once): no (N-1) R-wide e is written. split_bwd, bwd_warps: how its autograd runs
-    the backward (`triton_lookup_bwd`'s split and warps; the forward ignores them)."""
+    rounded once): no (N-1) R-wide e is written. split_bwd, bwd_warps, sorted_bwd: how its
+    autograd runs the backward (`triton_lookup_bwd`'s split, warps and sorted; the forward
+    ignores them)."""
     N, V, R = factors.shape
     M = idx.shape[0]
     table = factors.contiguous().view(N * V, R)
@@ -333,6 +365,7 @@ def _(
     sum_orders=False,
     split_bwd=False,
     bwd_warps=0,
+    sorted_bwd=False,
 ):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     M = idx.shape[0]
@@ -356,15 +389,20 @@ def triton_lookup_bwd(
     sum_orders: bool = False,
     split: bool = False,
     warps: int = 0,
+    sorted_rows: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> d factors (N, V, R) (empty unless need_factors), dW (N-1, R), ds (N-1,) fp32.
     split: the rows kernel leaves dW and ds to `_tngram_bwd_ws_kernel` (module docstring).
-    warps: num_warps of both kernels (0: `_launch_cfg`'s, the forward's)."""
+    warps: num_warps of both kernels (0: `_launch_cfg`'s, the forward's). sorted_rows: the rows
+    kernel stores each token's row gradients (M N, R) instead of adding them, and torch's
+    sort-based index_put_(accumulate=True) sums them into d factors (module docstring)."""
     N, V, R = factors.shape
     M = idx.shape[0]
     dev = factors.device
     table = factors.contiguous().view(N * V, R)
     dtable = torch.zeros(N * V if need_factors else 0, R, dtype=torch.float32, device=dev)
+    rows_out = sorted_rows and need_factors and M > 0
+    drows = torch.empty(M * N if rows_out else 0, R, dtype=torch.float32, device=dev)
     dW = torch.zeros(N - 1, R, dtype=torch.float32, device=dev)
     ds = torch.zeros(N - 1, dtype=torch.float32, device=dev)
     Wc = W.contiguous() if W is not None else table
@@ -383,6 +421,7 @@ def triton_lookup_bwd(
             rstd,
             grad.contiguous(),
             dtable if need_factors else table,
+            drows if rows_out else table,
             dW,
             ds,
             M,
@@ -394,8 +433,11 @@ def triton_lookup_bwd(
             BLOCK_K=triton.next_power_of_2(N - 1),
             SUM_ORDERS=sum_orders,
             ACC_WS=not split,
+            ROWS_OUT=rows_out,
             num_warps=warps,
         )
+    if rows_out:
+        _sum_rows_sorted(dtable, idx.reshape(-1), drows)
     if M > 0 and split and (W is not None or scales is not None):
         _tngram_bwd_ws_kernel[(triton.cdiv(M, SPLIT_WS_TOKENS), N - 1)](
             table,
@@ -431,6 +473,7 @@ def _(
     sum_orders=False,
     split=False,
     warps=0,
+    sorted_rows=False,
 ):  # noqa: ANN001, ANN202
     N, V, R = factors.shape
     return (
@@ -441,10 +484,10 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    factors, idx, W, scales, use_norm, eps, _, sum_orders, split_bwd, bwd_warps = inputs
+    factors, idx, W, scales, use_norm, eps, _, sum_orders, split_bwd, bwd_warps, sorted_bwd = inputs
     ctx.save_for_backward(factors, idx, W, scales, output[1])
     ctx.use_norm, ctx.sum_orders = use_norm, sum_orders
-    ctx.split_bwd, ctx.bwd_warps = split_bwd, bwd_warps
+    ctx.split_bwd, ctx.bwd_warps, ctx.sorted_bwd = split_bwd, bwd_warps, sorted_bwd
 
 
 def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
@@ -462,12 +505,14 @@ def _backward(ctx, grad_out, grad_rstd):  # noqa: ANN001, ANN202
         ctx.sum_orders,
         ctx.split_bwd,
         ctx.bwd_warps,
+        ctx.sorted_bwd,
     )
     return (
         d_f if need_f else None,
         None,
         dW.to(W.dtype) if (W is not None and need_W) else None,
         ds.to(scales.dtype) if (scales is not None and need_s) else None,
+        None,
         None,
         None,
         None,
@@ -501,8 +546,9 @@ def triton_lookup(
     out_bf16 = out_dtype == torch.bfloat16
     pol = current_policy()  # the backward's variant and warps (tngram.kernels.policy)
     split, warps = pol.triton_backward == "split", pol.triton_backward_warps
+    sorted_bwd = pol.triton_backward == "sorted"
     return triton_lookup_fwd(
-        factors, idx, W, scales, use_norm, eps, out_bf16, sum_orders, split, warps
+        factors, idx, W, scales, use_norm, eps, out_bf16, sum_orders, split, warps, sorted_bwd
     )[0]
 
 
