@@ -39,9 +39,9 @@ PTR = "*fp32"
 FWD = {"table_ptr": PTR, "idx_ptr": "*i64", "w_ptr": PTR, "s_ptr": PTR, "out_ptr": "*bf16",
        "rstd_ptr": PTR, "R": "i32", "eps": "fp32"}
 BWD = {"table_ptr": PTR, "idx_ptr": "*i64", "w_ptr": PTR, "s_ptr": PTR, "rstd_ptr": PTR,
-       "grad_ptr": "*bf16", "dtable_ptr": PTR, "dw_ptr": PTR, "ds_ptr": PTR, "M": "i32",
-       "R": "i32"}
-WS = {n: t for n, t in BWD.items() if n != "dtable_ptr"}
+       "grad_ptr": "*bf16", "dtable_ptr": PTR, "drows_ptr": PTR, "dw_ptr": PTR, "ds_ptr": PTR,
+       "M": "i32", "R": "i32"}
+WS = {n: t for n, t in BWD.items() if n not in ("dtable_ptr", "drows_ptr")}
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -69,7 +69,7 @@ def recipe_kernels(name: str, arch: int) -> dict:
              "USE_NORM": bool(mem.use_norm), "BLOCK_R": triton.next_power_of_2(R),
              "SUM_ORDERS": mem.order_combine == "sum"}
     rows = {**flags, "NEED_TABLE": True, "BLOCK_M": 16,
-            "BLOCK_K": triton.next_power_of_2(N - 1)}
+            "BLOCK_K": triton.next_power_of_2(N - 1), "ROWS_OUT": False}
     warps0 = k.default_warps(R)
     out = {"max_ngram": N, "cp_rank": R, **{f: flags[f] for f in flags if f != "N"}, "by_warps": {}}
     for w in (warps0, 2 * warps0):
@@ -81,6 +81,9 @@ def recipe_kernels(name: str, arch: int) -> dict:
                                               {**rows, "ACC_WS": False}, w, arch),
             "backward split, dW/ds": resources(k._tngram_bwd_ws_kernel, WS,
                                                {**flags, "BLOCK_M": k.SPLIT_WS_TOKENS}, w, arch),
+            "backward sorted, rows": resources(k._tngram_bwd_kernel, BWD,
+                                               {**rows, "ACC_WS": True, "ROWS_OUT": True}, w,
+                                               arch),
         }
     return out
 

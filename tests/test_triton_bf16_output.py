@@ -124,13 +124,14 @@ def test_triton_bf16_and_summed_outputs_compile_for_cuda_without_a_gpu():
     fwd = {"table_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32",
            "out_ptr": "*bf16", "rstd_ptr": "*fp32", "R": "i32", "eps": "fp32"}
     bwd = {"table_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "s_ptr": "*fp32",
-           "rstd_ptr": "*fp32", "grad_ptr": "*bf16", "dtable_ptr": "*fp32", "dw_ptr": "*fp32",
-           "ds_ptr": "*fp32", "M": "i32", "R": "i32"}
+           "rstd_ptr": "*fp32", "grad_ptr": "*bf16", "dtable_ptr": "*fp32", "drows_ptr": "*fp32",
+           "dw_ptr": "*fp32", "ds_ptr": "*fp32", "M": "i32", "R": "i32"}
     flags = {"N": 5, "HAS_W": True, "HAS_S": True, "USE_NORM": True, "BLOCK_R": 1024}
     cases: list[Case] = [("_tngram_fwd_kernel", fwd, {**flags, "SUM_ORDERS": s})
                          for s in (False, True)]
     cases.append(("_tngram_bwd_kernel", bwd, {**flags, "NEED_TABLE": True, "BLOCK_M": 16,
-                                              "BLOCK_K": 4, "SUM_ORDERS": True, "ACC_WS": True}))
+                                              "BLOCK_K": 4, "SUM_ORDERS": True, "ACC_WS": True,
+                                              "ROWS_OUT": False}))
     assert_lowers_to_sm80_cubin("tngram.kernels.tngram_triton", cases)
 
 
