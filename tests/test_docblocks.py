@@ -173,6 +173,12 @@ def test_register_counts_in_gpu_md_follow_their_results_file():
            f"{sm['backward fused']['warps_per_sm']} warps per SM)" in gpu
     assert f"Without the tile the rows kernel needs {rows['registers']} " \
            f"({rows['warps_per_sm']} warps per SM) and {sm['backward split, rows']['registers']}." in gpu
+    so, lean = tn["backward sorted, rows"], regs["paper-l9-tngram-sum-lean"]["by_warps"]["8"]
+    assert f"{so['registers']} a thread at `paper-l9-tngram` (4 warps; `fused` " \
+           f"{fused['registers']}) and {lean['backward sorted, rows']['registers']} at " \
+           f"`-sum-lean` (8 warps; `fused` {lean['backward fused']['registers']}, so " \
+           f"{lean['backward sorted, rows']['warps_per_sm']} warps per SM against " \
+           f"{lean['backward fused']['warps_per_sm']};" in gpu
     for r in regs.values():  # "at twice the warps ... as many registers or fewer, as many warps"
         lo, hi = (r["by_warps"][w] for w in sorted(r["by_warps"], key=int))
         assert all(hi[k]["registers"] <= lo[k]["registers"] for k in lo)
