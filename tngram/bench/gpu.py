@@ -416,9 +416,9 @@ def _run(
             res["sections"]["kernels"][r] = {"skipped": no_triton}
             res["skipped"].append(f"kernels {r}: {no_triton}")
             continue
-        fn = partial(gpu_kernels.lookup_backwards, r, shapes, compile)
+        backwards = partial(gpu_kernels.lookup_backwards, r, shapes, compile)
         cost = shapes.cost("kernels") + (shapes.cost("kernels_inductor") if compile else 0)
-        item("kernels", r, cost, fn)
+        item("kernels", r, cost, backwards)
     item(
         "attention",
         "paper-l9",
