@@ -134,10 +134,10 @@ def row_grad_adds(
     """The factor-gradient adds of one lookup backward alone (module docstring, `row_grads`):
     for each (B, T) id set, rows = the (M N,) flat factor rows the lookup reads
     (ngram_row_index), vals (M N, R) fp32; timed interleaved: index_add_ ("atomic/<ids>"),
-    index_put_(accumulate=True) deterministic ("sorted/<ids>"), vals.clone() ("copy"). Each
+    sum_rows_sorted, the sorted backward's sum ("sorted/<ids>"), vals.clone() ("copy"). Each
     sorted sum is compared with its atomic one (`sorted_rel_diff`), and the item records how
     many adds the most-read row takes (`max_row_adds`)."""
-    from tngram.kernels.tngram_lookup import ngram_row_index
+    from tngram.kernels.tngram_lookup import ngram_row_index, sum_rows_sorted
     from tngram.memory.ngrams import suffix_ngrams
 
     g = torch.Generator().manual_seed(1)
@@ -151,13 +151,10 @@ def row_grad_adds(
     def atomic(r: torch.Tensor) -> torch.Tensor:
         return torch.zeros(N * V, R, device=dev).index_add_(0, r, vals)
 
-    def sorted_(r: torch.Tensor) -> torch.Tensor:
-        was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
-            return torch.zeros(N * V, R, device=dev).index_put_((r,), vals, accumulate=True)
-        finally:
-            torch.use_deterministic_algorithms(was)
+    def sorted_(r: torch.Tensor) -> torch.Tensor:  # the sorted backward's own sum
+        out = torch.zeros(N * V, R, device=dev)
+        sum_rows_sorted(out, r, vals)
+        return out
 
     fns: dict[str, Callable[[], Any]] = {"copy": vals.clone}
     for k, r in rows.items():

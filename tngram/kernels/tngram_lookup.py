@@ -74,6 +74,21 @@ def ngram_row_index(ngrams: Tensor, vocab_size: int) -> Tensor:
 _OFFSETS: dict[tuple[int, int, torch.device], Tensor] = {}
 
 
+def sum_rows_sorted(dtable: Tensor, rows: Tensor, drows: Tensor) -> None:
+    """dtable[rows[i]] += drows[i] for every i (dtable (rows, R), rows (K,) int64, drows (K, R)),
+    by torch's sort-based index_put_(accumulate=True): the row ids sorted, then one sum per
+    distinct row, with no atomic adds of many threads to one address. Deterministic mode is on
+    for the call (it makes torch take the sorted path on every device) and restored after. The
+    Triton lookup's sorted backward sums its rows here (tngram.kernels.tngram_triton)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        dtable.index_put_((rows,), drows, accumulate=True)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 def absorption_weights(absorb: Tensor | None, N: int, R: int, like: Tensor) -> Tensor | None:
     """W_j = w_1 * ... * w_{N-2-j} for j = 0..N-2 as (N-1, R); None without absorption.
 

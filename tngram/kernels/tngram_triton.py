@@ -29,7 +29,8 @@ fp32 order of the dW / ds sums.
 sorted backward (kernel_policy(triton_backward="sorted")): the fused rows kernel stores each
 token's N row gradients (ROWS_OUT: an (M N, R) fp32 buffer, 4 M N R bytes, e.g. 1.3 GB at
 64 x 1,024 tokens and R 1,024) instead of adding them to the table gradient by atomics, and
-torch's sort-based index_put_(accumulate=True) sums them per row (`_sum_rows_sorted`). The
+torch's sort-based index_put_(accumulate=True) sums them per row (tngram_lookup's
+`sum_rows_sorted`). The
 atomics it replaces are N R per token, and the rows of frequent tokens take many of them; the
 sorted sum writes and reads the buffer once more. Which is faster is a GPU measurement (the
 kernels section, also `row_grads` there); the factor gradients are then the same sums in
@@ -48,6 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tngram.kernels.policy import current_policy
+from tngram.kernels.tngram_lookup import sum_rows_sorted
 from tngram.kernels.triton_round import round_to
 
 SPLIT_WS_TOKENS = 64  # tokens per program of the split backward's dW / ds kernel
@@ -274,19 +276,6 @@ def _tngram_bwd_ws_kernel(
         tl.atomic_add(ds_ptr + j, tl.sum(ds_acc, axis=0))
 
 
-def _sum_rows_sorted(dtable: Tensor, rows: Tensor, drows: Tensor) -> None:
-    """dtable[rows[i]] += drows[i] for every i, by torch's sort-based index_put_ (on CUDA: sort
-    the row ids, then one sum per distinct row; no atomic adds to one address from many
-    threads); deterministic mode on CUDA and the CPU picks that path whatever the caller set."""
-    was = torch.are_deterministic_algorithms_enabled()
-    warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        dtable.index_put_((rows,), drows, accumulate=True)
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn)
-
-
 def _launch_cfg(R: int) -> tuple[int, int]:
     block_r = triton.next_power_of_2(R)
     return block_r, (4 if block_r <= 1024 else 8)
@@ -437,7 +426,7 @@ def triton_lookup_bwd(
             num_warps=warps,
         )
     if rows_out:
-        _sum_rows_sorted(dtable, idx.reshape(-1), drows)
+        sum_rows_sorted(dtable, idx.reshape(-1), drows)
     if M > 0 and split and (W is not None or scales is not None):
         _tngram_bwd_ws_kernel[(triton.cdiv(M, SPLIT_WS_TOKENS), N - 1)](
             table,
