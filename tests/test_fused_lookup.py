@@ -240,6 +240,10 @@ def test_triton_kernels_match_reference_under_interpreter():
 TRITON_SPLIT_SCRIPT = textwrap.dedent("""
     import sys
     import torch
+    import tngram.kernels.tngram_triton as tt
+    # a spy on the sorted backward's per-row sum (the real one runs): which path ran
+    sums, real_sum = [], tt.sum_rows_sorted
+    tt.sum_rows_sorted = lambda *a: (sums.append(1), real_sum(*a))[1]
     from tngram.kernels import fused_lookup, kernel_policy
     from tngram.memory.cp import order_embeddings, order_vectors
     from tngram.memory.ngrams import suffix_ngrams
@@ -272,7 +276,7 @@ TRITON_SPLIT_SCRIPT = textwrap.dedent("""
         for x, t in zip((got, *got_g), (ref, *ref_g)):
             rel = ((x.double() - t).abs().max() / t.abs().max().clamp_min(1e-12)).item()
             worst[str(dtype)] = max(worst.get(str(dtype), 0.0), rel)
-    print(worst["torch.float32"], worst["torch.bfloat16"])
+    print(worst["torch.float32"], worst["torch.bfloat16"], len(sums))
 """)
 
 
@@ -289,9 +293,11 @@ def test_triton_split_and_sorted_backwards_match_reference_under_interpreter(bac
     out = subprocess.run([sys.executable, "-c", TRITON_SPLIT_SCRIPT, backward], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    err32, err16 = map(float, out.stdout.split())
+    err32, err16, sums = map(float, out.stdout.split())
     assert err32 < 1e-5, err32
     assert err16 < 1e-2, err16
+    # the sorted path ran once per case's backward (5 cases), and never for split
+    assert sums == (5 if backward == "sorted" else 0), sums
 
 
 def test_kernel_policy_rejects_unknown_triton_backwards():
