@@ -18,10 +18,19 @@ TrainingArguments, as Trainer does. Two ways in:
     trainer = MemoryTrainer(model=model, args=args, train_dataset=ds, memory_table_lr=1e-2)
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       optimizers=(memory_optimizer(model, args, table_lr=1e-2), None))
+
+Accumulated micro-steps (gradient_accumulation_steps > 1) with row-sparse tables: torch adds
+each micro-step's sparse gradient to `p.grad` by concatenation, copying the growing gradient
+once per micro-step (k(k+1)/2 - 1 micro-steps' worth of rows for k). MemoryTrainer runs the
+micro-steps of one optimiser step inside tngram.kernels.sparse_rows.accumulate_at_exit, as our
+trainer does: their gradients are set aside and concatenated once, after the window's last
+backward (Trainer's `sync_gradients` step) and before clipping, the norm and the step. A plain
+Trainer with memory_optimizer keeps torch's additions (the same sums, more copies).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, cast
 
 import torch
@@ -30,6 +39,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
+from tngram.kernels.sparse_rows import accumulate_at_exit
 from tngram.hf.table_update import (
     check_memory_update,
     has_sparse_grads,
@@ -123,7 +133,8 @@ class MemoryTrainer(Trainer):
     `memory_update` ("dense" | "sparse" | "rowwise", see memory_optimizer) and
     `memory_catchup`; its gradient clipping takes row-sparse gradients. With catch-up, rows owed
     moves are settled for evaluate() / predict() (weights restored after) and at the end of
-    train(), as our trainer does."""
+    train(), as our trainer does. Row-sparse gradients of accumulated micro-steps are added up
+    once per optimiser step (module docstring)."""
 
     def __init__(
         self,
@@ -137,12 +148,42 @@ class MemoryTrainer(Trainer):
         self.memory_table_lr = memory_table_lr
         self.memory_update = memory_update
         self.memory_catchup = memory_catchup
+        self._window: contextlib.ExitStack | None = None  # open accumulate_at_exit()
         super().__init__(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().train(*args, **kwargs)
+        try:
+            out = super().train(*args, **kwargs)
+        finally:
+            self._close_window()  # never leave the deferral on past train()
         settle_memory_tables(self.optimizer)  # catch-up: rows owed moves get them
         return out
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
+        """Trainer's micro-step, inside the optimiser step's accumulate_at_exit window: opened
+        by the window's first micro-step, closed after the one Trainer syncs on (its last)."""
+        if self._window is None:
+            self._window = contextlib.ExitStack()
+            self._window.enter_context(accumulate_at_exit())
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            self._close_window()
+            raise
+        if self.accelerator.sync_gradients:
+            self._close_window()
+        return loss
+
+    def _close_window(self) -> None:
+        """The window's set-aside gradients become each table's p.grad (no-op when closed)."""
+        window, self._window = self._window, None
+        if window is not None:
+            window.close()
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with settled_memory_tables(self.optimizer):
@@ -153,11 +194,13 @@ class MemoryTrainer(Trainer):
             return super().predict(*args, **kwargs)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
+        self._close_window()  # already closed by the last micro-step; never clip without it
         if not has_sparse_grads(model):
             return super()._clip_grad_norm(model)
         return clip_grad_norm(model.parameters(), float(self.args.max_grad_norm))
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        self._close_window()  # Trainer calls this before every optimiser step
         if grad_norm is None and has_sparse_grads(model):
             grad_norm = clip_grad_norm(model.parameters(), float("inf"))  # the norm, no clip
         return super()._get_grad_norm(model, grad_norm=grad_norm)
