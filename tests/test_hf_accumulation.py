@@ -160,3 +160,42 @@ def test_a_failing_micro_step_leaves_no_deferral_behind(tmp_path, monkeypatch):
     model.zero_grad()
     model(IDS[:2], labels=IDS[:2], use_cache=False).loss.backward()
     assert all(t.grad is not None and t.grad.is_sparse for t in tables_of(model))
+
+
+def test_gradient_checkpointing_changes_nothing(tmp_path, monkeypatch):
+    """With gradient checkpointing a layer's forward (its memory's row compaction included)
+    runs again inside the backward, inside the accumulation window: the weights after two
+    steps of three micro-steps equal those without checkpointing, bit for bit (the same ops
+    on the same values; the CPU kernels are deterministic)."""
+    monkeypatch.setenv("TNGRAM_CHECK_IDS", "0")
+    from transformers import TrainingArguments
+
+    # transformers 5.24 renamed the flag (the old name warns); 5.20 has only the old one
+    flag = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
+    out = []
+    for ckpt in (False, True):
+        model = with_memory("llama", "tngram_fused")
+        trainer = MemoryTrainer(
+            model=model,
+            args=plain_args(
+                tmp_path / str(ckpt),
+                steps=STEPS,
+                lr=LR,
+                batch=len(IDS) // K,
+                norm=NORM,
+                gradient_accumulation_steps=K,
+                **{flag: ckpt},
+            ),
+            train_dataset=Data(),
+            memory_table_lr=TABLE_LR,
+            memory_update="sparse",
+        )
+        trainer.train()
+        assert getattr(model.model, f"is_{flag}") == ckpt  # it was on, or off
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for name, p in out[0].items():
+        assert torch.equal(out[1][name], p), name
