@@ -39,7 +39,6 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
-from tngram.kernels.sparse_rows import accumulate_at_exit
 from tngram.hf.table_update import (
     check_memory_update,
     has_sparse_grads,
@@ -47,6 +46,7 @@ from tngram.hf.table_update import (
     settled_memory_tables,
     split_tables,
 )
+from tngram.kernels.sparse_rows import accumulate_at_exit
 from tngram.optim.memory_update import clip_grad_norm
 
 
