@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_tiny import plain_args, prompt, with_memory  # noqa: E402
+from test_sparse_rows_coalesced import SparseAdds  # noqa: E402
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
@@ -39,20 +39,24 @@ class Data(torch.utils.data.Dataset):
         return {"input_ids": IDS[i], "labels": IDS[i]}
 
 
-class SparseAdds(TorchDispatchMode):
-    """Counts additions (add / add_) that take a sparse tensor: torch's accumulation of a
-    sparse gradient into p.grad."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func.overloadpacket.__name__ in ("add", "add_") and any(
-            isinstance(a, torch.Tensor) and a.is_sparse for a in args
-        ):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
+def _trainer(model, tmp_path, **kw) -> MemoryTrainer:
+    """STEPS optimiser steps of K micro-steps, row-sparse tables with lazy Adam."""
+    args = plain_args(
+        tmp_path,
+        steps=STEPS,
+        lr=LR,
+        batch=len(IDS) // K,
+        norm=NORM,
+        gradient_accumulation_steps=K,
+        **kw,
+    )
+    return MemoryTrainer(
+        model=model,
+        args=args,
+        train_dataset=Data(),
+        memory_table_lr=TABLE_LR,
+        memory_update="sparse",
+    )
 
 
 def tables_of(model):
@@ -83,20 +87,7 @@ def _train(model, tmp_path, monkeypatch, windowed: bool, fail_at: int | None = N
         return real_summed(grads)
 
     monkeypatch.setattr(sparse_rows, "_summed", spy)
-    trainer = MemoryTrainer(
-        model=model,
-        args=plain_args(
-            tmp_path,
-            steps=STEPS,
-            lr=LR,
-            batch=len(IDS) // K,
-            norm=NORM,
-            gradient_accumulation_steps=K,
-        ),
-        train_dataset=Data(),
-        memory_table_lr=TABLE_LR,
-        memory_update="sparse",
-    )
+    trainer = _trainer(model, tmp_path)
     if fail_at is not None:
         calls = [0]
         real_loss = trainer.compute_loss
@@ -179,21 +170,7 @@ def test_gradient_checkpointing_changes_nothing(tmp_path, monkeypatch):
     out = []
     for ckpt in (False, True):
         model = with_memory("llama", "tngram_fused")
-        trainer = MemoryTrainer(
-            model=model,
-            args=plain_args(
-                tmp_path / str(ckpt),
-                steps=STEPS,
-                lr=LR,
-                batch=len(IDS) // K,
-                norm=NORM,
-                gradient_accumulation_steps=K,
-                **{flag: ckpt},
-            ),
-            train_dataset=Data(),
-            memory_table_lr=TABLE_LR,
-            memory_update="sparse",
-        )
+        trainer = _trainer(model, tmp_path / str(ckpt), **{flag: ckpt})
         trainer.train()
         assert getattr(model.model, f"is_{flag}") == ckpt  # it was on, or off
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
