@@ -3,8 +3,8 @@ gradient_accumulation_steps = k, the micro-steps of one optimiser step run insid
 accumulate_at_exit, so torch never adds one sparse gradient to another (k - 1 concatenations
 per table per step otherwise, each copying the growing gradient): each table's K gradients are
 concatenated once, when the window closes. The optimiser gets one gradient per table with the
-rows torch's additions give, and the trained weights equal a run whose
-micro-steps torch adds up itself (the same rows, summed in another order)."""
+rows torch's additions give, and the trained weights equal a run whose micro-steps torch adds
+up itself (the same rows, summed in another order)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 import tngram.hf.trainer as hf_trainer  # noqa: E402
 from tngram.hf import MemoryTrainer  # noqa: E402
-from tngram.kernels import sparse_rows  # noqa: E402
 from tngram.hf.attach import memory_modules  # noqa: E402
+from tngram.kernels import sparse_rows  # noqa: E402
 from tngram.optim.row_adams import LazyAdam  # noqa: E402
 
 LR, TABLE_LR, STEPS, NORM, K = 1e-2, 5e-2, 2, 0.05, 3
@@ -67,8 +67,8 @@ def tables_of(model):
 def _train(model, tmp_path, monkeypatch, windowed: bool, fail_at: int | None = None):
     """STEPS optimiser steps of K micro-steps; returns (sparse additions dispatched, the table
     gradients the table optimiser stepped on, the size of each sum made on a window's exit).
-    windowed=False: accumulate_at_exit is a no-op
-    (torch adds the micro-steps up). fail_at: the micro-step (0-based) whose loss raises."""
+    windowed=False: accumulate_at_exit is a no-op (torch adds the micro-steps up). fail_at:
+    the micro-step (0-based) whose loss raises."""
     if not windowed:
         monkeypatch.setattr(hf_trainer, "accumulate_at_exit", _nothing)
     seen: list[torch.Tensor] = []
