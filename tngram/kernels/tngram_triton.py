@@ -30,11 +30,10 @@ sorted backward (kernel_policy(triton_backward="sorted")): the fused rows kernel
 token's N row gradients (ROWS_OUT: an (M N, R) fp32 buffer, 4 M N R bytes, e.g. 1.3 GB at
 64 x 1,024 tokens and R 1,024) instead of adding them to the table gradient by atomics, and
 torch's sort-based index_put_(accumulate=True) sums them per row (tngram_lookup's
-`sum_rows_sorted`). The
-atomics it replaces are N R per token, and the rows of frequent tokens take many of them; the
-sorted sum writes and reads the buffer once more. Which is faster is a GPU measurement (the
-kernels section, also `row_grads` there); the factor gradients are then the same sums in
-another order (deterministic), dW and ds the fused kernel's.
+`sum_rows_sorted`). The atomics it replaces are N R per token, and the rows of frequent tokens
+take many of them; the sorted sum writes and reads the buffer once more. Which is faster is a
+GPU measurement (the kernels section, also `row_grads` there); the factor gradients are then
+the same sums in another order (deterministic), dW and ds the fused kernel's.
 
 Dimension letters: M tokens, N max order, V vocab, R CP rank.
 """
