@@ -32,8 +32,8 @@ def kv_input_width(cfg) -> int:  # noqa: ANN001
 
 
 def train_flops_of(cfg) -> float:  # noqa: ANN001
-    """tngram.bench.step.train_flops of one 64 x 1024-token step, on a meta-device model."""
-    from tngram.bench.step import train_flops
+    """tngram.model.flops.train_flops of one 64 x 1024-token step, on a meta-device model."""
+    from tngram.model.flops import train_flops
 
     with torch.device("meta"):
         model = GPT(cfg.model)

@@ -33,7 +33,7 @@ as much as a compiled fwdbwd item; what the default budget leaves out is named i
 a second call with --sections (another --out) measures it.
 
 Every timed item records its peak GPU memory (torch.cuda.max_memory_allocated; none on the
-CPU) and, for fwdbwd, the FLOP count it used (tngram.bench.step.train_flops, the count of
+CPU) and, for fwdbwd, the FLOP count it used (tngram.model.flops.train_flops, the count of
 `tngram plan`) and the MFU against the card's bf16 dense peak from its spec sheet (PEAK_BF16)
 and against the bf16 matmul peak measured in the same run.
 
@@ -334,7 +334,7 @@ def _run(
     }
     peak_spec = spec_peak(ver["card"])
     res["flops"] = {
-        "count": "tngram.bench.step.train_flops: 6 x matmul params x tokens + 12 x L x d x T x "
+        "count": "tngram.model.flops.train_flops: 6 x matmul params x tokens + 12 x L x d x T x "
         "tokens (the count of `tngram plan`; lookups and elementwise work not counted)",
         "peak_bf16_spec": peak_spec,
         "peak_matmul_measured": parts.matmul_peak(device, shapes.tiny),

@@ -245,7 +245,7 @@ def fwdbwd(
     eager or torch.compile(dynamic=False) as the trainer compiles; tokens/s, peak memory, MFU.
     profile: after the timing, a few more steps under torch.profiler (tngram.bench.gpu_profile)
     give the item a "profile": the step's time by kernel and kernel category."""
-    from tngram.bench.step import train_flops
+    from tngram.model.flops import train_flops
     from tngram.model.gpt import GPT
 
     dev = shapes.device

@@ -31,6 +31,7 @@ from typing import Any, Callable, cast
 import torch
 from torch import nn
 
+from tngram.model.flops import matmul_params, train_flops
 from tngram.bench.common import fmt_ms, fmt_si, interleaved, machine_info, matmul_peak
 
 DEFAULT_RECIPES = (
@@ -41,19 +42,6 @@ DEFAULT_RECIPES = (
     "paper-l9-engram",
     "paper-l9-tngram",
 )
-
-
-def matmul_params(model: nn.Module) -> int:
-    """nn.Linear weights + the tied head (tok_emb used as the output matmul)."""
-    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    tok_emb = cast(nn.Embedding, model.tok_emb)  # a GPT's input embedding (the tied head)
-    return n + tok_emb.weight.numel()
-
-
-def train_flops(model: nn.Module, n_layer: int, n_embd: int, seq: int, tokens: int) -> float:
-    """Analytic FLOPs of a training step over `tokens` tokens (forward + backward): 6 x matmul
-    params x tokens + 12 x L x d x T x tokens (module docstring; `tngram plan` uses it too)."""
-    return float(6 * matmul_params(model) * tokens + 12 * n_layer * n_embd * seq * tokens)
 
 
 def build_step(

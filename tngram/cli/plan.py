@@ -127,7 +127,7 @@ def plan(
     margin: float = 0.1,
     overrides: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    from tngram.bench.step import train_flops
+    from tngram.model.flops import train_flops
     from tngram.common import TngramError
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups

@@ -284,7 +284,7 @@ def train_flops_per_token(cfg: Any) -> float:
     """Training FLOPs per token, 6 x matmul weights (nn.Linear + tied head) + 12 L d T for
     attention (the estimate of `tngram plan`); memory lookups add no matmul and are not counted."""
     import torch
-    from tngram.bench.step import matmul_params
+    from tngram.model.flops import matmul_params
     from tngram.model.gpt import GPT
 
     with torch.device("meta"):

@@ -184,7 +184,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
         _tngram(1024, use_norm=False, use_absorption=False), "paper-l9-tngram-lean"
     ),
     # sum and lean together: the K/V input of sum (R 1520) without lean's norm and absorption
-    # passes; the one variant whose matmul FLOPs (tngram.bench.step.train_flops) are below
+    # passes; the one variant whose matmul FLOPs (tngram.model.flops.train_flops) are below
     # Engram's with none of hsum's extra hashed-table reads
     "paper-l9-tngram-sum-lean": lambda: _paper_l9(
         _tngram(1520, order_combine="sum", use_norm=False, use_absorption=False),
