@@ -57,11 +57,11 @@ $(XSTAMP): $(STAMP) pyproject.toml
 	touch $(XSTAMP)
 
 test: $(KSTAMP) $(HSTAMP) $(XSTAMP) $(LSTAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests research/tests
 	PYTHONPATH=$(TFLOW) TNGRAM_EXPECT_TRANSFORMERS=$(TF_LOWEST) $(BIN)/python -m pytest -q $(HF_TESTS)
 
 bench: $(STAMP)
-	$(BIN)/tngram bench modules
+	$(BIN)/python -m research bench modules
 
 clean:
 	rm -rf $(VENV)

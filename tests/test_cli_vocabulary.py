@@ -96,12 +96,12 @@ def test_a_flag_means_the_same_everywhere(flag, phrase):
 
 def test_json_is_a_switch_everywhere_and_preset_not_scale():
     js = _helps("--json")
-    assert {"tngram params", "tngram eval core", "tngram eval bpb", "tngram bench data"} <= set(js)
+    assert {"tngram params", "tngram eval core", "tngram eval bpb", "python -m research bench data"} <= set(js)
     assert all(a.nargs == 0 for a in js.values())            # store_true: never a path
     assert not _helps("--scale")
-    assert set(_helps("--preset")) == {"tngram compare", "tngram experiment"}
-    assert "tngram data bench" not in COMMANDS and "tngram bench data" in COMMANDS
-    for cmd in ("tngram train", "tngram compare", "tngram experiment", "tngram data build",
+    assert set(_helps("--preset")) == {"tngram compare", "python -m research experiment"}
+    assert "tngram data bench" not in COMMANDS and "python -m research bench data" in COMMANDS
+    for cmd in ("tngram train", "tngram compare", "python -m research experiment", "tngram data build",
                 "tngram data fineweb", "tngram eval core", "tngram eval build-bundle"):
         assert "--no-progress" in COMMANDS[cmd].format_help(), cmd
 

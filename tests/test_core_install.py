@@ -89,7 +89,7 @@ def test_experiment_without_the_report_extra_stops_before_training(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
     assert r.returncode == 2
-    assert r.stderr.strip() == ("tngram: error: `tngram experiment` figures need matplotlib, which is not "
+    assert r.stderr.strip() == ("tngram: error: `python -m research experiment` figures need matplotlib, which is not "
                                 "installed: pip install 'tngram[report]'")
     assert not (tmp_path / "exp").exists()
 

@@ -38,7 +38,7 @@ def test_a_dataset_folder_is_named_by_its_folder_and_read_from_its_manifest(tiny
 
 def test_pareto_specs_of_a_dataset_folder(tiny_data, tmp_path):  # noqa: F811
     """The pareto command's specs on a folder: labels, tags and each config's data point at it."""
-    from tngram.experiments import pareto as P
+    from research.experiments import pareto as P
 
     link = _link(tmp_path, tiny_data, "mine")
     vocab = json.loads((tiny_data / "manifest.json").read_text())["vocab_size"]

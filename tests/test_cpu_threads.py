@@ -140,8 +140,8 @@ def test_idle_machine_omp_setting_or_cuda_change_nothing(monkeypatch, capsys):
 
 
 def test_contention_summary_and_its_docs_table():
-    from tngram.bench.contention import background_note, summarize
-    from tngram.report.bench_blocks import render_contention
+    from research.bench.contention import background_note, summarize
+    from research.report.bench_blocks import render_contention
     tps = {"idle:default": [100.0, 120.0, 110.0], "idle:1": [60.0, 66.0, 63.0], "idle:auto": [118.0, 90.0, 112.0],
            "busy:default": [10.0, 30.0, 20.0], "busy:1": [44.0, 40.0, 48.0], "busy:auto": [41.0, 50.0, 45.0]}
     med, rel = summarize(tps)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "research").glob("*.md"))
 AGE = re.compile(r"^#+\s+(earlier|previous|before|current|older|newer|latest|formerly|now)\b", re.I | re.M)
 
 
@@ -25,6 +25,6 @@ def test_the_pattern_catches_the_titles_it_is_for():
 
 
 def test_performance_md_has_the_present_parts():
-    text = (ROOT / "docs" / "PERFORMANCE.md").read_text(encoding="utf-8")
+    text = (ROOT / "research" / "PERFORMANCE.md").read_text(encoding="utf-8")
     for head in ("## How to measure", "## What limits speed", "## Tried and not kept", "## Decode"):
         assert f"\n{head}" in text, head

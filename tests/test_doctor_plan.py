@@ -75,7 +75,7 @@ def test_plan_rejects_bad_arguments_and_reports_what_does_not_fit(capsys):
 
 RSS = textwrap.dedent("""
     import json, torch
-    from tngram.bench.common import vm_rss_bytes
+    from research.bench.common import vm_rss_bytes
     from tngram.model.gpt import GPT
     from tngram.cli.plan import activation_bytes
     from tngram.train.recipes import get_recipe

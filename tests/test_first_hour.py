@@ -145,7 +145,7 @@ def test_eval_bpb_differs_from_training_validation_only_by_bf16_autocast(tiny_da
 
 
 def test_experiment_tables_show_no_spread_for_one_seed():
-    from tngram.experiments.sweeps import _table
+    from research.experiments.sweeps import _table
     from tngram.report.runs import fmt_pm
     assert fmt_pm(3.5, 0.0, 1) == "3.5000" and fmt_pm(3.5, 0.01234, 3) == "3.5000 ± 0.0123"
     assert fmt_pm(-0.5, 0.2, 2, "+.2f") == "-0.50 ± 0.20"

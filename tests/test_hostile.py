@@ -28,8 +28,15 @@ EXTRA = ["schedule.steps=4", "schedule.warmdown_steps=2", "run.checkpoint_every=
          "run.keep_checkpoints=10", "run.val_every=0"]
 
 
+LAB_COMMANDS = ("bench", "experiment", "report doc", "report readme")
+
+
 def main(argv):
-    from tngram.cli import main as _main
+    """`tngram ARGV`, or `python -m research ARGV` for the lab's commands, in-process."""
+    if " ".join(argv[:2]).startswith(LAB_COMMANDS):
+        from research.cli import main as _main
+    else:
+        from tngram.cli import main as _main
     return _main(argv)
 
 
@@ -412,7 +419,7 @@ def test_hostile_results_tuning_core_json_are_one_line(reader, content, needle, 
 
 
 def test_tuned_flag_with_malformed_tuning_json_is_one_line(tmp_path):
-    from tngram.experiments.evidence import read_best
+    from research.experiments.evidence import read_best
     (tmp_path / "tuning.json").write_text('{"rows": []}')
     with pytest.raises(TngramError, match="best"):
         read_best(str(tmp_path))

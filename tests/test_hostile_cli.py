@@ -81,7 +81,8 @@ def test_report_compare_row_lacking_a_field_is_one_line(missing, tmp_path, capsy
 
 
 def _doc(tmp_path: Path, body: str) -> Path:
-    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "research" / "results").mkdir(parents=True)
+    (tmp_path / "docs").mkdir(exist_ok=True)
     doc = tmp_path / "docs" / "X.md"
     doc.write_text(f"# x\n\n{body}\n", encoding="utf-8")
     return doc
@@ -138,7 +139,7 @@ def test_report_doc_check_says_how_many_blocks_it_checked(tmp_path, capsys):
         "commit": "0",
         "machine": "m",
     }
-    (tmp_path / "docs" / "results" / "t.json").write_text(json.dumps(snap))
+    (tmp_path / "research" / "results" / "t.json").write_text(json.dumps(snap))
     rc, err = cli(["report", "doc", str(doc), "--check"], capsys)
     assert rc == 1 and "'t' differs" in err
     assert main_out(["report", "doc", str(doc), "--check"], capsys).startswith(
@@ -150,7 +151,7 @@ def test_report_doc_check_says_how_many_blocks_it_checked(tmp_path, capsys):
 
 
 def main_out(argv: list[str], capsys) -> str:
-    from tngram.cli import main
+    from test_hostile import main
 
     try:
         main(argv)

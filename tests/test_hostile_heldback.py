@@ -171,7 +171,7 @@ def test_with_the_digest_recomputed_the_rope_edit_loads_with_other_logits(tmp_pa
 
 
 # - bench `--reps 1e15` / `--warmup 1e15`: accepted, and the timing loop ran for ever; bounded in
-#   every bench subcommand that takes them (tngram.cli.bench_args.MAX_REPS / MAX_WARMUP)
+#   every bench subcommand that takes them (research.cli.bench_args.MAX_REPS / MAX_WARMUP)
 
 
 @pytest.mark.parametrize("sub", ["modules", "threads", "contention", "step", "vocab", "decode"])

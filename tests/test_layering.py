@@ -54,9 +54,9 @@ def test_import_tngram_is_light():
 
 FORBIDDEN = {
     "memory": ("tngram.model", "tngram.train", "tngram.optim", "tngram.data", "tngram.eval",
-               "tngram.experiments", "tngram.report", "tngram.train.recipes", "tngram.bench"),
+               "tngram.experiments", "tngram.report", "tngram.train.recipes", "research.bench"),
     "model": ("tngram.train", "tngram.optim", "tngram.data", "tngram.eval", "tngram.experiments",
-              "tngram.report", "tngram.train.recipes", "tngram.bench"),
+              "tngram.report", "tngram.train.recipes", "research.bench"),
     "optim": ("tngram.model", "tngram.train", "tngram.data", "tngram.eval", "tngram.experiments",
               "tngram.report", "tngram.train.recipes"),
     "data": ("tngram.model", "tngram.train", "tngram.optim", "tngram.memory", "tngram.experiments",

@@ -6,6 +6,7 @@ repository, no issue numbers), and LICENSE / CITATION.cff match pyproject and th
 
 from __future__ import annotations
 
+from research.cli import main as research_main
 import contextlib
 import io
 import re
@@ -118,47 +119,47 @@ def test_parameter_table_equals_param_summary():
         assert row[4] == ("–" if s["delta_params"] == 0 else f"{s['delta_params']:,}"), row
 
 
-@pytest.mark.parametrize("path", [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "research").glob("*.md")), ids=lambda p: p.name)
 def test_generated_results_blocks_equal_their_results_files(path):
-    """Every generated table (docs/PERFORMANCE.md's and docs/RESULTS.md's, the demo's included)
-    is `tngram report doc`'s rendering of the results file it cites."""
+    """Every generated table (research/PERFORMANCE.md's and research/RESULTS.md's, the demo's included)
+    is `python -m research report doc`'s rendering of the results file it cites."""
     from tngram.cli import main
-    from tngram.report.docblocks import block_names
+    from research.report.docblocks import block_names
     names = block_names(path.read_text())
     if path.name == "RESULTS.md":    # the README links here instead of carrying tables
         assert {"demo-compare-cpu", "pareto-best-params", "pareto-best-step"} <= set(names)
     if path.name == "PERFORMANCE.md":
         assert {"bench-threads-8a1a1d7:candidates", "bench-threads-8a1a1d7:targets"} <= set(names)
-    assert main(["report", "doc", "--check", str(path)]) == 0
+    assert research_main(["report", "doc", "--check", str(path)]) == 0
 
 
 def test_report_readme_regenerates_the_block(tmp_path):
     import json
 
     from tngram.cli import main
-    from tngram.report.readme import BLOCK, current_block
-    snap = json.loads((ROOT / "docs/results/demo-compare-cpu.json").read_text())
+    from research.report.readme import BLOCK, current_block
+    snap = json.loads((ROOT / "research/results/demo-compare-cpu.json").read_text())
     # a compare folder holding the snapshot's rows, with one number changed
     d = tmp_path / "cmp"
     rows = [dict(r, run_dir=f"runs/{r['method']}-s0") for r in snap["rows"]]
     rows[0]["val_bpb"] = 9.8765
     (d).mkdir()
     (d / "results.json").write_text(json.dumps({"preset": snap["preset"], "seeds": snap["seeds"], "rows": rows}))
-    (tmp_path / "docs" / "results").mkdir(parents=True)
-    readme = tmp_path / "docs" / "RESULTS.md"              # where the demo's table lives
-    shutil.copy(ROOT / "docs" / "RESULTS.md", readme)
-    for f in (ROOT / "docs/results").glob("*.json"):   # the doc's other generated blocks cite these
+    (tmp_path / "research" / "results").mkdir(parents=True)
+    readme = tmp_path / "research" / "RESULTS.md"              # where the demo's table lives
+    shutil.copy(ROOT / "research" / "RESULTS.md", readme)
+    for f in (ROOT / "research/results").glob("*.json"):   # the doc's other generated blocks cite these
         if f.name != "demo-compare-cpu.json":
-            shutil.copy(f, tmp_path / "docs/results/")
-    assert main(["report", "readme", str(d), "--readme", str(readme)]) == 0
+            shutil.copy(f, tmp_path / "research/results/")
+    assert research_main(["report", "readme", str(d), "--readme", str(readme)]) == 0
     block = current_block(readme.read_text(), BLOCK)
-    assert "9.8765" in block and "docs/results/demo-compare-cpu.json" in block
-    assert main(["report", "readme", "--check", "--readme", str(readme)]) == 0
+    assert "9.8765" in block and "research/results/demo-compare-cpu.json" in block
+    assert research_main(["report", "readme", "--check", "--readme", str(readme)]) == 0
     readme.write_text(readme.read_text().replace("9.8765", "9.8766"))
-    assert main(["report", "readme", "--check", "--readme", str(readme)]) == 1
+    assert research_main(["report", "readme", "--check", "--readme", str(readme)]) == 1
 
 
-DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted((ROOT / "docs").glob("*.md"))
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "research").glob("*.md"))
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
@@ -247,6 +248,6 @@ def test_readme_claim_memory_is_a_no_op_at_step_0(kind):
 def test_block_names_may_name_a_vocabulary_setting():
     """A results file of a corpus at another vocabulary is named NAME@V (pareto-default@8192): its
     block is found, so `report doc --check` compares it like any other."""
-    from tngram.report.markdown import block_names
+    from research.report.markdown import block_names
     text = "<!-- BEGIN generated: pareto-default@8192 -->\nx\n<!-- END generated: pareto-default@8192 -->\n"
     assert block_names(text) == ["pareto-default@8192"]

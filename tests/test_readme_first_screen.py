@@ -1,7 +1,7 @@
 """The README's first screen: the two set-up commands and a code block within its first 60 lines,
 and a "Which memory should I use?" answer whose every command runs (`tngram train ...
 --print-config`, exit 0) and trains the map's point it names: the tuned Engram and `tngram-hsum`
-configs of tngram/experiments/pareto.py, and the raw GPT beside them."""
+configs of research/experiments/pareto.py, and the raw GPT beside them."""
 
 from __future__ import annotations
 
@@ -68,9 +68,9 @@ def test_which_memory_commands_train_the_points_the_answer_names():
     `tngram-hsum` 3929 point, its Engram 3800 point and the iso view's Engram 400 point (MLP
     narrowed by pareto_iso.iso_backbone), each at its tuned table lr; the README names the recipe
     and the tables' label of its family."""
-    from tngram.experiments import pareto as P
+    from research.experiments import pareto as P
     from tngram.experiments.common import base_recipe
-    from tngram.experiments.pareto_report import LABELS
+    from research.experiments.pareto_report import LABELS
 
     text = _section("Which memory should I use?")
     bases = {m: base_recipe("mini", m) for m in P.METHODS}

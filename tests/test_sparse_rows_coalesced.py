@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_sparse_rows_syncs import SYNCS
 
-from tngram.bench.op_counts import OpCount
+from research.bench.op_counts import OpCount
 from tngram.kernels.sparse_rows import accumulate_at_exit, sparse_row_grad
 from tngram.memory.engram import EngramConfig
 from tngram.memory.tngram import TNGramConfig

@@ -1,4 +1,4 @@
-"""How many ops a row-sparse step of TN-gram's factor tables dispatches (tngram.bench.op_counts).
+"""How many ops a row-sparse step of TN-gram's factor tables dispatches (research.bench.op_counts).
 
 On a GPU in eager mode each computing aten op is a kernel launch: a row-sparse step must cost a
 fixed, small number of them per memory table, whatever the factor count N, the number of rows
@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_sparse_rows_syncs import SYNCS
 
-from tngram.bench.op_counts import OpCount, step_op_counts
+from research.bench.op_counts import OpCount, step_op_counts
 from tngram.kernels.sparse_rows import compact_rows, sparse_row_grad
 from tngram.optim.row_adams import LazyAdam, RowwiseAdam
 

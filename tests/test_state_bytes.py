@@ -1,5 +1,5 @@
 """Optimiser-state bytes by optim.memory_update: the one rule (tngram.optim.memory_update.
-param_state_bytes) that `tngram plan` and `tngram experiment pareto` count by, against the state
+param_state_bytes) that `tngram plan` and `python -m research experiment pareto` count by, against the state
 tensors real optimiser steps allocate.
 
 The independent count: a tiny model of each memory family is built for real, gets the trainer's
@@ -96,7 +96,7 @@ def _held(cfg) -> dict[str, int]:  # noqa: ANN001
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_plan_and_pareto_count_the_state_real_optimiser_steps_allocate(family, mode):
     from tngram.cli.plan import state_bytes
-    from tngram.experiments.pareto_report import optimizer_state_bytes as pareto_bytes
+    from research.experiments.pareto_report import optimizer_state_bytes as pareto_bytes
     mode, _, catchup = mode.partition("+")
     cfg = _cfg(family, mode, bool(catchup))
     last = 4 * _held(cfg)["rows"] if catchup else 0     # catch-up: + the last step of each row (int32)

@@ -298,7 +298,7 @@ def test_lean_recipe_is_the_ablation_winners():
 def test_hsum_recipe_is_the_pareto_point_it_names():
     """`mini-tngram-hsum` is the config the pareto map trains as tngram-hsum at its 4.3 M size (table
     lr x4), apart from its name, and its Δparams is <= mini-engram's."""
-    from tngram.experiments import pareto as P
+    from research.experiments import pareto as P
     from tngram.experiments.common import base_recipe
     from tngram.train.recipes import get_recipe, param_summary
     bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}

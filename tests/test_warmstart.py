@@ -7,7 +7,7 @@ import torch
 
 from test_train_support import one_thread, tiny_config, tiny_data, weights  # noqa: F401
 from tngram.common import TngramError
-from tngram.experiments.memory_on_trained import recovered_fraction
+from research.experiments.memory_on_trained import recovered_fraction
 from tngram.train.loop import train
 from tngram.train.warmstart import is_memory_param
 

@@ -1,6 +1,6 @@
 """`tngram data ...`: build (default corpus or your text), fineweb (download), info.
 
-Loader throughput is measured by `tngram bench data [DIR]`."""
+Loader throughput is measured by `python -m research bench data [DIR]`."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
 usable memory = gpu_mem x (1 - margin) - 1 GiB (CUDA context, cuBLAS/NCCL workspaces);
 micro-batch = the largest divisor of the sequences one GPU needs per step whose activations
 fit; gradient accumulation = global batch / (G x micro x T).
-FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (`tngram bench step`'s count;
+FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (`python -m research bench step`'s count;
 lookups and elementwise work excluded); step time = FLOPs / (G x peak x MFU), peak default
 312 TFLOP/s (A100 bf16 dense) and MFU default 0.35 - stated assumptions, not measurements.
 """

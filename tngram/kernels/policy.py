@@ -1,6 +1,6 @@
 """Kernel and dtype policy: the one place that decides how a memory's forward runs, not what it
 computes. Every setting gives the same numbers (bit-identical, or equal up to summation order for
-fuse_kv and triton_backward); the defaults are the fastest measured (docs/PERFORMANCE.md; on a
+fuse_kv and triton_backward); the defaults are the fastest measured (research/PERFORMANCE.md; on a
 GPU, docs/GPU.md), and benchmarks and tests change them only through `kernel_policy(...)`, never
 by setting attributes on modules.
 
@@ -21,7 +21,7 @@ by setting attributes on modules.
                          gradients and torch's sort-based index_put_ sums them per row, in
                          place of its atomic adds (tngram.kernels.tngram_triton; deterministic
                          factor gradients). Default "fused" until a GPU measures another faster
-                         (`tngram bench gpu --sections kernels`).
+                         (`python -m research bench gpu --sections kernels`).
     triton_backward_warps
                          num_warps of the Triton backward's kernels; 0 (default): the forward's
                          (4 up to R 1024, else 8). Same numbers at any value.

@@ -111,7 +111,7 @@ def _workspace(
     """A reusable scratch tensor (uninitialised) of `shape`, kept per thread between calls.
 
     Large fresh allocations are slow here: glibc hands multi-MB blocks back to the kernel on
-    free and every page faults again on the next step (docs/PERFORMANCE.md). Scratch buffers
+    free and every page faults again on the next step (research/PERFORMANCE.md). Scratch buffers
     never escape this module: outputs, saved tensors and gradients are always fresh tensors.
     """
     cache = getattr(_WS, "bufs", None)

@@ -15,7 +15,7 @@ std ~1.1 sqrt(n), so at N = 8 a few coordinates dominate each vector. Absorption
 at 1 and log-scales at 0 (s_n = 1).
 
 The lookup runs fused by default (`fused=True`, tngram.kernels: same equations, a hand-written
-backward, see docs/PERFORMANCE.md); `fused=False` runs the plain-autograd reference of cp.py.
+backward, see research/PERFORMANCE.md); `fused=False` runs the plain-autograd reference of cp.py.
 Which kernel runs and the dtype e is written in are the kernel policy's (tngram.kernels.policy;
 the environment variable TNGRAM_LOOKUP_IMPL forces a kernel); whether the forward checks ids
 against the vocabulary is TNGRAM_CHECK_IDS's (tngram.memory.ngrams). Neither changes a number.

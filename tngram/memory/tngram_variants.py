@@ -19,7 +19,7 @@ factors and points the others at it (`TNGram.use_factors_of`). The shared tensor
 parameter: counted once in Δparams (`param_count` counts it for the first layer only), in one
 optimiser group (memory_table) and saved once in state dicts (under the owner's name).
 
-"lean" is the ablation winners (docs/RESULTS.md, Fig. 4 right): use_norm=False,
+"lean" is the ablation winners (research/RESULTS.md, Fig. 4 right): use_norm=False,
 use_absorption=False; the recipe `mini-tngram-lean` and `LEAN` below name it.
 
 Dimension letters: B batch, T time, N max order, R CP rank, H hash heads, E hash width per order.

@@ -26,7 +26,7 @@ wide (mini-tngram-hsum with widths scaled by d, 128 -> 512; budget 5839, the lar
 R 1520. They keep the paper recipes' table lr.
 
 `mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed;
-docs/RESULTS.md the comparison).
+research/RESULTS.md the comparison).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-raw": lambda: _mini(None, "mini-raw"),
     "mini-engram": lambda: _mini(_engram(MINI_D, MINI_VOCAB, heads=4), "mini-engram"),
     "mini-tngram": lambda: _mini(_tngram(352), "mini-tngram"),
-    # the ablation winners (docs/RESULTS.md Fig. 4 right): no RMSNorm, no absorption
+    # the ablation winners (research/RESULTS.md Fig. 4 right): no RMSNorm, no absorption
     "mini-tngram-lean": lambda: _mini(
         _tngram(352, use_norm=False, use_absorption=False), "mini-tngram-lean"
     ),
@@ -215,7 +215,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
     # issue 40's families, each table lr set once from the literature relative to the backbone's
-    # Adam lr (the tied embedding's, 0.05; docs/PARETO.md "The token-indexed families' table lr"):
+    # Adam lr (the tied embedding's, 0.05; research/PARETO.md "The token-indexed families' table lr"):
     # product-key values at 4x (Lample et al. 2019: values Adam 1e-3, the model 2.5e-4), STEM's
     # token-indexed up-projection at 1x (one AdamW lr for every parameter), per-layer embeddings
     # (Gemma 3n-style; no training recipe published) at 1x, the embedding's own

@@ -15,7 +15,7 @@ The trainer holds the preference around the whole run (`sdpa_preference`): the c
 which fixes its attention kernel when it compiles, the eager steps and the evaluation all see it.
 env.json records the kernel torch picks for the model's attention shapes (`sdpa_backend`).
 On the CPU torch has a flash and a math kernel only: the setting changes nothing there unless
-it is "math". `tngram bench gpu --sections attention` times every backend on a card.
+it is "math". `python -m research bench gpu --sections attention` times every backend on a card.
 """
 
 from __future__ import annotations

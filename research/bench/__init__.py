@@ -1,0 +1,1 @@
+"""Benchmarks (`python -m research bench modules|step|threads|vocab|gpu|...`)."""

@@ -1,0 +1,1 @@
+"""The doc-block generators: every generated table of the docs, rendered from research/results/."""

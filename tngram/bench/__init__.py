@@ -1,1 +1,0 @@
-"""Benchmarks (`tngram bench modules|step|data`); never imported by the library or the tests."""
