@@ -148,7 +148,7 @@ def release_ddp(holder: Any, ctx: DistContext, attr: str = "fwd_model") -> None:
     registered; call before `shutdown`. Otherwise the wrapper's Reducer can hold the last reference
     to the gloo group, whose destructor then joins gloo's worker thread with the GIL held while
     that thread waits for the GIL to free a finished collective's tensor: an intermittent hang at
-    exit (pytorch/pytorch#56297; docs/LOG.md 2026-11-25, third sitting). With attr="model" on an
+    exit (pytorch/pytorch#56297). With attr="model" on an
     FSDP-sharded model: its FSDP state holds the group too, in a reference cycle that only a
     later garbage collection (at any moment, or at interpreter exit) would free."""
     if ctx.distributed and getattr(holder, attr, None) is not None:

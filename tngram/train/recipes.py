@@ -164,7 +164,7 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     "paper-l9-tngram": lambda: _paper_l9(_tngram(1024), "paper-l9-tngram"),
     "paper-l9-oe": lambda: _paper_l9(_oe(36_380), "paper-l9-oe"),
     "paper-l9-oe-longcat": lambda: _paper_l9(_longcat(36_954), "paper-l9-oe-longcat"),
-    # TN-gram variants that cut the K/V input (the GPU step; issue 39), each within Engram's
+    # TN-gram variants that cut the K/V input (a shorter GPU step), each within Engram's
     # Δparams (tests/test_paper_l9_variants.py), at the paper recipes' table lr:
     # orders summed: K/V read R = 1520 features, not 4 x 1024; the largest multiple of 16 within
     # TN-gram's Δ (16-byte rows: vector loads and atomics in the Triton lookup, aligned bf16 K/V)
@@ -214,8 +214,9 @@ RECIPES: dict[str, Callable[[], TrainConfig]] = {
     ),  # 4 x the recipes' table lr 0.05
     "mini-oe": lambda: _mini(_oe(33_697), "mini-oe"),
     "mini-oe-longcat": lambda: _mini(_longcat(36_000), "mini-oe-longcat"),
-    # issue 40's families, each table lr set once from the literature relative to the backbone's
-    # Adam lr (the tied embedding's, 0.05; research/PARETO.md "The token-indexed families' table lr"):
+    # the other token-indexed families, each table lr set once from the literature relative to
+    # the backbone's Adam lr (the tied embedding's, 0.05; research/PARETO.md, "The token-indexed
+    # families' table lr"):
     # product-key values at 4x (Lample et al. 2019: values Adam 1e-3, the model 2.5e-4), STEM's
     # token-indexed up-projection at 1x (one AdamW lr for every parameter), per-layer embeddings
     # (Gemma 3n-style; no training recipe published) at 1x, the embedding's own
