@@ -142,8 +142,25 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def finite_or_null(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, inf) replaced by None, so it serialises as strict
+    JSON (a number that is not there is null; NaN is no JSON token)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, **kw: Any) -> str:
+    """Strict JSON of `obj` (non-finite floats written as null, never as NaN / Infinity)."""
+    return json.dumps(finite_or_null(obj), allow_nan=False, **kw)
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, json_text(obj, indent=2, sort_keys=False) + "\n")
 
 
 def check_writable_dir(folder: Path, flag: str) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import shutil
 import stat
@@ -30,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from tngram.common import MissingFileError, TngramError
+from tngram.common import MissingFileError, TngramError, json_text
 from tngram.common import atomic_output as common_atomic_output
 
 StrPath = str | os.PathLike
@@ -216,7 +215,7 @@ def write_bytes(path: StrPath, data: bytes, root: StrPath | None = None) -> None
 
 
 def write_json(path: StrPath, obj: Any, root: StrPath | None = None) -> None:
-    write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"), root)
+    write_bytes(path, (json_text(obj, indent=2) + "\n").encode("utf-8"), root)
 
 
 def copy_file(

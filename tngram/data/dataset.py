@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tngram.common import MissingFileError, TngramError
+from tngram.common import MissingFileError, TngramError, json_text
 from tngram.data.shards import atomic_output, read_shard_header
 
 FORMAT = "tngram-dataset"
@@ -39,7 +39,7 @@ class DatasetInfo:
 def write_manifest(dir: Path, manifest: dict[str, Any]) -> None:
     """Write dir/manifest.json atomically (temp file + rename)."""
     with atomic_output(dir / "manifest.json") as f:
-        f.write((json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+        f.write((json_text(manifest, indent=2) + "\n").encode("utf-8"))
 
 
 def open_dataset(dir: str | os.PathLike) -> DatasetInfo:

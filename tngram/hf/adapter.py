@@ -23,6 +23,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -52,6 +53,7 @@ from tngram.hf.spec import (
 
 WEIGHTS_FILE = "tngram_memory.safetensors"
 SPEC_FILE = "tngram_memory.json"
+DIGEST_KEY = "weights_sha256"  # in SPEC_FILE: sha256 of WEIGHTS_FILE's payload (its tensors)
 FORMAT = 1
 # config fields that do not change the network a memory was trained on
 _RUNTIME_FIELDS = frozenset(
@@ -140,24 +142,26 @@ def save_memory(model: nn.Module, directory: str | Path, *, overwrite: bool = Fa
             raise TngramError(
                 f"{directory / name} exists; save to a new directory or pass overwrite=True"
             )
-    tensors = memory_state_dict(inner)
+    data = save_tensors(memory_state_dict(inner))
+    payload = memoryview(data)[8 + int.from_bytes(data[:8], "little") :]
     meta = {"format": FORMAT, "spec": spec, "base": base_identity(inner)}
-    safefs.write_bytes(directory / WEIGHTS_FILE, save_tensors(tensors), root=directory.parent)
+    meta[DIGEST_KEY] = hashlib.sha256(payload).hexdigest()  # load_memory checks it
+    safefs.write_bytes(directory / WEIGHTS_FILE, data, root=directory.parent)
     safefs.write_json(directory / SPEC_FILE, meta, root=directory.parent)
     return directory
 
 
 def read_memory_meta(directory: str | Path) -> dict[str, Any]:
-    """The checked contents of directory/tngram_memory.json (one TngramError naming the field)."""
-    from tngram import safefs
+    """The checked contents of directory/tngram_memory.json (tngram.readback: no link, size,
+    strict JSON, depth; then its fields), one TngramError naming the field."""
+    from tngram.common import MissingFileError
+    from tngram.readback import load_json
 
     path = Path(directory) / SPEC_FILE
-    if not path.is_file():
-        raise TngramError(f"{path}: not found (save_memory writes it)")
     try:
-        meta = json.loads(safefs.read_text(path, limit=MAX_SPEC_BYTES))
-    except json.JSONDecodeError as e:
-        raise TngramError(f"{path}: not valid JSON ({e})") from None
+        meta = load_json(path, directory, limit=MAX_SPEC_BYTES, want_dict=False)
+    except MissingFileError:
+        raise TngramError(f"{path}: not found (save_memory writes it)") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise TngramError(f"{path}: format must be {FORMAT}, got {got!r}")
@@ -167,6 +171,13 @@ def read_memory_meta(directory: str | Path) -> dict[str, Any]:
         raise TngramError(f"{path}: base must be an object with the keys {list(keys)}")
     if not isinstance(meta.get("spec"), dict):
         raise TngramError(f"{path}: spec must be an object (the memory spec)")
+    digest = meta.get(DIGEST_KEY)
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise TngramError(
+            f"{path}: field {DIGEST_KEY} must be the sha256 of {WEIGHTS_FILE}'s payload, which "
+            f"save_memory writes; got {digest!r:.40} (saved before tngram wrote it: save the "
+            "memory again)"
+        )
     return meta
 
 
@@ -187,7 +198,8 @@ def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "al
     model of the same base; returns the model. Refused with one line: a different base (config
     hash, vocabulary size, model type), a model that already has a memory, weights that do not
     match the spec. On refusal the model is left as it was."""
-    from safetensors.torch import load_file
+    from tngram.hf.gpt_folder import pin_memory_tokenizer
+    from tngram.readback.tensors import read_safetensors
 
     directory = Path(directory)
     where = str(directory / SPEC_FILE)
@@ -197,20 +209,22 @@ def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "al
     check_base(model, meta["base"], where)
     spec = meta["spec"]
     check_spec(spec, _base(model), where=f"{where} spec")
+    # a tokenizer the memory reads (Engram's compression): a plain name inside the folder
+    saved_tok = pin_memory_tokenizer(spec["memory"], directory, where, {}, "spec.memory")
     weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise TngramError(f"{weights}: not found (save_memory writes it beside {SPEC_FILE})")
-    tensors = load_file(str(weights))
     _convert(model, spec)
     try:
         attach_from_spec(model, spec)
-        want = set(memory_state_dict(model))
-        if set(tensors) != want:
-            missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want)
-            raise TngramError(
-                f"{weights}: the weights do not match the spec in {SPEC_FILE}: missing "
-                f"{missing[:3]}, unexpected {extra[:3]}"
-            )
+        if saved_tok is not None:
+            spec["memory"]["tokenizer_path"] = saved_tok
+        want = {k: tuple(t.shape) for k, t in memory_state_dict(model).items()}
+        tensors, _ = read_safetensors(  # no link, size, header, names, shapes, digest, finite
+            weights,
+            directory,
+            limit=(1 << 20) + 8 * sum(math.prod(s) for s in want.values()),
+            shapes=want,
+            digest=meta[DIGEST_KEY],
+        )
         model.load_state_dict(tensors, strict=False)
         _check_constants(model, str(weights))
         check_digest(spec, f"{where} spec")

@@ -3,9 +3,11 @@
 A run or dataset folder may have been edited, damaged or made by someone else, so every JSON
 record the program reads back (config.json, manifest.json, summary.json, results.json,
 tuning.json, eval JSON, ...) goes through `load_json` — a regular file reached without links
-(tngram.safefs), at most `limit` bytes, UTF-8, JSON, nested at most MAX_DEPTH levels — and its
-fields through `get` (type, range, finiteness). Every failure is one TngramError naming the file
-and the field, raised before anything is built from the values.
+(tngram.safefs), at most `limit` bytes, UTF-8, strict JSON (no NaN / Infinity tokens, no number
+that overflows to one), nested at most MAX_DEPTH levels — and its fields through `get` (type,
+range, finiteness). Tensor files go through `tngram.readback.tensors.read_safetensors`. Every
+failure is one TngramError naming the file and the field, raised before anything is built from
+the values.
 """
 
 from __future__ import annotations
@@ -41,6 +43,32 @@ def depth(obj: Any) -> int:
     return best
 
 
+class _NonFinite(float):
+    """A NaN / Infinity token (or a number that overflows to one) while parsing: its text."""
+
+    token: str
+
+
+def _nonfinite(token: str) -> _NonFinite:
+    v = _NonFinite("nan")
+    v.token = token[:40]
+    return v
+
+
+def _first_nonfinite(obj: Any) -> tuple[str, str] | None:
+    """(dotted field, token) of the first _NonFinite in a parsed value (iterative)."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        o, at = stack.pop()
+        if isinstance(o, _NonFinite):
+            return at or "(top level)", o.token
+        if isinstance(o, dict):
+            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in reversed(o.items()))
+        elif isinstance(o, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in reversed(list(enumerate(o))))
+    return None
+
+
 def parse_json(text: str | bytes, where: str, max_depth: int = MAX_DEPTH) -> Any:
     """json.loads with the failures of hostile input as one BadRecordError naming `where`."""
     if isinstance(text, bytes):
@@ -48,8 +76,18 @@ def parse_json(text: str | bytes, where: str, max_depth: int = MAX_DEPTH) -> Any
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise BadRecordError(f"{where}: not UTF-8 text (byte offset {e.start})") from None
+    seen: list[str] = []
+
+    def constant(token: str) -> float:
+        seen.append(token)
+        return _nonfinite(token)
+
+    def number(token: str) -> float:
+        v = float(token)
+        return v if math.isfinite(v) else constant(token)
+
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=constant, parse_float=number)
     except RecursionError:
         raise BadRecordError(f"{where}: nested more than {max_depth} levels deep") from None
     except ValueError as e:
@@ -58,6 +96,12 @@ def parse_json(text: str | bytes, where: str, max_depth: int = MAX_DEPTH) -> Any
         ) from None
     if depth(obj) > max_depth:
         raise BadRecordError(f"{where}: nested more than {max_depth} levels deep")
+    bad = _first_nonfinite(obj) if seen else None
+    if bad is not None:
+        raise BadRecordError(
+            f"{where}: field {bad[0]} holds {bad[1]}, which is not a JSON number (tngram writes "
+            "null where a number is missing)"
+        )
     return obj
 
 

@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save
 from torch import nn
 
-from tngram.common import MissingFileError, TngramError
+from tngram.common import MissingFileError, TngramError, json_text
 from tngram.model.gpt import GPT
 from tngram.readback import load_json, plain_name
 from tngram.safefs import (
@@ -85,6 +85,7 @@ from tngram.train.weights import (  # noqa: F401  (final_problem .. resume_suspe
     check_finite_model,
     final_problem,
     load_weights,
+    recorded_config,
     refuse_final,
     resume_suspect,
     verify_weights_file,
@@ -159,7 +160,7 @@ def save_checkpoint(
         "model.safetensors": save(model_tensors(model), metadata={"step": str(step)}),
         "state.safetensors": save(state, metadata={"step": str(step)}),
         "meta.json": (
-            json.dumps({**meta, "step": step, "optimizers": opt_info}, indent=1) + "\n"
+            json_text({**meta, "step": step, "optimizers": opt_info}, indent=1) + "\n"
         ).encode(),
     }
     manifest = {
@@ -365,9 +366,12 @@ def load_checkpoint(
     return meta
 
 
-def save_final_weights(run_dir: str | os.PathLike, model: nn.Module, step: int) -> Path:
+def save_final_weights(
+    run_dir: str | os.PathLike, model: nn.Module, step: int, config: dict[str, Any] | None = None
+) -> Path:
+    """DIR/model.safetensors with its payload digest and `config` (the run's) in its header."""
     path = Path(run_dir) / FINAL_WEIGHTS
-    data = weights_with_digest(model_tensors(model), step)
+    data = weights_with_digest(model_tensors(model), step, config)
     check_free_space(path.parent, len(data) + 4096, "the final weights")
     try:
         write_bytes(path, data, run_dir)
@@ -400,6 +404,50 @@ def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
+# run.* fields that may change between an interrupted run and its resumption (they change how
+# a run is driven, not what its weights compute)
+RESUMABLE_RUN_FIELDS = (
+    "compile",  # how the forward runs, not what it computes
+    "log_every",
+    "val_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "threads",
+    "parallel",
+    "sdpa",  # which attention kernel computes the same attention
+)
+
+
+def config_differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted field, value in a, value in b) for every leaf where two config dicts differ
+    (run.RESUMABLE_RUN_FIELDS left out)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            key = f"{prefix}{k}"
+            if key in {f"run.{f}" for f in RESUMABLE_RUN_FIELDS}:
+                continue
+            out += config_differences(a.get(k, "(missing)"), b.get(k, "(missing)"), key + ".")
+        return out
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
+
+
+def check_recorded_config(cfg: dict[str, Any], recorded: Any, where: str, rec_where: str) -> None:
+    """A run's config.json must say what its weights were trained with (the config recorded
+    beside them): an edit that keeps every shape (e.g. product keys' topk) would otherwise
+    compute other numbers, and `export` would sign it."""
+    if not isinstance(recorded, dict):
+        raise TngramError(f"{rec_where}: field config must be an object")
+    diffs = config_differences(cfg, recorded)
+    if diffs:
+        key, now, then = diffs[0]
+        more = f" (and {len(diffs) - 1} more field(s))" if len(diffs) > 1 else ""
+        raise TngramError(
+            f"{where}: field {key} is {now!r:.60} but the weights were trained with {then!r:.60} "
+            f"({rec_where}){more}; config.json was edited after training: restore it"
+        )
+
+
 def load_run_model(
     run_dir: str | Path, device: str = "cpu", say: Callable[[str], None] | None = None
 ) -> tuple[GPT, dict]:
@@ -425,6 +473,16 @@ def load_run_model(
     weights = max(candidates)[2]
     if weights == final:
         verify_weights_file(final)  # its recorded size + sha256 (checkpoints: their manifest)
+        recorded, rec_where = recorded_config(final), f"{final} (its header)"
+        if recorded is None and ckpt is not None:  # weights written before they recorded it
+            recorded, rec_where = read_checkpoint_meta(ckpt).get("config"), str(ckpt / "meta.json")
+    else:
+        recorded, rec_where = (
+            read_checkpoint_meta(weights.parent).get("config"),
+            str(weights.parent / "meta.json"),
+        )
+    if recorded is not None:
+        check_recorded_config(cfg_dict, recorded, str(run_dir / "config.json"), rec_where)
     model = GPT(cfg.model)  # random init (cheap), overwritten by the weights below
     load_weights(model, weights)
     model.to(device).eval()

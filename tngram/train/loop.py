@@ -582,7 +582,7 @@ class Trainer(TrainerSetup):
         final_model = gather_for_save(self.model, {}, self.sharded)[0]  # FSDP: full tensors
         ckpt.check_final(self.run_dir, local_parameters(self.model), ev["val_loss"], self.step, ctx)
         if ctx.is_main:
-            ckpt.save_final_weights(self.run_dir, final_model, self.step)
+            ckpt.save_final_weights(self.run_dir, final_model, self.step, self.cfg.to_dict())
             atomic_write_json(self.run_dir / "summary.json", summary)
             self.say(
                 f"tngram: {cfg.name} done: step {self.step}, train "

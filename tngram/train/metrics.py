@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tngram.common import json_text
 from tngram.cpu import eta_seconds, fmt_duration
 
 METRICS_FILE = "metrics.jsonl"
@@ -191,7 +192,7 @@ class MetricsLog:
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write((json.dumps(row) + "\n").encode("utf-8"))
+        self._file.write((json_text(row) + "\n").encode("utf-8"))
         self._file.flush()
         scalars = {
             k: v

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import save
 from torch import nn
 
-from tngram.common import TngramError
+from tngram.common import TngramError, json_text
 from tngram.safefs import make_dirs, real_dir, remove_tree
 from tngram.train.checkpoint import (
     CKPT_DIR,
@@ -225,7 +225,7 @@ def finish_sharded_checkpoint(
         ),
         "state.safetensors": save(rng_tensors(), metadata={"step": str(step)}),
         "meta.json": (
-            json.dumps(
+            json_text(
                 {**meta, "step": step, "format": "sharded", "optimizers": optimizers_info}, indent=1
             )
             + "\n"

@@ -20,6 +20,7 @@ from tngram.optim.memory_update import setup_memory_update
 from tngram.optim.muon import Muon, muon_impl
 from tngram.train import checkpoint as ckpt
 from tngram.train import compile_mode
+from tngram.train.checkpoint import RESUMABLE_RUN_FIELDS
 from tngram.train.compile_mode import compile_forward
 from tngram.train.config import TrainConfig
 from tngram.train.dist import DistContext, broadcast_str, wrap_ddp
@@ -31,18 +32,6 @@ from tngram.train.rundir import claim_run_dir, release_run_dir
 from tngram.train.sdpa import sdpa_pick
 from tngram.train.sharded_checkpoint import load_step_checkpoint
 from tngram.train.warmstart import apply_warmstart
-
-# run.* fields that may change between an interrupted run and its resumption
-RESUMABLE_RUN_FIELDS = (
-    "compile",  # how the forward runs, not what it computes
-    "log_every",
-    "val_every",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "threads",
-    "parallel",
-    "sdpa",  # which attention kernel computes the same attention
-)
 
 
 def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:

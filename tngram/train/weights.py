@@ -3,7 +3,6 @@ weights' in-header digest, and the finiteness checks of loaded weights."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Iterable
@@ -14,9 +13,10 @@ import torch
 from safetensors.torch import save
 from torch import nn
 
-from tngram.common import TngramError
-from tngram.safefs import check_regular, open_read
-from tngram.train.ckpt_files import _load_tensors, _sha256, _short, st_path
+from tngram.common import MissingFileError, TngramError, json_text
+from tngram.readback.tensors import SafetensorsHeader, payload_sha256, read_safetensors_header
+from tngram.safefs import open_fd
+from tngram.train.ckpt_files import _load_tensors, _sha256
 from tngram.train.runfiles import latest_checkpoint
 
 
@@ -55,9 +55,12 @@ def load_weights(
     model.load_state_dict(tensors, strict=True)
 
 
-def weights_with_digest(tensors: dict[str, torch.Tensor], step: int) -> bytes:
+def weights_with_digest(
+    tensors: dict[str, torch.Tensor], step: int, config: dict[str, Any] | None = None
+) -> bytes:
     """A safetensors file whose header records its payload's size and sha256 (the final weights'
-    manifest, inside the file so a copied model.safetensors carries it): `verify_weights_file`."""
+    manifest, inside the file so a copied model.safetensors carries it: `verify_weights_file`)
+    and the run config it was trained with (`recorded_config`)."""
     data = save(tensors, metadata={"step": str(step)})
     payload = memoryview(data)[8 + int.from_bytes(data[:8], "little") :]
     meta = {
@@ -65,37 +68,36 @@ def weights_with_digest(tensors: dict[str, torch.Tensor], step: int) -> bytes:
         "payload_bytes": str(len(payload)),
         "payload_sha256": _sha256(payload),
     }
+    if config is not None:
+        meta["config"] = json_text(config, sort_keys=True, separators=(",", ":"))
     return save(tensors, metadata=meta)  # the payload does not depend on the metadata
+
+
+def _final_header(file: Path) -> SafetensorsHeader:
+    try:
+        return read_safetensors_header(file)
+    except MissingFileError:
+        raise
+    except TngramError as e:
+        raise TngramError(
+            f"{file}: corrupt or truncated final weights ({str(e).split(': ', 1)[-1]}); delete "
+            f"it to use the newest checkpoint, or re-run the last step with --resume"
+        ) from None
 
 
 def verify_weights_file(file: Path) -> None:
     """A weights file whose header records a payload digest must match it (size and sha256);
     files without one (checkpoints, verified by their manifest; older runs) pass."""
-    from safetensors import safe_open
-
-    try:
-        check_regular(file)
-        with st_path(file) as name, safe_open(name, framework="pt") as f:
-            meta = f.metadata() or {}
-    except TngramError:
-        raise
-    except Exception as e:
-        raise TngramError(
-            f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
-            f"use the newest checkpoint, or re-run the last step with --resume"
-        ) from None
-    want = meta.get("payload_sha256")
+    head = _final_header(file)
+    want = head.metadata.get("payload_sha256")
     if want is None:
         return
-    h = hashlib.sha256()
-    with open_read(file) as f:
-        n = int.from_bytes(f.read(8), "little")
-        f.seek(8 + n)
-        size = 0
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-            size += len(chunk)
-    if str(size) != meta.get("payload_bytes") or h.hexdigest() != want:
+    fd = open_fd(file)
+    try:
+        size, got = payload_sha256(fd, head.payload_offset)
+    finally:
+        os.close(fd)
+    if str(size) != head.metadata.get("payload_bytes") or got != want:
         raise TngramError(
             f"{file}: the weights do not match the size and sha256 recorded in their header "
             f"(corrupt or replaced); delete it to use the newest checkpoint"
@@ -134,19 +136,26 @@ def check_finite_model(model: nn.Module, file: Path) -> None:
 
 
 def _weights_step(file: Path) -> int:
-    from safetensors import safe_open
-
     try:
-        check_regular(file)
-        with st_path(file) as name, safe_open(name, framework="pt") as f:
-            return int((f.metadata() or {}).get("step", -1))
-    except TngramError:
-        raise
-    except Exception as e:
-        raise TngramError(
-            f"{file}: corrupt or truncated final weights ({_short(e)}); delete it to "
-            f"use the newest checkpoint, or re-run the last step with --resume"
-        ) from None
+        return int(_final_header(file).metadata.get("step", -1))
+    except ValueError as e:
+        if isinstance(e, TngramError):
+            raise
+        raise TngramError(f"{file}: field __metadata__.step must be an int") from None
+
+
+def recorded_config(file: Path) -> dict[str, Any] | None:
+    """The run config final weights were written with (their header's `config`), or None for
+    weights written before tngram recorded it."""
+    from tngram.readback import parse_json
+
+    text = _final_header(file).metadata.get("config")
+    if text is None:
+        return None
+    cfg = parse_json(text, f"{file} (header field config)")
+    if not isinstance(cfg, dict):
+        raise TngramError(f"{file}: header field config must be a JSON object")
+    return cfg
 
 
 def final_problem(params: Iterable[torch.Tensor], val_loss: Any) -> str | None:
