@@ -336,7 +336,14 @@ def trainer(
     from step 3."""
     from tngram.train.loop import train
 
-    sets = ["run.log_every=1", "run.checkpoint_every=0", "run.val_every=0"]
+    # a speed measurement on whatever data is at hand: the recipe's schedule may read it many
+    # times over, and only the first steps run (tngram.train.health.check_passes)
+    sets = [
+        "run.log_every=1",
+        "run.checkpoint_every=0",
+        "run.val_every=0",
+        "data.allow_repeat=true",
+    ]
     if shapes.tiny:
         sets += ["data.global_batch_tokens=128", "data.micro_batch_seqs=2", "data.val_tokens=2048"]
         sets += ["run.device=cpu"]

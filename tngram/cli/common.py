@@ -181,6 +181,20 @@ def add_set_argument(p: argparse.ArgumentParser, help: str | None = None) -> Non
     )
 
 
+ALLOW_REPEAT = "data.allow_repeat=true"
+
+
+def add_allow_repeat_argument(p: argparse.ArgumentParser) -> None:
+    """--allow-repeat: the same as --set data.allow_repeat=true (appended to args.overrides by
+    the command)."""
+    p.add_argument(
+        "--allow-repeat",
+        action="store_true",
+        help="train although the schedule reads the training data more than 4 times "
+        "(refused otherwise, before training; same as --set data.allow_repeat=true)",
+    )
+
+
 def add_logger_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--logger",

@@ -7,7 +7,9 @@ from typing import Any
 
 from tngram.cli.argtypes import int_range
 from tngram.cli.common import (
+    ALLOW_REPEAT,
     HelpFormatter,
+    add_allow_repeat_argument,
     add_progress_argument,
     add_set_argument,
     add_steps_argument,
@@ -30,6 +32,7 @@ def add_run_arguments(
         metavar="DIR",
         help="dataset folder (default: the offline default corpus, built on first use)",
     )
+    add_allow_repeat_argument(p)
     add_steps_argument(p)
     add_set_argument(
         p,
@@ -93,6 +96,8 @@ def check_run_args(args: Any, prefix: str) -> None:
     check_positive("--seeds", args.seeds)
     check_positive("--steps", args.steps)
     check_positive("--nproc", args.nproc)
+    if getattr(args, "allow_repeat", False) and ALLOW_REPEAT not in args.overrides:
+        args.overrides.append(ALLOW_REPEAT)
     check_jobs(args.jobs, args.nproc or 1)  # before any data or training work
     if args.overrides:  # bad keys/values fail before any data or training work
         apply_overrides(get_recipe(f"{prefix}-tngram"), args.overrides)

@@ -20,7 +20,9 @@ from typing import Any
 
 from tngram.cli.argtypes import OneLineParser
 from tngram.cli.common import (
+    ALLOW_REPEAT,
     HelpFormatter,
+    add_allow_repeat_argument,
     add_config_arguments,
     add_logger_argument,
     add_progress_argument,
@@ -73,8 +75,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--data",
         default=None,
         metavar="DIR",
-        help="dataset folder (default: the offline default corpus, built on first use)",
+        help="dataset folder (default: the offline default corpus, built on first use; "
+        "the paper recipes need FineWeb: docs/GPU.md)",
     )
+    add_allow_repeat_argument(p)
     p.add_argument(
         "--device",
         default=None,
@@ -112,6 +116,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     sugar = ([f"run.device={args.device}"] if args.device is not None else []) + (
         [f"run.threads={args.threads}"] if args.threads is not None else []
     )
+    if args.allow_repeat:
+        sugar.append(ALLOW_REPEAT)
     cfg = resolve_config(args.recipe, sugar + args.overrides, args.data, args.config, args.steps)
     if args.print_config:
         from tngram.train.config_file import config_to_toml

@@ -71,6 +71,9 @@ class DataConfig:
     micro_batch_seqs: int = 64  # sequences per process per micro-step
     val_tokens: int | None = None  # cap on validation tokens (None -> the whole val split)
     seed: int = 0  # loader seed
+    # train although the schedule reads the training split more than MAX_PASSES times
+    # (tngram.train.health.check_passes); config.json omits it when false
+    allow_repeat: bool = False
 
     def __post_init__(self) -> None:
         check_data(self)
@@ -124,12 +127,15 @@ class TrainConfig:
             del run["parallel"]
         if run["sdpa"] == "auto":
             del run["sdpa"]
+        data = asdict(self.data)
+        if not data["allow_repeat"]:
+            del data["allow_repeat"]
         return {
             "name": self.name,
             "model": self.model.to_dict(),
             "optim": optim,
             "schedule": asdict(self.schedule),
-            "data": asdict(self.data),
+            "data": data,
             "run": run,
         }
 

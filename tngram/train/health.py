@@ -141,7 +141,61 @@ def check_batch_vs_data(cfg, train_tokens: int) -> None:
         )
 
 
+# How often a run may read its training split before it must ask for it (data.allow_repeat).
+# Muennighoff et al. 2023 ("Scaling Data-Constrained Language Models", NeurIPS) found up to about
+# 4 epochs of repeated data train about as well as unique data, the returns falling fast beyond.
+# Our CPU recipes read far less: a mini run 1.05 M tokens (0.18 passes of the 5.89 M-token
+# default corpus, 0.19 of literature, 0.10 of code).
+MAX_PASSES = 4.0
+
+# parameter-golf's FineWeb export: 10^8 tokens a train shard (tngram.data.fineweb)
+FINEWEB_SHARD_TOKENS = 100_000_000
+FINEWEB_VOCABS = (1024,)  # the export's tokenizers tngram has been checked with
+
+
+def fineweb_command(tokens: int, vocab_size: int, out: object = None) -> str | None:
+    """The `tngram data fineweb` command that downloads at least `tokens` training tokens for
+    this vocabulary (into `out`, else the default folder), or None where the export has no such
+    tokenizer."""
+    if vocab_size not in FINEWEB_VOCABS:
+        return None
+    shards = max(1, math.ceil(tokens / FINEWEB_SHARD_TOKENS))
+    where = f" --out {out}" if out is not None else ""
+    return f"tngram data fineweb --train-shards {shards}{where}"
+
+
+def check_passes(cfg, train_tokens: int, data_dir, kind: str | None = None) -> str | None:
+    """Refuse (TngramError, one line) a run whose schedule reads its training split more than
+    MAX_PASSES times, unless data.allow_repeat; then return a note for the run's header. `kind`
+    is the dataset manifest's ("fineweb" for a download: the advice then adds its shards)."""
+    planned = cfg.schedule.steps * cfg.data.global_batch_tokens
+    passes = planned / max(train_tokens, 1)
+    if passes <= MAX_PASSES:
+        return None
+    said = (
+        f"{cfg.name} plans {planned:,} training tokens ({cfg.schedule.steps:,} steps x "
+        f"{cfg.data.global_batch_tokens:,}) but {data_dir} holds {train_tokens:,}: it would read "
+        f"them {passes:,.1f} times"
+    )
+    if cfg.data.allow_repeat:
+        return f"tngram: note: {said} (data.allow_repeat=true)"
+    fetch = fineweb_command(planned, cfg.model.vocab_size, data_dir if kind == "fineweb" else None)
+    more = (
+        f"download enough FineWeb (`{fetch}`, then --data with its folder; docs/GPU.md)"
+        if fetch
+        else "train on a larger dataset (`tngram data build --from-text ... --out DIR`, "
+        "then --data DIR)"
+    )
+    raise TngramError(
+        f"{said}, more than {MAX_PASSES:g}: {more}, lower --steps, or pass --allow-repeat "
+        f"(data.allow_repeat=true) to repeat the data"
+    )
+
+
 __all__ = [
+    "MAX_PASSES",
+    "check_passes",
+    "fineweb_command",
     "LossHealth",
     "check_step_memory",
     "check_batch_vs_data",

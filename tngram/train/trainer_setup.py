@@ -25,7 +25,7 @@ from tngram.train.compile_mode import compile_forward
 from tngram.train.config import TrainConfig
 from tngram.train.dist import DistContext, broadcast_str, wrap_ddp
 from tngram.train.fsdp import shard_model
-from tngram.train.health import check_batch_vs_data
+from tngram.train.health import check_batch_vs_data, check_passes
 from tngram.train.metrics import MetricsLog, env_info
 from tngram.train.portable import record_dataset
 from tngram.train.rundir import claim_run_dir, release_run_dir
@@ -233,7 +233,11 @@ class TrainerSetup:
             seed=cfg.data.seed,
             vocab_size=V,
         )
-        check_batch_vs_data(cfg, sum(self.loader.counts))
+        train_tokens = sum(self.loader.counts)
+        check_batch_vs_data(cfg, train_tokens)
+        note = check_passes(cfg, train_tokens, self.data.dir, self.data.manifest.get("kind"))
+        if note:
+            self.say(note)
         # on CUDA: pinned, non_blocking, one batch ahead (tngram.data.loader.DeviceBatches)
         self.batches = DeviceBatches(self.loader, ctx.device)
         self.val_tokens = load_val_tokens(self.data.val_files, T, vocab_size=V)
