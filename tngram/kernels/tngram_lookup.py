@@ -203,6 +203,63 @@ def lookup_forward(
     return out, rstd
 
 
+def _grad_b(
+    g: Tensor,
+    P: Tensor,
+    Wc: Tensor | None,
+    sc: Tensor | None,
+    inv_s: Tensor | None,
+    rstd: Tensor | None,
+    out: Tensor | None,
+    a: int,
+    b_: int,
+    use_out: bool,
+    ds: Tensor | None,
+) -> Tensor:
+    """The gradient w.r.t. b (c, N-1, R) of one chunk (rows a:b_) from g = dL/de (c, N-1, R)
+    through e = s RMSNorm(b) (Eq. 11; without the norm, e = s b); adds dL/ds into `ds`.
+    P (c, N-1, R) holds the prefix products, b = W P (or P without absorption)."""
+    c, N1, R = g.shape
+    cdt, dev = g.dtype, g.device
+    db = _workspace("db", (c, N1, R), cdt, dev)  # grad w.r.t. b
+    if rstd is not None and use_out:
+        assert out is not None  # what use_out means
+        r = rstd[a:b_]  # (c, N-1)
+        e = out[a:b_]  # e = s y
+        gy = _rowdot(g, e, _workspace("gdot", (c, N1), cdt, dev))
+        if inv_s is not None:
+            gy.mul_(inv_s)  # sum_R g y
+        if ds is not None:
+            ds += gy.sum(0)
+        # db = (r s) g - (r s gdot / R) y = (r s) g - (r gdot / R) e
+        torch.mul(g, (r * sc if sc is not None else r).unsqueeze(-1), out=db)
+        db.addcmul_(e, (r * gy).div_(R).unsqueeze(-1), value=-1.0)
+    elif rstd is not None:  # use_norm
+        r = rstd[a:b_]  # (c, N-1)
+        y = _workspace("y", (c, N1, R), cdt, dev)  # y = RMSNorm(b)
+        if Wc is not None:
+            torch.mul(P, Wc, out=y)
+            y.mul_(r.unsqueeze(-1))
+        else:
+            torch.mul(P, r.unsqueeze(-1), out=y)
+        gdot = _rowdot(g, y, _workspace("gdot", (c, N1), cdt, dev))  # sum_R g y
+        if ds is not None:
+            ds += gdot.sum(0)
+        # db = r (s g - y mean_R(s g y)) = (r s) g - (r s gdot / R) y
+        rs = r * sc if sc is not None else r  # (c, N-1)
+        torch.mul(g, rs.unsqueeze(-1), out=db)
+        db.sub_(y.mul_((rs * gdot).div_(R).unsqueeze(-1)))
+    else:
+        if ds is not None:
+            gb = _rowdot(g, P, _workspace("gdot", (c, N1), cdt, dev))
+            ds += gb.sum(0) if Wc is None else torch.einsum("ckr,kr->k", g * P, Wc)  # sum g b
+        if sc is not None:
+            torch.mul(g, sc.unsqueeze(-1), out=db)
+        else:
+            db.copy_(g)
+    return db
+
+
 def lookup_backward(
     grad: Tensor,
     table: Tensor,
@@ -225,7 +282,6 @@ def lookup_backward(
     M, N = idx.shape
     R = table.shape[1]
     cdt, dev = _compute_dtype(table.dtype), table.device
-    use_norm = rstd is not None
     d_table = torch.zeros(table.shape, dtype=cdt, device=dev) if need_table else None
     dW = torch.zeros(N - 1, R, dtype=cdt, device=dev) if (need_W and W is not None) else None
     ds = torch.zeros(N - 1, dtype=cdt, device=dev) if (need_scales and scales is not None) else None
@@ -242,42 +298,7 @@ def lookup_backward(
         g = grad[a:b_]  # (c, N-1, R)
         if g.dtype != cdt:
             g = _workspace("g", (c, N - 1, R), cdt, dev).copy_(g)
-        db = _workspace("db", (c, N - 1, R), cdt, dev)  # grad w.r.t. b
-        if use_norm and use_out:
-            assert rstd is not None and out is not None  # what use_norm and use_out mean
-            r = rstd[a:b_]  # (c, N-1)
-            e = out[a:b_]  # e = s y
-            gy = _rowdot(g, e, _workspace("gdot", (c, N - 1), cdt, dev))
-            if inv_s is not None:
-                gy.mul_(inv_s)  # sum_R g y
-            if ds is not None:
-                ds += gy.sum(0)
-            # db = (r s) g - (r s gdot / R) y = (r s) g - (r gdot / R) e
-            torch.mul(g, (r * sc if sc is not None else r).unsqueeze(-1), out=db)
-            db.addcmul_(e, (r * gy).div_(R).unsqueeze(-1), value=-1.0)
-        elif rstd is not None:  # use_norm
-            r = rstd[a:b_]  # (c, N-1)
-            y = _workspace("y", (c, N - 1, R), cdt, dev)  # y = RMSNorm(b)
-            if Wc is not None:
-                torch.mul(P, Wc, out=y)
-                y.mul_(r.unsqueeze(-1))
-            else:
-                torch.mul(P, r.unsqueeze(-1), out=y)
-            gdot = _rowdot(g, y, _workspace("gdot", (c, N - 1), cdt, dev))  # sum_R g y
-            if ds is not None:
-                ds += gdot.sum(0)
-            # db = r (s g - y mean_R(s g y)) = (r s) g - (r s gdot / R) y
-            rs = r * sc if sc is not None else r  # (c, N-1)
-            torch.mul(g, rs.unsqueeze(-1), out=db)
-            db.sub_(y.mul_((rs * gdot).div_(R).unsqueeze(-1)))
-        else:
-            if ds is not None:
-                gb = _rowdot(g, P, _workspace("gdot", (c, N - 1), cdt, dev))
-                ds += gb.sum(0) if Wc is None else torch.einsum("ckr,kr->k", g * P, Wc)  # sum g b
-            if sc is not None:
-                torch.mul(g, sc.unsqueeze(-1), out=db)
-            else:
-                db.copy_(g)
+        db = _grad_b(g, P, Wc, sc, inv_s, rstd, out, a, b_, use_out, ds)  # (c, N-1, R)
         if Wc is not None:
             if dW is not None:
                 tmp = _workspace("dot_tmp", (c, N - 1, R), cdt, dev)
