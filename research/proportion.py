@@ -46,7 +46,9 @@ def private_imports(package: Path, root: Path) -> list[str]:
                 for alias in node.names:
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         found.append(f"{here}: from {node.module} import {alias.name}")
-                if any(p.startswith("_") and not p.startswith("__") for p in node.module.split(".")):
+                if any(
+                    p.startswith("_") and not p.startswith("__") for p in node.module.split(".")
+                ):
                     found.append(f"{here}: from {node.module} import ...")
     return found
 
@@ -59,7 +61,11 @@ def import_side_effects() -> dict[str, bool]:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     hook, transformers, torch = (bool(int(v)) for v in out.stdout.split())
-    return {"meta_path_changed": hook, "transformers_imported": transformers, "torch_imported": torch}
+    return {
+        "meta_path_changed": hook,
+        "transformers_imported": transformers,
+        "torch_imported": torch,
+    }
 
 
 def figures() -> dict[str, object]:
@@ -89,7 +95,9 @@ def main() -> int:
         print(json.dumps(f, indent=2))
         return 0
     print(f"tngram/ lines:                {f['package_lines']:,} (goal <= 24,000)")
-    print(f"memory+model+kernels+optim:   {f['core_lines']:,} = {f['core_share']:.1%} (goal >= 28%)")
+    print(
+        f"memory+model+kernels+optim:   {f['core_lines']:,} = {f['core_share']:.1%} (goal >= 28%)"
+    )
     print(f"research/ lines:              {f['research_lines']:,}")
     print(f"Markdown lines in the tree:   {f['markdown_lines']:,} (goal <= 5,000)")
     print(f"private-name imports:         {len(f['private_imports'])} (goal 0)")

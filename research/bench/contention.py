@@ -1,4 +1,5 @@
-"""`python -m research bench contention`: training tokens/s alone and beside a competing 2-thread torch job.
+"""`python -m research bench contention`: training tokens/s alone and beside a competing 2-thread
+torch job.
 
 One process, every candidate interleaved (rep i of every candidate before rep i+1 of any):
 

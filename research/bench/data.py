@@ -1,4 +1,5 @@
-"""`python -m research bench data`: shard reading and tokenisation throughput (tngram.data, a colleague's).
+"""`python -m research bench data`: shard reading and tokenisation throughput (tngram.data, a
+colleague's).
 
 Shard reading: synthetic uint16 shards (`tngram.data.shards.write_shard`, `tokens` tokens in 4
 shards, in a temporary folder) read through `tngram.data.loader.TokenLoader.next_batch` after a
@@ -129,7 +130,8 @@ def run(
 
 def report(res: dict[str, Any]) -> str:
     lines = [
-        f"python -m research bench data (machine: {res['machine']['cpu']}, load {res['machine']['loadavg']})"
+        f"python -m research bench data (machine: {res['machine']['cpu']}, load "
+        f"{res['machine']['loadavg']})"
     ]
     r = res["shard_reading"]
     if "skipped" in r:

@@ -1,4 +1,5 @@
-"""`python -m research bench decode`: incremental-decoding speed of raw, Engram and TN-gram, batch 1.
+"""`python -m research bench decode`: incremental-decoding speed of raw, Engram and TN-gram, batch
+1.
 
 For each shape (mini, paper-l9) and method, one new token at a time after a short prompt:
 

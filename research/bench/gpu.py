@@ -13,7 +13,8 @@ fits is skipped and listed with the reason, so the command stays inside one GPU 
            interleaved, with their gradients compared; and the backward's factor-gradient adds
            alone, atomic against sorted, for uniform and Zipf ids (research.bench.gpu_kernels)
   attention the GPT's attention alone at paper-l9's shapes, forward + backward per SDPA backend
-           (cuDNN, flash, memory-efficient, math) and torch's own pick (research.bench.gpu_attention)
+           (cuDNN, flash, memory-efficient, math) and torch's own pick
+           (research.bench.gpu_attention)
   optim    the optimiser step alone of every chosen recipe: fused Adam, and Muon one matrix at a
            time against its same-shape stacks, interleaved (research.bench.gpu_optim)
   fwdbwd   forward + backward of every `paper-l9-*` recipe (research.bench.gpu_parts), eager, then
@@ -473,7 +474,8 @@ def _run(
 def report(res: dict[str, Any]) -> str:
     """A short text summary (the JSON file is the result)."""
     head = (
-        f"python -m research bench gpu: {res['card']} (torch {res['torch']}, triton {res['triton']}), "
+        f"python -m research bench gpu: {res['card']} (torch {res['torch']}, triton "
+        f"{res['triton']}), "
         f"{'tiny shapes' if res['tiny'] else 'paper shapes'}, {res['elapsed_s']} s of "
         f"{res['budget_s']:.0f} s budget"
     )

@@ -1,4 +1,5 @@
-"""`python -m research bench gpu --sections kernels`: the Triton lookup's backward variants, timed on the card.
+"""`python -m research bench gpu --sections kernels`: the Triton lookup's backward variants, timed
+on the card.
 
 For each chosen recipe with a TN-gram memory, its first TN-gram module's lookup stage
 (`memory_vector`, what the model runs before K/V: gathers, products, per-order norm and scale,

@@ -1,4 +1,5 @@
-"""`python -m research bench gpu --sections optim`: the optimiser step alone, Muon per matrix against stacked.
+"""`python -m research bench gpu --sections optim`: the optimiser step alone, Muon per matrix
+against stacked.
 
 A trainer step of paper-l9 is 8 micro-steps of forward + backward and one optimiser step; on the
 H200 the step took about 29 ms more than 8 compiled forward + backward passes of the raw GPT

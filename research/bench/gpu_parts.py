@@ -1,4 +1,5 @@
-"""The measurements of `python -m research bench gpu` (research.bench.gpu runs them inside its time budget).
+"""The measurements of `python -m research bench gpu` (research.bench.gpu runs them inside its time
+budget).
 
 Each function returns one JSON-ready dict. Times are CUDA-event milliseconds on a GPU (synchronised
 after every rep) and wall-clock milliseconds on the CPU; "median_ms" is the median of the timed

@@ -1,4 +1,5 @@
-"""`python -m research bench gpu --profile`: where one forward + backward step's time goes, by kernel.
+"""`python -m research bench gpu --profile`: where one forward + backward step's time goes, by
+kernel.
 
 After an fwdbwd item's timing (its warm-up done, so nothing compiles here) PROFILE_STEPS more
 steps run under torch.profiler (CPU activity, plus CUDA on CUDA; no shapes, stacks or memory,

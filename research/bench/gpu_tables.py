@@ -1,4 +1,5 @@
-"""The tables section of `python -m research bench gpu`: the candidates of one vocabulary timed interleaved.
+"""The tables section of `python -m research bench gpu`: the candidates of one vocabulary timed
+interleaved.
 
 At each vocabulary V the candidates are the raw step and, for Engram and TN-gram, one optimiser
 step per `optim.memory_update` (dense / sparse / rowwise), each as `gpu_parts.table_setup` builds

@@ -1,4 +1,5 @@
-"""`python -m research bench modules`: the memory modules alone at the paper-l9 shapes, forward + backward.
+"""`python -m research bench modules`: the memory modules alone at the paper-l9 shapes, forward +
+backward.
 
 Modules (built exactly as the paper-l9 recipes build them, d 512, V 1024, memory layer 1 of
 (1, 7)): Engram (orders 2..5, 8 heads x 64 per order, d_mem 2048), TN-gram (N 5, R 1024,

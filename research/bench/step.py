@@ -1,4 +1,5 @@
-"""`python -m research bench step`: one full training step (forward, backward, optimisers) per recipe.
+"""`python -m research bench step`: one full training step (forward, backward, optimisers) per
+recipe.
 
 The step is the trainer's (tngram/train/loop.py): parameter groups from
 `tngram.optim.groups.build_param_groups`, Adam for embeddings/tables/scalars and our Muon for
@@ -26,10 +27,9 @@ With `compile=True` every recipe/dtype is also measured with the model wrapped i
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from tngram.model.flops import matmul_params, train_flops
 from research.bench.common import fmt_ms, fmt_si, interleaved, machine_info, matmul_peak
@@ -211,7 +211,8 @@ def profile_step(step: Callable[[], None], rows: int = 12) -> list[list[Any]]:
 def report(res: dict[str, Any]) -> str:
     mc, pk = res["machine"], res["matmul_peak_flops"]
     lines = [
-        "python -m research bench step: forward + backward + Adam/Muon step, median (min) of the timed reps",
+        "python -m research bench step: forward + backward + Adam/Muon step, median (min) of the "
+        "timed reps",
         f"machine: {mc['cpu']}, {mc['torch_threads']} torch threads, torch {mc['torch']}, load "
         f"{mc.get('loadavg_before')} -> {mc['loadavg']}, "
         f"malloc env {mc['malloc_env'] or 'default'}",

@@ -1,4 +1,5 @@
-"""`python -m research bench threads`: TN-gram vs Engram at several thread counts, all in one interleaved run.
+"""`python -m research bench threads`: TN-gram vs Engram at several thread counts, all in one
+interleaved run.
 
 Every candidate is (what, thread count): rep i of every candidate runs before rep i+1 of any,
 and torch.set_num_threads(t) is applied untimed before each, so the 1- and 2-thread numbers
@@ -188,7 +189,8 @@ def run(
 def report(res: dict[str, Any]) -> str:
     mc, sh = res["machine"], res["shapes"]
     lines = [
-        f"python -m research bench threads: threads {res['threads']} interleaved in one process, median of "
+        f"python -m research bench threads: threads {res['threads']} interleaved in one process, "
+        "median of "
         f"{res['reps']} after {res['warmup']} warm-up (min in brackets); lookup/module at "
         f"paper-l9 shapes, {sh['tokens']} tokens; steps = mini recipes, bf16 autocast",
         f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> "

@@ -1,4 +1,5 @@
-"""`python -m research bench trainer`: where a real training run's time goes, and how much of TN-gram's step
+"""`python -m research bench trainer`: where a real training run's time goes, and how much of
+TN-gram's step
 gap to Engram is the extra matmul arithmetic.
 
 phases: runs `tngram.train.loop.train` itself (the recipe, its data, `--stop-after` optimiser steps
@@ -258,7 +259,8 @@ def report_phases(rows: list[dict[str, Any]]) -> str:
 def report_gap(res: dict[str, Any]) -> str:
     mc = res["machine"]
     lines = [
-        f"python -m research bench trainer --gap: median (min) ms of {res['reps']} interleaved reps, "
+        f"python -m research bench trainer --gap: median (min) ms of {res['reps']} interleaved "
+        "reps, "
         f"{mc['torch_threads']} thread(s), load {mc['loadavg']}"
     ]
     for k, t in res["times"].items():

@@ -1,4 +1,5 @@
-"""`python -m research bench vocab`: the training step as the vocabulary (and so every memory table) grows.
+"""`python -m research bench vocab`: the training step as the vocabulary (and so every memory
+table) grows.
 
 For each V in `vocabs` the mini backbone (`mini-raw`, `mini-engram`, `mini-tngram` recipes with
 model.vocab_size = V; Engram's table budget 5 V per head and TN-gram's V x R factors grow with it)
@@ -313,7 +314,8 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> str:
     mc = res["machine"]
     lines = [
-        f"python -m research bench vocab: 1 step of {res['batch']} x {res['seq']} tokens, {res['dtype']} "
+        f"python -m research bench vocab: 1 step of {res['batch']} x {res['seq']} tokens, "
+        f"{res['dtype']} "
         f"autocast, {res['threads']} thread(s), median of {res['reps']} interleaved reps",
         f"machine: {mc['cpu']}, torch {mc['torch']}, load {mc.get('loadavg_before')} -> "
         f"{mc['loadavg']}",

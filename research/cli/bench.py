@@ -1,4 +1,5 @@
-"""`python -m research bench modules|threads|step|trainer|vocab|data|decode|contention|gpu`: performance
+"""`python -m research bench modules|threads|step|trainer|vocab|data|decode|contention|gpu`:
+performance
 measurements.
 
 Every subcommand prints a table, or with --json one JSON object. Figures, commands and the
@@ -191,16 +192,7 @@ def _decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: Any) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="performance benchmarks (modules, training step, data)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bs = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
-    bs.required = True
-
+def _add_modules(bs: Any) -> None:
     m = bs.add_parser("modules", help="Engram / TN-gram / Over-Encoding alone at paper-l9 shapes")
     add_common(m, 15, 3)
     add_batch_seq(m, 4, "sequences per forward")
@@ -214,6 +206,8 @@ def add_commands(sub: Any) -> None:
     m.add_argument("--profile", action="store_true", help="add a per-op profile of the lookups")
     m.set_defaults(func=_modules)
 
+
+def _add_threads(bs: Any) -> None:
     t = bs.add_parser(
         "threads",
         help="TN-gram vs Engram lookup/module/mini step at several thread "
@@ -239,6 +233,8 @@ def add_commands(sub: Any) -> None:
     )
     t.set_defaults(func=_threads_bench)
 
+
+def _add_contention(bs: Any) -> None:
     ct = bs.add_parser(
         "contention",
         help="training tokens/s alone and beside a competing 2-thread torch "
@@ -269,6 +265,8 @@ def add_commands(sub: Any) -> None:
     )
     ct.set_defaults(func=_contention)
 
+
+def _add_step(bs: Any) -> None:
     s = bs.add_parser("step", help="full training step: tokens/s and FLOP/s vs matmul peak")
     add_common(s, 8, 2)
     add_recipes(s, "recipes (default: mini-* and paper-l9-*)")
@@ -288,6 +286,8 @@ def add_commands(sub: Any) -> None:
     )
     s.set_defaults(func=_step)
 
+
+def _add_vocab(bs: Any) -> None:
     v = bs.add_parser(
         "vocab",
         help="training step vs vocabulary size (1k-128k): raw, Engram, TN-gram "
@@ -341,6 +341,8 @@ def add_commands(sub: Any) -> None:
     v.add_argument("--no-peak", action="store_true", help="skip the peak-RSS subprocess runs")
     v.set_defaults(func=_vocab)
 
+
+def _add_trainer(bs: Any) -> None:
     tr = bs.add_parser(
         "trainer",
         help="where a real training run's time goes (data, forward, backward, "
@@ -364,6 +366,8 @@ def add_commands(sub: Any) -> None:
     )
     tr.set_defaults(func=_trainer)
 
+
+def _add_data(bs: Any) -> None:
     d = bs.add_parser(
         "data",
         help="data loader (shard reading) and tokenisation throughput",
@@ -385,6 +389,8 @@ def add_commands(sub: Any) -> None:
     add_batch_seq(d, 16, "sequences per batch")
     d.set_defaults(func=_data)
 
+
+def _add_decode(bs: Any) -> None:
     c = bs.add_parser(
         "decode",
         help="incremental decoding tokens/s: raw, Engram, TN-gram (ours and HF "
@@ -410,6 +416,24 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate path")
     c.set_defaults(func=_decode)
 
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="performance benchmarks (modules, training step, data)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bs = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+    bs.required = True
+    _add_modules(bs)
+    _add_threads(bs)
+    _add_contention(bs)
+    _add_step(bs)
+    _add_vocab(bs)
+    _add_trainer(bs)
+    _add_data(bs)
+    _add_decode(bs)
     from research.cli.bench_gpu import add_gpu_command  # its own file: the longest subcommand
 
     add_gpu_command(bs)

@@ -1,4 +1,5 @@
-"""The flags several `python -m research bench` subcommands take, each defined once, and the fields every
+"""The flags several `python -m research bench` subcommands take, each defined once, and the fields
+every
 benchmark results file carries (shared by research/cli/bench.py and research/cli/bench_gpu.py)."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from tngram.cli.common import add_json_argument, add_threads_argument
 
 
 def results_file_fields(kind: str, argv: list[str]) -> dict[str, Any]:
-    """kind, command and commit, so that `--json` output can be committed as research/results/NAME.json
+    """kind, command and commit, so that `--json` output can be committed as
+    research/results/NAME.json
     and shown in the docs as generated tables (research.report.docblocks)."""
     import shlex
     from pathlib import Path

@@ -1,4 +1,5 @@
-"""`python -m research bench gpu`: its arguments and the command (research.bench.gpu does the measuring).
+"""`python -m research bench gpu`: its arguments and the command (research.bench.gpu does the
+measuring).
 
 Kept apart from research/cli/bench.py, which registers it (`add_gpu_command`), for the length of
 that file; the flags several bench subcommands share come from research/cli/bench_args.py.
@@ -27,7 +28,8 @@ TRITON_BACKWARDS = ("fused", "split", "sorted")
 
 
 def _gpu_out(out: str | None, slug: str) -> Any:
-    """The results file: --out FILE.json, or gpu-<card>.json in --out DIR (default research/results)."""
+    """The results file: --out FILE.json, or gpu-<card>.json in --out DIR (default
+    research/results)."""
     from pathlib import Path
 
     from tngram.common import TngramError
@@ -131,7 +133,8 @@ def add_gpu_command(bs: Any) -> None:
         "optim.memory_update at V 1k/32k/128k), trainer (tokens/s of N trainer steps); "
         "paper-l9 raw / Engram / TN-gram first, the other recipes' compiled and trainer items "
         "last. An item that no longer fits the budget is skipped and named. Writes one results "
-        "file; docs/GPU.md's tables are generated from it (`python -m research report doc docs/GPU.md`).",
+        "file; docs/GPU.md's tables are generated from it (`python -m research report doc "
+        "docs/GPU.md`).",
     )
     g.add_argument(
         "--out",

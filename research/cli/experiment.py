@@ -50,7 +50,8 @@ def add_commands(sub: Any) -> None:
         default="cpu",
         help="model size: cpu (mini recipes) or paper (paper-l9)",
     )
-    add_run_arguments(p, seeds_default=None, seeds_help=_SEEDS_HELP)  # None: each experiment's own count
+    # seeds None: each experiment's own count
+    add_run_arguments(p, seeds_default=None, seeds_help=_SEEDS_HELP)
     p.add_argument(
         "--budgets",
         default=None,
@@ -107,7 +108,8 @@ def _cmd_experiment(args: Any) -> int:
     from research.experiments.sweeps import run_experiment
     from tngram.common import require_extra
 
-    require_extra("matplotlib", "report", "`python -m research experiment` figures")  # before any training
+    # before any training
+    require_extra("matplotlib", "report", "`python -m research experiment` figures")
     require_extra("scipy", "report", "`python -m research experiment` confidence intervals")
     check_run_args(args, SCALES[args.preset])
     ranks = _int_list("--ranks", args.ranks)

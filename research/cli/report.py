@@ -59,7 +59,11 @@ def add_commands(sub: Any) -> None:
         "file is rewritten; with --check it is only compared (exit 1 when a block differs).",
     )
     d.add_argument(
-        "docs", type=Path, nargs="+", metavar="FILE", help="Markdown file(s), e.g. research/RESULTS.md"
+        "docs",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="Markdown file(s), e.g. research/RESULTS.md",
     )
     d.add_argument(
         "--name",
@@ -133,7 +137,8 @@ def _cmd_readme(args: Any) -> int:
     if args.note:
         snap["note"] = args.note
     snap_path = snapshot_path(args.readme, args.name)
-    new_text = replace_block(text, args.name, render_block(snap, f"research/results/{args.name}.json"))
+    block = render_block(snap, f"research/results/{args.name}.json")
+    new_text = replace_block(text, args.name, block)
     atomic_write_json(snap_path, snap)
     atomic_write_text(args.readme, new_text)
     print(f"wrote {snap_path} and the {args.name!r} block of {args.readme}")

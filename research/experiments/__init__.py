@@ -1,1 +1,2 @@
-"""The sweeps, maps and analyses behind the paper's figures and our results (RESULTS.md, PARETO.md)."""
+"""The sweeps, maps and analyses behind the paper's figures and our results (RESULTS.md,
+PARETO.md)."""

@@ -1,4 +1,5 @@
-"""`python -m research experiment adaptive-rank`: fixed CP ranks against one run that picks its own rank.
+"""`python -m research experiment adaptive-rank`: fixed CP ranks against one run that picks its own
+rank.
 
     fixed      TN-gram at R in FIXED_RANKS (default 32 .. 704), one run per R and seed
     adaptive   TN-gram started at R = START_RANK; after optimiser step prune_at_step (100/256 of

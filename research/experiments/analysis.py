@@ -131,7 +131,8 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
         )
     atomic_write_json(out / "unseen.json", results)
     atomic_write_text(
-        out / "report.md", f"# python -m research experiment unseen\n\nData: `{data_dir}`\n\n{body}\n"
+        out / "report.md",
+        f"# python -m research experiment unseen\n\nData: `{data_dir}`\n\n{body}\n",
     )
     print0(body)
     return out / "report.md"
@@ -224,7 +225,8 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
         out / "collisions.json", {"recipe": cfg.name, "tokens": int(len(train)), "orders": stats}
     )
     atomic_write_text(
-        out / "report.md", f"# python -m research experiment collisions\n\nData: `{data_dir}`\n\n{body}\n"
+        out / "report.md",
+        f"# python -m research experiment collisions\n\nData: `{data_dir}`\n\n{body}\n",
     )
     print0(body)
     return out / "report.md"

@@ -77,7 +77,8 @@ def corpora(
     corpora: list[str] | None = None,
     tuned: Path | str | None = None,
 ) -> Path:
-    """`python -m research experiment corpora`: Table 1 on each corpus + seen/unseen balance + significance;
+    """`python -m research experiment corpora`: Table 1 on each corpus + seen/unseen balance +
+    significance;
     with `tuned` (a tuning folder or setting names, see `read_best`), each memory at that
     setting."""
     from tngram.data.corpus import EVIDENCE_CORPORA
@@ -135,7 +136,8 @@ def corpora(
     )
     atomic_write_json(out / "corpora.json", {"seen": seen, "rows": by_corpus})
     atomic_write_text(
-        out / "report.md", f"# python -m research experiment corpora\n\n{body}\n\n![gap](gap-vs-unseen.png)\n"
+        out / "report.md",
+        f"# python -m research experiment corpora\n\n{body}\n\n![gap](gap-vs-unseen.png)\n",
     )
     print0(body)
     return out / "report.md"
@@ -348,7 +350,8 @@ def dense(
     nproc: int | None = None,
     corpora: list[str] | None = None,
 ) -> Path:
-    """`python -m research experiment dense`: raw / Engram / TN-gram and the dense_variants on one corpus;
+    """`python -m research experiment dense`: raw / Engram / TN-gram and the dense_variants on one
+    corpus;
     val loss against total parameters and training FLOPs (Pareto figure)."""
     from dataclasses import replace
     from tngram.experiments.common import resolve_data, with_seed
@@ -417,7 +420,8 @@ def dense(
     atomic_write_json(out / "dense.json", {"data": data_dir, "rows": rows})
     atomic_write_text(
         out / "report.md",
-        f"# python -m research experiment dense\n\nData: `{data_dir}`\n\n{body}\n\n![dense](dense.png)\n",
+        "# python -m research experiment dense\n\nData: "
+        f"`{data_dir}`\n\n{body}\n\n![dense](dense.png)\n",
     )
     print0(body)
     return out / "report.md"
@@ -466,7 +470,8 @@ SETTING_RE = re.compile(r"^(engram-lr|tngram-lr|tngram-init)(\d+(\.\d+)?|\.\d+)$
 
 
 def read_best(tuned: Path | str) -> dict[str, str]:
-    """{method: setting name} from a finished `python -m research experiment tuning` folder, or from the
+    """{method: setting name} from a finished `python -m research experiment tuning` folder, or
+    from the
     setting names it printed ("Best on this corpus"), e.g. "engram-lr4,tngram-lr2": the choice
     can be reused without keeping the tuning runs."""
     from tngram.common import MissingFileError, TngramError
@@ -476,7 +481,8 @@ def read_best(tuned: Path | str) -> dict[str, str]:
         if not (path / "tuning.json").is_file():
             raise MissingFileError(
                 f"--tuned {tuned}: no tuning.json there and not a list of setting names "
-                f"like engram-lr4,tngram-lr2; run `python -m research experiment tuning --out {tuned}` first"
+                "like engram-lr4,tngram-lr2; run `python -m research experiment tuning --out "
+                f"{tuned}` first"
             )
         from tngram.readback import read_tuning_file
 
@@ -555,7 +561,8 @@ def tuning(
     nproc: int | None = None,
     corpora: list[str] | None = None,
 ) -> Path:
-    """`python -m research experiment tuning`: the tuning sweep on one corpus (default `literature`, so that
+    """`python -m research experiment tuning`: the tuning sweep on one corpus (default
+    `literature`, so that
     settings are never chosen on the default corpus); prints each method's best setting."""
     from tngram.experiments.common import resolve_data, with_seed
     from tngram.experiments.runner import RunSpec, run_all
@@ -590,7 +597,8 @@ def tuning(
         "there): " + ", ".join(f"{m}: {k}" for m, k in best.items())
     )
     atomic_write_text(
-        out / "report.md", f"# python -m research experiment tuning\n\nData: `{data_dir}`\n\n{body}\n"
+        out / "report.md",
+        f"# python -m research experiment tuning\n\nData: `{data_dir}`\n\n{body}\n",
     )
     print0(body)
     return out / "report.md"

@@ -1,4 +1,5 @@
-"""`python -m research experiment memory-on-trained`: add a memory to an already-trained model, train only it.
+"""`python -m research experiment memory-on-trained`: add a memory to an already-trained model,
+train only it.
 
 Per seed s:
     raw-s       the raw GPT trained from scratch (the "trained model"; also the frozen baseline)

@@ -1,4 +1,5 @@
-"""`python -m research experiment pareto`: every memory family on one map of loss vs Δparams (vs step time).
+"""`python -m research experiment pareto`: every memory family on one map of loss vs Δparams (vs
+step time).
 
 Each family is swept over its size knob across one common Δparams range (at `mini`: about
 1.1, 2.2, 4.3, 8.7 and 12 M; `SIZES`), at its own table lr tuned once on the tuning corpus
@@ -110,7 +111,8 @@ SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
 FAMILIES = ("raw", *SIZES)
 
 
-# the confirmation (research/RESULTS.md): the variant chosen on the literature screen against Engram at
+# the confirmation (research/RESULTS.md): the variant chosen on the literature screen against
+# Engram at
 # the same size index (its Δparams <= Engram's), CONFIRM_SEEDS seeds on every corpus; the seeds
 # beyond the map's are tagged "confirm" and feed only the paired table (pareto_report.paired_rows)
 class Confirm(TypedDict):

@@ -1,4 +1,5 @@
-"""The map of `python -m research experiment pareto`: fronts, "best memory at ≤ budget" tables, figures, timing.
+"""The map of `python -m research experiment pareto`: fronts, "best memory at ≤ budget" tables,
+figures, timing.
 
 Pure pieces (tested against brute force in tests/test_pareto.py):
     pareto_front(points)      indices of the points no other point beats on both cost and loss
@@ -496,7 +497,8 @@ def write_results_files(out: Path) -> None:
 
 
 def results_files(out: Path, commit: str, machine: str, command: str) -> dict[str, dict[str, Any]]:
-    """research/results files (kind "table") per corpus: pareto-<corpus>, pareto-<corpus>-best-params,
+    """research/results files (kind "table") per corpus: pareto-<corpus>,
+    pareto-<corpus>-best-params,
     pareto-<corpus>-best-step, from OUT/pareto.json."""
     data = json.loads((out / "pareto.json").read_text())
     files = {}

@@ -467,7 +467,8 @@ def _write(
     atomic_write_text(out / "results.csv", _csv(rows, cols))
     atomic_write_text(
         out / "report.md",
-        f"# python -m research experiment {name}\n\nData: `{data_dir}`\n\n{body}\n\n![{name}]({name}.png)\n",
+        f"# python -m research experiment {name}\n\nData: "
+        f"`{data_dir}`\n\n{body}\n\n![{name}]({name}.png)\n",
     )
     print0(body)
     print0(f"\nreport: {out / 'report.md'}")

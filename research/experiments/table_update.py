@@ -1,4 +1,5 @@
-"""`python -m research experiment table-update`: what `optim.memory_update = sparse | rowwise` costs in quality.
+"""`python -m research experiment table-update`: what `optim.memory_update = sparse | rowwise`
+costs in quality.
 
 For each corpus, seed and memory (Engram at table_budget 3800, TN-gram at cp_rank 352: the pareto
 map's recipe-size points, each at its tuned table lr), one run per update option. The `dense` run is
@@ -156,7 +157,8 @@ def table_update(
     results = {"kind": "table", **meta, "columns": COLUMNS, "rows": table}
     atomic_write_json(out / "results" / "table-update.json", results)
     md = (
-        f"# python -m research experiment table-update\n\n{len(rows)} of {len(todo)} runs finished. Δ = val "
+        f"# python -m research experiment table-update\n\n{len(rows)} of {len(todo)} runs "
+        "finished. Δ = val "
         f"loss of the "
         f"option − dense, paired by seed; goal: within ±{GOAL_NATS} nats.\n\n"
         + render_table(results)

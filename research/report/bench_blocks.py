@@ -1,4 +1,5 @@
-"""Generated-block views of a `python -m research bench threads --json` results file (see docblocks).
+"""Generated-block views of a `python -m research bench threads --json` results file (see
+docblocks).
 
 speed       Engram vs TN-gram per measurement and thread count, with targets (compact)
 candidates  every candidate at 1 and 2 threads, median (min) ms, 2-thread speed-up, Amdahl p and
@@ -147,7 +148,8 @@ def render_threads(res: dict[str, Any], view: str) -> str:
     return views[view](res)
 
 
-# --- `python -m research bench contention --json` (kind "bench-contention") ---------------------------------
+# --- `python -m research bench contention --json` (kind "bench-contention")
+# ---------------------------------
 
 CONDITION_LABELS = {"idle": "competitor stopped", "busy": "beside a 2-thread torch job"}
 
@@ -196,7 +198,8 @@ def render_contention(res: dict[str, Any], view: str = "") -> str:
     return "\n".join(lines)
 
 
-# --- `python -m research bench vocab --json` (kind "bench-vocab") -------------------------------------------
+# --- `python -m research bench vocab --json` (kind "bench-vocab")
+# -------------------------------------------
 
 VOCAB_GOALS = {"overhead": 1.5, "step128k": 1.3, "rowwise_bytes": 5.0}
 

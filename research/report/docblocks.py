@@ -8,15 +8,19 @@ A generated block is the text between two markers,
 
 and it is a pure function of research/results/FILE.json, where FILE is NAME up to the first ":"
 (NAME = FILE:VIEW lets one results file feed several blocks, e.g. the README speed table and the
-research/PERFORMANCE.md tables all come from one `python -m research bench threads` run). The file's "kind" picks
+research/PERFORMANCE.md tables all come from one `python -m research bench threads` run). The
+file's "kind" picks
 the renderer:
 
-- "compare": a snapshot of a `tngram compare` folder (`python -m research report readme DIR`, Table 1 layout);
-- "bench-threads": the output of `python -m research bench threads --json` (views "speed", "candidates",
+- "compare": a snapshot of a `tngram compare` folder (`python -m research report readme DIR`, Table
+1 layout);
+- "bench-threads": the output of `python -m research bench threads --json` (views "speed",
+"candidates",
   "targets");
 - "bench-contention": the output of `python -m research bench contention --json` (view "table");
 - "bench-vocab": the output of `python -m research bench vocab --json` (views "table", "goals");
-- "gpu-index" (research/results/gpu.json): every `python -m research bench gpu` results file beside it and the
+- "gpu-index" (research/results/gpu.json): every `python -m research bench gpu` results file beside
+it and the
   numbers still open (research.report.gpu_blocks), view "goals": the GPU goal point by point
   (research.report.gpu_goals); "gpu-check": the first GPU check's raw numbers;
 - "summary": sentences whose numbers are cells of other results files (research.report.summary;
@@ -25,7 +29,8 @@ the renderer:
   "rows" (one list of raw values per row), see `render_cell`.
 
 Every results file carries "command", "commit" and "machine" (and "source": where the numbers were
-taken from); the block ends with one line citing them. `python -m research report doc FILE` rewrites every
+taken from); the block ends with one line citing them. `python -m research report doc FILE`
+rewrites every
 block of FILE from its results file; `python -m research report doc FILE --check` only compares
 (tests/test_readme.py runs it on README.md and docs/*.md), so a table that disagrees with its
 results file fails the tests. A marker that is not well formed (another spacing, a name with a

@@ -2,7 +2,8 @@
 
 Three kinds of file:
 
-- "bench-gpu": the output of `python -m research bench gpu` (research.bench.gpu), one card, one commit.
+- "bench-gpu": the output of `python -m research bench gpu` (research.bench.gpu), one card, one
+commit.
   `render_run` draws its tables: forward + backward (eager, compiled, MFU, peak memory), trainer
   tokens/s, table updates by vocabulary, lookup check and timing, the self-checks.
 - "gpu-index" (research/results/gpu.json): words only. `resolve_index` lists every bench-gpu file
@@ -394,11 +395,13 @@ def resolve_index(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
 def render_goals(snap: dict[str, Any]) -> str:
     """The "gpu:goals" view of the index: the goal point by point (research.report.gpu_goals)."""
     if "runs" not in snap:
-        raise TngramError("a 'gpu-index' results file must be resolved against research/results first")
+        raise TngramError("a 'gpu-index' results file must be resolved against research/results "
+        "first")
     files = ", ".join(f"`{n}`" for n, _ in snap["runs"]) or "none yet"
     return (
         goals_table(snap["runs"])
-        + "\n\nGenerated from the `python -m research bench gpu` results files in `research/results/` (oldest "
+        + "\n\nGenerated from the `python -m research bench gpu` results files in "
+        "`research/results/` (oldest "
         + f"first: {files}) by `research/report/gpu_goals.py`, which says what each point reads."
     )
 
@@ -439,13 +442,15 @@ def open_table(snap: dict[str, Any]) -> str:
 
 def render_index(snap: dict[str, Any]) -> str:
     if "runs" not in snap:
-        raise TngramError("a 'gpu-index' results file must be resolved against research/results first")
+        raise TngramError("a 'gpu-index' results file must be resolved against research/results "
+        "first")
     parts = []
     for name, run in snap["runs"]:
         parts.append(render_run(run, f"research/results/{name}"))
     if not snap["runs"]:
         parts.append(
-            "No `python -m research bench gpu` results file (`research/results/gpu-<card>.json`) is in the "
+            "No `python -m research bench gpu` results file (`research/results/gpu-<card>.json`) "
+            "is in the "
             "repository yet: every number of that command is open. What each number is, and "
             "what the first GPU check measured of it at commit fb2264d (its table above):"
         )
@@ -454,7 +459,8 @@ def render_index(snap: dict[str, Any]) -> str:
     parts.append(open_table(snap))
     files = ", ".join(f"`research/results/{n}`" for n, _ in snap["runs"]) or "none yet"
     parts.append(
-        f"Generated from `research/results/gpu.json` (the list of numbers) and every `python -m research bench "
+        "Generated from `research/results/gpu.json` (the list of numbers) and every `python -m "
+        "research bench "
         f"gpu` results file beside it ({files}); runs at tiny CPU shapes are not shown."
     )
     return "\n\n".join(parts)

@@ -1,4 +1,5 @@
-"""The GPU goal, point by point, from the `python -m research bench gpu` results files (the "gpu:goals" block
+"""The GPU goal, point by point, from the `python -m research bench gpu` results files (the
+"gpu:goals" block
 of docs/GPU.md; the index research/results/gpu.json lists the files oldest first in "order").
 
 Each point reads one kind of item, and its row shows the newest run that measured it, that run's

@@ -125,7 +125,8 @@ def provenance(snap: dict[str, Any], source: str) -> str:
 
 
 def machine_text(m: str | dict[str, Any]) -> str:
-    """The machine as written in a results file, or as `python -m research bench ... --json` records it."""
+    """The machine as written in a results file, or as `python -m research bench ... --json`
+    records it."""
     if isinstance(m, str):
         return m
     text = f"{m.get('logical_cpus', '?')}-core {m.get('cpu', 'CPU')}, torch {m.get('torch', '?')}"

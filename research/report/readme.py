@@ -1,7 +1,9 @@
 """The demo's table comes from a results file in the repository, never by hand.
 
-`python -m research report readme DIR` takes a `tngram compare` folder (e.g. the `runs/compare-cpu` of `make
-demo`), writes a snapshot of it to research/results/demo-compare-cpu.json (rows + the commit, machine
+`python -m research report readme DIR` takes a `tngram compare` folder (e.g. the `runs/compare-cpu`
+of `make
+demo`), writes a snapshot of it to research/results/demo-compare-cpu.json (rows + the commit,
+machine
 and command the runs recorded) and regenerates the block of research/RESULTS.md (the default --doc;
 the README links to it rather than carrying tables and their provenance) between
 
@@ -9,8 +11,10 @@ the README links to it rather than carrying tables and their provenance) between
     <!-- END generated: demo-compare-cpu -->
 
 from that snapshot. `--name NAME --doc FILE` does the same for any block of any Markdown file
-(snapshot research/results/NAME.json), e.g. a three-seed table in research/RESULTS.md. The markers and
-the check of every block of a file live in research.report.docblocks (`python -m research report doc FILE
+(snapshot research/results/NAME.json), e.g. a three-seed table in research/RESULTS.md. The markers
+and
+the check of every block of a file live in research.report.docblocks (`python -m research report
+doc FILE
 --check`).
 """
 

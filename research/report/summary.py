@@ -1,4 +1,5 @@
-"""The one-screen summary that opens research/RESULTS.md: one line per finding, its numbers read from
+"""The one-screen summary that opens research/RESULTS.md: one line per finding, its numbers read
+from
 the committed results files (research/results/*.json) of the section that reports the finding.
 
 A results file of kind "summary" holds words and pointers only, never a number:
@@ -12,7 +13,8 @@ A results file of kind "summary" holds words and pointers only, never a number:
 `resolve(snap, results_dir)` fills each {slot} with the cell of that file's table (row: its
 index, or the text of its first cell; column: its header), rendered with the column's own format,
 so a summary line shows exactly what the section's table shows and cannot drift from it: a changed
-results file changes the summary, and `python -m research report doc --check` fails until it is regenerated.
+results file changes the summary, and `python -m research report doc --check` fails until it is
+regenerated.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def resolve(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
 def render_summary(snap: dict[str, Any]) -> str:
     """The summary table of a resolved "summary" results file."""
     if "resolved" not in snap:
-        raise TngramError("a 'summary' results file must be resolved against research/results first")
+        raise TngramError("a 'summary' results file must be resolved against research/results "
+        "first")
     out = ["| question (section below) | finding | numbers from |", "|---|---|---|"]
     for line in snap["resolved"]:
         files = ", ".join(f"`{name}.json`" for name in line["files"])

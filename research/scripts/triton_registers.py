@@ -34,7 +34,12 @@ from tngram.kernels import tngram_triton as k  # noqa: E402
 from tngram.train.metrics import git_info  # noqa: E402
 from tngram.train.recipes import get_recipe  # noqa: E402
 
-RECIPES = ("paper-l9-tngram", "paper-l9-tngram-hsum", "paper-l9-tngram-sum", "paper-l9-tngram-sum-lean")
+RECIPES = (
+    "paper-l9-tngram",
+    "paper-l9-tngram-hsum",
+    "paper-l9-tngram-sum",
+    "paper-l9-tngram-sum-lean",
+)
 PTR = "*fp32"
 FWD = {"table_ptr": PTR, "idx_ptr": "*i64", "w_ptr": PTR, "s_ptr": PTR, "out_ptr": "*bf16",
        "rstd_ptr": PTR, "R": "i32", "eps": "fp32"}

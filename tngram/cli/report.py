@@ -1,4 +1,5 @@
-"""CLI: `tngram report tables RUN_DIR...` (paper Tables 2-3 layout) and `tngram report compare DIR`."""
+"""CLI: `tngram report tables RUN_DIR...` (paper Tables 2-3 layout) and `tngram report compare
+DIR`."""
 
 from __future__ import annotations
 

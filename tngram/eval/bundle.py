@@ -358,7 +358,8 @@ def build_bundle(
     with zf:
         for t in tqdm(CORE_TASKS, desc="build-bundle", disable=not progress):
             shared = next((k for k, v in tasks.items() if v["uri"] == t.uri), None)
-            if shared is not None and t.label not in UNAVAILABLE:  # a shared file (hellaswag 0-shot and 10-shot)
+            # a file shared by two tasks (hellaswag 0-shot and 10-shot)
+            if shared is not None and t.label not in UNAVAILABLE:
                 tasks[t.label] = dict(tasks[shared])
                 continue
             try:

@@ -33,7 +33,8 @@ class RunSpec:
     tags: dict[str, Any] = field(default_factory=dict)  # method, seed, sweep value...
 
 
-# `--set` items of `tngram compare` / `python -m research experiment`, applied by run_all to every run
+# `--set` items of `tngram compare` / `python -m research experiment`, applied by run_all to every
+# run
 _OVERRIDES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "tngram_overrides", default=()
 )
@@ -50,7 +51,8 @@ def config_overrides(items: list[str] | tuple[str, ...]) -> Iterator[None]:
         _OVERRIDES.reset(token)
 
 
-# `--jobs` of `tngram compare` / `python -m research experiment`: how many runs run_all trains at once
+# `--jobs` of `tngram compare` / `python -m research experiment`: how many runs run_all trains at
+# once
 _JOBS: contextvars.ContextVar[int] = contextvars.ContextVar("tngram_jobs", default=1)
 
 

@@ -23,7 +23,8 @@ program, one R-wide dW accumulator over SPLIT_WS_TOKENS tokens. It recomputes th
 products once more (O(N^2) more row loads, cache hits) to give the rows kernel about half its
 registers: for sm_90 (triton 3.9, compiled without a GPU) at N 5, R 1024, 4 warps the rows
 kernel needs 113 registers a thread instead of 209 (research/scripts/triton_registers.py). Which is
-faster is a GPU measurement (`python -m research bench gpu --sections kernels`); same numbers up to the
+faster is a GPU measurement (`python -m research bench gpu --sections kernels`); same numbers up to
+the
 fp32 order of the dW / ds sums.
 
 sorted backward (kernel_policy(triton_backward="sorted")): the fused rows kernel stores each

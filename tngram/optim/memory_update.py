@@ -206,7 +206,8 @@ def param_state_bytes(
     catchup: bool = False,
 ) -> int:
     """Bytes of optimiser state the trainer allocates for one fp32 parameter tensor of `shape`:
-    the rule `tngram plan` and `python -m research experiment pareto` count by (tests/test_memory_update.py
+    the rule `tngram plan` and `python -m research experiment pareto` count by
+    (tests/test_memory_update.py
     checks it against the state tensors real optimiser steps allocate).
 
     optimizer: the tensor's group optimiser ("adam" | "muon", tngram.optim.groups); table: it is
