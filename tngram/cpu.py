@@ -3,8 +3,8 @@
 Torch runs one OpenMP thread per core and its threads spin while they wait for each other. When
 another CPU-bound job shares the cores, a spinning thread waits for a thread that is not
 scheduled, and a 2-thread run on 2 cores drops to 0.1-0.3x its idle speed (docs/TRAINING.md,
-"Threads on a busy machine"; research/PERFORMANCE.md, "Training beside another job"). Fewer threads than busy
-cores do not collapse. So, when nobody asked for a thread count, a run looks at
+"Threads on a busy machine"; research/PERFORMANCE.md, "Training beside another job"). Fewer
+threads than busy cores do not collapse. So, when nobody asked for a thread count, a run looks at
 
   - the CPUs it may run on (sched affinity) and its cgroup CPU quota (cgroup v2 cpu.max or v1
     cpu.cfs_quota_us / cpu.cfs_period_us),
