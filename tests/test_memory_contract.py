@@ -13,12 +13,15 @@ from tngram.memory.base import MemoryConfig, MemoryModule
 from tngram.memory.engram import EngramConfig
 from tngram.memory.overencoding import OverEncodingConfig
 from tngram.memory.tngram import TNGramConfig
+from tngram.memory.tngram_hashed import TNGramHashedConfig
 from tngram.model.gpt import GPTConfig
 from tngram.train.config import TrainConfig, apply_overrides
 
 SMALL = {"tngram": TNGramConfig(max_ngram=3, cp_rank=4),
          "engram": EngramConfig(max_ngram=3, n_head_per_ngram=2, n_embed_per_ngram=8, pad_id=0),
-         "oe": OverEncodingConfig(max_ngram=3, pad_id=0)}
+         "oe": OverEncodingConfig(max_ngram=3, pad_id=0),
+         "tngram-hashed": TNGramHashedConfig(max_ngram=3, cp_rank=4, factor_rows=5, n_hashes=2,
+                                             combine="sum")}
 
 
 def test_registry_kinds_and_class_attributes():
@@ -51,7 +54,7 @@ def test_tables_and_controls_are_disjoint_parameters_of_the_module(kind):
     tables = {id(p) for p in m.table_parameters()}
     controls = {id(p) for p in m.control_parameters()}
     assert tables and tables <= own and controls <= own and not tables & controls
-    assert all(p.dim() == 2 for p in m.table_parameters()) or kind == "tngram"  # (N, V, R) factors
+    assert all(p.dim() == 2 for p in m.table_parameters()) or kind.startswith("tngram")  # (N, V, R)
 
 
 @pytest.mark.parametrize("kind", sorted(SMALL))
@@ -67,7 +70,8 @@ def test_vocabulary_check(kind):
     ("tngram", "norm_eps", 0.0, "> 0"), ("tngram", "prune_energy_tol", float("nan"), "finite"),
     ("engram", "n_head_per_ngram", 0, "[1, 1024]"), ("engram", "seed", -1, "[0, "),
     ("engram", "table_budget", (5, 0), "ints in [1, "),
-    ("oe", "n_slices", 2000, "[1, 1024]"), ("oe", "table_rows", 0, "[1, ")])
+    ("oe", "n_slices", 2000, "[1, 1024]"), ("oe", "table_rows", 0, "[1, "),
+    ("tngram-hashed", "factor_rows", 0, "[1, "), ("tngram-hashed", "n_hashes", 17, "[1, 16]")])
 def test_generic_field_ranges_at_construction(kind, field, bad, expect):
     cls = type(SMALL[kind])
     with pytest.raises(TngramError, match=f"model.memory.{field} must be") as e:

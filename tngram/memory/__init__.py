@@ -18,6 +18,7 @@ from tngram.common import TngramError
 # `import tngram.memory` stays light); register_memory adds more at run time.
 MEMORY_KINDS: dict[str, str] = {
     "tngram": "tngram.memory.tngram:TNGramConfig",
+    "tngram-hashed": "tngram.memory.tngram_hashed:TNGramHashedConfig",
     "engram": "tngram.memory.engram:EngramConfig",
     "oe": "tngram.memory.overencoding:OverEncodingConfig",
     "pkm": "tngram.memory.product_key:ProductKeyConfig",

@@ -1,0 +1,256 @@
+"""Issue 56: TN-gram against Engram as the vocabulary grows (the rank-to-vocabulary ratio R/V).
+
+    python -m research.experiments.vocab_regime run OUT QUEUE      train QUEUE's runs (reused when
+    done)
+    python -m research.experiments.vocab_regime report OUT
+    research/results/vocab-regime-*.json
+
+Every run is `mini` (4 layers, d 128, 256 steps of 4,096 tokens) at V 4096 on a built-in corpus
+(`default@4096`, `literature@4096`: SentencePiece-4096 trained on the corpus, as the default
+1024 one; `tngram data build --vocab-size 4096 [--corpus literature]`), paired by seed with
+Engram at the smallest per-head table budget whose Δparams is >= the other's (so TN-gram is
+always at <= Engram's Δparams). Table learning rates: the literature-tuned factors of the
+Pareto map (research.experiments.pareto.TUNED_DEFAULT: Engram x4, TN-gram x2; the hashed
+variant at TN-gram's), not tuned again here.
+
+Two settings differ from the mini recipes, for every family alike: fp32 instead of bf16 autocast
+(this CPU's bf16 matmul runs the K/V backward of a 1,024-4,096-wide memory at 0.1-2 GFLOP/s,
+14-21 in fp32: 50x the step), and optim.memory_update = "sparse" with catch-up (dense Adam's
+arithmetic evaluated lazily on the rows read, tngram.optim.memory_update) so that tables of
+10^7-10^8 entries fit a CPU step.
+
+The queues (what one CPU core could finish in the time it had; research/RESULTS.md says which
+cells are missing and what they would cost):
+
+    q1   default@4096, seed 0: tngram-hashed R 256 / V' 256 / k 2 (R/V' = 1), paper TN-gram at
+         <= its Δparams (R 27, R/V = 0.007), Engram at >= both (budget 788; one Engram run
+         serves both pairs); paper TN-gram R 256 (R/V = 1/16) against Engram 10334
+    q2   the first two pairs again at seed 1, then on literature@4096 at seed 0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tngram.common import atomic_write_json
+from tngram.experiments.common import base_recipe, corpus_data, with_data, with_memory, with_seed
+
+HASHED_DELTA = 1_183_240  # Δparams of tngram-hashed R 256, V' 256, k 2 at V 4096 (mini)
+
+
+def delta(cfg: Any) -> int:
+    """The memory's Δparams over every memory layer of cfg's model (exact, analytic)."""
+    m = cfg.model
+    ids = tuple(m.memory_layers)
+    return sum(
+        m.memory.param_count(d_model=m.n_embd, vocab_size=m.vocab_size, layer_id=i, layer_ids=ids)
+        for i in ids
+    )
+
+
+def _settings(cfg: Any) -> Any:
+    cfg = replace(cfg, run=replace(cfg.run, dtype="fp32"))
+    return replace(cfg, optim=replace(cfg.optim, memory_update="sparse", memory_catchup=True))
+
+
+def _base(corpus: str, method: str) -> Any:
+    return _settings(with_data(base_recipe("mini", method), *corpus_data(corpus)))
+
+
+def _lr(cfg: Any, family: str) -> Any:
+    from research.experiments.pareto import TUNED_DEFAULT, with_table_lr
+
+    return with_table_lr(cfg, TUNED_DEFAULT[family])
+
+
+def engram_at(corpus: str, target: int) -> tuple[Any, int]:
+    """Engram with the smallest per-head budget whose Δparams is >= target, and that budget."""
+    b = _base(corpus, "engram")
+    n = b.model.memory.max_ngram - 1
+    lo, hi = 1, 1 << 24
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if delta(with_memory(b, table_budget=(mid,) * n)) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return _lr(with_memory(b, table_budget=(lo,) * n), "engram"), lo
+
+
+def tngram(corpus: str, rank: int) -> Any:
+    """The paper's TN-gram (N 5) at CP rank `rank`."""
+    return _lr(with_memory(_base(corpus, "tngram"), cp_rank=rank), "tngram")
+
+
+def hashed(corpus: str, rank: int, rows: int, k: int) -> Any:
+    """TN-gram with hashed factor rows (tngram.memory.tngram_hashed): R, V' rows, k hashes."""
+    from tngram.memory.tngram_hashed import TNGramHashedConfig
+
+    b = _base(corpus, "tngram")
+    old = b.model.memory
+    mem = TNGramHashedConfig(
+        max_ngram=old.max_ngram,
+        cp_rank=rank,
+        factor_rows=rows,
+        n_hashes=k,
+        pad_id=old.pad_id,
+        kernel_size=old.kernel_size,
+    )
+    return _lr(replace(b, model=replace(b.model, memory=mem)), "tngram")
+
+
+def pair(corpus: str, fam: str, size: Any, cfg: Any, seed: int, target: int = 0) -> list[Any]:
+    """[the family's run, Engram's run at >= its Δparams (and >= target)], both at `seed`."""
+    from tngram.experiments.runner import RunSpec
+
+    d = delta(cfg)
+    e, budget = engram_at(corpus, max(d, target))
+    cname = corpus.replace("@", "-v")
+    tags = {"corpus": corpus, "seed_index": seed}
+    return [
+        RunSpec(
+            f"{cname}-{fam}-{size}-s{seed}",
+            with_seed(replace(cfg, name=f"vr-{fam}"), seed),
+            {**tags, "family": fam, "size": size, "delta": d},
+        ),
+        RunSpec(
+            f"{cname}-engram-{budget}-s{seed}",
+            with_seed(replace(e, name="vr-engram"), seed),
+            {
+                **tags,
+                "family": "engram",
+                "size": budget,
+                "delta": delta(e),
+                "pair_of": f"{fam}-{size}",
+            },
+        ),
+    ]
+
+
+QUEUES = ("q1", "q2")
+
+
+def raw_queue(name: str) -> list[Any]:
+    """QUEUE's runs as pairs: each family run followed by its Engram run (an Engram run that
+    serves two pairs appears twice)."""
+    d4, l4 = "default@4096", "literature@4096"
+    h = "r256-v256-k2"
+    if name == "q1":
+        return [
+            *pair(d4, "tngram-hashed", h, hashed(d4, 256, 256, 2), 0),
+            *pair(d4, "tngram", 27, tngram(d4, 27), 0, HASHED_DELTA),
+            *pair(d4, "tngram", 256, tngram(d4, 256), 0),
+        ]
+    if name == "q2":
+        return [
+            *pair(d4, "tngram-hashed", h, hashed(d4, 256, 256, 2), 1),
+            *pair(d4, "tngram", 27, tngram(d4, 27), 1, HASHED_DELTA),
+            *pair(l4, "tngram-hashed", h, hashed(l4, 256, 256, 2), 0),
+            *pair(l4, "tngram", 27, tngram(l4, 27), 0, HASHED_DELTA),
+        ]
+    raise SystemExit(f"unknown queue {name!r}; valid: {', '.join(QUEUES)}")
+
+
+def queue(name: str) -> list[Any]:
+    """QUEUE's distinct runs, in training order."""
+    return list({s.label: s for s in raw_queue(name)}.values())
+
+
+def run(out: Path, name: str) -> None:
+    from tngram.experiments.runner import run_all
+
+    run_all(queue(name), out)
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+# the independent reproduction (nanochat fork, d20 ~1B, 2026-09; research notes, not our runs):
+# (V, R, N, CP − native bpb)
+REPRODUCTION = [
+    (32768, 10, 3, 0.0061),
+    (32768, 80, 3, 0.0058),
+    (32768, 400, 3, 0.0022),
+    (1024, 256, 5, 0.0010),
+    (1024, 1024, 5, -0.0020),
+    (1024, 1024, 3, -0.0012),
+    (4096, 1024, 5, 0.0009),
+    (4096, 4096, 5, -0.0058),
+    (4096, 4096, 3, -0.0056),
+]
+
+
+def _stats(diffs: list[float]) -> tuple[float, list[float] | None]:
+    from tngram.report.stats import paired_stats
+
+    s = paired_stats(diffs)
+    ci = None if math.isnan(s.ci_low) else [s.ci_low, s.ci_high]
+    return s.mean, ci
+
+
+def _summary(out: Path, label: str) -> dict[str, Any] | None:
+    p = out / "runs" / label / "summary.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def pairs_table(out: Path) -> list[list[Any]]:
+    """One row per (corpus, family point) with a finished pair: R/V (R/V' for hashed rows), seeds,
+    Δparams and Engram's, then family − Engram (mean over seeds, 95% t interval) in val loss
+    (nats) and val BPB."""
+    groups: dict[tuple[str, str, str], list[tuple[dict, dict, dict]]] = {}
+    for q in QUEUES:
+        specs = raw_queue(q)
+        for s, e in zip(specs[0::2], specs[1::2]):
+            a, b = _summary(out, s.label), _summary(out, e.label)
+            if a is None or b is None:
+                continue
+            key = (s.tags["corpus"], s.tags["family"], str(s.tags["size"]))
+            groups.setdefault(key, []).append((a, b, e.tags))
+    rows = []
+    for (corpus, fam, size), runs in groups.items():
+        ml, cil = _stats([a["val_loss"] - b["val_loss"] for a, b, _ in runs])
+        mb, cib = _stats([a["val_bpb"] - b["val_bpb"] for a, b, _ in runs])
+        a0, b0, et = runs[0]
+        rows.append(
+            [
+                corpus,
+                _family_name(fam),
+                size,
+                round(_rank_over_vocab(fam, size, 4096), 4),
+                f"Engram {et['size']}",
+                len(runs),
+                a0["delta_params"],
+                b0["delta_params"],
+                ml,
+                cil,
+                mb,
+                cib,
+            ]
+        )
+    return rows
+
+
+def _family_name(fam: str) -> str:
+    return {"tngram": "TN-gram (paper)", "tngram-hashed": "TN-gram hashed rows"}.get(fam, fam)
+
+
+def _rank_over_vocab(fam: str, size: str, vocab: int) -> float:
+    """R/V (paper TN-gram) or R/V' (hashed rows: R over the pool rows)."""
+    if fam == "tngram-hashed":
+        r, v, _ = (int(x[1:]) for x in size.split("-"))
+        return r / v
+    return int(size) / vocab
+
+
+if __name__ == "__main__":
+    cmd, out = sys.argv[1], Path(sys.argv[2])
+    if cmd == "run":
+        run(out, sys.argv[3])
+    elif cmd == "report":
+        atomic_write_json(Path(sys.argv[3]), {"rows": pairs_table(out)})
+    else:
+        raise SystemExit(__doc__)
