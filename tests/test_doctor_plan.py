@@ -7,9 +7,11 @@ real CPU forward of the mini recipe holds."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +105,72 @@ def test_plan_activation_tracing_matches_memory_a_cpu_forward_holds():
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.75 * r["traced"] <= r["held"] <= 1.6 * r["traced"], r
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "research" / "results"
+FIRST_CHECK_SETS = {"": ["run.compile=false"], "compile": ["run.compile=true"],
+                    "sparse": ["run.compile=false", "optim.memory_update=sparse"]}
+
+
+def h200_trainer_runs() -> list[tuple[str, str, list[str], float]]:
+    """(file, recipe, --set items, tokens/s) of every `tngram train` run on the H200 in the
+    committed results: the bench's trainer items (compiled, run.compile=auto on CUDA) and the
+    first check's runs (eager, the trainer's default at that commit; +compile, +sparse)."""
+    runs = []
+    for f in sorted(RESULTS.glob("gpu-h200-*.json")):
+        d = json.loads(f.read_text())
+        sets = list(d.get("shapes", {}).get("trainer_sets") or [])
+        for recipe, r in d.get("sections", {}).get("trainer", {}).items():
+            if "tokens_per_s" in r:             # (items measured wrongly hold only an error)
+                assert r["compile"]["ran"] == "compiled"
+                runs.append((f.name, recipe, sets, r["tokens_per_s"]))
+        for key, r in d.get("train", {}).get("runs", {}).items():
+            name, _, extra = key.partition("+")
+            runs.append((f.name, f"paper-l9-{name}", FIRST_CHECK_SETS[extra],
+                         r["median_tokens_per_s"]))
+    return runs
+
+
+@pytest.mark.skipif(not RESULTS.is_dir(), reason="research/results/ is not beside the tests")
+def test_plan_on_the_h200_is_within_15_percent_of_every_trainer_run_measured_there():
+    from tngram.cli.plan import MFU_COMPILED, MFU_EAGER, speed
+    from tngram.train.recipes import resolve_config
+
+    runs = h200_trainer_runs()
+    assert len(runs) >= 20
+    off, mfu = {}, {True: [], False: []}
+    for name, recipe, sets, tps in runs:
+        cfg = resolve_config(recipe, sets)
+        p = speed(cfg, 1, "H200")
+        off[(name, recipe, *sets)] = p["tokens_per_s"] / tps - 1
+        if recipe in ("paper-l9-raw", "paper-l9-engram", "paper-l9-tngram"):
+            mfu[cfg.run.compile is not False].append(p["mfu"] * tps / p["tokens_per_s"])
+    # the default MFUs are the medians of the paper recipes' runs (10 compiled, 5 eager)
+    assert abs(MFU_COMPILED - statistics.median(mfu[True])) < 5e-4 and len(mfu[True]) == 10
+    assert abs(MFU_EAGER - statistics.median(mfu[False])) < 5e-3 and len(mfu[False]) == 5
+    outside = {k: round(v, 3) for k, v in off.items() if abs(v) > 0.15}
+    # every run but -sum's: its per-order RMSNorm and absorption at R 1520 are elementwise passes
+    # the FLOP count leaves out (plan 22% and 48% too fast there, at 7608a19 and 226f92a)
+    assert {k[1] for k in outside} == {"paper-l9-tngram-sum"}, outside
+
+
+def test_plan_card_presets(capsys):
+    """--card sets the card's memory and dense bf16 peak; the MFU is said measured on the H200
+    and assumed elsewhere; a card we do not know is one line naming those we do."""
+    from tngram.cli.plan import CARDS, MFU_COMPILED
+
+    assert {"A100", "H100", "H200", "L40S", "RTX4090"} <= set(CARDS)
+    for card, (peak, mem, said) in {"h200": (989.4, 141, "measured"),
+                                    "L40S": (362.05, 48, "assumed: measured on an H200"),
+                                    "rtx-4090": (165.2, 24, "assumed")}.items():
+        assert main(["plan", "mini-tngram", "--card", card, "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert (r["peak_tflops"], r["gpu_mem_gb"]) == (peak, mem)
+        assert r["mfu_source"].startswith(said) and r["mfu"] == MFU_COMPILED
+    assert main(["plan", "mini-tngram", "--card", "H100", "--mfu", "0.3", "--gpu-mem", "94",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["mfu"], r["mfu_source"], r["gpu_mem_gb"], r["peak_tflops"]) == (0.3, "given", 94, 989.4)
+    assert main(["plan", "mini-tngram", "--card", "B300"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "H200" in err and "RTX4090" in err

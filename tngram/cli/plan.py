@@ -27,9 +27,12 @@ output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
 usable memory = gpu_mem x (1 - margin) - 1 GiB (CUDA context, cuBLAS/NCCL workspaces);
 micro-batch = the largest divisor of the sequences one GPU needs per step whose activations
 fit; gradient accumulation = global batch / (G x micro x T).
-FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (`python -m research bench step`'s count;
-lookups and elementwise work excluded); step time = FLOPs / (G x peak x MFU), peak default
-312 TFLOP/s (A100 bf16 dense) and MFU default 0.35 - stated assumptions, not measurements.
+FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (tngram.model.flops; lookups
+and elementwise work excluded); step time = FLOPs / (G x peak x MFU). --card names the GPU: its
+datasheet's dense bf16 peak and memory (CARDS). The MFU default is what `tngram train` reached on
+the one card we have measured, an H200: compiled (run.compile=auto, the CUDA default) 0.233,
+eager (run.compile=false) 0.105, by this FLOP count (tests/test_doctor_plan.py reads the runs);
+on any other card it is an assumption, and the plan says so.
 """
 
 from __future__ import annotations
@@ -47,6 +50,36 @@ from tngram.cli.argtypes import float_range
 from tngram.cli.common import add_set_argument
 
 MAX_GPUS = 1 << 20  # far beyond any cluster: a bound, so the arithmetic stays finite
+
+# name: (dense bf16 tensor-core peak in TFLOP/s from the vendor's datasheet, memory in GB)
+CARDS = {
+    "A100": (312.0, 80.0),  # A100 SXM4 80 GB
+    "A100-40GB": (312.0, 40.0),
+    "H100": (989.4, 80.0),  # H100 SXM5 (1,979 with 2:4 sparsity)
+    "H100-PCIe": (756.0, 80.0),
+    "H200": (989.4, 141.0),  # the H100's compute with 141 GB
+    "L40S": (362.05, 48.0),
+    "RTX4090": (165.2, 24.0),  # bf16 with fp32 accumulate
+}
+DEFAULT_CARD = "A100"  # the paper's (App. E: 4 x A100 80 GB)
+# `tngram train` paper-l9-{raw,engram,tngram} on one H200 (research/results/gpu-h200-*.json): the
+# median MFU of its compiled runs and of its eager runs
+MEASURED_ON, MFU_COMPILED, MFU_EAGER = "H200", 0.233, 0.105
+
+
+def card_named(name: str) -> str:
+    """The CARDS key for `name` (case and dashes aside); TngramError listing them."""
+    from tngram.common import TngramError
+
+    plain = {k.lower().replace("-", ""): k for k in CARDS}
+    key = plain.get(name.lower().replace("-", "").replace(" ", ""))
+    if key is None:
+        raise TngramError(
+            f"--card {name!r}: not a card we know; choose one of {', '.join(CARDS)}, or give "
+            f"--peak-tflops and --gpu-mem"
+        )
+    return key
+
 
 GIB = 2**30
 
@@ -117,33 +150,74 @@ def state_bytes(model: nn.Module, optim_cfg: Any) -> dict[str, int]:
     return out
 
 
+def speed(
+    cfg: Any,
+    gpus: int = 1,
+    card: str = DEFAULT_CARD,
+    mfu: float | None = None,
+    peak_tflops: float | None = None,
+) -> dict[str, Any]:
+    """FLOPs per optimiser step of `cfg` (a TrainConfig) and its time on `gpus` cards named
+    `card`, at `mfu` (default: the measured one, MFU_COMPILED or MFU_EAGER by run.compile)."""
+    from tngram.model.flops import train_flops
+    from tngram.model.gpt import GPT
+
+    card = card_named(card)
+    peak = CARDS[card][0] if peak_tflops is None else peak_tflops
+    source = "given"
+    if mfu is None:
+        compiled = cfg.run.compile is not False
+        mfu = MFU_COMPILED if compiled else MFU_EAGER
+        on = "measured" if card == MEASURED_ON else f"assumed: measured on an {MEASURED_ON}"
+        source = f"{on}, `tngram train` {'compiled' if compiled else 'eager'}"
+    m = cfg.model
+    with torch.device("meta"):
+        model = GPT(m)
+    tokens = cfg.data.global_batch_tokens // m.sequence_len * m.sequence_len
+    flops = float(train_flops(model, m.n_layer, m.n_embd, m.sequence_len, tokens))
+    step_s = flops / (gpus * peak * 1e12 * mfu)
+    return {
+        "card": card,
+        "flops_per_step": flops,
+        "peak_tflops": peak,
+        "mfu": mfu,
+        "mfu_source": source,
+        "step_seconds": step_s,
+        "tokens_per_s": tokens / step_s,
+    }
+
+
 def plan(
     recipe: str,
     gpus: int,
-    gpu_mem_gb: float,
+    gpu_mem_gb: float | None = None,
     dtype: str = "bf16",
-    mfu: float = 0.35,
-    peak_tflops: float = 312.0,
+    mfu: float | None = None,
+    peak_tflops: float | None = None,
     margin: float = 0.1,
     overrides: list[str] | tuple[str, ...] = (),
+    card: str = DEFAULT_CARD,
 ) -> dict[str, Any]:
-    from tngram.model.flops import train_flops
+    """The plan of `recipe` on `gpus` cards named `card` (CARDS); gpu_mem_gb, peak_tflops and
+    mfu replace the card's values and the measured MFU."""
     from tngram.common import TngramError
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
     from tngram.train.recipes import get_recipe, resolve_config
 
+    card = card_named(card)
+    cfg = resolve_config(recipe, list(overrides)) if overrides else get_recipe(recipe)
+    gpu_mem_gb = CARDS[card][1] if gpu_mem_gb is None else gpu_mem_gb
     if not 1 <= gpus <= MAX_GPUS:
         raise TngramError(f"--gpus must be an int in [1, {MAX_GPUS}], got {gpus}")
     if gpu_mem_gb <= 1:
         raise TngramError(f"--gpu-mem must be > 1 (GB per GPU), got {gpu_mem_gb}")
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:
         raise TngramError(f"--mfu must lie in (0, 1], got {mfu}")
-    if not (math.isfinite(peak_tflops) and peak_tflops > 0):
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
         raise TngramError(f"--peak-tflops must be a finite number > 0, got {peak_tflops}")
     if not math.isfinite(gpu_mem_gb):
         raise TngramError(f"--gpu-mem must be finite, got {gpu_mem_gb}")
-    cfg = resolve_config(recipe, list(overrides)) if overrides else get_recipe(recipe)
     m = cfg.model
     with torch.device("meta"):
         model = GPT(m)
@@ -196,9 +270,7 @@ def plan(
             "peak_bytes": static_total + GIB + micro * per if micro else None,
         }
 
-    tokens = seqs_per_step * T
-    flops = train_flops(model, m.n_layer, m.n_embd, T, tokens)
-    step_s = flops / (gpus * peak_tflops * 1e12 * mfu)
+    pace = speed(cfg, gpus, card, mfu, peak_tflops)
     return {
         "recipe": recipe,
         "gpus": gpus,
@@ -221,13 +293,9 @@ def plan(
         "no_checkpointing": fit(per_seq),
         "block_checkpointing": fit(ckpt),
         "activation_parts": act["per_part"],
-        "flops_per_step": float(flops),
-        "peak_tflops": peak_tflops,
-        "mfu": mfu,
-        "step_seconds": step_s,
+        **pace,
         "steps": cfg.schedule.steps,
-        "train_hours": step_s * cfg.schedule.steps / 3600,
-        "tokens_per_s": tokens / step_s,
+        "train_hours": pace["step_seconds"] * cfg.schedule.steps / 3600,
     }
 
 
@@ -235,7 +303,8 @@ def report(r: dict[str, Any]) -> str:
     g = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     st = r["static_bytes"]
     lines = [
-        f"tngram plan {r['recipe']}: {r['gpus']} GPU(s) x {r['gpu_mem_gb']:g} GB, {r['dtype']}",
+        f"tngram plan {r['recipe']}: {r['gpus']} x {r['card']} ({r['gpu_mem_gb']:g} GB, "
+        f"{r['peak_tflops']:g} TFLOP/s bf16 dense), {r['dtype']}",
         f"parameters       {r['params']:,} (memory {r['memory_params']:,}; Adam "
         f"{r['adam_params'] - r['memory_table_params']:,} + memory tables "
         f"{r['memory_table_params']:,}, "
@@ -264,7 +333,7 @@ def report(r: dict[str, Any]) -> str:
             lines.append(f"{label:42s} {g(f['activation_bytes_per_seq'])}/sequence -> does NOT fit")
     lines.append(
         f"FLOPs per step   {r['flops_per_step']:.3e} -> {r['step_seconds']:.2f} s/step at "
-        f"MFU {r['mfu']:.0%} of {r['peak_tflops']:g} TFLOP/s per GPU (assumed); "
+        f"MFU {r['mfu']:.1%} ({r['mfu_source']}) of {r['peak_tflops']:g} TFLOP/s per GPU; "
         f"{r['steps']} steps ~ {r['train_hours']:.2f} h, {r['tokens_per_s']:,.0f} tokens/s"
     )
     return "\n".join(lines)
@@ -280,23 +349,30 @@ def add_commands(sub: Any) -> None:
     p.add_argument("recipe", help="a named recipe (see `tngram recipes`)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (DDP, one process each)")
     p.add_argument(
+        "--card",
+        default=DEFAULT_CARD,
+        metavar="NAME",
+        help=f"the GPU: {', '.join(CARDS)} (its bf16 peak and memory)",
+    )
+    p.add_argument(
         "--gpu-mem",
         type=float_range(1.0, 1e6, lo_open=True),
-        default=80.0,
-        help="memory per GPU in GB (default 80)",
+        default=None,
+        help="memory per GPU in GB (default: the card's)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation precision")
     p.add_argument(
         "--mfu",
         type=float_range(0.0, 1.0, lo_open=True),
-        default=0.35,
-        help="assumed model FLOP utilisation, in (0, 1]",
+        default=None,
+        help=f"model FLOP utilisation, in (0, 1] (default: `tngram train`'s on an "
+        f"{MEASURED_ON}: {MFU_COMPILED} compiled, {MFU_EAGER} with run.compile=false)",
     )
     p.add_argument(
         "--peak-tflops",
         type=float_range(0.0, 1e6, lo_open=True),
-        default=312.0,
-        help="peak per GPU in TFLOP/s (default 312: A100 bf16 dense)",
+        default=None,
+        help="peak per GPU in TFLOP/s (default: the card's dense bf16 peak)",
     )
     add_set_argument(
         p,
@@ -317,6 +393,7 @@ def _cmd(args: argparse.Namespace) -> int:
         args.mfu,
         args.peak_tflops,
         overrides=args.overrides,
+        card=args.card,
     )
     print(json.dumps(r, indent=1) if args.json else report(r))
     return 0
