@@ -16,7 +16,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_tiny import MEMORIES, tiny_model  # noqa: E402
 
 from tngram.hf import add_memory, memory_modules  # noqa: E402
-from tngram.hf.size_check import TARGET_RATIO, MemorySizeWarning, memory_size  # noqa: E402
+from tngram.hf.size_check import (  # noqa: E402
+    TARGET_RATIO,
+    MemorySizeWarning,
+    VocabularyRegimeWarning,
+    memory_size,
+    regime_note,
+    warn_if_large,
+)
 from tngram.memory.tngram import TNGramConfig  # noqa: E402
 
 
@@ -64,3 +71,48 @@ def test_small_memory_is_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemorySizeWarning)
         add_memory(tiny_model("llama"), MEMORIES["tngram"], layers=(0, 2))
+
+
+def large_vocab_model(vocab: int):
+    from hf_tiny import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama")
+    cfg.vocab_size = vocab
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def hashed_size(r: int, vocab: int, ids) -> int:
+    from tngram.memory.tngram_hashed import TNGramHashedConfig
+
+    return memory_size(TNGramHashedConfig(max_ngram=3, cp_rank=r, factor_rows=r), 32, vocab, ids)[0]
+
+
+def test_tngram_at_32k_names_engram_and_hashed_rows_that_fit():
+    """A paper TN-gram within the model's size at V 32,768 (R/V < 0.25) still gets one line saying
+    what was measured at that R/V and what to use: Engram, or hashed factor rows at the largest
+    cp_rank = factor_rows within a tenth of the model."""
+    model = large_vocab_model(32768)
+    params = n_params(model)
+    with pytest.warns(VocabularyRegimeWarning, match=r"R/V = 0.00049.*EngramConfig") as rec:
+        add_memory(model, TNGramConfig(max_ngram=3, cp_rank=16), layers=(1,))
+    msg = str(rec[0].message)
+    r = int(msg.split("TNGramHashedConfig(cp_rank=")[1].split(",")[0])
+    assert f"factor_rows={r})" in msg and "vocab-regime.json" in msg
+    assert hashed_size(r, 32768, (1,)) <= TARGET_RATIO * params < hashed_size(r + 1, 32768, (1,))
+    assert r * r >= 32768  # k = 2 quotient-remainder rows: every token its own pair
+
+
+def test_too_large_tngram_at_128k_says_both_in_one_warning():
+    model = large_vocab_model(131072)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        warn_if_large(model, TNGramConfig(max_ngram=3, cp_rank=1024), 32, 131072, (1,))
+    assert [type(w.message) for w in rec] == [MemorySizeWarning]
+    msg = str(rec[0].message)
+    assert "TNGramConfig(cp_rank=" in msg and "131,072-token vocabulary" in msg
+    assert "TNGramHashedConfig(cp_rank=" in msg
+
+
+def test_small_vocabulary_has_no_regime_note():
+    assert regime_note(TNGramConfig(max_ngram=3, cp_rank=8), 32, 4096, (1,), 10**6) == ""

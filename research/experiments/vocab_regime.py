@@ -1,4 +1,4 @@
-"""Issue 56: TN-gram against Engram as the vocabulary grows (the rank-to-vocabulary ratio R/V).
+"""TN-gram against Engram as the vocabulary grows (the rank-to-vocabulary ratio R/V).
 
     python -m research.experiments.vocab_regime run OUT QUEUE      train QUEUE's runs (reused when
     done)
@@ -246,11 +246,143 @@ def _rank_over_vocab(fam: str, size: str, vocab: int) -> float:
     return int(size) / vocab
 
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+MAP_POINTS = {  # the Pareto map's plain TN-gram points and their Engram pairs, by vocabulary
+    "default": 1024,
+    "literature": 1024,
+    "code": 1024,
+    "default@8192": 8192,
+}
+COLUMNS = [
+    {"header": "source"},
+    {"header": "V"},
+    {"header": "memory"},
+    {"header": "R"},
+    {"header": "R/V (hashed: R/V')", "fmt": ".3f"},
+    {"header": "corpus"},
+    {"header": "seeds"},
+    {"header": "Δparams", "fmt": "params"},
+    {"header": "− Engram val loss (nats)", "fmt": "+.4f"},
+    {"header": "95% CI", "fmt": "list:+.4f"},
+    {"header": "− Engram val BPB", "fmt": "+.4f"},
+    {"header": "95% CI (BPB)", "fmt": "list:+.4f"},
+]
+
+
+def _bpb_per_nat(corpus: str) -> float:
+    """val BPB / val loss of the corpus's validation set (one constant per corpus and
+    tokenizer: BPB = loss x tokens / (bytes ln 2)), from its Pareto table's Engram rows."""
+    t = json.loads((RESULTS / f"pareto-{corpus}.json").read_text())
+    engram = [r for r in t["rows"] if r[0] == "Engram"]
+    return sum(b / x for r in engram for x, b in zip(r[4], r[5])) / sum(len(r[4]) for r in engram)
+
+
+def map_rows() -> list[list[Any]]:
+    """The Pareto map's paper TN-gram against Engram at the same size index (Δparams within
+    1-4%), from research/results/pareto-vs-engram.json; BPB by the corpus's constant ratio."""
+    pairs = json.loads((RESULTS / "pareto-vs-engram.json").read_text())["rows"]
+    rows = []
+    for r in pairs:
+        corpus, memory, sizes, seeds, diff, ci = r[0], r[1], r[2], r[5], r[7], r[8]
+        if memory != "TN-gram" or corpus not in MAP_POINTS:
+            continue
+        vocab, rank = MAP_POINTS[corpus], int(sizes.split(" vs ")[0])
+        table = json.loads((RESULTS / f"pareto-{corpus}.json").read_text())["rows"]
+        dp = next(x[3] for x in table if x[0] == "TN-gram" and x[1] == str(rank))
+        k = _bpb_per_nat(corpus)
+        rows.append(
+            [
+                "map (mini)",
+                vocab,
+                "TN-gram (paper)",
+                rank,
+                rank / vocab,
+                corpus.split("@")[0],
+                seeds,
+                dp,
+                diff,
+                ci,
+                diff * k,
+                None if ci is None else [c * k for c in ci],
+            ]
+        )
+    return rows
+
+
+def new_rows(out: Path) -> list[list[Any]]:
+    """The V 4096 pairs of this experiment (pairs_table), in the table's columns."""
+    rows = []
+    for corpus, memory, size, rv, _, n, dp, _, ml, cil, mb, cib in pairs_table(out):
+        rank = int(size.split("-")[0][1:]) if size.startswith("r") else int(size)
+        rows.append(
+            [
+                "this run (mini, fp32)",
+                4096,
+                memory,
+                rank,
+                rv,
+                corpus.split("@")[0],
+                n,
+                dp,
+                ml,
+                cil,
+                mb,
+                cib,
+            ]
+        )
+    return rows
+
+
+def reproduction_rows() -> list[list[Any]]:
+    return [
+        [
+            "reproduction (d20, N %d)" % n,
+            v,
+            "TN-gram (paper)",
+            r,
+            r / v,
+            "its own",
+            None,
+            None,
+            None,
+            None,
+            d,
+            None,
+        ]
+        for v, r, n, d in REPRODUCTION
+    ]
+
+
+def report(out: Path, path: Path) -> None:
+    """research/results/vocab-regime.json: every TN-gram − Engram pair by R/V."""
+    rows = sorted(map_rows() + new_rows(out) + reproduction_rows(), key=lambda r: (r[1], r[4]))
+    atomic_write_json(
+        path,
+        {
+            "kind": "table",
+            "command": (
+                "python -m research.experiments.vocab_regime run runs/vocab-regime q1 (and q2, "
+                "side by side); python -m research.experiments.vocab_regime report "
+                "runs/vocab-regime research/results/vocab-regime.json"
+            ),
+            "commit": "",
+            "machine": "",
+            "source": (
+                "V 4096 rows: runs/vocab-regime/runs/*/summary.json (pairs by seed); map rows: "
+                "research/results/pareto-vs-engram.json (BPB = nats x the corpus's val BPB/loss "
+                "ratio, pareto-CORPUS.json); reproduction rows: its reported bpb, not our runs"
+            ),
+            "columns": COLUMNS,
+            "rows": rows,
+        },
+    )
+
+
 if __name__ == "__main__":
     cmd, out = sys.argv[1], Path(sys.argv[2])
     if cmd == "run":
         run(out, sys.argv[3])
     elif cmd == "report":
-        atomic_write_json(Path(sys.argv[3]), {"rows": pairs_table(out)})
+        report(out, Path(sys.argv[3]))
     else:
         raise SystemExit(__doc__)

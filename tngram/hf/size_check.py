@@ -5,6 +5,11 @@ at a 128,256-token vocabulary) and its parameters are counted. A memory larger t
 (`MAX_RATIO`) gets one warning saying its size, the model's, how much of it is lookup tables,
 and a size for about a tenth of the model (`TARGET_RATIO`): for TN-gram the largest cp_rank
 within it, for Engram / Over-Encoding the factor to scale the tables by.
+
+At a large vocabulary (`LARGE_VOCAB` and up) the paper's TN-gram gets a cp_rank far below V, where
+it was measured behind Engram (research/results/vocab-regime.json): there the warning (and a
+`VocabularyRegimeWarning` for a TN-gram of any size with R/V below `REGIME_RV`) names what to use
+instead, with the measured numbers behind it (`regime_note`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ if TYPE_CHECKING:
 
 MAX_RATIO = 1.0
 TARGET_RATIO = 0.1
+LARGE_VOCAB = 8192
+REGIME_RV = 0.25  # R/V below which the paper's TN-gram was measured behind Engram
 TABLE_FIELDS = {  # what sets a memory's table size, per kind
     "tngram": "cp_rank",
     "engram": "table_budget / n_embed_per_ngram",
@@ -30,6 +37,10 @@ TABLE_FIELDS = {  # what sets a memory's table size, per kind
 
 class MemorySizeWarning(UserWarning):
     """add_memory: the memory is larger than the model (warnings.filterwarnings can mute it)."""
+
+
+class VocabularyRegimeWarning(UserWarning):
+    """add_memory: a paper TN-gram whose cp_rank is far below a large vocabulary."""
 
 
 def memory_size(cfg: Any, d_model: int, vocab: int, layer_ids: tuple[int, ...]) -> tuple[int, int]:
@@ -59,18 +70,46 @@ def suggestion(
     kind = getattr(cfg, "kind", "")
     if kind == "tngram" and dataclasses.is_dataclass(cfg):
         tn = cast("TNGramConfig", cfg)  # kind "tngram"
-        lo, hi = 0, int(tn.cp_rank)  # size(lo) <= target (or lo == 0) < size(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if memory_size(dataclasses.replace(tn, cp_rank=mid), d_model, vocab, ids)[0] <= target:
-                lo = mid
-            else:
-                hi = mid
-        return (
-            f"{type(cfg).__name__}(cp_rank={max(lo, 1)}) for about {TARGET_RATIO:.0%} of the model"
-        )
+        make = lambda r: dataclasses.replace(tn, cp_rank=r)  # noqa: E731
+        r = _largest(make, int(tn.cp_rank), d_model, vocab, ids, target)
+        return f"{type(cfg).__name__}(cp_rank={r}) for about {TARGET_RATIO:.0%} of the model"
     field = TABLE_FIELDS.get(kind, "its table size")
     return f"scale {field} by about {target / total:.2g} for about {TARGET_RATIO:.0%} of the model"
+
+
+def _largest(
+    make: Any, hi: int, d_model: int, vocab: int, ids: tuple[int, ...], target: float
+) -> int:
+    """The largest size in [1, hi] whose memory make(size) has <= target parameters (else 1)."""
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if memory_size(make(mid), d_model, vocab, ids)[0] <= target:
+            lo = mid
+        else:
+            hi = mid
+    return max(lo, 1)
+
+
+def regime_note(cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], model_params: int) -> str:
+    """What to use instead of the paper's TN-gram at a LARGE_VOCAB+ vocabulary ("" otherwise):
+    Engram, or TN-gram with hashed factor rows (TNGramHashedConfig, R/V' = 1) at the largest
+    cp_rank = factor_rows within TARGET_RATIO of the model, with the measured numbers."""
+    if getattr(cfg, "kind", "") != "tngram" or vocab < LARGE_VOCAB:
+        return ""
+    from tngram.memory.tngram_hashed import TNGramHashedConfig
+
+    base = TNGramHashedConfig(max_ngram=cfg.max_ngram, cp_rank=1, factor_rows=1, pad_id=cfg.pad_id)
+    make = lambda r: dataclasses.replace(base, cp_rank=r, factor_rows=r)  # noqa: E731
+    r = _largest(make, vocab, d_model, vocab, ids, TARGET_RATIO * model_params)
+    return (
+        f"at a {vocab:,}-token vocabulary cp_rank={cfg.cp_rank} is R/V = "
+        f"{cfg.cp_rank / vocab:.2g}, "
+        f"where the paper's TN-gram was measured behind Engram at <= Engram's parameters (+0.012 "
+        f"and +0.025 nats at V 8,192, R/V 0.09 and 0.04; +0.006 bits/byte at V 32k in an "
+        f"independent reproduction; research/results/vocab-regime.json): use EngramConfig, or "
+        f"TNGramHashedConfig(cp_rank={r}, factor_rows={r}) (hashed factor rows, R/V' = 1)"
+    )
 
 
 def warn_if_large(
@@ -79,7 +118,10 @@ def warn_if_large(
     """One MemorySizeWarning when the memory would have more parameters than the model."""
     total, tables = memory_size(cfg, d_model, vocab, ids)
     model_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    note = regime_note(cfg, d_model, vocab, ids, model_params)
     if total <= MAX_RATIO * model_params:
+        if note and cfg.cp_rank < REGIME_RV * vocab:
+            warnings.warn(f"add_memory: {note}", VocabularyRegimeWarning, stacklevel=3)
         return
     where = f"at {len(ids)} layer{'s' if len(ids) > 1 else ''}" if ids else "at the embedding"
     warnings.warn(
@@ -87,7 +129,8 @@ def warn_if_large(
         f"tables, which grow with the {vocab:,}-token vocabulary), {total / model_params:.1f}x the "
         f"model's {model_params:,}: building and training it costs that much memory; use "
         f"{suggestion(cfg, d_model, vocab, ids, total, model_params)} (MemoryTrainer's "
-        "memory_update='rowwise' keeps about half the tables' optimiser state)",
+        "memory_update='rowwise' keeps about half the tables' optimiser state)"
+        + (f"; {note}" if note else ""),
         MemorySizeWarning,
         stacklevel=3,
     )
