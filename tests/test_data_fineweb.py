@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -61,7 +62,21 @@ def fake_hub(remote, monkeypatch):
         shutil.copyfile(remote / remote_path, dest)
         return dest
 
+    def files(repo_id, paths, timeout):
+        """What the Hub's paths-info API records: shards as LFS files (sha256), the rest as git
+        blobs (sha1 of "blob SIZE\\0" + content, what `git hash-object` prints)."""
+        out = {}
+        for p in paths:
+            data = (remote / p).read_bytes()
+            if p.endswith(".bin"):
+                out[p] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            else:
+                blob = b"blob %d\0" % len(data) + data
+                out[p] = {"size": len(data), "git_sha1": hashlib.sha1(blob).hexdigest()}
+        return out
+
     monkeypatch.setattr(fw, "_download_file", download)
+    monkeypatch.setattr(fw, "_remote_files", files)
     monkeypatch.setattr(fw, "_probe", lambda repo_id, timeout: None)
     monkeypatch.setattr(fw, "_import_hf", lambda: None)  # huggingface_hub need not be installed
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -186,3 +201,102 @@ def test_refuses_foreign_folder(tmp_path, fake_hub):
     (tmp_path / "mine.txt").write_text("x", encoding="utf-8")
     with pytest.raises(TngramError, match="not a FineWeb download"):
         fw.download_fineweb("sp1024", 1, tmp_path, progress=False)
+
+
+SHARD = "datasets/datasets/fineweb10B_sp1024/fineweb_train_{:06d}.bin"
+
+
+def test_git_blob_digest_is_gits(tmp_path):
+    """The digest of a non-LFS file is git's blob id: the one `git hash-object` gives for it."""
+    import subprocess
+
+    f = tmp_path / "manifest.json"
+    f.write_bytes(b'{"version": "10B"}\n')
+    git = subprocess.run(["git", "hash-object", str(f)], capture_output=True, text=True)
+    if git.returncode != 0:
+        pytest.skip("git is not installed")
+    assert fw.file_matches(f, {"size": f.stat().st_size, "git_sha1": git.stdout.strip()})
+    assert not fw.file_matches(f, {"size": f.stat().st_size, "git_sha1": "0" * 40})
+
+
+def test_interrupted_download_resumes_with_what_it_has(fake_hub, remote, tmp_path, monkeypatch):
+    real = fw._download_file
+    broken = {SHARD.format(1)}
+
+    def flaky(repo_id, remote_path, local_dir, timeout):
+        if remote_path in broken:
+            raise ConnectionError("connection reset by peer")
+        return real(repo_id, remote_path, local_dir, timeout)
+
+    monkeypatch.setattr(fw, "_download_file", flaky)
+    out = tmp_path / "fw"
+    with pytest.raises(TngramError, match="fineweb_train_000001.bin.*ConnectionError"):
+        fw.download_fineweb("sp1024", 3, out, progress=False)
+    kept = sorted(p.name for p in out.iterdir())
+    assert kept == ["fineweb_train_000000.bin", "fineweb_val_000000.bin", "upstream_manifest.json"]
+    assert not (out / "manifest.json").exists()               # not a dataset until complete
+    broken.clear()
+    fake_hub.clear()
+    fw.download_fineweb("sp1024", 3, out, progress=False)
+    assert fake_hub == [SHARD.format(1), SHARD.format(2), "datasets/tokenizers/fineweb_1024_bpe.model",
+                        "datasets/tokenizers/fineweb_1024_bpe.vocab"]       # only what was missing
+    info = open_dataset(out)
+    assert len(info.train_files) == 3 and set(info.manifest["verified"]) == {
+        "fineweb_val_000000.bin", *(f"fineweb_train_{i:06d}.bin" for i in range(3)),
+        "tokenizer.model", "tokenizer.vocab"}
+    for i in range(3):
+        src = remote / SHARD.format(i)
+        assert (out / f"fineweb_train_{i:06d}.bin").read_bytes() == src.read_bytes()
+
+
+def test_a_file_that_does_not_match_the_hub_is_deleted_and_named(fake_hub, remote, tmp_path,
+                                                                   monkeypatch):
+    real = fw._download_file
+    corrupt = {SHARD.format(0)}
+
+    def flip(repo_id, remote_path, local_dir, timeout):
+        got = real(repo_id, remote_path, local_dir, timeout)
+        if remote_path in corrupt:                      # one byte changed in transit, same size
+            data = bytearray(got.read_bytes())
+            data[-1] ^= 1
+            got.write_bytes(bytes(data))
+        return got
+
+    monkeypatch.setattr(fw, "_download_file", flip)
+    out = tmp_path / "fw"
+    with pytest.raises(TngramError, match="fineweb_train_000000.bin from .* does not match .*"
+                                          "sha256.*run the command again"):
+        fw.download_fineweb("sp1024", 2, out, progress=False)
+    assert not (out / "fineweb_train_000000.bin").exists() and not (out / ".hf-download").exists()
+    corrupt.clear()
+    fake_hub.clear()
+    fw.download_fineweb("sp1024", 2, out, progress=False)
+    assert SHARD.format(0) in fake_hub and "datasets/datasets/fineweb10B_sp1024/fineweb_val_000000.bin" not in fake_hub
+    # a verified file that later lost bytes is fetched again, the others are trusted
+    shard = out / "fineweb_train_000001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    fake_hub.clear()
+    fw.download_fineweb("sp1024", 2, out, progress=False)
+    assert fake_hub == [SHARD.format(1)]
+    assert shard.read_bytes() == (remote / SHARD.format(1)).read_bytes()
+
+
+def test_remote_files_reads_the_hubs_records(monkeypatch):
+    """_remote_files on huggingface_hub's own RepoFile objects (as get_paths_info returns them):
+    LFS files by sha256, others by git blob id; a path the repo lacks is named."""
+    hf_api = pytest.importorskip("huggingface_hub.hf_api")
+    shard, tok = SHARD.format(0), "datasets/tokenizers/fineweb_1024_bpe.model"
+    answer = [hf_api.RepoFile(path=shard, size=2048, oid="a" * 40,
+                              lfs={"size": 2048, "oid": "b" * 64, "pointerSize": 134}),
+              hf_api.RepoFile(path=tok, size=99, oid="c" * 40)]
+
+    class Api:
+        def get_paths_info(self, repo_id, paths, repo_type):
+            assert repo_type == "dataset"
+            return [f for f in answer if f.path in paths]
+
+    monkeypatch.setattr(fw, "_import_hf", lambda: type("hf", (), {"HfApi": Api}))
+    assert fw._remote_files("r/x", [shard, tok], 1.0) == {
+        shard: {"size": 2048, "sha256": "b" * 64}, tok: {"size": 99, "git_sha1": "c" * 40}}
+    with pytest.raises(TngramError, match="r/x has no datasets/nope.bin"):
+        fw._remote_files("r/x", [shard, "datasets/nope.bin"], 1.0)

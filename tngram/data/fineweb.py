@@ -13,15 +13,20 @@ the tokenizer files with `huggingface_hub.hf_hub_download`, into one flat folder
         fineweb_val_000000.bin
         fineweb_train_000000.bin ...
 
-`open_dataset` then reads it like any other dataset. Files already present are kept, so a
-larger K only fetches the missing shards. Offline the command fails at once: it first probes the
-Hub with one short HEAD request (huggingface_hub itself retries for ~20 s), and with
-$HF_HUB_OFFLINE set it never touches the network.
+`open_dataset` then reads it like any other dataset. Every file is checked against the size and
+digest the Hub records for it (sha256 for LFS files, the git blob id otherwise) before it joins
+the folder; a file that does not match is deleted and named. Files land whole (downloaded beside,
+then renamed), so an interrupted download resumes: the same command fetches only what is missing,
+and a larger K only the new shards. Files verified before are trusted by their recorded size
+(manifest.json "verified"). Offline the command fails at once: it first probes the Hub with one
+short HEAD request (huggingface_hub itself retries for ~20 s), and with $HF_HUB_OFFLINE set it
+never touches the network.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import sys
@@ -171,7 +176,46 @@ def _download_file(repo_id: str, remote_path: str, local_dir: Path, timeout: flo
     )
 
 
-def _fetch(repo_id: str, remote_path: str, dest: Path, staging: Path, timeout: float) -> None:
+def _remote_files(repo_id: str, paths: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """The size and digest the Hub records for each remote path: {"size", "sha256"} for LFS
+    files, {"size", "git_sha1"} (the git blob id) for the others."""
+    hf = _import_hf()
+    try:
+        infos = hf.HfApi().get_paths_info(repo_id, paths, repo_type="dataset")
+    except Exception as e:
+        raise TngramError(
+            f"reading the file list of the Hugging Face dataset repo {repo_id} failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    out: dict[str, dict[str, Any]] = {}
+    for f in infos:
+        if getattr(f, "size", None) is not None:  # a file, not a folder
+            lfs = getattr(f, "lfs", None)
+            out[f.path] = (
+                {"size": f.size, "sha256": lfs.sha256}
+                if lfs
+                else {"size": f.size, "git_sha1": f.blob_id}
+            )
+    absent = [p for p in paths if p not in out]
+    if absent:
+        raise TngramError(f"the Hugging Face dataset repo {repo_id} has no {', '.join(absent[:3])}")
+    return out
+
+
+def file_matches(path: Path, want: dict[str, Any]) -> bool:
+    """Whether `path` has the size and digest `want` records (see _remote_files)."""
+    if path.stat().st_size != want["size"]:
+        return False
+    h = hashlib.sha256() if "sha256" in want else hashlib.sha1(b"blob %d\0" % want["size"])
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest() == want.get("sha256", want.get("git_sha1"))
+
+
+def _fetch(
+    repo_id: str, remote_path: str, dest: Path, staging: Path, timeout: float, want: dict[str, Any]
+) -> None:
     try:
         got = _download_file(repo_id, remote_path, staging, timeout)
     except TngramError:
@@ -181,18 +225,22 @@ def _fetch(repo_id: str, remote_path: str, dest: Path, staging: Path, timeout: f
             f"downloading {remote_path} from the Hugging Face dataset repo {repo_id} "
             f"(https://huggingface.co/datasets/{repo_id}) failed: {type(e).__name__}: {e}"
         ) from None
+    if not file_matches(got, want):
+        got.unlink()
+        raise TngramError(
+            f"{remote_path} from {repo_id} does not match the size and digest the Hub records "
+            f"for it ({want}); deleted it: run the command again to fetch it again"
+        )
     os.replace(got, dest)
 
 
-def _present(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    if path.suffix == ".bin":
-        try:
-            read_shard_header(path)
-        except TngramError:
-            return False
-    return True
+def _verified(out_dir: Path) -> dict[str, dict[str, Any]]:
+    """The files an earlier download verified ({name: record}, from its manifest.json)."""
+    try:
+        m = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8"))
+        return dict(m.get("verified") or {})
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def download_fineweb(
@@ -249,7 +297,8 @@ def download_fineweb(
     try:
         if not upstream_path.is_file():
             online_check(f"{root}manifest.json")
-            _fetch(repo_id, f"{root}manifest.json", upstream_path, staging, timeout)
+            want = _remote_files(repo_id, [f"{root}manifest.json"], timeout)
+            _fetch(repo_id, f"{root}manifest.json", upstream_path, staging, timeout, *want.values())
         try:
             upstream = json.loads(upstream_path.read_text(encoding="utf-8"))
         except ValueError as e:
@@ -258,19 +307,34 @@ def download_fineweb(
                 f"{upstream_path}: invalid JSON ({e}); deleted it, please retry"
             ) from None
         plan = plan_fineweb(upstream, variant, train_shards, remote_root)
-        missing = [(r, name) for r, name in plan.files if not _present(out_dir / name)]
-        if missing:
+        verified = _verified(out_dir)
+        ok = {
+            name: verified[name]
+            for _, name in plan.files
+            if name in verified
+            and (out_dir / name).is_file()
+            and (out_dir / name).stat().st_size == verified[name].get("size")
+        }
+        todo = [(r, name) for r, name in plan.files if name not in ok]
+        if todo:
             online_check(
-                ", ".join(name for _, name in missing[:3]) + (" ..." if len(missing) > 3 else "")
+                ", ".join(name for _, name in todo[:3]) + (" ..." if len(todo) > 3 else "")
             )
-            print0(
-                f"downloading {len(missing)} file(s) from "
-                f"https://huggingface.co/datasets/{repo_id} into {out_dir}"
-            )
-            for remote, name in tqdm(
+            remote = _remote_files(repo_id, [r for r, _ in todo], timeout)
+            for r, name in todo:  # left by a download that stopped before its manifest
+                if (out_dir / name).is_file() and file_matches(out_dir / name, remote[r]):
+                    ok[name] = remote[r]
+            missing = [(r, name) for r, name in todo if name not in ok]
+            if missing:
+                print0(
+                    f"downloading {len(missing)} file(s) from "
+                    f"https://huggingface.co/datasets/{repo_id} into {out_dir}"
+                )
+            for r, name in tqdm(
                 missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())
             ):
-                _fetch(repo_id, remote, out_dir / name, staging, timeout)
+                _fetch(repo_id, r, out_dir / name, staging, timeout, remote[r])
+                ok[name] = remote[r]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created and not any(out_dir.iterdir()):
@@ -321,6 +385,7 @@ def download_fineweb(
         "tokens": counts,
         "files": {"train": plan.train, "val": plan.val},
         "file_sizes": {f: (out_dir / f).stat().st_size for f in rel},
+        "verified": {**verified, **ok},
     }
     write_manifest(out_dir, manifest)
     print0(f"FineWeb {variant}: {len(plan.train)} train + {len(plan.val)} val shards in {out_dir}")
