@@ -299,3 +299,13 @@ def test_pipeline_batch_with_left_padding(exported):
     for p, got in zip(prompts, batched):
         ref = greedy_by_recomputation(model, torch.tensor([tok(p)["input_ids"]]), 6)
         assert got[0]["generated_text"] == tok.decode(ref[0], skip_special_tokens=True)
+
+
+def test_exported_files_have_the_usual_mode(exported):
+    """Every file of the folder gets 0666 less the umask, as the run's own files (transformers
+    writes model.safetensors 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for _, d in exported.values():
+        assert {f.name: f.stat().st_mode & 0o777 for f in d.iterdir()} == {
+            f.name: 0o666 & ~mask for f in d.iterdir()}

@@ -69,6 +69,10 @@ def export_run(
         if mem_tok is not None:
             shutil.copyfile(check_regular(mem_tok), tmp / MEMORY_TOKENIZER)
         _save_tokenizer(sp_path, tmp)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        for f in tmp.iterdir():  # transformers writes model.safetensors 0600: the usual mode
+            f.chmod(0o666 & ~mask)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
