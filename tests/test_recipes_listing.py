@@ -63,3 +63,18 @@ def test_each_description_matches_its_config(name):
         twin = get_recipe(f"{prefix}-tngram")
         mine, ref = param_summary(cfg)["delta_params"], param_summary(twin)["delta_params"]
         assert abs(mine - ref) / ref < 0.01, (name, mine, ref)
+
+
+def test_recipes_help_describes_the_listing_and_the_paper_recipes_data(capsys):
+    """`tngram recipes --help` has a description; its token counts are the paper recipes' own and
+    its FineWeb command the one the repetition guard names for paper-l9."""
+    from tngram.train.health import fineweb_command
+
+    with pytest.raises(SystemExit):
+        main(["recipes", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    tokens = {n: get_recipe(n).schedule.steps * get_recipe(n).data.global_batch_tokens
+              for n in ("paper-l9-tngram", "paper-l18-tngram")}
+    assert f"{tokens['paper-l9-tngram'] / 1e9:.1f} B (L9)" in text
+    assert f"{tokens['paper-l18-tngram'] / 1e9:.1f} B (L18)" in text
+    assert f"`{fineweb_command(tokens['paper-l9-tngram'], 1024)}`" in text

@@ -19,7 +19,13 @@ from tngram.train.recipes import (
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser(
-        "recipes", help="list the named recipes, one line each: what it is and its size"
+        "recipes",
+        help="list the named recipes, one line each: what it is and its size",
+        description="The named recipes, one line each: what it is, its shape (layers, width, "
+        "vocabulary, sequence length) and its schedule. `tngram train RECIPE` trains one; "
+        "`--set` changes any key. The mini-* recipes train in minutes on a CPU on the offline "
+        "default corpus; the paper-* recipes read 3.1 B (L9) or 5.2 B (L18) tokens, so they "
+        "need FineWeb (`tngram data fineweb --train-shards 32`, then --data; docs/GPU.md).",
     )
     add_json_argument(p)
     p.set_defaults(func=_cmd_recipes)
