@@ -1,9 +1,8 @@
 """TN-gram against Engram as the vocabulary grows (the rank-to-vocabulary ratio R/V).
 
-    python -m research.experiments.vocab_regime run OUT QUEUE      train QUEUE's runs (reused when
-    done)
-    python -m research.experiments.vocab_regime report OUT
-    research/results/vocab-regime-*.json
+    python -m research.experiments.vocab_regime run OUT QUEUE     (finished runs are reused)
+    python -m research.experiments.vocab_regime report OUT research/results/vocab-regime.json
+    python -m research.experiments.vocab_regime which-memory research/results/which-memory.json
 
 Every run is `mini` (4 layers, d 128, 256 steps of 4,096 tokens) at V 4096 on a built-in corpus
 (`default@4096`, `literature@4096`: SentencePiece-4096 trained on the corpus, as the default
@@ -82,12 +81,12 @@ def engram_at(corpus: str, target: int) -> tuple[Any, int]:
     return _lr(with_memory(b, table_budget=(lo,) * n), "engram"), lo
 
 
-def tngram(corpus: str, rank: int) -> Any:
-    """The paper's TN-gram (N 5) at CP rank `rank`."""
-    return _lr(with_memory(_base(corpus, "tngram"), cp_rank=rank), "tngram")
+def tngram(corpus: str, cp_rank: int) -> Any:
+    """The paper's TN-gram (N 5) at CP rank `cp_rank`."""
+    return _lr(with_memory(_base(corpus, "tngram"), cp_rank=cp_rank), "tngram")
 
 
-def hashed(corpus: str, rank: int, rows: int, k: int) -> Any:
+def hashed(corpus: str, cp_rank: int, rows: int, k: int) -> Any:
     """TN-gram with hashed factor rows (tngram.memory.tngram_hashed): R, V' rows, k hashes."""
     from tngram.memory.tngram_hashed import TNGramHashedConfig
 
@@ -95,7 +94,7 @@ def hashed(corpus: str, rank: int, rows: int, k: int) -> Any:
     old = b.model.memory
     mem = TNGramHashedConfig(
         max_ngram=old.max_ngram,
-        cp_rank=rank,
+        cp_rank=cp_rank,
         factor_rows=rows,
         n_hashes=k,
         pad_id=old.pad_id,
@@ -286,17 +285,17 @@ def map_rows() -> list[list[Any]]:
         corpus, memory, sizes, seeds, diff, ci = r[0], r[1], r[2], r[5], r[7], r[8]
         if memory != "TN-gram" or corpus not in MAP_POINTS:
             continue
-        vocab, rank = MAP_POINTS[corpus], int(sizes.split(" vs ")[0])
+        vocab, cp_rank = MAP_POINTS[corpus], int(sizes.split(" vs ")[0])
         table = json.loads((RESULTS / f"pareto-{corpus}.json").read_text())["rows"]
-        dp = next(x[3] for x in table if x[0] == "TN-gram" and x[1] == str(rank))
+        dp = next(x[3] for x in table if x[0] == "TN-gram" and x[1] == str(cp_rank))
         k = _bpb_per_nat(corpus)
         rows.append(
             [
                 "map (mini)",
                 vocab,
                 "TN-gram (paper)",
-                rank,
-                rank / vocab,
+                cp_rank,
+                cp_rank / vocab,
                 corpus.split("@")[0],
                 seeds,
                 dp,
@@ -313,13 +312,13 @@ def new_rows(out: Path) -> list[list[Any]]:
     """The V 4096 pairs of this experiment (pairs_table), in the table's columns."""
     rows = []
     for corpus, memory, size, rv, _, n, dp, _, ml, cil, mb, cib in pairs_table(out):
-        rank = int(size.split("-")[0][1:]) if size.startswith("r") else int(size)
+        cp_rank = int(size.split("-")[0][1:]) if size.startswith("r") else int(size)
         rows.append(
             [
                 "this run (mini, fp32)",
                 4096,
                 memory,
-                rank,
+                cp_rank,
                 rv,
                 corpus.split("@")[0],
                 n,
@@ -378,11 +377,111 @@ def report(out: Path, path: Path) -> None:
     )
 
 
+def _cell(name: str, first: str, *keys: str) -> list[Any]:
+    """The row of research/results/NAME.json whose first cells are (first, *keys)."""
+    rows = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+    return next(r for r in rows if r[0] == first and list(r[1 : 1 + len(keys)]) == list(keys))
+
+
+def which_memory(vocab_table: Path) -> dict[str, Any]:
+    """research/results/which-memory.json: the README's recipe per vocabulary and binding
+    constraint, each with its command and the paired difference that command's config produced
+    (cells of the results files named in each row)."""
+    pooled = _cell("pareto-vs-engram", "3 corpora pooled", "TN-gram sum + hashed", "3929 vs 3800")
+    v8k = _cell("pareto-vs-engram", "default@8192", "TN-gram sum + hashed", "94547 vs 81920")
+    iso = _cell("pareto-default-total", "Engram (E 32), iso (400)")
+    big = json.loads(vocab_table.read_text())["rows"]
+    hashed_rows = [r for r in big if r[0].startswith("this run") and "hashed" in r[2]]
+    engram = 'tngram train mini-engram --set "model.memory.table_budget=[{b},{b},{b},{b}]"'
+    rows = [
+        [
+            "≤ 4k (measured at 1,024)",
+            "extra parameters",
+            "TN-gram sum + hashed",
+            "tngram train mini-tngram-hsum",
+            pooled[7],
+            pooled[8],
+            pooled[5],
+            "tuned Engram 3,800, 3 corpora (pareto-vs-engram)",
+        ],
+        [
+            "≤ 4k (1,024)",
+            "step time",
+            "tuned Engram",
+            engram.format(b=3800) + " --set optim.memory_table_lr=0.2",
+            -pooled[7],
+            [-pooled[8][1], -pooled[8][0]],
+            pooled[5],
+            "the row above, at 0.97× its step",
+        ],
+        [
+            "≤ 4k (1,024)",
+            "total parameters",
+            "Engram 32 wide, MLP 64",
+            engram.format(b=400) + " --set model.mlp_hidden=64 --set "
+            "model.memory.n_embed_per_ngram=32 --set optim.memory_table_lr=0.2",
+            iso[4],
+            iso[5],
+            len(iso[3]),
+            "raw GPT, default corpus (pareto-default-total)",
+        ],
+        [
+            "8k (8,192)",
+            "extra parameters",
+            "TN-gram sum + hashed",
+            "tngram train mini-tngram-hsum --set model.vocab_size=8192 --set "
+            "model.memory.hash_budget=94547",
+            v8k[7],
+            v8k[8],
+            v8k[5],
+            "tuned Engram 81,920, default corpus (pareto-vs-engram)",
+        ],
+    ]
+    for r in hashed_rows:
+        if r[5] != "default":
+            continue
+        rows.append(
+            [
+                "32k and up (measured at 4,096 only)",
+                "extra parameters",
+                "TN-gram, hashed factor rows",
+                "tngram train mini-raw --set model.vocab_size=4096 --set "
+                "model.memory.kind=tngram-hashed --set model.memory.cp_rank=256 --set "
+                "model.memory.factor_rows=256 --set optim.memory_table_lr=0.1 --set run.dtype=fp32 "
+                "--set optim.memory_update=sparse --set optim.memory_catchup=true",
+                r[8],
+                r[9],
+                r[6],
+                "Engram 788 at >= its Δparams, default corpus (vocab-regime)",
+            ]
+        )
+    return {
+        "kind": "table",
+        "command": "python -m research.experiments.vocab_regime which-memory",
+        "commit": "cells of the results files each row names (their own commands and commits)",
+        "machine": "those files' machines (2-core AMD EPYC)",
+        "source": "pareto-vs-engram.json, pareto-default-total.json, vocab-regime.json",
+        "columns": [
+            {"header": "vocabulary"},
+            {"header": "binding constraint"},
+            {"header": "use"},
+            {"header": "command"},
+            {"header": "− reference (val loss, nats)", "fmt": "+.4f"},
+            {"header": "95% CI", "fmt": "list:+.4f"},
+            {"header": "seeds"},
+            {"header": "reference"},
+        ],
+        "rows": rows,
+    }
+
+
 if __name__ == "__main__":
     cmd, out = sys.argv[1], Path(sys.argv[2])
     if cmd == "run":
         run(out, sys.argv[3])
     elif cmd == "report":
         report(out, Path(sys.argv[3]))
+    elif cmd == "which-memory":
+        atomic_write_json(out, which_memory(RESULTS / "vocab-regime.json"))
     else:
         raise SystemExit(__doc__)
