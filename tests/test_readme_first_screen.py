@@ -62,13 +62,18 @@ def test_every_which_memory_command_prints_its_config(capsys, tmp_path, monkeypa
     assert not (tmp_path / "runs").exists()            # --print-config trains nothing
 
 
-def test_which_memory_commands_train_the_points_the_answer_names():
-    """The raw GPT, the recommended recipe, the tuned Engram it was paired with and the Engram of
-    the "= total parameters" view are, apart from the run's name, the map's raw point, its
-    `tngram-hsum` 3929 point, its Engram 3800 point and the iso view's Engram 400 point (MLP
-    narrowed by pareto_iso.iso_backbone), each at its tuned table lr; the README names the recipe
-    and the tables' label of its family."""
+def test_which_memory_commands_train_the_points_the_answer_names(monkeypatch):
+    """The recommended recipe, the tuned Engram it was paired with and the Engram of the "= total
+    parameters" view are, apart from the run's name, the map's `tngram-hsum` 3929 point, its
+    Engram 3800 point and the iso view's Engram 400 point (MLP narrowed by
+    pareto_iso.iso_backbone), each at its tuned table lr; the V 8192 command is the map's
+    `tngram-hsum` 94547 point there, and the V 4096 one the hashed-rows run of
+    research.experiments.vocab_regime (its dataset folder aside); the README names the recipe and
+    the tables' label of its family, and each command is the one its results file records."""
+    import json
+
     from research.experiments import pareto as P
+    from research.experiments import vocab_regime as VR
     from tngram.experiments.common import base_recipe
     from research.experiments.pareto_report import LABELS
 
@@ -76,8 +81,9 @@ def test_which_memory_commands_train_the_points_the_answer_names():
     bases = {m: base_recipe("mini", m) for m in P.METHODS}
     by_out = {argv[argv.index("--out") + 1]: _resolved(argv) for argv in _commands(text)}
     i = P.CONFIRM["size_indices"][0]                    # the screened size (4.3 M)
+    monkeypatch.setattr(VR, "corpus_data", lambda corpus: ("", int(corpus.split("@")[1])))
+    v8k = {m: replace(b, model=replace(b.model, vocab_size=8192)) for m, b in bases.items()}
     points = {
-        "runs/raw": P.family_config("raw", None, bases),
         "runs/hsum": P.with_table_lr(
             P.family_config("tngram-hsum", P.SIZES["tngram-hsum"][2][i], bases),
             P.TUNED_DEFAULT["tngram-hsum"]),
@@ -85,11 +91,18 @@ def test_which_memory_commands_train_the_points_the_answer_names():
             P.family_config("engram", P.SIZES["engram"][2][i], bases), P.TUNED_DEFAULT["engram"]),
         "runs/engram-iso": P.with_table_lr(  # the largest ISO_SIZES point, as view_specs builds it
             P.iso_config("engram", P.ISO_SIZES["engram"][2][-1], bases), P.TUNED_DEFAULT["engram"]),
+        "runs/hsum-8192": P.with_table_lr(
+            P.family_config("tngram-hsum", 94547, v8k), P.TUNED_DEFAULT["tngram-hsum"]),
+        "runs/hashed-4096": VR.hashed("default@4096", 256, 256, 2),
     }
     assert set(by_out) == set(points)
+    recorded = json.loads((ROOT / "research/results/which-memory.json").read_text())["commands"]
+    for out, cmd in recorded.items():
+        assert cmd + f" --out {out}" in text, out
     for out, point in points.items():
         got = by_out[out]
-        assert replace(got, name=point.name).to_dict() == point.to_dict(), out
+        got = replace(got, name=point.name, data=replace(got.data, dir=point.data.dir))
+        assert got.to_dict() == point.to_dict(), out
     assert f"**`{P.CONFIRM['family'].replace('tngram', 'mini-tngram')}`**" in text   # the winner
     assert f'"{LABELS[P.CONFIRM["family"]]}"' in text      # ... and its family's label in tables
     assert LABELS[P.CONFIRM["baseline"]] in text and "tuned Engram" in text

@@ -383,93 +383,104 @@ def _cell(name: str, first: str, *keys: str) -> list[Any]:
     return next(r for r in rows if r[0] == first and list(r[1 : 1 + len(keys)]) == list(keys))
 
 
+README_COMMANDS = {  # the README's "Which memory" commands, by their --out
+    "runs/hsum": "tngram train mini-tngram-hsum",
+    "runs/engram-tuned": 'tngram train mini-engram --set "model.memory.table_budget=[3800,3800,'
+    '3800,3800]" --set optim.memory_table_lr=0.2',
+    "runs/engram-iso": "tngram train mini-engram --set model.mlp_hidden=64 --set "
+    'model.memory.n_embed_per_ngram=32 --set "model.memory.table_budget=[400,400,400,400]" '
+    "--set optim.memory_table_lr=0.2",
+    "runs/hsum-8192": "tngram train mini-tngram-hsum --set model.vocab_size=8192 --set "
+    "model.memory.hash_budget=94547",
+    "runs/hashed-4096": "tngram train mini-raw --set model.vocab_size=4096 --set "
+    "model.memory.kind=tngram-hashed --set model.memory.cp_rank=256 --set "
+    "model.memory.factor_rows=256 --set optim.memory_table_lr=0.1 --set run.dtype=fp32 --set "
+    "optim.memory_update=sparse --set optim.memory_catchup=true",
+}
+
+
 def which_memory(vocab_table: Path) -> dict[str, Any]:
     """research/results/which-memory.json: the README's recipe per vocabulary and binding
-    constraint, each with its command and the paired difference that command's config produced
-    (cells of the results files named in each row)."""
+    constraint, each with its command (README_COMMANDS, by --out) and the paired difference that
+    command's config produced (cells of the results files each row names)."""
     pooled = _cell("pareto-vs-engram", "3 corpora pooled", "TN-gram sum + hashed", "3929 vs 3800")
     v8k = _cell("pareto-vs-engram", "default@8192", "TN-gram sum + hashed", "94547 vs 81920")
     iso = _cell("pareto-default-total", "Engram (E 32), iso (400)")
     big = json.loads(vocab_table.read_text())["rows"]
-    hashed_rows = [r for r in big if r[0].startswith("this run") and "hashed" in r[2]]
-    engram = 'tngram train mini-engram --set "model.memory.table_budget=[{b},{b},{b},{b}]"'
     rows = [
         [
-            "≤ 4k (measured at 1,024)",
+            "≤ 4k",
             "extra parameters",
             "TN-gram sum + hashed",
-            "tngram train mini-tngram-hsum",
+            "`runs/hsum`",
             pooled[7],
             pooled[8],
             pooled[5],
-            "tuned Engram 3,800, 3 corpora (pareto-vs-engram)",
+            "tuned Engram 3,800, three corpora",
         ],
         [
-            "≤ 4k (1,024)",
+            "≤ 4k",
             "step time",
             "tuned Engram",
-            engram.format(b=3800) + " --set optim.memory_table_lr=0.2",
+            "`runs/engram-tuned`",
             -pooled[7],
             [-pooled[8][1], -pooled[8][0]],
             pooled[5],
-            "the row above, at 0.97× its step",
+            "the row above (0.97× its step)",
         ],
         [
-            "≤ 4k (1,024)",
+            "≤ 4k",
             "total parameters",
             "Engram 32 wide, MLP 64",
-            engram.format(b=400) + " --set model.mlp_hidden=64 --set "
-            "model.memory.n_embed_per_ngram=32 --set optim.memory_table_lr=0.2",
+            "`runs/engram-iso`",
             iso[4],
             iso[5],
             len(iso[3]),
-            "raw GPT, default corpus (pareto-default-total)",
+            "raw GPT, default corpus",
         ],
         [
-            "8k (8,192)",
+            "8k",
             "extra parameters",
             "TN-gram sum + hashed",
-            "tngram train mini-tngram-hsum --set model.vocab_size=8192 --set "
-            "model.memory.hash_budget=94547",
+            "`runs/hsum-8192`",
             v8k[7],
             v8k[8],
             v8k[5],
-            "tuned Engram 81,920, default corpus (pareto-vs-engram)",
+            "tuned Engram 81,920, default corpus",
         ],
     ]
-    for r in hashed_rows:
-        if r[5] != "default":
-            continue
-        rows.append(
-            [
-                "32k and up (measured at 4,096 only)",
-                "extra parameters",
-                "TN-gram, hashed factor rows",
-                "tngram train mini-raw --set model.vocab_size=4096 --set "
-                "model.memory.kind=tngram-hashed --set model.memory.cp_rank=256 --set "
-                "model.memory.factor_rows=256 --set optim.memory_table_lr=0.1 --set run.dtype=fp32 "
-                "--set optim.memory_update=sparse --set optim.memory_catchup=true",
-                r[8],
-                r[9],
-                r[6],
-                "Engram 788 at >= its Δparams, default corpus (vocab-regime)",
-            ]
-        )
+    for r in big:
+        if r[0].startswith("this run") and "hashed" in r[2] and r[5] == "default":
+            rows.append(
+                [
+                    "32k+ (measured at 4,096)",
+                    "extra parameters",
+                    "TN-gram, hashed factor rows",
+                    "`runs/hashed-4096`",
+                    r[8],
+                    r[9],
+                    r[6],
+                    "Engram 788, default corpus",
+                ]
+            )
     return {
         "kind": "table",
-        "command": "python -m research.experiments.vocab_regime which-memory",
-        "commit": "cells of the results files each row names (their own commands and commits)",
-        "machine": "those files' machines (2-core AMD EPYC)",
-        "source": "pareto-vs-engram.json, pareto-default-total.json, vocab-regime.json",
+        "command": "python -m research.experiments.vocab_regime which-memory "
+        "research/results/which-memory.json",
+        "commit": "those of the files it cites (pareto-vs-engram.json, "
+        "pareto-default-total.json, vocab-regime.json)",
+        "machine": "those files' (2-core AMD EPYC)",
+        "source": "the rows' results files; commands: README_COMMANDS",
+        "commands": README_COMMANDS,
         "columns": [
             {"header": "vocabulary"},
             {"header": "binding constraint"},
             {"header": "use"},
-            {"header": "command"},
-            {"header": "− reference (val loss, nats)", "fmt": "+.4f"},
+            {"header": "command (below)"},
+            {"header": "− reference (val loss)", "fmt": "+.4f"},
             {"header": "95% CI", "fmt": "list:+.4f"},
             {"header": "seeds"},
-            {"header": "reference"},
+            {"header": "paired with"},
         ],
         "rows": rows,
     }
