@@ -364,8 +364,15 @@ def report(out: Path, path: Path) -> None:
                 "side by side); python -m research.experiments.vocab_regime report "
                 "runs/vocab-regime research/results/vocab-regime.json"
             ),
-            "commit": "",
-            "machine": "",
+            "commit": (
+                "V 4096 runs: a snapshot of 3afa763 with tngram/memory/tngram_hashed.py as in "
+                "584b4cf, trained by a script listing this module's specs (same labels and "
+                "configs); map rows: pareto-vs-engram.json's"
+            ),
+            "machine": (
+                "2-core AMD EPYC shared with other sessions' jobs (load 7-11); two to three "
+                "training runs side by side, one torch thread each"
+            ),
             "source": (
                 "V 4096 rows: runs/vocab-regime/runs/*/summary.json (pairs by seed); map rows: "
                 "research/results/pareto-vs-engram.json (BPB = nats x the corpus's val BPB/loss "
