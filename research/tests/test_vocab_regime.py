@@ -36,7 +36,8 @@ def test_queues_pair_each_run_with_its_engram_at_the_same_seed(no_data):
         specs = VR.raw_queue(q)
         for s, e in zip(specs[0::2], specs[1::2]):
             assert e.tags["family"] == "engram" and s.tags["family"] != "engram"
-            assert (s.tags["corpus"], s.tags["seed_index"]) == (e.tags["corpus"], e.tags["seed_index"])
+            same = ("corpus", "seed_index")
+            assert [s.tags[k] for k in same] == [e.tags[k] for k in same]
             assert e.tags["delta"] >= s.tags["delta"]
             assert s.config.run.seed == e.config.run.seed
 
