@@ -92,6 +92,29 @@ def test_output_equals_brute_force(name):
         torch.testing.assert_close(m(h, ids), m.fusion(h, want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["prod2", "sum2"])
+def test_theorem_1_holds_on_the_hashed_factors(name):
+    """Paper Theorem 1 with A~ for A: b_{n-1}(x_{N-n+2:N}) = sum_x c_x b_n(x, x_{N-n+2:N}), with c
+    solving A~_{N-n+1}^T c = w_{N-n+1} (A~ has full column rank: V >= R, distinct row pairs)."""
+    m = make(**SETTINGS[name])
+    with torch.no_grad():
+        for n in range(3, N + 1):
+            A = torch.stack([brute_factor(m, N - n + 1, x) for x in range(V)]).double()  # (V, R)
+            assert torch.linalg.matrix_rank(A) == R
+            w = m.absorb[N - n].double()                                  # w_{N-n+1}
+            c = torch.linalg.lstsq(A.T, w.unsqueeze(1)).solution.squeeze(1)  # (V,)
+            rest = torch.randint(0, V, (n - 1,)).tolist()                 # x_{N-n+2:N}
+            def b(k, toks):  # b_k of the k-gram toks (oldest first), Eq. 10 without the norm
+                out = torch.ones(R, dtype=torch.float64)
+                for j in range(N - k):
+                    out = out * m.absorb[j].double()
+                for i, x in zip(range(N - k + 1, N + 1), toks):
+                    out = out * brute_factor(m, i, x).double()
+                return out
+            mix = sum(c[x] * b(n, [x] + rest) for x in range(V))
+            torch.testing.assert_close(mix, b(n - 1, rest), rtol=1e-8, atol=1e-9)
+
+
 def test_quotient_remainder_rows_are_distinct_and_seeded():
     rows = hash_rows(torch.arange(V), VP, 2, 0)
     assert len({tuple(r) for r in rows.tolist()}) == V and int(rows.max()) < VP

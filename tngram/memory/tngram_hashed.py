@@ -1,6 +1,6 @@
 """TN-gram with hashed factor rows (`kind = "tngram-hashed"`): the paper's module for R/V << 1.
 
-The paper's factors A_1..A_N are V x R, so at a 32k vocabulary a rank R that fits a budget is
+The paper's factors A_1..A_N are V x R, so at a 32k vocabulary a CP rank R that fits a budget is
 R/V ~ 0.01, where an independent reproduction (research/RESULTS.md, "TN-gram and the vocabulary")
 found the CP table losing to Engram's hashed rows. Here each factor is a pool of V' rows
 (`factor_rows`, chosen near R, so R/V' ~ 1) and a token reads k of them (`n_hashes`), as hash
@@ -21,9 +21,10 @@ unchanged (tngram.memory.cp, Eqs. 10-14):
     e_n = exp(l_n) RMSNorm(b_n)      e_concat = [e_2 | ... | e_N]             (Eq. 11)
     K/V = e_concat M_K, e_concat M_V (absorbed, Eqs. 13-14) -> Engram's gate + conv (App. D)
 
-Theorem 1 holds as stated, with A~_i in place of A_i: each A~_i is a V x R matrix (a fixed
-function of the V' x R pool), so b_n is the n-gram's row of the rank-R CP tensor
-[[W A~_{N-n+1}, ..., A~_N]] and the absorbed projections are exact. What changes is the
+Theorem 1 (the (n-1)-gram's b_{n-1} is a linear combination of the n-gram's b_n over the dropped
+token) holds as stated with A~_i in place of A_i: its proof uses only the product form of b_n and
+the full column rank of A~_{N-n+1}, a V x R matrix that has it generically when V >= R and the
+k-tuples of rows are distinct. The absorbed K/V projections are unchanged. What changes is the
 parameter count, N V' R (+ N V k importance weights for "sum") instead of N V R, and that R/V'
 stays near 1 whatever V is. factor_rows = V with n_hashes = 1 is the paper's module (h_1 is the
 identity), bit for bit on the same factors (tests/test_tngram_hashed.py).
