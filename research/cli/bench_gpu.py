@@ -28,13 +28,13 @@ TRITON_BACKWARDS = ("fused", "split", "sorted")
 
 
 def _gpu_out(out: str | None, slug: str) -> Any:
-    """The results file: --out FILE.json, or gpu-<card>.json in --out DIR (default
-    research/results)."""
+    """The results file: --out FILE.json, or gpu-<card>.json in --out DIR (default: the current
+    folder)."""
     from pathlib import Path
 
     from tngram.common import TngramError
 
-    p = Path(out) if out else Path("research/results")
+    p = Path(out) if out else Path(".")
     path = p if p.suffix == ".json" else p / f"gpu-{slug}.json"
     if not path.parent.is_dir():
         raise TngramError(f"--out: folder {path.parent} does not exist")
@@ -121,7 +121,7 @@ def add_gpu_command(bs: Any) -> None:
         "gpu",
         help="the GPU numbers in one command inside a time budget (doctor, Triton vs torch, "
         "fwd+bwd eager/compiled, trainer tokens/s, sparse vs dense tables, MFU) -> "
-        "research/results/gpu-<card>.json; tiny shapes on the CPU",
+        "gpu-<card>.json; tiny shapes on the CPU",
         description="Sections, in order while the time budget lasts: doctor (the kernel "
         "self-checks), lookup (Triton or C against torch inside paper-l9-tngram, and one "
         "module's lookup timed), kernels (the Triton lookup's backward variants of each TN-gram "
@@ -132,14 +132,16 @@ def add_gpu_command(bs: Any) -> None:
         "recipe, eager, then compiled, with FLOPs, MFU and peak memory), tables (one step per "
         "optim.memory_update at V 1k/32k/128k), trainer (tokens/s of N trainer steps); "
         "paper-l9 raw / Engram / TN-gram first, the other recipes' compiled and trainer items "
-        "last. An item that no longer fits the budget is skipped and named. Writes one results "
-        "file; docs/GPU.md's tables are generated from it (`python -m research report doc "
-        "docs/GPU.md`).",
+        "last. An item that no longer fits the budget is skipped and named (on the CPU the "
+        "estimate is the longest item run so far). Without CUDA every item runs at tiny shapes, "
+        "which checks the command and measures no GPU. Writes one results file (copied into "
+        "research/results/, the tables of docs/GPU.md and research/GPU.md are generated from it: "
+        "`python -m research report doc FILE`).",
     )
     g.add_argument(
         "--out",
         metavar="PATH",
-        help="results file (.json) or folder for gpu-<card>.json (default: research/results)",
+        help="results file (.json) or folder for gpu-<card>.json (default: the current folder)",
     )
     g.add_argument("--force", action="store_true", help="replace an existing results file")
     g.add_argument(

@@ -22,7 +22,8 @@ the renderer:
 - "gpu-index" (research/results/gpu.json): every `python -m research bench gpu` results file beside
 it and the
   numbers still open (research.report.gpu_blocks), view "goals": the GPU goal point by point
-  (research.report.gpu_goals); "gpu-check": the first GPU check's raw numbers;
+  (research.report.gpu_goals), view "trainer": each recipe's newest trainer tokens/s beside
+  `tngram plan`'s estimate; "gpu-check": the first GPU check's raw numbers;
 - "summary": sentences whose numbers are cells of other results files (research.report.summary;
   the summary that opens research/RESULTS.md);
 - "table": a table stored as it is shown: "columns" (each a header and an optional "fmt") and
@@ -46,7 +47,13 @@ from typing import Any
 
 from tngram.common import MissingFileError, TngramError
 from research.report.bench_blocks import render_contention, render_threads, render_vocab
-from research.report.gpu_blocks import render_check, render_goals, render_index, resolve_index
+from research.report.gpu_blocks import (
+    render_check,
+    render_goals,
+    render_index,
+    render_trainer,
+    resolve_index,
+)
 
 # the Markdown pieces (render_cell and render_table also importable from here, as before)
 from research.report.markdown import (
@@ -100,7 +107,8 @@ def render(snap: dict[str, Any], name: str) -> str:
     if kind == "summary":
         return render_summary(snap) + "\n\n" + provenance(snap, source)
     if kind == "gpu-index":  # its own closing line names every file it read
-        return render_goals(snap) if view == "goals" else render_index(snap)
+        views = {"goals": render_goals, "trainer": render_trainer}
+        return views.get(view, render_index)(snap)
     if kind == "gpu-check":
         return render_check(snap) + "\n\n" + provenance(snap, source)
     raise TngramError(

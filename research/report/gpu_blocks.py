@@ -1,4 +1,5 @@
-"""Generated-block views of the GPU results files (docs/GPU.md; see research.report.docblocks).
+"""Generated-block views of the GPU results files (docs/GPU.md, research/GPU.md; see
+research.report.docblocks).
 
 Three kinds of file:
 
@@ -403,6 +404,43 @@ def render_goals(snap: dict[str, Any]) -> str:
         + "\n\nGenerated from the `python -m research bench gpu` results files in "
         "`research/results/` (oldest "
         + f"first: {files}) by `research/report/gpu_goals.py`, which says what each point reads."
+    )
+
+
+def render_trainer(snap: dict[str, Any]) -> str:
+    """The "gpu:trainer" view of the index: each paper-l9 recipe's newest `tngram train` tokens/s
+    at the trainer's defaults (research.report.gpu_goals.at_defaults), beside what `tngram plan
+    RECIPE --card CARD` estimates for it."""
+    from research.report.gpu_goals import at_defaults
+    from tngram.cli.plan import card_named, speed
+    from tngram.train.recipes import get_recipe
+
+    if "runs" not in snap:
+        raise TngramError("a 'gpu-index' results file must be resolved against research/results "
+        "first")
+    newest: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
+    for name, run in snap["runs"]:  # oldest first: a later run replaces an earlier one's row
+        for recipe, r in (run.get("sections") or {}).get("trainer", {}).items():
+            if at_defaults(run) and _ok(r) and r.get("tokens_per_s"):
+                newest[recipe] = (name, run, r)
+    lines = [
+        md_row(["recipe", "card", "tokens/s", "`tngram plan --card`", "from"]),
+        "|---|---|---|---|---|",
+    ]
+    for recipe, (name, run, r) in newest.items():
+        tps = r["tokens_per_s"]
+        try:
+            est = speed(get_recipe(recipe), 1, card_named(run["card_slug"]))["tokens_per_s"]
+            planned = f"{est:,.0f} ({est / tps - 1:+.1%})"
+        except TngramError:  # a card plan has no preset for
+            planned = "–"
+        where = f"`{name}` ({run['commit']}, {r['steps']} steps)"
+        lines.append(md_row([f"`{recipe}`", run["card"], f"{tps:,.0f}", planned, where]))
+    return "\n".join(lines) + (
+        "\n\nGenerated from the `python -m research bench gpu` results files in "
+        "`research/results/` (the newest run of each recipe that changed no trainer setting: "
+        "compiled, bf16 autocast, 524,288 tokens a step on one card; tokens/s the median of the "
+        "per-step windows from step 3) and `tngram plan` (tngram/cli/plan.py)."
     )
 
 

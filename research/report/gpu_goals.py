@@ -1,6 +1,6 @@
 """The GPU goal, point by point, from the `python -m research bench gpu` results files (the
 "gpu:goals" block
-of docs/GPU.md; the index research/results/gpu.json lists the files oldest first in "order").
+of research/GPU.md; the index research/results/gpu.json lists the files oldest first in "order").
 
 Each point reads one kind of item, and its row shows the newest run that measured it, that run's
 file and commit, and whether it meets the point:
@@ -25,7 +25,7 @@ from typing import Any
 from research.report.gpu_cells import ok
 from research.report.markdown import md_row
 
-RAW_GOAL_TPS = 1_500_000  # parameter-golf's per-GPU rate for the same backbone (docs/GPU.md)
+RAW_GOAL_TPS = 1_500_000  # parameter-golf's per-GPU rate for the same backbone (research/GPU.md)
 MIN_STEPS = 30
 BIG_V, BIG_RATIO = 131_072, 1.2
 SPARSE_FROM_V = 8192

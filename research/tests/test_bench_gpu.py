@@ -1,5 +1,5 @@
 """`python -m research bench gpu` at tiny shapes on the CPU (research.bench.gpu), its results file, and the
-docs/GPU.md blocks generated from the GPU results files (research.report.gpu_blocks)."""
+research/GPU.md blocks generated from the GPU results files (research.report.gpu_blocks)."""
 
 from research.cli import main as research_main
 import json
@@ -19,7 +19,6 @@ from research.cli.bench_gpu import GPU_SECTIONS
 from research.cli.bench_gpu import TRITON_BACKWARDS as CLI_BACKWARDS
 from tngram.kernels.policy import TRITON_BACKWARDS
 from tngram.kernels import triton_available
-from tngram.cli.main import main
 from research.report.docblocks import check_doc, load_snapshot, render
 from research.report.gpu_blocks import measured_in, render_run
 
@@ -38,7 +37,7 @@ def cpu_run(tiny_data, tmp_path_factory):  # noqa: F811
     torch.set_num_threads(1)
     try:
         args = ["bench", "gpu", "--out", str(out), "--data", str(tiny_data), "--stop-after", "3"]
-        rc = main(args + ["--recipes", *RECIPES, "--no-compile"])
+        rc = research_main(args + ["--recipes", *RECIPES, "--no-compile"])
     finally:
         torch.set_num_threads(before)
     assert rc == 0
@@ -157,7 +156,7 @@ def test_trainer_set_reaches_the_run_and_its_table(tiny_data, tmp_path):  # noqa
     out = tmp_path / "r.json"
     args = ["bench", "gpu", "--out", str(out), "--data", str(tiny_data), "--stop-after", "3"]
     args += ["--sections", "trainer", "--recipes", "paper-l9-tngram"]
-    assert main(args + ["--set", "optim.memory_update=sparse"]) == 0
+    assert research_main(args + ["--set", "optim.memory_update=sparse"]) == 0
     r = json.loads(out.read_text())
     assert r["shapes"]["trainer_sets"] == ["optim.memory_update=sparse"]
     t = r["sections"]["trainer"]["paper-l9-tngram"]
@@ -372,11 +371,11 @@ def test_allocator_trips_per_step_and_their_line():
 
 
 def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path):
-    assert check_doc(ROOT / "docs" / "GPU.md") == []
+    assert check_doc(ROOT / "research" / "GPU.md") == []
     docs = tmp_path / "docs"
     (tmp_path / "research" / "results").mkdir(parents=True)
     docs.mkdir()
-    shutil.copy(ROOT / "docs" / "GPU.md", docs / "GPU.md")
+    shutil.copy(ROOT / "research" / "GPU.md", docs / "GPU.md")
     committed = sorted((ROOT / "research" / "results").glob("gpu*.json"))
     for path in committed:
         shutil.copy(path, tmp_path / "research" / "results" / path.name)
@@ -410,7 +409,7 @@ def test_gpu_md_regenerates_and_tiny_runs_are_not_gpu_figures(cpu_run, tmp_path)
 def test_budget_skips_items_and_names_them(tmp_path, capsys):
     out = tmp_path / "r.json"
     args = ["bench", "gpu", "--out", str(out), "--budget", "0.01", "--sections", "fwdbwd"]
-    assert main(args + ["tables", "--recipes", "paper-l9-raw", "--no-compile"]) == 0
+    assert research_main(args + ["tables", "--recipes", "paper-l9-raw", "--no-compile"]) == 0
     r = json.loads(out.read_text())
     items = [(s, k) for s, sec in r["sections"].items() for k in sec]
     assert len(items) == 1 + 7 * len(TINY_VOCABS) and len(r["skipped"]) == len(items)
@@ -662,7 +661,7 @@ def profile_run(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         args = ["bench", "gpu", "--out", str(out), "--sections", "fwdbwd", "--recipes", *RECIPES]
-        assert main(args + ["--no-compile", "--profile"]) == 0
+        assert research_main(args + ["--no-compile", "--profile"]) == 0
     finally:
         torch.set_num_threads(before)
     return json.loads(out.read_text())
@@ -803,3 +802,37 @@ def test_tables_too_big_for_memory_are_skipped_and_named(tmp_path, monkeypatch, 
     assert len(skipped) == 6
     assert all(tables[k]["skipped"].startswith("memory: needs") for k in skipped)
     assert len(r["skipped"]) == 6 and "skipped (memory)" in render_run(r, "x.json")
+
+
+def test_cpu_run_says_so_first_and_writes_to_the_current_folder(tmp_path, monkeypatch, capsys):
+    """Without CUDA the first line says the items run at tiny CPU shapes and measure no GPU; with
+    no --out the results file lands in the current folder (a clone or a pip install alike)."""
+    monkeypatch.chdir(tmp_path)
+    assert research_main(["bench", "gpu", "--sections", "attention"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("no CUDA device: every item runs on the CPU at tiny shapes")
+    assert "measures nothing about a GPU" in out[0]
+    assert json.loads((tmp_path / "gpu-cpu.json").read_text())["tiny"] is True
+
+
+def test_cpu_budget_estimates_items_by_the_longest_so_far(tmp_path, monkeypatch, capsys):
+    """Items that take 1 s each under a 1.6 s budget: the first runs (no CPU item timed yet: the
+    0.5 s floor), the next is estimated at the 1 s it took and skipped, so the run keeps to its
+    budget (with the fixed 0.5 s estimate the second would start at 1 s and end at 2 s)."""
+    import time
+
+    from research.bench import gpu_optim
+
+    def one_second(recipe, shapes):
+        time.sleep(1.0)
+        return {"median_ms": 1000.0}
+
+    monkeypatch.setattr(gpu_optim, "optimiser_steps", one_second)
+    recipes = ["paper-l9-raw", "paper-l9-engram", "paper-l9-tngram"]
+    args = ["bench", "gpu", "--out", str(tmp_path), "--sections", "optim", "--budget", "1.6"]
+    assert research_main(args + ["--recipes", *recipes]) == 0
+    r = json.loads((tmp_path / "gpu-cpu.json").read_text())
+    assert r["sections"]["optim"]["paper-l9-raw"] == {"median_ms": 1000.0}
+    for k in recipes[1:]:
+        assert r["sections"]["optim"][k]["skipped"].endswith("needs ~1.0 s"), r["skipped"]
+    assert r["elapsed_s"] <= 1.6

@@ -164,10 +164,10 @@ def test_prose_speed_numbers_follow_the_results_files():
 
 
 def test_register_counts_in_gpu_md_follow_their_results_file():
-    """docs/GPU.md's register counts of the Triton backward (compiled for sm_90 without a GPU)
+    """research/GPU.md's register counts of the Triton backward (compiled for sm_90 without a GPU)
     are research/scripts/triton_registers.py's, from research/results/triton-registers.json."""
     regs = json.loads((ROOT / "research/results/triton-registers.json").read_text())["recipes"]
-    gpu = " ".join((ROOT / "docs/GPU.md").read_text().split())
+    gpu = " ".join((ROOT / "research/GPU.md").read_text().split())
     tn, sm = regs["paper-l9-tngram"]["by_warps"]["4"], regs["paper-l9-tngram-sum"]["by_warps"]["8"]
     fused, rows = tn["backward fused"], tn["backward split, rows"]
     assert f"It needs {fused['registers']} registers a thread at `paper-l9-tngram` (R 1,024, 4 " \

@@ -1,4 +1,4 @@
-"""The GPU goal block (research.report.gpu_goals; docs/GPU.md "gpu:goals"): each point from the
+"""The GPU goal block (research.report.gpu_goals; research/GPU.md "gpu:goals"): each point from the
 newest run that measured it, checked against numbers computed here from the items."""
 
 import json
@@ -107,11 +107,11 @@ def test_each_row_is_the_newest_run_that_measured_it():
 
 
 def test_the_docs_block_gives_the_measured_numbers():
-    """The block of docs/GPU.md against the results files' own items."""
+    """The block of research/GPU.md against the results files' own items."""
     res = ROOT / "research" / "results"
     a = json.loads((res / "gpu-h200-7608a19-a.json").read_text())["sections"]["trainer"]
     c = json.loads((res / "gpu-h200-7608a19-c.json").read_text())["sections"]["tables"]
-    text = render(load_snapshot(ROOT / "docs" / "GPU.md", "gpu:goals"), "gpu:goals")
+    text = render(load_snapshot(ROOT / "research" / "GPU.md", "gpu:goals"), "gpu:goals")
     assert f"{a['paper-l9-raw']['tokens_per_s']:,.0f} tokens/s" in text
     hsum = a["paper-l9-engram"]["tokens_per_s"] / a["paper-l9-tngram-hsum"]["tokens_per_s"]
     assert f"closest `-hsum`: {hsum:.3f}× Engram's step" in text
