@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
-import tngram  # noqa: E402,F401  (registers tngram.hf with transformers)
+import tngram.hf  # noqa: E402,F401  (switches the integration on)
 from tngram.memory.engram import EngramConfig  # noqa: E402
 from tngram.memory.overencoding import OverEncodingConfig  # noqa: E402
 from tngram.memory.tngram import TNGramConfig  # noqa: E402

@@ -157,11 +157,10 @@ def test_pipeline_text_generation(exported):
     assert out == tok.decode(ref[0], skip_special_tokens=True)
 
 
-def test_fresh_process_after_import_tngram(exported):
-    """A new interpreter: `import tngram` + the Auto classes, no trust_remote_code."""
-    pytest.importorskip("tngram.hf._import_hook", reason="the import hook of tngram.hf is not in this tree yet")
+def test_fresh_process_after_import_tngram_hf(exported):
+    """A new interpreter: `import tngram.hf` + the Auto classes, no trust_remote_code."""
     d = exported["mini-engram"][1]
-    code = ("import tngram, torch\n"
+    code = ("import tngram.hf, torch\n"
             "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"m = AutoModelForCausalLM.from_pretrained({str(d)!r})\n"
             f"t = AutoTokenizer.from_pretrained({str(d)!r})\n"

@@ -100,12 +100,12 @@ for load in (AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
     r = run(script)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("refused") == 2
-    # the same folder in a process that imports tngram (nothing else): same logits
+    # the same folder in a process that imports tngram.hf (nothing else): same logits
     x = prompt()
     with torch.no_grad():
         torch.save({"x": x, "logits": model(x).logits}, tmp_path / "ref.pt")
     r = run(f"""
-import torch, tngram
+import torch, tngram.hf
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}).eval()
 ref = torch.load({str(tmp_path / 'ref.pt')!r})

@@ -29,18 +29,17 @@ def _cmd_export(args: Any) -> int:
 
     if not (args.run / "config.json").is_file():
         raise TngramError(f"{args.run} is not a run folder (no config.json)")
-    from tngram.hf.export import check_export_target
-
-    check_export_target(args.hf)
     try:
         import transformers  # noqa: F401
     except ModuleNotFoundError:
         raise TngramError('tngram export needs the hf extra: pip install "tngram[hf]"') from None
-    from tngram.hf.export import export_run
+    from tngram.hf.export import check_export_target, export_run
+
+    check_export_target(args.hf)
 
     out = export_run(args.run, args.hf, tokenizer=args.tokenizer, dtype=args.dtype)
     print(
-        f"tngram: exported {args.run} -> {out} (import tngram, then "
+        f"tngram: exported {args.run} -> {out} (import tngram.hf, then "
         f"AutoModelForCausalLM.from_pretrained({str(out)!r}))"
     )
     return 0

@@ -1,5 +1,6 @@
 """Hugging Face `transformers` integration (optional extra: pip install "tngram[hf]").
 
+    import tngram.hf                     # switches the integration on (see register())
     from tngram.hf import add_memory
     add_memory(model, TNGramConfig(max_ngram=3, cp_rank=64), layers=(0, 2))
 
@@ -11,14 +12,15 @@ Trainer (memory_update dense / sparse / rowwise); save_memory / load_memory ship
 adapter apart from its base (tngram.hf.adapter); it composes with peft when added first
 (tngram.hf.peft_compat). See docs/HF.md.
 
-Nothing below `tngram.hf` imports it, and `import tngram` does not import transformers: names
-here load on first use (`__getattr__`), and the transformers patches / Auto-class registrations
-run when transformers is imported (tngram.hf._import_hook).
+`import tngram` alone touches neither transformers nor peft. Importing this package (any
+`tngram.hf...` module) imports transformers and runs `register()` once: from then on the Auto
+classes open saved memory models and exported runs. The public names below load on first use.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 # public name -> module that defines it (loaded on first access)
@@ -64,12 +66,21 @@ def register_auto_classes() -> None:
 
 
 def register() -> None:
-    """Teach transformers about tngram (idempotent): the model types "tngram_<family>" of
-    models with a memory resolve on demand (tngram.hf.classes), a family class loading such a
-    folder raises instead of dropping the memory, and the modules in
-    _REGISTERING_MODULES register their Auto classes. tngram.hf._import_hook runs both parts when
-    transformers is imported after tngram; add_memory calls this too."""
-    from tngram.hf import attach
+    """Teach transformers (and peft, when installed) about tngram; idempotent, and run when this
+    package is imported. The model types "tngram_<family>" of models with a memory resolve on
+    demand (tngram.hf.classes), a family class loading such a folder raises instead of
+    dropping the memory, the modules in _REGISTERING_MODULES register their Auto classes
+    ("tngram_gpt" of `tngram export`), and peft's and transformers' adapter loading check
+    memory weights (tngram.hf.peft_compat)."""
+    from tngram.hf import attach, peft_compat
 
     attach.install_transformers_patches()
     register_auto_classes()
+    peft_compat.install_peft_patches()
+
+
+if importlib.util.find_spec("transformers") is None:
+    raise ModuleNotFoundError(
+        'tngram.hf needs transformers (the hf extra): pip install "tngram[hf]"', name="transformers"
+    )
+register()

@@ -360,15 +360,11 @@ def install_transformers_patches() -> None:
     """Once (idempotent): CONFIG_MAPPING resolves "tngram_<family>" (tngram.hf.classes), and a
     family class loading a folder saved with a memory (LlamaForCausalLM.from_pretrained on a
     tngram_llama folder) raises instead of silently dropping the memory."""
-    import sys
+    from transformers import PreTrainedModel
 
     from tngram.hf import classes
 
     classes.install()
-    if "transformers.modeling_utils" in sys.modules:  # called from the import hook: no re-entry
-        PreTrainedModel = sys.modules["transformers.modeling_utils"].PreTrainedModel
-    else:
-        from transformers import PreTrainedModel
     if getattr(PreTrainedModel.from_pretrained, "_tngram_patched", False):
         return
     orig = PreTrainedModel.from_pretrained.__func__
@@ -384,7 +380,7 @@ def install_transformers_patches() -> None:
             raise TngramError(
                 f"{args[0] if args else 'this folder'} holds a model with an n-gram memory "
                 f"(config.json {CONFIG_KEY}) but {cls.__name__} has none: load it with "
-                "AutoModelForCausalLM.from_pretrained (or AutoModel) after `import tngram`"
+                "AutoModelForCausalLM.from_pretrained (or AutoModel) after `import tngram.hf`"
             )
         return out
 

@@ -5,10 +5,10 @@ add_memory turns a `LlamaForCausalLM` with a `LlamaConfig` into a `TngramLlamaFo
 `model_type = "tngram_llama"` and one more field, `tngram_memory` (the memory spec), so
 
 - the spec lives on `model.config` and `save_pretrained` writes it like any other field;
-- a saved folder says `"model_type": "tngram_llama"`: in a process that did not import tngram,
+- a saved folder says `"model_type": "tngram_llama"`: in a process that did not import tngram.hf,
   AutoConfig / AutoModelForCausalLM / pipeline refuse it ("model type `tngram_llama` ... does not
   recognize this architecture") instead of loading the backbone without its memory;
-- after `import tngram`, `CONFIG_MAPPING["tngram_<family>"]` resolves on demand (the mapping's
+- after `import tngram.hf`, `CONFIG_MAPPING["tngram_<family>"]` resolves on demand (the mapping's
   lookup is extended once, see `install`), and the Auto classes map the new config to the
   memory classes: from_pretrained needs neither remote code nor trust_remote_code.
 

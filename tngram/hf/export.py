@@ -2,9 +2,9 @@
 
 DIR receives config.json (model_type "tngram_gpt", our GPTConfig under "gpt"), model.safetensors
 (every weight, keys "model." + ours, no pickle), generation_config.json (bos/eos/pad 1/2/0) and
-the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After `import tngram`,
-AutoConfig, AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") open DIR without
-trust_remote_code.
+the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After
+`import tngram.hf`, AutoConfig, AutoModelForCausalLM, AutoTokenizer and
+pipeline("text-generation") open DIR without trust_remote_code.
 
 The folder is written beside DIR under a temporary name and renamed into place when complete;
 an existing non-empty DIR is never overwritten.

@@ -9,8 +9,8 @@
     PeftModel.from_pretrained(base, adapter) where the adapter holds memory weights and base
         has no memory                             refused (peft would load it silently without)
 
-The last check wraps peft's `set_peft_model_state_dict` as PeftModel.load_adapter calls it; it
-is installed when peft.peft_model is imported after `import tngram` (tngram.hf._import_hook).
+The last check wraps peft's `set_peft_model_state_dict` as PeftModel.load_adapter calls it;
+`import tngram.hf` installs it (tngram.hf.register, which imports peft when it is installed).
 """
 
 from __future__ import annotations
@@ -67,10 +67,15 @@ def check_adapter_keys(model: nn.Module, keys: Any, where: str = "the PEFT adapt
 
 
 def install_peft_patches() -> None:
-    """Wrap peft.peft_model.set_peft_model_state_dict with check_adapter_keys (idempotent)."""
-    module: Any = sys.modules.get("peft.peft_model")  # peft's module (its attributes untyped)
-    if module is None:
+    """Wrap peft.peft_model.set_peft_model_state_dict with check_adapter_keys (idempotent;
+    nothing without peft installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
         return
+    import peft.peft_model
+
+    module: Any = peft.peft_model  # peft's module (its attributes untyped)
     orig = getattr(module, "set_peft_model_state_dict", None)
     if orig is None or getattr(orig, "_tngram_patched", False):
         return
