@@ -133,8 +133,11 @@ def test_optimizer_state_roundtrip_without_pickle(reference, tiny_data):
     cfg = tiny_config(tiny_data, extra=EXTRA)
     model = GPT(cfg.model)
     groups = build_param_groups(model, cfg.optim)
-    opts = {"adam": torch.optim.Adam([g for g in groups if g["optimizer"] == "adam"]),
-            "muon": Muon([g for g in groups if g["optimizer"] == "muon"])}
+    o = cfg.optim  # the trainer's settings: a checkpoint's are refused when they differ
+    opts = {"adam": torch.optim.Adam([g for g in groups if g["optimizer"] == "adam"],
+                                     betas=(o.beta1, o.beta2), eps=o.adam_eps),
+            "muon": Muon([g for g in groups if g["optimizer"] == "muon"], lr=o.matrix_lr,
+                         nesterov=True, ns_steps=o.muon_ns_steps)}
     latest = ckpt.latest_checkpoint(ref)
     ckpt.load_checkpoint(latest, model, opts, restore_rng_state=False)
     saved = load_file(str(latest / "state.safetensors"))

@@ -136,6 +136,13 @@ META_CASES = [
     (lambda m, o: m["config"].update(model=[1]), "field config.model must be an object"),
     (lambda m, o: m.update(world_size="x"), "field 'world_size' must be an int >= 1"),
     (lambda m, o: m.update(train_loss="x"), "field 'train_loss' must be a number or null"),
+    (lambda m, o: m.pop("loader"), "field 'loader' is missing"),
+    (lambda m, o: m["loader"].update(pos="x"), "loader: field 'pos' must be an int"),
+    (lambda m, o: m["loader"].update(order=[7, 7]), "field loader: loader state has an invalid"),
+    # settings in range but not the config's: the config's, never the checkpoint's, are used
+    (lambda m, o: o["param_groups"][0].update(betas=[0.5, 0.5]), "betas is [0.5, 0.5] but the run"),
+    (lambda m, o: o["param_groups"][0].update(eps=1e-3), "eps is 0.001 but the run's config gives"),
+    (lambda m, o: o["param_groups"][0].update(base_lr=7.5), "base_lr is 7.5 but the run's config"),
 ]
 
 

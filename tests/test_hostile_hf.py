@@ -187,3 +187,51 @@ def test_family_spec_tokenizer_path_never_leaves_the_folder(path, tmp_path):
     (folder / "config.json").write_text(json.dumps(c))
     with pytest.raises(BadRecordError, match="tngram_memory.memory.tokenizer_path must be a file"):
         AutoModelForCausalLM.from_pretrained(str(folder))
+
+
+def _poison_file(w: Path) -> str:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(w)
+    k = next(k for k, v in sorted(tensors.items()) if v.is_floating_point() and "memory" in k)
+    tensors[k].view(-1)[0] = float("nan")
+    save_file(tensors, w, metadata={"format": "pt"})
+    return k
+
+
+def test_exported_weights_must_match_their_payload_digest(folders, tmp_path):
+    """A random payload under the valid header (every shape kept): refused before loading."""
+    folder = edit(folders["tngram"][1], tmp_path / "f", lambda c: None)
+    w = folder / "model.safetensors"
+    data = w.read_bytes()
+    n = 8 + int.from_bytes(data[:8], "little")
+    w.write_bytes(data[:n] + torch.randn((len(data) - n) // 4).numpy().tobytes())
+    with pytest.raises(BadRecordError, match=r"model.safetensors: the payload does not match"):
+        load(folder)
+
+
+def test_exported_folder_without_its_weights_digest_is_refused(folders, tmp_path):
+    folder = edit(folders["tngram"][1], tmp_path / "f", lambda c: c.pop("weights_sha256"))
+    with pytest.raises(BadRecordError, match="config.json: field weights_sha256 is missing"):
+        load(folder)
+
+
+def test_non_finite_weights_never_load_from_either_folder_kind(folders, tmp_path):
+    """NaN in a memory table, the digest rewritten to match (a forger's work): an exported
+    tngram_gpt folder and a family model saved with its memory are both refused by value."""
+    from hf_tiny import with_memory
+    from transformers import AutoModelForCausalLM
+
+    from tngram.common import TngramError
+    from tngram.hf.gpt_folder import record_weights_digest
+
+    folder = edit(folders["tngram"][1], tmp_path / "f", lambda c: None)
+    k = _poison_file(folder / "model.safetensors")
+    record_weights_digest(folder)
+    with pytest.raises(BadRecordError, match=f"non-finite values in {k}"):
+        load(folder)
+    family = tmp_path / "llama"
+    with_memory("llama", "tngram").save_pretrained(str(family))
+    k = _poison_file(family / "model.safetensors")
+    with pytest.raises(TngramError, match=f"non-finite values in {k}"):
+        AutoModelForCausalLM.from_pretrained(str(family))

@@ -42,6 +42,32 @@ def test_a_non_utf8_run_folder_works_in_later_commands(odd_run, capsys):
     assert rc == 0, err
 
 
+def test_a_non_utf8_run_folder_exports_and_evaluates_core(odd_run, tmp_path, capsys):
+    """export --hf into a folder whose name is not UTF-8 either (the tokenizer files are made in
+    a folder of their own), and eval core reading the run's own tokenizer."""
+    pytest.importorskip("transformers", reason="export needs the hf extra")
+    from test_core_fixtures import write_toy_bundle
+
+    out = tmp_path / os.fsdecode(b"hf-\xff")
+    rc, err = cli(["export", str(odd_run), "--hf", str(out)], capsys)
+    assert rc == 0, err
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    bundle = write_toy_bundle(tmp_path / "bundle")
+    core = tmp_path / "core.json"
+    rc, err = cli(["eval", "core", str(odd_run), "--bundle", str(bundle), "--max-per-task", "2",
+                   "--out", str(core)], capsys)
+    assert rc == 0 and core.exists(), err
+
+
+def test_the_sample_api_refuses_a_non_utf8_prompt_in_one_line(odd_run):
+    import tngram
+    from tngram.common import TngramError
+
+    model, tok = tngram.load_run(odd_run)
+    with pytest.raises(TngramError, match=r"prompt is not UTF-8 text \(byte b'\\xe9' at character 3\)"):
+        tngram.sample(model, tok, os.fsdecode(b"caf\xe9"), max_new_tokens=2)
+
+
 def test_a_non_utf8_prompt_is_one_line(odd_run, capsys):
     prompt = os.fsdecode(b"caf\xe9")
     rc, err = cli(["sample", str(odd_run), "--prompt", prompt, "--max-new-tokens", "3"], capsys)

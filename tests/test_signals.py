@@ -99,7 +99,8 @@ def resume(args: list[str]) -> subprocess.CompletedProcess:
                           env=ENV, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])   # SIGINT: test_external_sigint_... below
+# SIGINT: test_external_sigint_... below; SIGHUP: a closed terminal, handled like SIGTERM
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_at_a_random_step_checkpoints_that_step_and_resume_is_identical(sig, reference,
                                                                               tiny_data, tmp_path):
     step = random.Random().randint(1, 5)                   # 1..5 of 6, a new one each run

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from tngram.cli.argtypes import float_range, int_range
@@ -14,6 +13,7 @@ from tngram.cli.common import (
     use_threads,
 )
 from tngram.common import TngramError
+from tngram.eval.sample import check_prompt
 
 
 def add_commands(sub: Any) -> None:
@@ -71,13 +71,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             "--seed + --num-samples - 1 must stay below 2^63, got "
             f"{args.seed + args.num_samples - 1}"
         )
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError as e:  # bytes the locale could not decode (surrogate escapes)
-        raise TngramError(
-            f"--prompt is not UTF-8 text (byte {os.fsencode(args.prompt[e.start : e.end])!r} "
-            f"at character {e.start}); give the prompt in UTF-8"
-        ) from None
+    check_prompt(args.prompt, "--prompt")  # undecodable bytes arrive as surrogate escapes
     device = str(resolve_device(args.device, flag="--device"))
     apply_threads(args.threads)  # an explicit count checked now; said when the work starts
     model, tok = tngram.load_run(args.run_dir, device=device, tokenizer=args.tokenizer)

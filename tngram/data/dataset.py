@@ -3,7 +3,7 @@ validation cache, and the summary `tngram data info` prints. Building one is dat
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +14,7 @@ from tngram.data.shards import atomic_output, read_shard_header
 
 FORMAT = "tngram-dataset"
 FORMAT_VERSION = 1
+MAX_TOKENIZER_BYTES = 64 << 20  # a SentencePiece model of a 256k vocabulary is ~5 MB
 
 __all__ = [
     "FORMAT",
@@ -72,6 +73,17 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     tok = d / tokinfo["model"]
     if not os.path.lexists(tok):
         raise MissingFileError(f"dataset {d}: tokenizer file {tok.name} is missing")
+    want = get(tokinfo, "sha256", "str", f"{where}: tokenizer", default=None)
+    if want is not None:  # the tokenizer the shards were made with, not another one
+        from tngram.safefs import read_bytes
+
+        got = hashlib.sha256(read_bytes(tok, d, limit=MAX_TOKENIZER_BYTES)).hexdigest()
+        if got != want:
+            raise TngramError(
+                f"{where}: field tokenizer.sha256 is {want[:12]}..., but {tok} has sha256 "
+                f"{got[:12]}...: the tokenizer was replaced after the shards were made; restore "
+                f"it or rebuild the dataset"
+            )
     check_regular(tok, d)
     split_files: dict[str, list[Path]] = {}
     for split in ("train", "val"):
@@ -103,18 +115,19 @@ def validate_dataset(info: DatasetInfo, vocab_size: int) -> None:
     each file's size and mtime, so a large dataset is read once; a read-only dataset is simply
     checked every time."""
     from tngram.data.shards import VALIDATED_KEY, validate_shards
+    from tngram.readback import load_json
 
     cache = info.manifest.get(VALIDATED_KEY) or {}
     records = validate_shards(info.train_files + info.val_files, vocab_size, cache)
     if records != cache:
         mpath = info.dir / "manifest.json"
         try:
-            m = json.loads(mpath.read_text(encoding="utf-8"))
+            m = load_json(mpath, info.dir)
             if m.get("files") == info.manifest.get("files"):  # not rebuilt meanwhile
                 m[VALIDATED_KEY] = records
                 write_manifest(info.dir, m)
                 info.manifest[VALIDATED_KEY] = records
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # TngramError included
             pass  # read-only or changed underneath: the check itself has passed
 
 

@@ -64,20 +64,12 @@ class SentencePieceTokenizer:
     """`encode`/`bos_id` adapter for a SentencePiece model (parameter-golf spec: BOS id 1)."""
 
     def __init__(self, model_file: str | Path):
-        import sentencepiece as spm
+        from tngram.data.tokenizer import load_tokenizer
 
         path = Path(model_file)
         if not path.is_file():
             raise MissingFileError(f"tokenizer model {path} not found")
-        from tngram.safefs import check_regular
-
-        check_regular(path.resolve())  # a FIFO or device is refused, never waited on
-        try:
-            self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        except (RuntimeError, OSError) as e:
-            raise TngramError(
-                f"tokenizer {path}: not a SentencePiece model ({str(e).splitlines()[0][:120]})"
-            ) from None
+        self.sp = load_tokenizer(path)  # no FIFO; a path that is not UTF-8 read as bytes
         self.bos_id = int(self.sp.bos_id())
         if self.bos_id < 0:
             raise TngramError(f"{path} has no BOS token; CORE prepends BOS to every prompt")

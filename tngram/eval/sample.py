@@ -61,6 +61,26 @@ def generate(
     return out
 
 
+def check_prompt(prompt: Any, what: str = "prompt") -> str:
+    """A prompt is a str of UTF-8 text (a command line's undecodable bytes arrive as surrogate
+    escapes, which no tokenizer encodes): else one TngramError naming the byte."""
+    if not isinstance(prompt, str):
+        raise TngramError(f"{what} must be a str, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = prompt[e.start : e.end]
+        try:
+            raw = bad.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = bad.encode("utf-8", "backslashreplace")
+        raise TngramError(
+            f"{what} is not UTF-8 text (byte {raw!r} at character {e.start}); give the prompt "
+            "in UTF-8"
+        ) from None
+    return prompt
+
+
 def check_sampling_args(max_new_tokens: Any, temperature: Any, top_k: Any, seed: Any) -> None:
     """The checks the `sample` command's flags make, for the Python API (one TngramError each)."""
     import math

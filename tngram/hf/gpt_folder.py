@@ -171,6 +171,61 @@ def check_loaded_weights(info: dict, where: str) -> None:
         )
 
 
+WEIGHTS_DIGEST = "weights_sha256"  # config.json: {weights file: sha256 of its payload}
+
+
+def record_weights_digest(folder: str | os.PathLike) -> None:
+    """After save_pretrained wrote `folder`: config.json records the payload sha256 of every
+    safetensors file in it (what `verify_weights_digest` checks before loading)."""
+    from tngram.common import atomic_write_json
+    from tngram.readback import load_json
+    from tngram.readback.tensors import payload_digest
+
+    folder = Path(folder)
+    digests = {f.name: payload_digest(f, folder)[1] for f in sorted(folder.glob("*.safetensors"))}
+    config = load_json(folder / "config.json", folder)
+    config[WEIGHTS_DIGEST] = digests
+    atomic_write_json(folder / "config.json", config)
+
+
+def verify_weights_digest(config: Any, source: Any, where: str, kwargs: dict) -> None:
+    """Before transformers reads the weights: each safetensors file is the one export wrote (the
+    payload sha256 config.json records: a random payload under a valid header, or another
+    model's weights of the same shapes, is refused), read without links, its header checked
+    against its size; a local folder holds no weights file the digest does not list."""
+    from tngram.readback.tensors import payload_digest
+
+    digests = getattr(config, WEIGHTS_DIGEST, None)
+    if not isinstance(digests, dict) or not digests:
+        raise BadRecordError(
+            f"{where}: field {WEIGHTS_DIGEST} is missing: the folder was exported before tngram "
+            "recorded its weights' digest, or edited (if you trust it, load it and "
+            "save_pretrained it again)"
+        )
+    folder = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
+    local = folder is not None and folder.is_dir()
+    if local:
+        assert folder is not None
+        extra = sorted({f.name for f in folder.glob("*.safetensors")} - set(digests))
+        if extra:
+            raise BadRecordError(f"{where}: field {WEIGHTS_DIGEST} does not list {extra[:3]}")
+    for name, want in digests.items():
+        plain_name(name, where, f"field {WEIGHTS_DIGEST} key")
+        if local:
+            assert folder is not None
+            path = folder / name
+        else:
+            from transformers.utils import cached_file
+
+            hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+            path = Path(cached_file(source, name, **hub))
+        if payload_digest(path, path.parent)[1] != want:
+            raise BadRecordError(
+                f"{path}: the payload does not match its sha256 in config.json "
+                f"{WEIGHTS_DIGEST} (corrupt, or replaced after export)"
+            )
+
+
 MEMORY_TOKENIZER = "memory_tokenizer.model"  # an exported folder's copy of Engram's tokenizer
 
 

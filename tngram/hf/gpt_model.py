@@ -379,7 +379,9 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             check_loaded_weights,
             pin_tokenizer_path,
             require_digest,
+            verify_weights_digest,
         )
+        from tngram.readback.tensors import check_finite_module
 
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         where = f"{source}/config.json" if isinstance(source, (str, os.PathLike)) else "config"
@@ -392,6 +394,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             config = cls.config_class.from_pretrained(name, **hub)
         check_folder_config(config, where)
         saved_name = pin_tokenizer_path(config, source, where, kwargs)
+        verify_weights_digest(config, source, where, kwargs)  # before transformers reads them
         from safetensors import SafetensorError
 
         from tngram.readback import BadRecordError
@@ -408,11 +411,21 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
             ) from None
         model, info = loaded
         check_loaded_weights(info, weights)
+        check_finite_module(model, weights)
         require_digest(config, where)
         if saved_name is not None:  # the config keeps the folder's own name, never a full path
             model.config.gpt["memory"]["tokenizer_path"] = saved_name
         model.recompute_buffers()
         return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' save_pretrained; config.json then records the payload sha256 of each
+        weights file (tngram.hf.gpt_folder.record_weights_digest), which from_pretrained checks."""
+        from tngram.hf.gpt_folder import record_weights_digest
+
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        record_weights_digest(save_directory)
+        return out
 
     @torch.no_grad()
     def recompute_buffers(self) -> None:

@@ -197,6 +197,20 @@ def payload_sha256(fd: int, offset: int) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
+def payload_digest(
+    path: str | os.PathLike, root: str | os.PathLike | None = None
+) -> tuple[int, str, SafetensorsHeader]:
+    """(payload bytes, payload sha256, checked header) of a safetensors file, read without links."""
+    from tngram.safefs import open_fd
+
+    fd = open_fd(path, root)
+    try:
+        head = _header(fd, str(path), None)
+        return (*payload_sha256(fd, head.payload_offset), head)
+    finally:
+        os.close(fd)
+
+
 def read_safetensors(
     path: str | os.PathLike,
     root: str | os.PathLike | None = None,
@@ -267,3 +281,18 @@ def check_names(
                 f"{where}: tensor {k} has shape {tuple(have[k])}, the model needs "
                 f"{tuple(shape)} (written for another model or config)"
             )
+
+
+def check_finite_module(module: Any, where: str) -> None:
+    """Every floating tensor of a loaded module's state (weights and buffers; tensors still on
+    the meta device skipped) is finite; else one BadRecordError naming the first."""
+    bad = [
+        k
+        for k, t in module.state_dict().items()
+        if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all())
+    ]
+    if bad:
+        raise BadRecordError(
+            f"{where}: non-finite values in {bad[0]} ({len(bad)} tensor(s)); the weights are "
+            f"corrupt or diverged"
+        )

@@ -327,29 +327,11 @@ def load_checkpoint(
     Every problem is a TngramError naming the file."""
     path = Path(path)
     meta = check_checkpoint_meta(_load_json(path / "meta.json"), path / "meta.json")
+    # tensors read by tngram.readback.tensors: every float tensor finite (a checkpoint without a
+    # manifest cannot be verified byte for byte: its values are checked)
     load_weights(model, path / "model.safetensors", (optimizers or {}).values())
-    bad = [
-        k
-        for k, v in model.state_dict().items()
-        if v.is_floating_point() and not bool(torch.isfinite(v).all())
-    ]
-    if bad:  # a checkpoint without a manifest cannot be verified byte for byte: check the values
-        raise TngramError(
-            f"{path / 'model.safetensors'}: non-finite values in {bad[0]} (corrupt); move "
-            f"{path.name} away to resume from an older checkpoint"
-        )
     if optimizers:
         state = _load_tensors(path / "state.safetensors")
-        bad = [
-            k
-            for k, v in state.items()
-            if v.is_floating_point() and not bool(torch.isfinite(v).all())
-        ]
-        if bad:
-            raise TngramError(
-                f"{path / 'state.safetensors'}: non-finite values in {bad[0]} (corrupt); move "
-                f"{path.name} away to resume from an older checkpoint"
-            )
         for name, opt in optimizers.items():
             if name not in meta.get("optimizers", {}):
                 raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
@@ -420,25 +402,26 @@ RESUMABLE_RUN_FIELDS = (
 
 def config_differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted field, value in a, value in b) for every leaf where two config dicts differ
-    (run.RESUMABLE_RUN_FIELDS left out)."""
+    (run.RESUMABLE_RUN_FIELDS and tokenizer_path left out)."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b), key=str):
             key = f"{prefix}{k}"
-            if key in {f"run.{f}" for f in RESUMABLE_RUN_FIELDS}:
-                continue
+            if key in {f"run.{f}" for f in RESUMABLE_RUN_FIELDS} or k == "tokenizer_path":
+                continue  # (a file's place, not what the weights compute)
             out += config_differences(a.get(k, "(missing)"), b.get(k, "(missing)"), key + ".")
         return out
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
 def check_recorded_config(cfg: dict[str, Any], recorded: Any, where: str, rec_where: str) -> None:
-    """A run's config.json must say what its weights were trained with (the config recorded
-    beside them): an edit that keeps every shape (e.g. product keys' topk) would otherwise
-    compute other numbers, and `export` would sign it."""
+    """A run's config.json must say what its weights were trained with (the model section
+    recorded beside them): an edit that keeps every shape (e.g. product keys' topk) would
+    otherwise compute other numbers, and `export` would sign it. Paths (data.dir, a memory's
+    tokenizer_path) and the training settings may change: they do not change the weights."""
     if not isinstance(recorded, dict):
         raise TngramError(f"{rec_where}: field config must be an object")
-    diffs = config_differences(cfg, recorded)
+    diffs = config_differences(cfg.get("model"), recorded.get("model"), "model.")
     if diffs:
         key, now, then = diffs[0]
         more = f" (and {len(diffs) - 1} more field(s))" if len(diffs) > 1 else ""

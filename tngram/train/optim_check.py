@@ -165,7 +165,37 @@ def _check_groups(
                 raise BadRecordError(f"{meta}: {field}.betas must be a pair, got {b!r:.60}")
             for x in b:
                 check_number(x, meta, f"{field}.betas", lo=0.0, hi=1.0 - 1e-12)
+        for k, want in own.items():  # the settings the config gives, never the saved ones
+            if k in SCHEDULED or _same(g.get(k, "(missing)"), want):
+                continue
+            raise BadRecordError(
+                f"{meta}: field {field}.{k} is {g.get(k, '(missing)')!r:.40} but the run's config "
+                f"gives {want!r:.40}; the checkpoint's optimiser settings were edited: move it "
+                f"away to resume from an older one"
+            )
     return groups
+
+
+# param-group fields not compared with the config: those the trainer sets every step from the
+# schedule (a checkpoint holds the last), and how torch runs the update on this device
+SCHEDULED = ("params", "lr", "momentum", "fused", "foreach", "capturable", "differentiable")
+
+
+def _same(saved: Any, own: Any) -> bool:
+    """A saved param-group value (JSON: tuples became lists) equals the optimiser's own."""
+    if isinstance(own, tuple):
+        return isinstance(saved, list) and _same(list(saved), list(own))
+    if isinstance(own, list):
+        return (
+            isinstance(saved, list)
+            and len(saved) == len(own)
+            and all(_same(a, b) for a, b in zip(saved, own))
+        )
+    if isinstance(own, bool) or own is None or isinstance(own, str):
+        return saved == own and type(saved) is type(own)
+    if isinstance(own, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and saved == own
+    return saved == own
 
 
 def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
@@ -176,11 +206,16 @@ def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise BadRecordError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     get(meta, "step", "int", file, lo=0)
-    for k in ("tokens",):
-        get(meta, k, "int", file, lo=0, default=0)
+    get(meta, "tokens", "int", file, lo=0)
     for k in ("train_time_s", "wall_s"):
-        get(meta, k, "float", file, lo=0, default=0.0)
-    get(meta, "loader", "dict", file, default={})
+        get(meta, k, "float", file, lo=0)
+    loader = get(meta, "loader", "dict", file)
+    for k in ("version", "shard", "pos", "seed", "batches"):  # TokenLoader.state_dict
+        get(loader, k, "int", f"{file} loader", lo=0)
+    for k in ("counts", "order"):
+        v = get(loader, k, "list", f"{file} loader")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            raise BadRecordError(f"{file}: field loader.{k} must be a list of ints >= 0")
     get(meta, "optimizers", "dict", file, default={})
     get(meta, "world_size", "int", file, lo=1, default=1)
     get(meta, "train_loss", "any-number?", file, default=None)

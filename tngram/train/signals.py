@@ -1,11 +1,11 @@
-"""Stopping on SIGTERM / SIGINT without losing steps (what SLURM, Kubernetes, `kill` and Ctrl-C
-send).
+"""Stopping on SIGTERM / SIGINT / SIGHUP without losing steps (what SLURM, Kubernetes, `kill`,
+Ctrl-C and a closed terminal send).
 
 During training (`StopRequest`, installed by tngram.train.loop.train around the loop):
 
     first signal    the current optimiser step finishes, a checkpoint of it is written, the run
                     lock is released, one line says how to resume, exit 128 + signal number
-                    (143 for SIGTERM, 130 for SIGINT)
+                    (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP)
     second signal   exit at once with the same code; the last checkpoint written is kept
 
 A run stopped this way resumes with `--resume` bit-identically to an uninterrupted run (the
@@ -30,7 +30,30 @@ import threading
 from types import FrameType
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: the terminal that started the run was closed (an ssh session dropped)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _say(text: str) -> None:
+    """One line on stderr; after SIGHUP a closed terminal's stdout and stderr are sent to
+    /dev/null first (writing to a hung-up terminal fails), a file or pipe is kept."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _leave_closed_terminal() -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if os.isatty(fd):
+                    os.dup2(null, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(null)
 
 
 def exit_code(signum: int) -> int:
@@ -79,20 +102,18 @@ class StopRequest(_Handlers):
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal_name(signum)
+        if signum == signal.SIGHUP:
+            _leave_closed_terminal()
         if self.signum is None:
             self.signum = signum
-            print(
+            _say(
                 f"tngram: {name}: finishing this step and writing a checkpoint "
-                f"(send it again to exit at once)",
-                file=sys.stderr,
-                flush=True,
+                f"(send it again to exit at once)"
             )
             return
-        print(
+        _say(
             f"tngram: second {name}: exiting at once (exit {exit_code(signum)}); the last "
-            f"checkpoint written is kept",
-            file=sys.stderr,
-            flush=True,
+            f"checkpoint written is kept"
         )
         os._exit(exit_code(signum))
 
@@ -107,14 +128,13 @@ class ForwardSignals(_Handlers):
         self._lock = threading.Lock()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        first = self.signum is None
-        if first:
+        if signum == signal.SIGHUP:
+            _leave_closed_terminal()
+        if self.signum is None:
             self.signum = signum
-            print(
+            _say(
                 f"tngram: {signal_name(signum)}: the running training run(s) finish their step and "
-                f"write a checkpoint; no further run starts (send it again to stop at once)",
-                file=sys.stderr,
-                flush=True,
+                f"write a checkpoint; no further run starts (send it again to stop at once)"
             )
         with self._lock:
             children = list(self._children)

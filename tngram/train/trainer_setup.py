@@ -95,29 +95,25 @@ def claim(run_dir: Path, cfg: TrainConfig, resume: bool, ctx: DistContext):
 
 
 def check_resume_config(run_dir: Path, checkpoint: Path, cfg: TrainConfig) -> None:
-    """The checkpoint's config must equal `cfg` except for RESUMABLE_RUN_FIELDS."""
-    saved = ckpt.read_checkpoint_meta(checkpoint).get("config")
-    if saved is None:
-        saved = ckpt.read_run_config(run_dir)
+    """The checkpoint's config must equal `cfg` except for RESUMABLE_RUN_FIELDS, and so must the
+    run's config.json (an edit there would otherwise be signed by the next export)."""
+    saved = ckpt.read_checkpoint_meta(checkpoint).get("config") or ckpt.read_run_config(run_dir)
     new = json.loads(json.dumps(cfg.to_dict()))
-    for d in (saved, new):
-        for k in RESUMABLE_RUN_FIELDS:
-            d.get("run", {}).pop(k, None)
     if str(new.get("name")).startswith(f"{saved.get('name')}+memory="):
         new["name"] = saved.get("name")  # a run made before resolve_config named memory changes
-    if saved != new:
-        diffs = [
-            f"{sec}.{k}"
-            for sec in new
-            if isinstance(new[sec], dict)
-            for k in set(new[sec]) | set(saved.get(sec, {}))
-            if new[sec].get(k) != saved.get(sec, {}).get(k)
-        ]
-        diffs += [k for k in new if not isinstance(new[k], dict) and new[k] != saved.get(k)]
+    diffs = ckpt.config_differences(new, saved)
+    if diffs:
         raise TngramError(
-            f"cannot resume {run_dir}: the checkpoint's config differs in {sorted(diffs)}; "
-            f"resume with the same recipe and --set overrides (only run."
-            f"{{{','.join(RESUMABLE_RUN_FIELDS)}}} may change)"
+            f"cannot resume {run_dir}: the checkpoint's config differs in "
+            f"{sorted(k for k, _, _ in diffs)}; resume with the same recipe and --set overrides "
+            f"(only run.{{{','.join(RESUMABLE_RUN_FIELDS)}}} may change)"
+        )
+    if (run_dir / "config.json").exists():
+        ckpt.check_recorded_config(
+            ckpt.read_run_config(run_dir),
+            saved,
+            str(run_dir / "config.json"),
+            str(checkpoint / "meta.json"),
         )
 
 
@@ -294,7 +290,10 @@ class TrainerSetup:
         meta = load_step_checkpoint(
             latest, self.model, self.optimizers, self.sharded
         )  # any world size
-        self.batches.load_state_dict(meta["loader"])
+        try:
+            self.batches.load_state_dict(meta["loader"])
+        except TngramError as e:  # the loader's own checks (other data, a position past it)
+            raise TngramError(f"{latest / 'meta.json'}: field loader: {e}") from None
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.clock = StepClock(meta["train_time_s"], meta["wall_s"])
         self.sizes = live_sizes(self.model, self.sizes)  # smaller if written after pruning

@@ -17,14 +17,14 @@ tngram.hf or transformers (layers point one way).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from tngram.common import TngramError
+from tngram.readback import get, load_json
+from tngram.readback.tensors import read_safetensors
 from tngram.train.checkpoint import load_run_model
 from tngram.train.init_from import TRAINABLE, check_init_from
 
@@ -41,9 +41,11 @@ def source_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The GPT state dict (our key names) stored in a run folder or an HF export folder."""
     d = Path(path)
     check_init_from(str(d))
-    cfg = json.loads((d / "config.json").read_text())
-    if cfg.get("model_type") == HF_MODEL_TYPE:
-        tensors = load_file(str(d / "model.safetensors"))
+    cfg = load_json(d / "config.json", d)
+    if cfg.get("model_type") == HF_MODEL_TYPE:  # export's payload digest, finite values
+        digests = get(cfg, "weights_sha256", "dict", str(d / "config.json"))
+        want = get(digests, "model.safetensors", "str", f"{d / 'config.json'} weights_sha256")
+        tensors, _ = read_safetensors(d / "model.safetensors", d, digest=want)
         return {k[len(HF_PREFIX) :]: v for k, v in tensors.items() if k.startswith(HF_PREFIX)}
     model, _ = load_run_model(d)  # newest of final weights / latest checkpoint
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -14,8 +14,12 @@ from safetensors.torch import save
 from torch import nn
 
 from tngram.common import MissingFileError, TngramError, json_text
-from tngram.readback.tensors import SafetensorsHeader, payload_sha256, read_safetensors_header
-from tngram.safefs import open_fd
+from tngram.readback.tensors import (
+    SafetensorsHeader,
+    check_finite_module,
+    payload_digest,
+    read_safetensors_header,
+)
 from tngram.train.ckpt_files import _load_tensors, _sha256
 from tngram.train.runfiles import latest_checkpoint
 
@@ -88,15 +92,10 @@ def _final_header(file: Path) -> SafetensorsHeader:
 def verify_weights_file(file: Path) -> None:
     """A weights file whose header records a payload digest must match it (size and sha256);
     files without one (checkpoints, verified by their manifest; older runs) pass."""
-    head = _final_header(file)
-    want = head.metadata.get("payload_sha256")
+    want = _final_header(file).metadata.get("payload_sha256")
     if want is None:
         return
-    fd = open_fd(file)
-    try:
-        size, got = payload_sha256(fd, head.payload_offset)
-    finally:
-        os.close(fd)
+    size, got, head = payload_digest(file)
     if str(size) != head.metadata.get("payload_bytes") or got != want:
         raise TngramError(
             f"{file}: the weights do not match the size and sha256 recorded in their header "
@@ -106,16 +105,7 @@ def verify_weights_file(file: Path) -> None:
 
 def check_finite_model(model: nn.Module, file: Path) -> None:
     """Loaded weights must be finite and give finite logits on a first probe (8 tokens)."""
-    bad = [
-        n
-        for n, p in model.state_dict().items()
-        if p.is_floating_point() and not bool(torch.isfinite(p).all())
-    ]
-    if bad:
-        raise TngramError(
-            f"{file}: non-finite values in {bad[0]} ({len(bad)} tensor(s)); the weights are "
-            f"corrupt or diverged"
-        )
+    check_finite_module(model, str(file))
     cfg = getattr(model, "config", None)
     if cfg is None:
         return
