@@ -1,7 +1,6 @@
 """tngram: tensorized n-gram memories (TN-gram), Engram and Over-Encoding for GPT language models.
 
-Importing the package does no work and changes nothing outside it: heavy modules load on first
-use, and the Hugging Face integration is switched on by `import tngram.hf` (docs/HF.md).
+Importing the package does no work; heavy modules load on first use.
 
     import tngram
     model, tok = tngram.load_run("runs/x")           # a trained run folder
@@ -76,13 +75,17 @@ def sample(
 ) -> str:
     """Prompt + sampled continuation as text (incremental decoding; temperature 0 = greedy)."""
     from tngram.data.tokenizer import BOS_ID
-    from tngram.common import TngramError
-    from tngram.eval.sample import check_sampling_args, generate
+    from tngram.eval.sample import check_prompt, check_sampling_args, generate
 
-    if not isinstance(prompt, str):
-        raise TngramError(f"prompt must be a str, got {type(prompt).__name__}")
+    check_prompt(prompt)
     check_sampling_args(max_new_tokens, temperature, top_k, seed)
     ids = [BOS_ID] + list(tokenizer.encode(prompt))
     out = generate(model, ids, max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode(ids[1:] + out)
 
+
+# transformers integration: tngram.hf registers itself when transformers is imported (not here;
+# importing tngram never imports transformers). See tngram/hf/_import_hook.py.
+from tngram.hf import _import_hook  # noqa: E402
+
+_import_hook.install()

@@ -68,6 +68,7 @@ from tngram.hf.spec import (  # noqa: F401  (re-exported)
 )
 from tngram.memory import memory_config_classes, memory_config_to_dict
 from tngram.model.gpt import memory_seed as _memory_seed
+from tngram.readback.tensors import check_finite_module
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -352,6 +353,7 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
             "the weights belong to another memory"
         )
     _check_constants(model, where)
+    check_finite_module(model, where)  # NaN in the weights never loads silently
     place_tables(model, spec.get("table_device"))  # device_map placed them without _apply
     check_digest(spec, f"{where}/config.json {CONFIG_KEY}" if path is not None else where)
 
@@ -360,11 +362,15 @@ def install_transformers_patches() -> None:
     """Once (idempotent): CONFIG_MAPPING resolves "tngram_<family>" (tngram.hf.classes), and a
     family class loading a folder saved with a memory (LlamaForCausalLM.from_pretrained on a
     tngram_llama folder) raises instead of silently dropping the memory."""
-    from transformers import PreTrainedModel
+    import sys
 
     from tngram.hf import classes
 
     classes.install()
+    if "transformers.modeling_utils" in sys.modules:  # called from the import hook: no re-entry
+        PreTrainedModel = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    else:
+        from transformers import PreTrainedModel
     if getattr(PreTrainedModel.from_pretrained, "_tngram_patched", False):
         return
     orig = PreTrainedModel.from_pretrained.__func__
@@ -380,7 +386,7 @@ def install_transformers_patches() -> None:
             raise TngramError(
                 f"{args[0] if args else 'this folder'} holds a model with an n-gram memory "
                 f"(config.json {CONFIG_KEY}) but {cls.__name__} has none: load it with "
-                "AutoModelForCausalLM.from_pretrained (or AutoModel) after `import tngram.hf`"
+                "AutoModelForCausalLM.from_pretrained (or AutoModel) after `import tngram`"
             )
         return out
 

@@ -2,9 +2,9 @@
 
 DIR receives config.json (model_type "tngram_gpt", our GPTConfig under "gpt"), model.safetensors
 (every weight, keys "model." + ours, no pickle), generation_config.json (bos/eos/pad 1/2/0) and
-the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After
-`import tngram.hf`, AutoConfig, AutoModelForCausalLM, AutoTokenizer and
-pipeline("text-generation") open DIR without trust_remote_code.
+the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After `import tngram`,
+AutoConfig, AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") open DIR without
+trust_remote_code.
 
 The folder is written beside DIR under a temporary name and renamed into place when complete;
 an existing non-empty DIR is never overwritten.
@@ -13,8 +13,13 @@ an existing non-empty DIR is never overwritten.
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
+import signal
+import sys
+import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,10 +66,11 @@ def export_run(
     gen = hf.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = 1, 2, 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    remove_torn_exports(out)
+    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with _quiet_progress():
+        with _quiet_progress(), _signals_stop_the_export(out):
             hf.save_pretrained(str(tmp))
         if mem_tok is not None:
             shutil.copyfile(check_regular(mem_tok), tmp / MEMORY_TOKENIZER)
@@ -88,6 +94,54 @@ def export_run(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+TMP_MARK = ".tmp-"  # the folder is written as .NAME.tmp-PID beside --hf NAME
+
+
+def remove_torn_exports(out: Path) -> None:
+    """Remove the temporary folders a killed export into `out` left (its process is gone), saying
+    so; a link is never followed (tngram.safefs.remove_tree)."""
+    from tngram.safefs import remove_tree
+
+    prefix = f".{out.name}{TMP_MARK}"
+    for p in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = p.name[len(prefix) :]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if remove_tree(p):
+            print(f"tngram: removed {p}, a partial export left by process {pid} (not running)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@contextmanager
+def _signals_stop_the_export(out: Path) -> Iterator[None]:
+    """SIGTERM / SIGHUP while exporting stop it like Ctrl-C: the temporary folder is removed on
+    the way out (`finally`), nothing is left at `out`; exit 128 + the signal's number."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        print(f"tngram: {name}: export stopped; nothing was written to {out}", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 @contextmanager
@@ -115,8 +169,13 @@ def _save_tokenizer(sp_path: Path, folder: Path) -> None:
     """save_hf_tokenizer, a file that is not a SentencePiece model one line naming it."""
     from tngram.hf.tokenizer import save_hf_tokenizer
 
-    try:
-        save_hf_tokenizer(sp_path, folder)
+    try:  # in a folder of its own: sentencepiece and tokenizers take only UTF-8 paths
+        with tempfile.TemporaryDirectory(prefix="tngram-tokenizer-") as staging:
+            src, dst = Path(staging) / "tokenizer.model", Path(staging) / "hf"
+            shutil.copyfile(check_regular(sp_path), src)
+            save_hf_tokenizer(src, dst)
+            for f in dst.iterdir():
+                shutil.copyfile(f, folder / f.name)
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
         if isinstance(e, TngramError) or _disk_full(e):
             raise
