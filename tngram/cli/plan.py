@@ -27,12 +27,12 @@ output and the log-sum-exp. Per GPU (DDP: every GPU holds a full replica):
 usable memory = gpu_mem x (1 - margin) - 1 GiB (CUDA context, cuBLAS/NCCL workspaces);
 micro-batch = the largest divisor of the sequences one GPU needs per step whose activations
 fit; gradient accumulation = global batch / (G x micro x T).
-FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (tngram.model.flops; lookups
-and elementwise work excluded); step time = FLOPs / (G x peak x MFU). --card names the GPU: its
-datasheet's dense bf16 peak and memory (CARDS). The MFU default is what `tngram train` reached on
-the one card we have measured, an H200: compiled (run.compile=auto, the CUDA default) 0.233,
-eager (run.compile=false) 0.105, by this FLOP count (tests/test_doctor_plan.py reads the runs);
-on any other card it is an assumption, and the plan says so.
+FLOPs per step = 6 x matmul params x tokens + 12 L d T x tokens (lookups and elementwise
+work excluded); step time = FLOPs / (G x peak x MFU). --card names the GPU: its datasheet's
+dense bf16 peak and its memory. The MFU default is what `tngram train` reached on the one card
+measured so far, an H200, by this FLOP count: 0.233 compiled (run.compile=auto, the CUDA
+default), 0.105 eager (run.compile=false); on any other card it is an assumption, and the plan
+says so.
 """
 
 from __future__ import annotations
