@@ -3,7 +3,7 @@ against stacked.
 
 A trainer step of paper-l9 is 8 micro-steps of forward + backward and one optimiser step; on the
 H200 the step took about 29 ms more than 8 compiled forward + backward passes of the raw GPT
-(docs/GPU.md). Muon runs 5 Newton-Schulz iterations on each of its 54 matrices: about 46 ops a
+(research/GPU.md). Muon runs 5 Newton-Schulz iterations on each of its 54 matrices: about 46 ops a
 matrix eager (2,490 a step; tests/test_optim_muon.py), each small for the card. This item times, for
 each chosen recipe's model on the device with random gradients (their values do not change the
 work):

@@ -16,7 +16,7 @@ by setting attributes on modules.
                          gradients, "fused" (default): in the rows kernel, an (N-1) x R tile held
                          across its token loop. "split": a second kernel, one order per
                          program; the rows kernel then needs fewer registers a thread (sm_90,
-                         N 5, R 1024, 4 warps: 113 against 209; docs/GPU.md). Equal up to fp32
+                         N 5, R 1024, 4 warps: 113 against 209; research/GPU.md). Equal up to fp32
                          summation order. "sorted": the fused kernel stores each token's row
                          gradients and torch's sort-based index_put_ sums them per row, in
                          place of its atomic adds (tngram.kernels.tngram_triton; deterministic
