@@ -235,12 +235,19 @@ def _fetch(
 
 
 def _verified(out_dir: Path) -> dict[str, dict[str, Any]]:
-    """The files an earlier download verified ({name: record}, from its manifest.json)."""
+    """The files an earlier download verified ({name: record}, from its manifest.json); a
+    manifest that cannot be read, or a record without a size, verifies nothing."""
+    from tngram.readback import load_json
+
     try:
-        m = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8"))
-        return dict(m.get("verified") or {})
-    except (OSError, ValueError, TypeError):
+        records = load_json(out_dir / "manifest.json", out_dir).get("verified")
+    except (OSError, TngramError):
         return {}
+    if not isinstance(records, dict):
+        return {}
+    return {
+        k: v for k, v in records.items() if isinstance(v, dict) and isinstance(v.get("size"), int)
+    }
 
 
 def download_fineweb(
