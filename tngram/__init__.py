@@ -1,6 +1,7 @@
 """tngram: tensorized n-gram memories (TN-gram), Engram and Over-Encoding for GPT language models.
 
-Importing the package does no work; heavy modules load on first use.
+Importing the package does no work and changes nothing outside it: heavy modules load on first
+use, and the Hugging Face integration is switched on by `import tngram.hf` (docs/HF.md).
 
     import tngram
     model, tok = tngram.load_run("runs/x")           # a trained run folder
@@ -82,10 +83,3 @@ def sample(
     ids = [BOS_ID] + list(tokenizer.encode(prompt))
     out = generate(model, ids, max_new_tokens, temperature, top_k, seed)
     return tokenizer.decode(ids[1:] + out)
-
-
-# transformers integration: tngram.hf registers itself when transformers is imported (not here;
-# importing tngram never imports transformers). See tngram/hf/_import_hook.py.
-from tngram.hf import _import_hook  # noqa: E402
-
-_import_hook.install()

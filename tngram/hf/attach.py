@@ -249,7 +249,7 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
         [getattr(owner, MEMORY_ATTR) for _, owner in _memory_layers(base, cfg, ids, layer_list)]
     )
     if cfg.injection == "embedding":
-        emb = cast("PreTrainedModel", base).get_input_embeddings()  # a transformers base model
+        emb: nn.Module = cast("PreTrainedModel", base).get_input_embeddings()  # transformers'
         # nn.Module.__setattr__ is annotated Tensor | Module; it stores any other value as is
         emb._tngram_state = state  # type: ignore[assignment]
         state.handles.append(emb.register_forward_hook(_embedding_hook))
@@ -362,15 +362,12 @@ def install_transformers_patches() -> None:
     """Once (idempotent): CONFIG_MAPPING resolves "tngram_<family>" (tngram.hf.classes), and a
     family class loading a folder saved with a memory (LlamaForCausalLM.from_pretrained on a
     tngram_llama folder) raises instead of silently dropping the memory."""
-    import sys
+    import transformers
 
     from tngram.hf import classes
 
     classes.install()
-    if "transformers.modeling_utils" in sys.modules:  # called from the import hook: no re-entry
-        PreTrainedModel = sys.modules["transformers.modeling_utils"].PreTrainedModel
-    else:
-        from transformers import PreTrainedModel
+    PreTrainedModel: Any = transformers.PreTrainedModel  # its from_pretrained is replaced below
     if getattr(PreTrainedModel.from_pretrained, "_tngram_patched", False):
         return
     orig = PreTrainedModel.from_pretrained.__func__
@@ -386,7 +383,7 @@ def install_transformers_patches() -> None:
             raise TngramError(
                 f"{args[0] if args else 'this folder'} holds a model with an n-gram memory "
                 f"(config.json {CONFIG_KEY}) but {cls.__name__} has none: load it with "
-                "AutoModelForCausalLM.from_pretrained (or AutoModel) after `import tngram`"
+                "AutoModelForCausalLM.from_pretrained (or AutoModel) after `import tngram.hf`"
             )
         return out
 

@@ -2,9 +2,9 @@
 
 DIR receives config.json (model_type "tngram_gpt", our GPTConfig under "gpt"), model.safetensors
 (every weight, keys "model." + ours, no pickle), generation_config.json (bos/eos/pad 1/2/0) and
-the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After `import tngram`,
-AutoConfig, AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") open DIR without
-trust_remote_code.
+the run's SentencePiece tokenizer as tokenizer.json (tngram.hf.tokenizer). After
+`import tngram.hf`, AutoConfig, AutoModelForCausalLM, AutoTokenizer and
+pipeline("text-generation") open DIR without trust_remote_code.
 
 The folder is written beside DIR under a temporary name and renamed into place when complete;
 an existing non-empty DIR is never overwritten.
@@ -62,7 +62,7 @@ def export_run(
     hf = from_gpt(model)
     mem_tok = memory_tokenizer_for_export(hf)  # Engram's compression tokenizer goes inside
     if dtype == "bf16":
-        hf = hf.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' to() wrapper
+        hf = hf.to(torch.bfloat16)  # type: ignore[arg-type, unused-ignore]  # (as in from_gpt)
     gen = hf.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = 1, 2, 0
     out.parent.mkdir(parents=True, exist_ok=True)

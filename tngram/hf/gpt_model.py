@@ -362,6 +362,8 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.tok_emb
 
     def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        if not isinstance(value, torch.nn.Embedding):  # our GPT reads tok_emb as an embedding
+            raise TngramError(f"the input embedding must be an nn.Embedding, got {type(value)}")
         self.model.tok_emb = value
 
     def get_output_embeddings(self) -> torch.nn.Module:
@@ -443,6 +445,7 @@ class TngramGPTForCausalLM(PreTrainedModel, GenerationMixin):
         layers = tuple(cfg.memory_layers) if block_mem else (0,)
         for i in layers:
             target = self.model.blocks[i].memory if block_mem else self.model.embed_memory
+            assert isinstance(target, torch.nn.Module)  # the GPT built a memory there
             with torch.device("cpu"):
                 fresh = mem.build(
                     d_model=cfg.n_embd, vocab_size=cfg.vocab_size, layer_id=i, layer_ids=layers
@@ -567,7 +570,8 @@ def from_gpt(model: GPT, **config_kw: Any) -> TngramGPTForCausalLM:
     hf = TngramGPTForCausalLM(TngramGPTConfig.from_gpt_config(model.config, **config_kw))
     hf.model.load_state_dict(model.state_dict(), strict=True)
     device = next(model.parameters()).device
-    return hf.to(device).eval()  # type: ignore[arg-type]  # transformers' to() wrapper
+    # transformers' to() wrapper confuses mypy; without transformers installed there is no error
+    return hf.to(device).eval()  # type: ignore[arg-type, unused-ignore]
 
 
 register()  # importing this module (tngram.hf.register() does) makes "tngram_gpt" resolvable

@@ -63,8 +63,9 @@ def memory_param_groups_for_trainer(
     if not table_lr > 0:
         raise TngramError(f"table_lr must be > 0, got {table_lr!r}")
     if decay_names is None:
-        # Trainer's rule (an instance method that does not read self)
-        decay_names = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+        # Trainer's rule (an instance method that does not read self: called with None)
+        get_names: Any = Trainer.get_decay_parameter_names
+        decay_names = set(get_names(None, model))
     mems = list(memory_modules(model).values())
     tables = {id(p) for m in mems for p in getattr(m, "table_parameters", list)()}
     controls = {id(p) for m in mems for p in getattr(m, "control_parameters", list)()}
@@ -150,6 +151,7 @@ class MemoryTrainer(Trainer):
         self.memory_catchup = memory_catchup
         self._window: contextlib.ExitStack | None = None  # open accumulate_at_exit()
         super().__init__(*args, **kwargs)
+        self.optimizer: torch.optim.Optimizer | None  # Trainer's (built by create_optimizer)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
