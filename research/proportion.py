@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ("memory", "model", "kernels", "optim")
@@ -100,8 +101,9 @@ def main() -> int:
     )
     print(f"research/ lines:              {f['research_lines']:,}")
     print(f"Markdown lines in the tree:   {f['markdown_lines']:,} (goal <= 5,000)")
-    print(f"private-name imports:         {len(f['private_imports'])} (goal 0)")
-    for line in f["private_imports"]:
+    private = cast(list[str], f["private_imports"])
+    print(f"private-name imports:         {len(private)} (goal 0)")
+    for line in private:
         print(f"  {line}")
     print(f"TNGramConfig fields:          {f['tngram_config_fields']} (goal <= 19)")
     print(f"`import tngram` side effects: {f['import_side_effects']}")

@@ -60,8 +60,10 @@ def resources(fn, sig: dict[str, str], const: dict, warps: int, arch: int) -> di
         f.flush()
         usage = subprocess.run([str(BIN / "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
-    reg = int(re.search(r"REG:(\d+)", usage).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    found = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    if found[0] is None or found[1] is None:
+        raise RuntimeError(f"cuobjdump printed no REG/LOCAL counts:\n{usage}")
+    reg, local = int(found[0].group(1)), int(found[1].group(1))
     progs = min(65536 // (reg * 32 * warps), 64 // warps)
     return {"registers": reg, "local_bytes": local, "programs_per_sm": progs,
             "warps_per_sm": progs * warps}
