@@ -25,7 +25,7 @@ from tngram.optim.memory_update import set_sparse_grads
 from tngram.train.recipes import get_recipe, resolve_config
 
 PKG = Path(__file__).resolve().parents[1] / "tngram"
-HOOKS = ("link_layers", "sparse_grad", "fused", "omit_at_default", "row_sparse", "injection")
+HOOKS = ("link_layers", "sparse_grad", "fused", "moved_fields", "row_sparse", "injection")
 
 
 @pytest.fixture
@@ -35,11 +35,11 @@ def toy(monkeypatch):
 
 
 def test_every_hook_is_declared_with_its_default():
-    assert MemoryConfig.omit_at_default == () and MemoryConfig.row_sparse is False
+    assert MemoryConfig.moved_fields == {} and MemoryConfig.row_sparse is False
     assert MemoryConfig.link_layers.__doc__ and MemoryConfig.row_sparse_problem.__doc__
     assert RowSparse.sparse_grad is False and RowSparse.__doc__
     toy = ToyBigramConfig()  # a memory that declares none of them gets every default
-    assert toy.link_layers([]) is None and toy.omit_at_default == ()
+    assert toy.link_layers([]) is None and toy.moved_fields == {}
     assert "model.memory.kind=toy" in toy.row_sparse_problem()
     assert memory_config_to_dict(toy) == {"kind": "toy", "width": 8, "pad_id": 0}
 

@@ -25,6 +25,7 @@ from tngram.hf.size_check import (  # noqa: E402
     warn_if_large,
 )
 from tngram.memory.tngram import TNGramConfig  # noqa: E402
+from tngram.memory.tngram_variants import TNGramVariantConfig  # noqa: E402
 
 
 def n_params(model) -> int:
@@ -47,7 +48,7 @@ def test_meta_count_equals_the_built_memory(kind):
 def test_shared_factors_are_counted_once():
     model = tiny_model("llama")
     before = n_params(model)
-    cfg = TNGramConfig(max_ngram=3, cp_rank=8, share_factors=True)
+    cfg = TNGramVariantConfig(max_ngram=3, cp_rank=8, share_factors=True)
     total, _ = memory_size(cfg, 32, 61, (0, 2))
     add_memory(model, cfg, layers=(0, 2))
     assert total == n_params(model) - before

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WHERE = {   # name -> the module that defines it (written out here, independently of tngram._LAZY)
     "TNGram": "tngram.memory.tngram", "TNGramConfig": "tngram.memory.tngram",
+    "TNGramVariantConfig": "tngram.memory.tngram_variants",
     "Engram": "tngram.memory.engram", "EngramConfig": "tngram.memory.engram",
     "OverEncoding": "tngram.memory.overencoding", "OverEncodingConfig": "tngram.memory.overencoding",
     "GatedFusion": "tngram.memory.gating", "GPT": "tngram.model.gpt", "GPTConfig": "tngram.model.gpt",

@@ -43,6 +43,7 @@ from tngram.kernels.choice import triton_available
 from tngram.kernels.sparse_rows import sparse_row_grad
 from tngram.memory.engram import EngramConfig
 from tngram.memory.tngram import TNGramConfig
+from tngram.memory.tngram_variants import TNGramVariantConfig
 from tngram.model.gpt import GPT, GPTConfig
 from tngram.optim import lazy_rows
 from tngram.optim.groups import memory_table_params
@@ -324,7 +325,7 @@ def test_no_step_on_the_sparse_path_touches_the_whole_table(name):
     elif name == "tngram":
         mem, vocab, cls = TNGramConfig(max_ngram=3, cp_rank=8), 4099, RowwiseAdam
     else:  # the factors and the hashed orders' table, both row-sparse
-        mem = TNGramConfig(
+        mem = TNGramVariantConfig(
             max_ngram=3,
             cp_rank=8,
             order_combine="sum",

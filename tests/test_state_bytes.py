@@ -21,6 +21,7 @@ import torch
 
 from test_train_support import tiny_data  # noqa: F401 (fixture)
 from tngram.common import TngramError
+from tngram.memory import with_memory_fields
 from tngram.model.gpt import GPT
 from tngram.optim.groups import build_param_groups, memory_table_params
 from tngram.optim.memory_update import (MEMORY_UPDATES, optimizer_state_bytes, param_state_bytes,
@@ -37,7 +38,7 @@ def _cfg(family: str, mode: str, catchup: bool = False):  # noqa: ANN202
     from tngram.experiments.common import base_recipe
     cfg = base_recipe("mini", family.split("-")[0])
     m = cfg.model
-    mem = replace(m.memory, **FAMILIES[family])
+    mem = with_memory_fields(m.memory, **FAMILIES[family])  # the hybrid: kind tngram-variant
     return replace(cfg, model=replace(m, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, vocab_size=64,
                                       sequence_len=16, memory_layers=(0, 1), memory=mem),
                    optim=replace(cfg.optim, memory_update=mode, memory_catchup=catchup))

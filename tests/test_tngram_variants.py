@@ -1,7 +1,9 @@
-"""TN-gram variants beyond the paper (tngram.memory.tngram_variants): each switch against a
-brute-force computation written here, causality, incremental decode = full forward, parameter
-counting and optimiser grouping of shared factors, checkpoint / HF round trips, and the
-defaults leaving the paper's module (and its config.json) unchanged."""
+"""TN-gram variants beyond the paper (kind tngram-variant, tngram.memory.tngram_variants): each
+switch against a brute-force computation written here, causality, incremental decode = full
+forward, parameter counting and optimiser grouping of shared factors, checkpoint / HF round trips,
+and the variant kind with every field at its default being the paper's module, bit for bit.
+Loading configs of the earlier spelling (variants as fields of kind tngram):
+tests/test_tngram_config_kinds.py."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from tngram.common import TngramError
 from tngram.memory.tngram import TNGramConfig
+from tngram.memory.tngram_variants import TNGramVariantConfig
 from tngram.model.gpt import GPT, GPTConfig
 
 from test_train_support import TINY_VOCAB, one_thread, tiny_data  # noqa: F401,E402  (fixtures)
@@ -21,7 +24,7 @@ from test_train_support import TINY_VOCAB, one_thread, tiny_data  # noqa: F401,E
 V, R, D, N = 13, 6, 8, 4
 PAD = 0
 
-VARIANTS = {
+VARIANTS = {  # "lean" is the paper's own ablations (kind tngram); the others are tngram-variant's
     "lean": dict(use_norm=False, use_absorption=False),
     "sum": dict(order_combine="sum"),
     "kv_rank": dict(kv_rank=5),
@@ -34,9 +37,15 @@ VARIANTS = {
 }
 
 
+def variant(**kw):
+    """The config of these fields: kind tngram-variant when one of them is a variant field."""
+    cls = TNGramVariantConfig if set(kw) & set(TNGramConfig.moved_fields) else TNGramConfig
+    return cls(**kw)
+
+
 def make(layer_id=1, layer_ids=(1, 3), **kw):
     torch.manual_seed(0)
-    cfg = TNGramConfig(max_ngram=N, cp_rank=R, zero_init_value=False, zero_init_conv=False,
+    cfg = variant(max_ngram=N, cp_rank=R, zero_init_value=False, zero_init_conv=False,
                        fused=kw.pop("fused", False), pad_id=PAD, **kw)
     m = cfg.build(d_model=D, vocab_size=V, layer_id=layer_id, layer_ids=layer_ids)
     with torch.no_grad():
@@ -111,10 +120,11 @@ def brute_hash_vector(m, ids: list[int], t: int, layer_ids=(1, 3), layer=1) -> t
 def brute_kv_input(m, ids: list[int], t: int) -> torch.Tensor:
     c = m.config
     orders = brute_orders(m, ids, t)
-    e = torch.stack(orders).sum(0) if c.order_combine == "sum" else torch.cat(orders)
-    if c.hash_orders:
+    summed = getattr(c, "order_combine", "concat") == "sum"
+    e = torch.stack(orders).sum(0) if summed else torch.cat(orders)
+    if getattr(c, "hash_orders", ()):
         e = torch.cat([e, brute_hash_vector(m, ids, t)])
-    if c.kv_rank:
+    if getattr(c, "kv_rank", 0):
         e = m.kv_down.weight @ e
     return e
 
@@ -150,7 +160,7 @@ def test_param_count_equals_module(name):
         n = cfg.param_count(d_model=D, vocab_size=V, layer_id=layer, layer_ids=(1, 3))
         own = sum(p.numel() for p in m.parameters())
         # a shared-factor layer other than the first does not count the factors (the model ties them)
-        extra = N * V * R if cfg.share_factors and layer == 3 else 0
+        extra = N * V * R if getattr(cfg, "share_factors", False) and layer == 3 else 0
         assert n + extra == own
 
 
@@ -181,7 +191,7 @@ def tiny_gpt(memory: TNGramConfig, layers=(0, 1)) -> GPT:
 
 
 def mem_cfg(name: str) -> TNGramConfig:
-    return TNGramConfig(max_ngram=N, cp_rank=R, zero_init_value=False, zero_init_conv=False,
+    return variant(max_ngram=N, cp_rank=R, zero_init_value=False, zero_init_conv=False,
                         **VARIANTS[name])
 
 
@@ -261,18 +271,21 @@ def test_shared_factors_follow_device_and_dtype_moves():
 
 # ---- defaults and config ---------------------------------------------------------------------
 
-def test_defaults_are_the_paper_and_config_json_unchanged():
-    from tngram.memory import memory_config_to_dict
-    cfg = TNGramConfig(max_ngram=N, cp_rank=R)
-    d = memory_config_to_dict(cfg)
-    for k in ("order_combine", "kv_rank", "share_factors", "hash_orders", "hash_heads",
-              "hash_embed", "hash_budget", "hash_seed"):
-        assert k not in d
-    m = cfg.build(d_model=D, vocab_size=V)
-    assert m.hashed is None and m.kv_down is None and not cfg.is_variant()
-    assert m.fusion.d_mem == (N - 1) * R
-    on = memory_config_to_dict(replace(cfg, hash_orders=(3,), kv_rank=4))
-    assert on["hash_orders"] == (3,) and on["kv_rank"] == 4
+def test_variant_kind_at_its_defaults_is_the_paper_bit_for_bit():
+    """kind tngram-variant with every variant field at its default: the paper's parameters (same
+    names, same values from the same seed) and the same output, bit for bit."""
+    paper, var = make(fused=True), make(fused=True, order_combine="concat")
+    assert type(var.config) is TNGramVariantConfig and type(paper.config) is TNGramConfig
+    assert var.hashed is None and var.kv_down is None
+    assert var.fusion.d_mem == paper.fusion.d_mem == (N - 1) * R
+    sd, vd = paper.state_dict(), var.state_dict()
+    assert list(sd) == list(vd) and all(torch.equal(sd[k], vd[k]) for k in sd)
+    ids, h = torch.randint(0, V, (2, 9)), torch.randn(2, 9, D)
+    with torch.no_grad():
+        assert torch.equal(paper(h, ids), var(h, ids))
+    on = TNGramVariantConfig(max_ngram=N, cp_rank=R, hash_orders=(3,), kv_rank=4)
+    assert on.param_count(d_model=D, vocab_size=V) == sum(
+        p.numel() for p in on.build(d_model=D, vocab_size=V).parameters())
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -283,7 +296,7 @@ def test_defaults_are_the_paper_and_config_json_unchanged():
     ({"share_factors": True, "prune_at_step": 5, "min_cp_rank": 2}, "prune_at_step")])
 def test_bad_variant_configs(kw, msg):
     with pytest.raises(TngramError, match=msg):
-        TNGramConfig(max_ngram=N, cp_rank=R, **kw)
+        TNGramVariantConfig(max_ngram=N, cp_rank=R, **kw)
 
 
 def test_lean_recipe_is_the_ablation_winners():
@@ -320,13 +333,13 @@ def test_hf_add_memory_causal_and_cached_generation(name):
     from hf_tiny import VOCAB, prompt, tiny_model
     from tngram.hf import add_memory, memory_modules
 
-    cfg = TNGramConfig(max_ngram=3, cp_rank=8, zero_init_value=False, zero_init_conv=False,
-                       **{k: (tuple(o for o in v if o <= 3) if k == "hash_orders" else v)
-                          for k, v in VARIANTS[name].items()})
+    cfg = variant(max_ngram=3, cp_rank=8, zero_init_value=False, zero_init_conv=False,
+                  **{k: (tuple(o for o in v if o <= 3) if k == "hash_orders" else v)
+                     for k, v in VARIANTS[name].items()})
     plain = tiny_model("llama")
     model = add_memory(tiny_model("llama"), cfg, layers=(0, 2), memory_seed=1)
     mods = list(memory_modules(model).values())
-    if cfg.share_factors:
+    if getattr(cfg, "share_factors", False):
         assert mods[0].factors is mods[1].factors
         assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in plain.parameters()) \
             == sum(cfg.param_count(d_model=32, vocab_size=VOCAB, layer_id=i, layer_ids=(0, 2))
@@ -352,8 +365,9 @@ def test_hf_save_round_trip_with_shared_factors_and_hybrid(tmp_path):
     from transformers import AutoModelForCausalLM
     from tngram.hf import add_memory, memory_modules
 
-    cfg = TNGramConfig(max_ngram=3, cp_rank=8, zero_init_value=False, zero_init_conv=False,
-                       share_factors=True, hash_orders=(3,), hash_heads=2, hash_embed=4, hash_budget=11)
+    cfg = TNGramVariantConfig(max_ngram=3, cp_rank=8, zero_init_value=False, zero_init_conv=False,
+                              share_factors=True, hash_orders=(3,), hash_heads=2, hash_embed=4,
+                              hash_budget=11)
     model = add_memory(tiny_model("llama"), cfg, layers=(0, 2), memory_seed=1)
     x = prompt(2, 9)
     with torch.no_grad():
@@ -377,8 +391,9 @@ def test_export_to_hf_with_every_variant(tmp_path, tiny_data):  # noqa: F811
     from tngram.train.checkpoint import save_final_weights, save_run_config
     from tngram.train.recipes import get_recipe
 
+    from tngram.memory import with_memory_fields
     base = get_recipe("mini-tngram")
-    mem = replace(base.model.memory, cp_rank=8, max_ngram=3, zero_init_value=False,
+    mem = with_memory_fields(base.model.memory, cp_rank=8, max_ngram=3, zero_init_value=False,
                   zero_init_conv=False, **{**VARIANTS["all"], "hash_orders": (3,)})
     cfg = replace(base, model=replace(base.model, vocab_size=TINY_VOCAB, n_layer=2, n_embd=32,
                                       n_head=2, n_kv_head=1, sequence_len=64, memory_layers=(0, 1),

@@ -83,17 +83,17 @@ SUM_SCRIPT = textwrap.dedent("""
         assert torch.equal(lowp, summed.to(torch.bfloat16)), N
         checked += 1
     # the module path: a TN-gram GPT with the orders summed and hashed orders, Triton vs torch
-    from tngram.memory.tngram import TNGramConfig
+    from tngram.memory.tngram_variants import TNGramVariantConfig
     from tngram.model.gpt import GPT, GPTConfig
-    mem = TNGramConfig(max_ngram=3, cp_rank=12, order_combine="sum", hash_orders=(2, 3),
-                       hash_embed=8, hash_heads=2, hash_budget=13)
+    mem = TNGramVariantConfig(max_ngram=3, cp_rank=12, order_combine="sum", hash_orders=(2, 3),
+                              hash_embed=8, hash_heads=2, hash_budget=13)
     res = {}
     for impl in ("torch", "triton"):
         os.environ["TNGRAM_LOOKUP_IMPL"] = impl
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_embd=16, n_head=2, n_kv_head=1,
                               sequence_len=8, memory=mem, memory_layers=(0,), memory_seed=0))
-        tn = next(m for m in model.modules() if type(m).__name__ == "TNGram")
+        tn = next(m for m in model.modules() if type(m).__name__ == "TNGramVariant")
         torch.nn.init.normal_(tn.fusion.value_proj.weight)  # not the zero init: e reaches the loss
         ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
         loss = model(ids, ids)

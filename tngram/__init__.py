@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "TNGram": "tngram.memory.tngram",
     "TNGramConfig": "tngram.memory.tngram",
+    "TNGramVariantConfig": "tngram.memory.tngram_variants",
     "Engram": "tngram.memory.engram",
     "EngramConfig": "tngram.memory.engram",
     "OverEncoding": "tngram.memory.overencoding",

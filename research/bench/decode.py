@@ -53,7 +53,7 @@ def decode_flops(model: GPT, context: int) -> float:
     mem = cfg.memory
     if mem is not None and mem.injection == "block":
         per_layer = 8.0 * cfg.n_embd
-        if mem.kind == "tngram":
+        if mem.kind in ("tngram", "tngram-variant"):
             per_layer += 5.0 * (mem.max_ngram - 1) * mem.cp_rank
         flops += per_layer * len(cfg.memory_layers)
     return flops
@@ -69,7 +69,7 @@ def build(shape: str, method: str, tiny: bool = False) -> GPT:
         cfg = replace(cfg, memory=replace(cfg.memory, zero_init_value=False))
     if tiny:  # for the tests: same code paths, small shapes
         mem = cfg.memory
-        if mem is not None and mem.kind == "tngram":
+        if mem is not None and mem.kind in ("tngram", "tngram-variant"):
             mem = replace(mem, cp_rank=16)
         cfg = replace(
             cfg,

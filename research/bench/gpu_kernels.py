@@ -56,6 +56,7 @@ import torch
 from research.bench.gpu_parts import config, fresh_dynamo, interleaved_ms
 from tngram.kernels import kernel_policy
 from tngram.kernels.policy import TRITON_BACKWARDS
+from tngram.memory.tngram_variants import TNGramVariantConfig
 
 # at tiny shapes (the CPU, under the interpreter) a narrow CP rank, not a power of two (the lane
 # masks): the interpreter runs a 1024-wide row op by op
@@ -182,7 +183,7 @@ def lookup_backwards(recipe: str, shapes: Any, compile: bool = True) -> dict[str
     if mod is None:
         return {"error": f"not run: {recipe} has no TN-gram memory"}
     c = mod.config
-    summed = c.order_combine == "sum"
+    summed = isinstance(c, TNGramVariantConfig) and c.order_combine == "sum"
     g = torch.Generator().manual_seed(0)
     B, T = (1, TINY_KERNEL_TOKENS) if shapes.tiny else (shapes.batch, m.sequence_len)
     ids = torch.randint(0, m.vocab_size, (B, T), generator=g).to(dev)
@@ -239,7 +240,7 @@ def lookup_backwards(recipe: str, shapes: Any, compile: bool = True) -> dict[str
         "ids": "uniform random",
         "max_ngram": c.max_ngram,
         "cp_rank": c.cp_rank,
-        "order_combine": c.order_combine,
+        "order_combine": "sum" if summed else "concat",
         "use_norm": c.use_norm,
         "absorption": mod.absorb is not None,
         "out_dtype": str(out_dtype or mod.factors.dtype).replace("torch.", ""),

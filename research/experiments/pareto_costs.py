@@ -45,11 +45,14 @@ def memory_costs(mem: Any, d: int, vocab_size: int) -> tuple[int, int, int] | No
         rows, width = (mem.max_ngram - 1) * mem.n_head_per_ngram, E // mem.n_head_per_ngram
         flops = fusion_flops((mem.max_ngram - 1) * E, d, mem.hc_mult, mem.kernel_size)
         return rows, rows * width * BYTES_PER_VALUE, flops
-    if kind == "tngram":
-        from tngram.memory.tngram_variants import lookup_width
+    if kind in ("tngram", "tngram-variant"):
+        from tngram.memory.tngram_variants import TNGramVariantConfig, lookup_width
 
         N, R = mem.max_ngram, mem.cp_rank
         rows, nbytes = N, N * R * BYTES_PER_VALUE
+        if not isinstance(mem, TNGramVariantConfig):  # the paper's: K/V read e_concat
+            kv = fusion_flops((N - 1) * R, d, mem.hc_mult, mem.kernel_size)
+            return rows, nbytes, 2 * N * R + kv
         d_in = lookup_width(mem)
         if mem.hash_orders:
             h = len(mem.hash_orders) * mem.hash_heads

@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tngram.kernels import tngram_triton as k  # noqa: E402
 from tngram.train.metrics import git_info  # noqa: E402
+from tngram.memory.tngram_variants import TNGramVariantConfig  # noqa: E402
 from tngram.train.recipes import get_recipe  # noqa: E402
 
 RECIPES = (
@@ -74,7 +75,7 @@ def recipe_kernels(name: str, arch: int) -> dict:
     N, R = mem.max_ngram, mem.cp_rank
     flags = {"N": N, "HAS_W": bool(mem.use_absorption) and N > 2, "HAS_S": bool(mem.learn_scales),
              "USE_NORM": bool(mem.use_norm), "BLOCK_R": triton.next_power_of_2(R),
-             "SUM_ORDERS": mem.order_combine == "sum"}
+             "SUM_ORDERS": isinstance(mem, TNGramVariantConfig) and mem.order_combine == "sum"}
     rows = {**flags, "NEED_TABLE": True, "BLOCK_M": 16,
             "BLOCK_K": triton.next_power_of_2(N - 1), "ROWS_OUT": False}
     warps0 = k.default_warps(R)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError
+from tngram.memory import with_memory_fields
 from tngram.train.recipes import get_recipe
 from tngram.train.config import TrainConfig
 
@@ -115,7 +116,8 @@ def with_seed(cfg: TrainConfig, seed_index: int) -> TrainConfig:
 def with_memory(cfg: TrainConfig, **fields: Any) -> TrainConfig:
     if cfg.model.memory is None:
         raise TngramError(f"recipe {cfg.name} has no memory to change")
-    return replace(cfg, model=replace(cfg.model, memory=replace(cfg.model.memory, **fields)))
+    memory = with_memory_fields(cfg.model.memory, **fields)  # tngram's variant fields: its kind
+    return replace(cfg, model=replace(cfg.model, memory=memory))
 
 
 def with_steps(cfg: TrainConfig, steps: int | None) -> TrainConfig:

@@ -49,7 +49,7 @@ def check_memory_config(cfg: Any) -> None:
     TN-gram's fused=False reference indexes the factors in place): refuse one that cannot."""
     if not cfg.row_sparse_problem():
         return
-    if cfg.kind == "tngram":
+    if cfg.kind in ("tngram", "tngram-variant"):
         raise TngramError(
             "table_device='cpu' needs TNGramConfig(fused=True) (the default): the fused=False "
             "reference reads the factors in place, on the model's device"

@@ -30,6 +30,7 @@ LARGE_VOCAB = 8192
 REGIME_RV = 0.25  # R/V below which the paper's TN-gram was measured behind Engram
 TABLE_FIELDS = {  # what sets a memory's table size, per kind
     "tngram": "cp_rank",
+    "tngram-variant": "cp_rank",
     "engram": "table_budget / n_embed_per_ngram",
     "overencoding": "table_rows",
 }
@@ -68,8 +69,8 @@ def suggestion(
     for the others, the factor to scale the tables by (their size is about linear in it)."""
     target = TARGET_RATIO * model_params
     kind = getattr(cfg, "kind", "")
-    if kind == "tngram" and dataclasses.is_dataclass(cfg):
-        tn = cast("TNGramConfig", cfg)  # kind "tngram"
+    if kind in ("tngram", "tngram-variant") and dataclasses.is_dataclass(cfg):
+        tn = cast("TNGramConfig", cfg)
         make = lambda r: dataclasses.replace(tn, cp_rank=r)  # noqa: E731
         r = _largest(make, int(tn.cp_rank), d_model, vocab, ids, target)
         return f"{type(cfg).__name__}(cp_rank={r}) for about {TARGET_RATIO:.0%} of the model"
@@ -95,7 +96,7 @@ def regime_note(cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], model_
     """What to use instead of the paper's TN-gram at a LARGE_VOCAB+ vocabulary ("" otherwise):
     Engram, or TN-gram with hashed factor rows (TNGramHashedConfig, R/V' = 1) at the largest
     cp_rank = factor_rows within TARGET_RATIO of the model, with the measured numbers."""
-    if getattr(cfg, "kind", "") != "tngram" or vocab < LARGE_VOCAB:
+    if getattr(cfg, "kind", "") not in ("tngram", "tngram-variant") or vocab < LARGE_VOCAB:
         return ""
     from tngram.memory.tngram_hashed import TNGramHashedConfig
 

@@ -27,7 +27,7 @@ from tngram.common import TngramError
 from tngram.hf.classes import CONFIG_KEY, TngramConfigMixin
 from tngram.hf.families import find_decoder_layers
 from tngram.hf.placement import check_memory_config, check_table_device
-from tngram.memory import memory_config_classes, memory_config_from_dict
+from tngram.memory import memory_config_classes, memory_config_from_dict, migrate_memory_dict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -134,7 +134,11 @@ def _check_memory_fields(memory: Any, where: str) -> Any:
     kind = memory.get("kind")
     if kind not in classes:
         raise TngramError(f"{where}.memory.kind must be one of {sorted(classes)}, got {kind!r}")
-    for f in dataclasses.fields(classes[kind]):
+    try:
+        memory = migrate_memory_dict(memory)  # e.g. tngram with a variant field: tngram-variant
+    except TngramError as e:
+        raise TngramError(f"{where}.memory: {e}") from None
+    for f in dataclasses.fields(classes[memory["kind"]]):
         if f.name not in memory:
             continue
         v, default = memory[f.name], f.default

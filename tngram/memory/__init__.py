@@ -4,11 +4,16 @@ Every memory follows the contract of `tngram.memory.base` (a `MemoryConfig` subc
 `kind`, `injection`, checks, keyword-only `build(*, d_model, vocab_size, layer_id, layer_ids)`
 and `param_count(...)`; a module with `table_parameters()` / `control_parameters()`) and is
 registered here by kind. Modules never import the model.
+
+A kind may hand fields to another (`MemoryConfig.moved_fields`: TN-gram's variant settings are
+kind tngram-variant's): `migrate_memory_dict` reads a saved config dict that names them as that
+kind, and `with_memory_fields` / `--set` move a config there when one is set.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+import json
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from tngram.common import TngramError
@@ -19,6 +24,7 @@ from tngram.common import TngramError
 MEMORY_KINDS: dict[str, str] = {
     "tngram": "tngram.memory.tngram:TNGramConfig",
     "tngram-hashed": "tngram.memory.tngram_hashed:TNGramHashedConfig",
+    "tngram-variant": "tngram.memory.tngram_variants:TNGramVariantConfig",
     "engram": "tngram.memory.engram:EngramConfig",
     "oe": "tngram.memory.overencoding:OverEncodingConfig",
     "pkm": "tngram.memory.product_key:ProductKeyConfig",
@@ -57,26 +63,92 @@ def memory_config_classes() -> dict[str, type]:
 def memory_config_to_dict(cfg: Any) -> dict[str, Any] | None:
     if cfg is None:
         return None
-    d = {"kind": cfg.kind, **asdict(cfg)}
-    # fields added after runs were saved (e.g. TN-gram's variant switches) are written only when
-    # set, so the config.json of every existing setting (resume, run reuse) stays unchanged
-    for f in fields(cfg):
-        if f.name in cfg.omit_at_default and d[f.name] == f.default:
-            del d[f.name]
-    return d
+    return {"kind": cfg.kind, **asdict(cfg)}
+
+
+def migrate_memory_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """A memory config dict in today's spelling: fields its kind handed to another kind
+    (`moved_fields`) make it that kind, unless every one of them is at that kind's default (then
+    they are dropped: the config is its own kind's). A dict with no such field is returned as it
+    is; an unknown kind is left for the caller to report."""
+    classes, kind = memory_config_classes(), d.get("kind")
+    cls: Any = classes.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        return d
+    own = {f.name for f in fields(cls)}
+    moved = {k: cls.moved_fields[k] for k in d if k in cls.moved_fields and k not in own}
+    if not moved:
+        return d
+    kinds = sorted(set(moved.values()))
+    if len(kinds) > 1:
+        raise TngramError(
+            f"memory fields {sorted(moved)} of kind {d['kind']} belong to different kinds "
+            f"{kinds}: set model.memory.kind to one of them"
+        )
+    target = classes[kinds[0]]
+    defaults = {f.name: f.default for f in fields(target)}
+    if all(_same(d[k], defaults.get(k)) for k in moved):
+        return {k: v for k, v in d.items() if k not in moved}
+    return {**d, "kind": kinds[0]}
+
+
+def _same(value: Any, default: Any) -> bool:
+    return (tuple(value) if isinstance(value, list) else value) == default
+
+
+def memory_config_class(d: dict[str, Any]) -> type:
+    """The config class a memory dict (already `migrate_memory_dict`-ed) builds; one
+    TngramError naming the kinds otherwise."""
+    classes = memory_config_classes()
+    kind = d.get("kind")
+    if kind not in classes:
+        raise TngramError(f"memory.kind must be one of {sorted(classes)}, got {kind!r}")
+    return classes[kind]
 
 
 def memory_config_from_dict(d: dict[str, Any] | None) -> Any:
     if d is None:
         return None
-    d = dict(d)
-    kind = d.pop("kind", None)
-    classes = memory_config_classes()
-    if kind not in classes:
-        raise TngramError(f"memory.kind must be one of {sorted(classes)}, got {kind!r}")
-    cls = classes[kind]
+    d = dict(migrate_memory_dict(d))
+    cls = memory_config_class(d)
+    kind = d.pop("kind")
     valid = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - valid)
     if unknown:
         raise TngramError(f"unknown {kind} memory field(s) {unknown}; valid: {sorted(valid)}")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def memory_dict_now(d: dict[str, Any]) -> dict[str, Any]:
+    """A saved memory config dict as today's code writes it (today's kind, every field), for
+    comparing configs saved at different times; `d` itself when it does not load."""
+    try:
+        return json.loads(json.dumps(memory_config_to_dict(memory_config_from_dict(d))))
+    except (TngramError, TypeError):
+        return d
+
+
+def memory_config_as(cfg: Any, kind: str) -> Any:
+    """`cfg` as memory kind `kind`: a kind whose config class extends cfg's (or the reverse, e.g.
+    tngram and tngram-variant) keeps the fields they share; any other kind starts from its
+    defaults."""
+    cls = memory_config_classes()[kind]
+    if cfg is None or cfg.kind == kind:
+        return cfg if cfg is not None else cls()
+    if not (isinstance(cfg, cls) or issubclass(cls, type(cfg))):
+        return cls()
+    names = {f.name for f in fields(cls)}
+    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in names})
+
+
+def with_memory_fields(cfg: Any, **changes: Any) -> Any:
+    """dataclasses.replace(cfg, **changes), where a field cfg's kind handed to another kind
+    (`moved_fields`, e.g. TN-gram's order_combine) first makes cfg that kind."""
+    moved = {cfg.moved_fields[k] for k in changes if k in cfg.moved_fields}
+    if len(moved) > 1:
+        raise TngramError(
+            f"memory fields {sorted(changes)} belong to different kinds {sorted(moved)}"
+        )
+    if moved:
+        cfg = memory_config_as(cfg, moved.pop())
+    return replace(cfg, **changes)

@@ -14,8 +14,8 @@ Optional hooks, declared below with their defaults (a memory overrides only what
 use them directly, never through getattr/hasattr):
 
     config                                      module
-      omit_at_default   fields left out of        sparse_grad   (RowSparse modules only) True
-                        config.json at default                  while the tables train row-sparse
+      moved_fields      fields now of another     sparse_grad   (RowSparse modules only) True
+                        kind: {field: kind}                     while the tables train row-sparse
       row_sparse        modules are RowSparse     row_sparse_problem()  why not now ("" = can)
       row_sparse_problem()  why the tables cannot
                         train row-sparse ("" = can)
@@ -64,9 +64,10 @@ class MemoryConfig:
     positive_floats: ClassVar[frozenset[str]] = frozenset()
 
     # ---- optional hooks: declared with their defaults --------------------------------------
-    # fields written to config.json only when not at their default, so the config.json of runs
-    # saved before a field existed stays unchanged (tngram.memory.memory_config_to_dict)
-    omit_at_default: ClassVar[tuple[str, ...]] = ()
+    # fields this kind no longer has, each -> the kind that holds it now: a saved config dict
+    # (config.json, an exported memory spec) or a --set of this kind naming one is read as that
+    # kind (tngram.memory.migrate_memory_dict)
+    moved_fields: ClassVar[dict[str, str]] = {}
     # True when the memory's modules are RowSparse (below): their lookup tables can get a
     # row-sparse gradient, which optim.memory_update=sparse|rowwise needs
     row_sparse: ClassVar[bool] = False

@@ -23,12 +23,17 @@ against the vocabulary is TNGRAM_CHECK_IDS's (tngram.memory.ngrams). Neither cha
 Ablations (paper Fig. 4 right): use_norm=False drops RMSNorm (e_n = s_n b_n); learn_scales=False
 fixes s_n = 1 (no parameter); use_absorption=False removes w entirely, so each lower order uses
 only its own factors, b_n = A_{N-n+1}[x_{t-n+1}] * ... * A_N[x_t] (equivalent to w fixed at 1).
+Adaptive rank (prune_at_step, prune_energy_tol, min_cp_rank): tngram.memory.cp_rank.
+
+`TNGramConfig` holds exactly these settings. What goes beyond the paper (the orders summed, a
+low-rank K/V, shared factors, the hashed hybrid) is its own kind, `tngram-variant`
+(tngram.memory.tngram_variants), built on the hooks `kv_input_width` / `kv_input` below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -39,13 +44,6 @@ from tngram.memory.base import INT_MAX, MemoryConfig, MemoryModule, RowSparse
 from tngram.memory.cp import order_embeddings, order_vectors
 from tngram.memory.gating import GatedFusion
 from tngram.memory.ngrams import check_ids_in_forward, extend_with_history, suffix_ngrams
-from tngram.memory.tngram_variants import (
-    ORDER_COMBINES,
-    HashedOrders,
-    link_shared_factors,
-    lookup_width,
-    variant_param_count,
-)
 
 
 FUSED_NEEDED = (
@@ -55,6 +53,19 @@ FUSED_NEEDED = (
 
 @dataclass(kw_only=True, frozen=True)
 class TNGramConfig(MemoryConfig):
+    """The paper's TN-gram: its equations, ablations and adaptive rank, nothing else.
+
+    max_ngram N, cp_rank R, pad_id      A_1..A_N (V x R), n-grams left-padded    Eqs. 9-10
+    use_absorption                      w_1..w_{N-2} in b_n (off: w = 1)          Eq. 10
+    use_norm, learn_scales, norm_eps    e_n = s_n RMSNorm(b_n), s_n = exp(l_n)     Eq. 11
+    kernel_size, dilation, hc_mult,     M_K, M_V on e_concat, Engram's gate and    Eqs. 12-14,
+    kv_bias, zero_init_value/_conv      short conv                                 App. D
+    factor_init, factor_init_std        how A_k starts (module doc)
+    fused                               which lookup implementation (same numbers)
+    prune_at_step, prune_energy_tol,    adaptive CP rank (tngram.memory.cp_rank)
+    min_cp_rank
+    """
+
     max_ngram: int = 5  # N: orders 2..N
     cp_rank: int = 1024  # R
     pad_id: int = 0  # left padding token id
@@ -77,19 +88,9 @@ class TNGramConfig(MemoryConfig):
     prune_at_step: int = 0
     prune_energy_tol: float = 0.1
     min_cp_rank: int = 8
-    # variants beyond the paper (tngram.memory.tngram_variants; docs/TRAINING.md "TN-gram
-    # variants beyond the paper"); the defaults are the paper's module, bit for bit
-    order_combine: str = "concat"  # "sum": K/V read sum_n e_n (R features), not e_concat
-    kv_rank: int = 0  # > 0: low-rank K/V, e -> Linear(kv_rank, no bias) -> K/V
-    share_factors: bool = False  # one A_1..A_N for every memory layer of the model
-    hash_orders: tuple[int, ...] = ()  # hybrid: an Engram-style hashed table for these orders
-    hash_heads: int = 4  # hybrid: heads (primes) per hashed order
-    hash_embed: int = 64  # hybrid: width per hashed order (hash_heads * head dim)
-    hash_budget: int = 0  # hybrid: per-head prime budget (0: 5 * vocab_size)
-    hash_seed: int = 0  # hybrid: hash multiplier seed (as Engram's seed)
 
     kind: ClassVar[str] = "tngram"
-    row_sparse: ClassVar[bool] = True  # the factors (and hashed table) train row-sparse
+    row_sparse: ClassVar[bool] = True  # the factors train row-sparse
     injection: ClassVar[str] = "block"
     reshape_step_field: ClassVar[str] = "prune_at_step"  # adaptive CP rank (cp_rank.py)
     int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
@@ -99,20 +100,22 @@ class TNGramConfig(MemoryConfig):
         "kernel_size": (1, 256),
         "dilation": (1, 1024),
         "hc_mult": (1, 64),
-        "hash_heads": (1, 1024),
-        "hash_embed": (1, INT_MAX),
     }
     positive_floats: ClassVar[frozenset[str]] = frozenset({"factor_init_std", "norm_eps"})
-    # written to config.json only when not at their default (earlier runs' configs unchanged)
-    omit_at_default: ClassVar[tuple[str, ...]] = (
-        "order_combine",
-        "kv_rank",
-        "share_factors",
-        "hash_orders",
-        "hash_heads",
-        "hash_embed",
-        "hash_budget",
-        "hash_seed",
+    # fields of kind tngram-variant: a config dict or a --set of kind tngram naming one is read
+    # as that kind (tngram.memory.migrate_memory_dict)
+    moved_fields: ClassVar[dict[str, str]] = dict.fromkeys(
+        (
+            "order_combine",
+            "kv_rank",
+            "share_factors",
+            "hash_orders",
+            "hash_heads",
+            "hash_embed",
+            "hash_budget",
+            "hash_seed",
+        ),
+        "tngram-variant",
     )
 
     def check_fields(self) -> None:
@@ -130,46 +133,6 @@ class TNGramConfig(MemoryConfig):
             raise TngramError(
                 f"TN-gram factor_init must be 'sign' or 'normal', got {self.factor_init!r}"
             )
-        self._check_variants()
-
-    def _check_variants(self) -> None:
-        if self.order_combine not in ORDER_COMBINES:
-            raise TngramError(
-                f"model.memory.order_combine must be one of {ORDER_COMBINES}, "
-                f"got {self.order_combine!r}"
-            )
-        orders = tuple(self.hash_orders)
-        if any(not 2 <= n <= self.max_ngram for n in orders) or list(orders) != sorted(set(orders)):
-            raise TngramError(
-                f"model.memory.hash_orders must be increasing distinct orders in "
-                f"[2, max_ngram={self.max_ngram}], got {orders}"
-            )
-        if orders and self.hash_embed % self.hash_heads:
-            raise TngramError(
-                f"model.memory.hash_embed ({self.hash_embed}) must be a multiple of "
-                f"hash_heads ({self.hash_heads})"
-            )
-        if self.prune_at_step and self.is_variant():
-            raise TngramError(
-                "model.memory.prune_at_step (adaptive CP rank) works with the paper's "
-                "module only: set order_combine='concat', kv_rank=0, "
-                "share_factors=false, hash_orders=[]"
-            )
-
-    def is_variant(self) -> bool:
-        """True when a switch of tngram_variants is on (the module is not the paper's)."""
-        return (
-            self.order_combine != "concat"
-            or self.kv_rank > 0
-            or self.share_factors
-            or bool(self.hash_orders)
-        )
-
-    def link_layers(self, modules: list[nn.Module]) -> None:
-        """Called by the model after building one module per memory layer (in layer order):
-        with share_factors, the first owns A_1..A_N and the others use them."""
-        if self.share_factors:
-            link_shared_factors(modules)
 
     def row_sparse_problem(self) -> str:
         """The row-sparse factor gradient comes from the fused lookup only."""
@@ -193,20 +156,27 @@ class TNGramConfig(MemoryConfig):
         layer_id: int = 0,
         layer_ids: tuple[int, ...] | None = None,
     ) -> int:
-        N, R, d, M = self.max_ngram, self.cp_rank, d_model, self.hc_mult
-        layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
-        shared_elsewhere = self.share_factors and layer_id != layer_ids[0]
-        n = 0 if shared_elsewhere else N * vocab_size * R  # factors (once when shared)
+        d_mem = (self.max_ngram - 1) * self.cp_rank  # e_concat
+        return self.lookup_param_count(vocab_size) + self.fusion_param_count(d_model, d_mem)
+
+    def lookup_param_count(self, vocab_size: int) -> int:
+        """A_1..A_N, w_1..w_{N-2} and l_2..l_N (Eqs. 10-11)."""
+        N, R = self.max_ngram, self.cp_rank
+        n = N * vocab_size * R  # factors
         n += (N - 2) * R if self.use_absorption and N > 2 else 0  # w_1..w_{N-2}
-        n += (N - 1) if self.learn_scales else 0  # l_2..l_N
-        extra, d_mem = variant_param_count(self, vocab_size, layer_id, layer_ids)
-        n += extra  # hash table, W_down (variants)
-        n += (M + 1) * (d_mem * d + (d if self.kv_bias else 0))  # M_K per branch + shared M_V
-        n += 2 * M * d + M * d * self.kernel_size + M * d  # gate norms, conv, conv norms
-        return n
+        return n + ((N - 1) if self.learn_scales else 0)  # l_2..l_N
+
+    def fusion_param_count(self, d_model: int, d_mem: int) -> int:
+        """M_K per branch, the shared M_V (Eqs. 13-14), Engram's gate norms and conv (App. D)
+        reading a K/V input of width d_mem."""
+        d, M = d_model, self.hc_mult
+        n = (M + 1) * (d_mem * d + (d if self.kv_bias else 0))  # M_K per branch + shared M_V
+        return n + 2 * M * d + M * d * self.kernel_size + M * d  # gate norms, conv, conv norms
 
 
 class TNGram(RowSparse, MemoryModule, nn.Module):
+    config: TNGramConfig
+
     def __init__(
         self,
         config: TNGramConfig,
@@ -225,17 +195,9 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
             nn.Parameter(torch.ones(N - 2, R)) if config.use_absorption and N > 2 else None
         )
         self.log_scales = nn.Parameter(torch.zeros(N - 1)) if config.learn_scales else None
-        # variants (tngram_variants): None / the lookup width with every switch at its default
-        self.hashed: HashedOrders | None = None
-        self.kv_down: nn.Linear | None = None
-        d_mem = lookup_width(config)  # (N-1) R, or R ("sum")
-        if config.hash_orders:
-            ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
-            self.hashed = HashedOrders(config, vocab_size, layer_id, ids)
-            d_mem += self.hashed.width
-        if config.kv_rank:
-            self.kv_down = nn.Linear(d_mem, config.kv_rank, bias=False)
-            d_mem = config.kv_rank
+        d_mem = self.kv_input_width(
+            layer_id, (layer_id,) if layer_ids is None else tuple(layer_ids)
+        )
         self.fusion = GatedFusion(
             d_mem,
             d_model,
@@ -248,30 +210,13 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
         )
         self.reset_factors()
 
+    def kv_input_width(self, layer_id: int, layer_ids: tuple[int, ...]) -> int:
+        """Width of the K/V input: e_concat's (N-1) R. A variant builds the stages it adds
+        between the lookup and K/V here (before the gate's parameters are drawn)."""
+        return (self.config.max_ngram - 1) * self.config.cp_rank
+
     def table_parameters(self) -> list[nn.Parameter]:
-        hashed = [] if self.hashed is None else [cast(nn.Parameter, self.hashed.table.weight)]
-        return [self.factors] + hashed  # the CP factor tables, then the hybrid's table
-
-    def use_factors_of(self, owner: "TNGram") -> None:
-        """share_factors: drop this module's own A_1..A_N and read `owner`'s (same shape). The
-        shared tensor stays a parameter of the owner only, so it is counted, optimised and saved
-        once; `self.factors` returns it."""
-        own = self._parameters["factors"]
-        assert own is not None  # registered as an nn.Parameter in __init__
-        if owner.factors.shape != own.shape:
-            raise TngramError(
-                f"share_factors: factor shapes differ {tuple(owner.factors.shape)} "
-                f"vs {tuple(own.shape)}"
-            )
-        del self._parameters["factors"]
-        self.__dict__["_factor_owner"] = [owner]  # a list: not registered as a submodule
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "factors":
-            owner = self.__dict__.get("_factor_owner")
-            if owner is not None:
-                return owner[0].factors
-        return super().__getattr__(name)
+        return [self.factors]  # the CP factor tables A_1..A_N
 
     def row_sparse_problem(self) -> str:
         return self.config.row_sparse_problem()
@@ -303,8 +248,9 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
         fused=True runs `tngram.kernels.tngram_lookup` (one gather, in-cache chunks, hand-written
         backward; Triton on CUDA); fused=False the plain-autograd reference of cp.py.
         out_dtype: see `fused_lookup` (a kernel may return e already cast to it; same numbers).
-        sum_orders: sum_n e_n (B, T, R) instead (order_combine="sum"; the Triton kernel sums in
-        its epilogue, see `fused_lookup`).
+        sum_orders: sum_n e_n (B, T, R) instead (the variant order_combine="sum",
+        tngram.memory.tngram_variants; the Triton kernel sums in its epilogue, see
+        `fused_lookup`).
         """
         c = self.config
         if c.fused:
@@ -343,24 +289,13 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
         ids, P = extend_with_history(
             input_ids, cache, self.config.max_ngram, self.config.pad_id, valid
         )
-        lowp = lookup_out_dtype(h)  # dtype policy: tngram.kernels.policy
-        summed = self.config.order_combine == "sum"  # summed in the lookup (its epilogue on CUDA)
-        e = lookup_output_for(self.memory_vector(ids, lowp, summed)[:, P:], h, lowp)
-        if self.config.is_variant():
-            e = self.variant_input(e, ids, P)
-        return self.fusion(h, e, cache, valid)
+        return self.fusion(h, self.kv_input(ids, P, h), cache, valid)
 
-    def variant_input(self, e: Tensor, ids: Tensor, P: int) -> Tensor:
-        """The variants' stage between lookup and K/V (tngram_variants): e (B, T, lookup_width) of
-        the positions after the P history ids of `ids` (e_concat, or already summed over the
-        orders for order_combine="sum") -> the K/V input (B, T, d_mem)."""
-        c = self.config
-        if self.hashed is not None:
-            z = self.hashed(suffix_ngrams(ids, c.max_ngram, c.pad_id))[:, P:]
-            e = torch.cat([e, z.to(e.dtype)], dim=-1)
-        if self.kv_down is not None:
-            e = self.kv_down(e)
-        return e
+    def kv_input(self, ids: Tensor, P: int, h: Tensor) -> Tensor:
+        """e_concat (B, T, (N-1) R) of the positions after the P history ids of `ids` (Eqs.
+        10-11), in the dtype the kernel policy (tngram.kernels.policy) picks for h."""
+        lowp = lookup_out_dtype(h)
+        return lookup_output_for(self.memory_vector(ids, lowp)[:, P:], h, lowp)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,48 +1,199 @@
-"""TN-gram variants beyond the paper: switches on TNGramConfig, all off by default.
+"""TN-gram variants: the paper's module with stages beyond the paper, kind `tngram-variant`.
 
-With every switch at its default a TN-gram is the paper's module, bit for bit (no parameter, no
-RNG draw and no operation is added). Each switch changes one stage between the CP lookup and
-Engram's gate (docs/TRAINING.md "TN-gram variants beyond the paper"):
+`TNGramVariantConfig` is `TNGramConfig` (the paper's settings, tngram.memory.tngram) plus the
+eight fields below; with each at its default the module is the paper's, bit for bit (no
+parameter, RNG draw or operation is added). Each field changes one stage between the CP lookup
+(Eqs. 10-11: e_n = s_n RMSNorm(b_n), n = 2..N) and the K/V projections (Eqs. 13-14); Engram's
+gate and conv (App. D) are unchanged. The stages run in this order:
 
-    e_concat (B, T, (N-1) R)                       the paper's lookup (Eqs. 10-11)
-      order_combine="sum":  e = sum_n e_n          (B, T, R): the K/V projections read R features
-                                                   instead of (N-1) R (a cheaper step, `d`)
-      hash_orders=(n, ...): e = [e | z]            z: an Engram-style hashed table for orders n
-                                                   (hybrid, `c`): seen n-grams get their own rows
-      kv_rank=r > 0:        e = e W_down^T         (B, T, r), no bias: low-rank K/V (`d`)
-    -> GatedFusion (K/V, gate, conv), unchanged
+    e = e_concat = [e_2 | ... | e_N]                              (B, T, (N-1) R)   the paper
+    summed orders   order_combine="sum"
+        e = sum_{n=2..N} e_n                                      (B, T, R)
+    hashed hybrid   hash_orders=(n, ...), hash_heads H, hash_embed E, hash_budget, hash_seed
+        z_{n,j}(t) = Z[o_{n,j} + (XOR_{k<n} x_{t-k} m_k) mod p_{n,j}]      j = 1..H, rows E/H wide
+        e = [e | z_{n,1} | ... | z_{n,H} | ...]                   (B, T, width + |orders| E)
+    low-rank K/V    kv_rank=r > 0
+        e = e W_down^T,  W_down (r, width), no bias               (B, T, r)
+    k_t = e M_K,  v_t = e M_V                                     Eqs. 13-14 on e's width
 
-share_factors=True (`b`): every memory layer of a model uses one A_1..A_N; each layer keeps its
-own absorption, scales, K/V, gate and conv. The model builds one module per layer, then calls
-the config's `link_layers(modules)`, which makes the first layer's module the owner of the
-factors and points the others at it (`TNGram.use_factors_of`). The shared tensor is then one
-parameter: counted once in Δparams (`param_count` counts it for the first layer only), in one
-optimiser group (memory_table) and saved once in state dicts (under the owner's name).
+    shared factors  share_factors=True
+        every memory layer reads the same A_1..A_N in Eq. 10; each keeps its own w, l_n, M_K,
+        M_V, gate and conv
 
-"lean" is the ablation winners (research/RESULTS.md, Fig. 4 right): use_norm=False,
-use_absorption=False; the recipe `mini-tngram-lean` and `LEAN` below name it.
+The hybrid's hash is Engram's (§2.2-2.4, tngram.memory.hashing) on the raw ids: multipliers m_k
+drawn from hash_seed and the layer, p_{n,j} distinct primes from hash_budget up (0: 5 V) over
+layers, orders and heads, o_{n,j} each head's offset in one table Z. "sum" with hash_orders is
+the pareto family tngram-hsum (recipes mini-tngram-hsum, paper-l9-tngram-hsum).
+
+Shared factors: the model builds one module per layer, then calls the config's
+`link_layers(modules)`, which makes the first layer's module the owner of the factors and points
+the others at it (`TNGramVariant.use_factors_of`). The shared tensor is then one parameter:
+counted once in Δparams (`param_count` counts it for the first layer only), in one optimiser
+group (memory_table) and saved once in state dicts (under the owner's name).
+
+Adaptive rank (prune_at_step) needs the paper's e_concat, so it stays on kind tngram. The paper's
+own ablations (use_norm, learn_scales, use_absorption; "lean" is use_norm=False,
+use_absorption=False) are fields of both kinds. Docs: docs/TRAINING.md "TN-gram variants beyond
+the paper".
 
 Dimension letters: B batch, T time, N max order, R CP rank, H hash heads, E hash width per order.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from tngram.memory.base import RowSparse
+from tngram.common import TngramError
+from tngram.kernels import lookup_out_dtype, lookup_output_for
+from tngram.memory.base import INT_MAX, RowSparse
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
+from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.token_tables import gather_rows
+from tngram.memory.tngram import TNGram, TNGramConfig
 
 ORDER_COMBINES = ("concat", "sum")
-# the ablation winners as TNGramConfig field overrides (recipe mini-tngram-lean)
-LEAN: dict[str, Any] = {"use_norm": False, "use_absorption": False}
+
+
+@dataclass(kw_only=True, frozen=True)
+class TNGramVariantConfig(TNGramConfig):
+    """TN-gram with the stages beyond the paper (module doc): TNGramConfig's fields and these."""
+
+    order_combine: str = "concat"  # "sum": e = sum_n e_n (R features), not e_concat
+    kv_rank: int = 0  # > 0: low-rank K/V, e -> Linear(kv_rank, no bias) -> K/V
+    share_factors: bool = False  # one A_1..A_N for every memory layer of the model
+    hash_orders: tuple[int, ...] = ()  # hybrid: an Engram-style hashed table for these orders
+    hash_heads: int = 4  # hybrid: heads (primes) per hashed order
+    hash_embed: int = 64  # hybrid: width per hashed order (hash_heads * head dim)
+    hash_budget: int = 0  # hybrid: per-head prime budget (0: 5 * vocab_size)
+    hash_seed: int = 0  # hybrid: hash multiplier seed (as Engram's seed)
+
+    kind: ClassVar[str] = "tngram-variant"
+    row_sparse: ClassVar[bool] = True  # the factors and the hybrid's table train row-sparse
+    int_bounds: ClassVar[dict[str, tuple[int, int]]] = {
+        **TNGramConfig.int_bounds,
+        "hash_heads": (1, 1024),
+        "hash_embed": (1, INT_MAX),
+    }
+    moved_fields: ClassVar[dict[str, str]] = {}
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.order_combine not in ORDER_COMBINES:
+            raise TngramError(
+                f"model.memory.order_combine must be one of {ORDER_COMBINES}, "
+                f"got {self.order_combine!r}"
+            )
+        orders = tuple(self.hash_orders)
+        if any(not 2 <= n <= self.max_ngram for n in orders) or list(orders) != sorted(set(orders)):
+            raise TngramError(
+                f"model.memory.hash_orders must be increasing distinct orders in "
+                f"[2, max_ngram={self.max_ngram}], got {orders}"
+            )
+        if orders and self.hash_embed % self.hash_heads:
+            raise TngramError(
+                f"model.memory.hash_embed ({self.hash_embed}) must be a multiple of "
+                f"hash_heads ({self.hash_heads})"
+            )
+        if self.prune_at_step:
+            raise TngramError(
+                "model.memory.prune_at_step (adaptive CP rank) works with the paper's module "
+                "only: set model.memory.kind=tngram"
+            )
+
+    def link_layers(self, modules: list[nn.Module]) -> None:
+        """Called by the model after building one module per memory layer (in layer order):
+        with share_factors, the first owns A_1..A_N and the others use them."""
+        if self.share_factors:
+            link_shared_factors(modules)
+
+    def make_module(
+        self, *, d_model: int, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    ) -> "TNGramVariant":
+        return TNGramVariant(self, d_model, vocab_size, layer_id=layer_id, layer_ids=layer_ids)
+
+    def param_count(
+        self,
+        *,
+        d_model: int,
+        vocab_size: int,
+        layer_id: int = 0,
+        layer_ids: tuple[int, ...] | None = None,
+    ) -> int:
+        layer_ids = (layer_id,) if layer_ids is None else tuple(layer_ids)
+        n = self.lookup_param_count(vocab_size)
+        if self.share_factors and layer_id != layer_ids[0]:
+            n -= self.max_ngram * vocab_size * self.cp_rank  # the first layer's factors
+        extra, d_mem = variant_param_count(self, vocab_size, layer_id, layer_ids)
+        return n + extra + self.fusion_param_count(d_model, d_mem)  # + hash table, W_down
+
+
+class TNGramVariant(TNGram):
+    """The paper's module (TNGram) with the variant stages of its config between the lookup and
+    K/V (module doc); parameter names as the paper's, plus hashed.table.weight, kv_down.weight."""
+
+    config: TNGramVariantConfig
+    hashed: HashedOrders | None
+    kv_down: nn.Linear | None
+
+    def kv_input_width(self, layer_id: int, layer_ids: tuple[int, ...]) -> int:
+        c = self.config
+        self.hashed, self.kv_down = None, None
+        d_mem = lookup_width(c)  # (N-1) R, or R ("sum")
+        if c.hash_orders:
+            self.hashed = HashedOrders(c, self.vocab_size, layer_id, layer_ids)
+            d_mem += self.hashed.width
+        if c.kv_rank:
+            self.kv_down = nn.Linear(d_mem, c.kv_rank, bias=False)
+            d_mem = c.kv_rank
+        return d_mem
+
+    def kv_input(self, ids: Tensor, P: int, h: Tensor) -> Tensor:
+        """The K/V input (B, T, d_mem) of the positions after the P history ids of `ids`: the
+        lookup (already summed over the orders for "sum": in the Triton kernel's epilogue on
+        CUDA), then the hybrid's rows beside it, then W_down."""
+        c = self.config
+        lowp = lookup_out_dtype(h)
+        summed = c.order_combine == "sum"
+        e = lookup_output_for(self.memory_vector(ids, lowp, summed)[:, P:], h, lowp)
+        if self.hashed is not None:
+            z = self.hashed(suffix_ngrams(ids, c.max_ngram, c.pad_id))[:, P:]
+            e = torch.cat([e, z.to(e.dtype)], dim=-1)
+        if self.kv_down is not None:
+            e = self.kv_down(e)
+        return e
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        hashed = [] if self.hashed is None else [cast(nn.Parameter, self.hashed.table.weight)]
+        return super().table_parameters() + hashed  # the CP factors, then the hybrid's table
+
+    def use_factors_of(self, owner: TNGram) -> None:
+        """share_factors: drop this module's own A_1..A_N and read `owner`'s (same shape). The
+        shared tensor stays a parameter of the owner only, so it is counted, optimised and saved
+        once; `self.factors` returns it."""
+        own = self._parameters["factors"]
+        assert own is not None  # registered as an nn.Parameter in __init__
+        if owner.factors.shape != own.shape:
+            raise TngramError(
+                f"share_factors: factor shapes differ {tuple(owner.factors.shape)} "
+                f"vs {tuple(own.shape)}"
+            )
+        del self._parameters["factors"]
+        self.__dict__["_factor_owner"] = [owner]  # a list: not registered as a submodule
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "factors":
+            owner = self.__dict__.get("_factor_owner")
+            if owner is not None:
+                return owner[0].factors
+        return super().__getattr__(name)
 
 
 def hash_primes(
-    cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    cfg: TNGramVariantConfig, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
 ) -> list[list[int]]:
     """Per-head table sizes [[p_{n,j}] for n in hash_orders] of one layer. Same allocation as
     Engram (tngram.memory.hashing.allocate_primes: global, distinct primes over layers, orders
@@ -65,7 +216,7 @@ class HashedOrders(RowSparse, nn.Module):
     offsets: Tensor
 
     def __init__(
-        self, cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+        self, cfg: TNGramVariantConfig, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
     ) -> None:
         super().__init__()
         N, H = cfg.max_ngram, cfg.hash_heads
@@ -107,13 +258,13 @@ class HashedOrders(RowSparse, nn.Module):
         )
 
 
-def lookup_width(cfg: Any) -> int:
+def lookup_width(cfg: TNGramVariantConfig) -> int:
     """Width of the lookup's output after order_combine: (N-1) R, or R for "sum"."""
     return cfg.cp_rank if cfg.order_combine == "sum" else (cfg.max_ngram - 1) * cfg.cp_rank
 
 
 def variant_param_count(
-    cfg: Any, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
+    cfg: TNGramVariantConfig, vocab_size: int, layer_id: int, layer_ids: tuple[int, ...]
 ) -> tuple[int, int]:
     """(parameters of the variant stages: hash table + W_down, the K/V input width d_mem)."""
     n, d_mem = 0, lookup_width(cfg)
@@ -129,9 +280,6 @@ def variant_param_count(
 
 def link_shared_factors(modules: list[nn.Module]) -> None:
     """share_factors: the first TN-gram module owns A_1..A_N; every other one uses them."""
-    shared = [m for m in modules if getattr(getattr(m, "config", None), "share_factors", False)]
-    # share_factors is a TNGramConfig field, so these are TNGram modules (typed Any: this file is
-    # imported by memory/tngram.py and must not import it back, even for type checking)
-    tn: list[Any] = shared
-    for m in tn[1:]:
-        m.use_factors_of(tn[0])
+    shared = [m for m in modules if isinstance(m, TNGramVariant) and m.config.share_factors]
+    for m in shared[1:]:
+        m.use_factors_of(shared[0])

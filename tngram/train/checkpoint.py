@@ -40,6 +40,7 @@ from safetensors.torch import save
 from torch import nn
 
 from tngram.common import MissingFileError, TngramError, json_text
+from tngram.memory import memory_dict_now
 from tngram.model.gpt import GPT
 from tngram.readback import load_json, plain_name
 from tngram.safefs import (
@@ -402,8 +403,11 @@ RESUMABLE_RUN_FIELDS = (
 
 def config_differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted field, value in a, value in b) for every leaf where two config dicts differ
-    (run.RESUMABLE_RUN_FIELDS and tokenizer_path left out)."""
+    (run.RESUMABLE_RUN_FIELDS and tokenizer_path left out; model.memory compared as today's
+    code writes it, so a TN-gram variant saved as kind tngram equals its tngram-variant)."""
     if isinstance(a, dict) and isinstance(b, dict):
+        if prefix == "model.memory.":
+            a, b = memory_dict_now(a), memory_dict_now(b)
         out = []
         for k in sorted(set(a) | set(b), key=str):
             key = f"{prefix}{k}"

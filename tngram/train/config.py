@@ -12,6 +12,7 @@ from types import UnionType
 from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
 from tngram.common import TngramError
+from tngram.memory import memory_config_as, with_memory_fields
 from tngram.model.gpt import GPTConfig
 from tngram.train.config_checks import (  # noqa: F401  (_validate_*: used by train.saved)
     _check,
@@ -338,10 +339,12 @@ def apply_settings(
 ) -> TrainConfig:
     """Apply (dotted key, value) pairs in order, then validate. A value is a `--set` string or a
     typed value from a config file. `model.memory.kind=K` switches the memory to K's defaults
-    (none removes it); later model.memory.* keys then refine it. `origin` prefixes errors
-    (e.g. the config file's name). Consecutive model.memory.* fields are applied together (a memory
-    config checks itself when it is made, and a pair such as cp_rank / min_cp_rank may only be
-    valid once both are set)."""
+    (none removes it; between tngram and tngram-variant the shared fields are kept); later
+    model.memory.* keys then refine it. A field the memory's kind handed to another kind
+    (tngram's order_combine, hash_orders, ...: tngram-variant's) switches it to that kind first.
+    `origin` prefixes errors (e.g. the config file's name). Consecutive model.memory.* fields are
+    applied together (a memory config checks itself when it is made, and a pair such as cp_rank /
+    min_cp_rank may only be valid once both are set)."""
     where = f"{origin}: " if origin else ""
     pending: dict[str, tuple[str, Any]] = {}  # memory field -> (key=text, parsed value)
     # a _Draft has TrainConfig's fields; the helpers below only read them and `replace` the draft
@@ -383,7 +386,7 @@ def _apply_memory_fields(cfg: TrainConfig, pending: dict[str, tuple[str, Any]]) 
     keys = ", ".join(k for k, _ in pending.values())
     pending.clear()
     try:
-        mem = replace(cfg.model.memory, **changes)
+        mem = with_memory_fields(cfg.model.memory, **changes)
     except TngramError as e:
         raise TngramError(f"{keys}: {e}") from None
     return replace(cfg, model=replace(cfg.model, memory=mem))
@@ -405,11 +408,7 @@ def _apply_one(
         )
         if kind is not None and kind not in kinds:
             raise TngramError(f"{key} must be one of {sorted(kinds) + ['none']}, got {value!r}")
-        mem = cfg.model.memory
-        if kind is None:
-            mem = None
-        elif mem is None or mem.kind != kind:
-            mem = kinds[kind]()
+        mem = None if kind is None else memory_config_as(cfg.model.memory, kind)
         return replace(cfg, model=replace(cfg.model, memory=mem))
     sec, _, fname = key.rpartition(".")
     sections = _sections(cfg)
@@ -425,6 +424,10 @@ def _apply_one(
         )
     obj = sections[sec]
     names = {f.name for f in fields(obj)} - ({"memory"} if sec == "model" else set())
+    if sec == "model.memory" and fname in obj.moved_fields:  # e.g. tngram's order_combine
+        obj = memory_config_as(obj, obj.moved_fields[fname])
+        cfg = replace(cfg, model=replace(cfg.model, memory=obj))
+        names = {f.name for f in fields(obj)}
     if fname not in names:
         raise TngramError(
             f"unknown config key {key!r}{did_you_mean(key, config_keys(cfg))}; "

@@ -18,12 +18,13 @@ slice-table modulus chosen so its Δparams equals TN-gram's (36,380 rows at L9, 
 TN-gram's 18,888,712; 36,000 at mini: Δ 4,336,800 vs 4,329,544, the pareto map's LongCat point).
 
 `paper-l9-tngram-sum / -hsum / -lean / -sum-lean`: TN-gram variants that cut work from the GPU
-step, each within Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1520, the
-largest multiple of 16 within TN-gram's Δparams: 18,695,080; an R off 16 lets Triton use only
-4-byte loads and atomics, and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416
-wide (mini-tngram-hsum with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's
-Δ: 26,421,720); no RMSNorm and no absorption at R 1024 (18,882,568); sum and lean together at
-R 1520. They keep the paper recipes' table lr.
+step (sum, hsum and sum-lean of kind tngram-variant; lean the paper's own ablations), each within
+Engram's Δparams (26,428,288 at L9): orders summed before K/V (R 1520, the largest multiple of 16
+within TN-gram's Δparams: 18,695,080; an R off 16 lets Triton use only 4-byte loads and atomics,
+and misaligns bf16 K/V rows); R 256 summed + hashed orders 2..5 at 416 wide (mini-tngram-hsum
+with widths scaled by d, 128 -> 512; budget 5839, the largest within Engram's Δ: 26,421,720); no
+RMSNorm and no absorption at R 1024 (18,882,568); sum and lean together at R 1520. They keep
+the paper recipes' table lr.
 
 `mini-*` recipes are sized for a 2-core CPU (docs/TRAINING.md has their measured speed;
 research/RESULTS.md the comparison).
@@ -71,9 +72,13 @@ def _engram(d_model: int, vocab: int, heads: int, max_ngram: int = 5, **kw: Any)
 
 
 def _tngram(cp_rank: int, max_ngram: int = 5, **kw: Any):
+    """The paper's TN-gram (kind tngram); a variant field in `kw` (order_combine, hash_orders,
+    ...) makes it kind tngram-variant."""
+    from tngram.memory import with_memory_fields
     from tngram.memory.tngram import TNGramConfig
 
-    return TNGramConfig(max_ngram=max_ngram, cp_rank=cp_rank, pad_id=0, kernel_size=3, **kw)
+    paper = TNGramConfig(max_ngram=max_ngram, cp_rank=cp_rank, pad_id=0, kernel_size=3)
+    return with_memory_fields(paper, **kw)
 
 
 def _oe(table_rows: int, max_ngram: int = 5, n_slices: int = 2, **kw: Any):
@@ -238,11 +243,13 @@ DESCRIPTIONS: dict[str, str] = {
     "paper-l9-tngram": "L9 + TN-gram N 5, R 1024 (the paper's Table 1)",
     "paper-l9-oe": "L9 + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
     "paper-l9-oe-longcat": "L9 + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
-    "paper-l9-tngram-sum": "L9 + TN-gram N 5, R 1520, order_combine sum (K/V read R, not 4R)",
-    "paper-l9-tngram-hsum": "L9 + TN-gram R 256, orders summed, + hashed orders 2-5 (416 wide)",
+    "paper-l9-tngram-sum": "L9 + TN-gram variant N 5, R 1520, orders summed (K/V read R, not 4R)",
+    "paper-l9-tngram-hsum": (
+        "L9 + TN-gram variant R 256, orders summed, + hashed orders 2-5 (416 wide)"
+    ),
     "paper-l9-tngram-lean": "L9 + TN-gram N 5, R 1024, no RMSNorm, no absorption",
     "paper-l9-tngram-sum-lean": (
-        "L9 + TN-gram N 5, R 1520, order_combine sum, no RMSNorm, no absorption"
+        "L9 + TN-gram variant N 5, R 1520, order_combine sum, no RMSNorm, no absorption"
     ),
     "paper-l18-raw": "the paper's L18 GPT, no memory",
     "paper-l18-engram": "L18 + Engram N 5, 8 heads per order",
@@ -251,7 +258,9 @@ DESCRIPTIONS: dict[str, str] = {
     "mini-engram": "mini + Engram N 5, 4 heads per order",
     "mini-tngram": "mini + TN-gram N 5, R 352 (the paper's module)",
     "mini-tngram-lean": "mini + TN-gram N 5, R 352, no RMSNorm, no absorption (ablation winners)",
-    "mini-tngram-hsum": "mini + TN-gram R 64, orders summed, + hashed orders 2-5, table lr x4",
+    "mini-tngram-hsum": (
+        "mini + TN-gram variant R 64, orders summed, + hashed orders 2-5, table lr x4"
+    ),
     "mini-oe": "mini + Over-Encoding N 5, 2 slices, at TN-gram's Δparams",
     "mini-oe-longcat": "mini + Over-Encoding at LongCat-Flash's settings, at TN-gram's Δparams",
     "mini-pkm": "mini + product-key memory, 128^2 slots, top 8, 2 heads, value lr x4 (Lample)",

@@ -109,7 +109,7 @@ def config_from_saved(d: Any, where: str, check_memory: bool = True) -> Any:
 
 def _check_memory_dict(mem: Any, prefix: str, where: str) -> None:
     """A saved memory config dict (or null): its kind known, its fields of their types."""
-    from tngram.memory import memory_config_classes
+    from tngram.memory import memory_config_classes, migrate_memory_dict
 
     if mem is None:
         return
@@ -121,7 +121,11 @@ def _check_memory_dict(mem: Any, prefix: str, where: str) -> None:
         raise BadRecordError(
             f"{where}: field {prefix}memory.kind must be one of {sorted(kinds)}, got {kind!r}"
         )
-    _check_fields(mem, kinds[kind], f"{prefix}memory.", where, skip=("kind",))
+    try:
+        mem = migrate_memory_dict(mem)  # e.g. tngram with a variant field: tngram-variant
+    except TngramError as e:
+        raise BadRecordError(f"{where}: {prefix}memory: {e}") from None
+    _check_fields(mem, kinds[mem["kind"]], f"{prefix}memory.", where, skip=("kind",))
 
 
 def model_config_from_saved(d: Any, where: str, prefix: str = "gpt.") -> Any:
