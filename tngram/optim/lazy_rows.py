@@ -1,4 +1,4 @@
-"""The row loop LazyAdam and RowwiseAdam share (`_LazyRowAdam`): touched rows gathered, updated,
+"""The row loop LazyAdam and RowwiseAdam share (`LazyRowAdam`): touched rows gathered, updated,
 scattered back in chunks; the catch-up of lazy steps (`optim.memory_catchup`, the closed form in
 `tngram.optim.memory_update`'s docstring); `settle` / `settled` for evaluation and the end of
 training. The two optimisers' own formulas are in `tngram.optim.row_adams`.
@@ -24,7 +24,7 @@ from tngram.kernels.row_update import (
 from tngram.kernels.sparse_rows import set_read_hook
 
 
-class _LazyRowAdam(torch.optim.Optimizer):
+class LazyRowAdam(torch.optim.Optimizer):
     """What LazyAdam and RowwiseAdam share: the argument checks, the closure, the loop over the
     parameters with a gradient, the touched rows (`_rows_and_values`), the step count, and the
     gather / scatter of the touched rows' moments and weights. A subclass says which moments it
@@ -431,7 +431,7 @@ def settled_tables(optimizers: Iterable[torch.optim.Optimizer]) -> AbstractConte
     """`settled()` of every catch-up table optimiser among `optimizers` (the trainer's eval)."""
     stack = ExitStack()
     for opt in optimizers:
-        if isinstance(opt, _LazyRowAdam):
+        if isinstance(opt, LazyRowAdam):
             stack.enter_context(opt.settled())
     return stack
 
@@ -439,11 +439,11 @@ def settled_tables(optimizers: Iterable[torch.optim.Optimizer]) -> AbstractConte
 def settle_tables(optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """`settle()` every catch-up table optimiser among `optimizers` (the end of training)."""
     for opt in optimizers:
-        if isinstance(opt, _LazyRowAdam):
+        if isinstance(opt, LazyRowAdam):
             opt.settle()
 
 
-# entries per chunk of touched rows in _LazyRowAdam.step (~1 MB fp32 per gathered tensor; 256-1024
+# entries per chunk of touched rows in LazyRowAdam.step (~1 MB fp32 per gathered tensor; 256-1024
 # rows x 352 measured alike, 1 thread, AMD EPYC: 13-14 ms against 35 ms unchunked at V = 32k)
 _ROW_CHUNK_ELEMS = 1 << 18
 

@@ -8,10 +8,10 @@ import math
 import torch
 from torch import Tensor
 
-from tngram.optim.lazy_rows import _LazyRowAdam
+from tngram.optim.lazy_rows import LazyRowAdam
 
 
-class RowwiseAdam(_LazyRowAdam):
+class RowwiseAdam(LazyRowAdam):
     """Lazy Adam with one second moment per row (see module docstring). Rows are the last
     dimension's vectors: a (V, W) table has V rows, TN-gram's (N, V, R) factors N*V rows.
 
@@ -62,7 +62,7 @@ class RowwiseAdam(_LazyRowAdam):
         return -lr / (1 - b1**t), math.sqrt(1 - b2**t)
 
 
-class LazyAdam(_LazyRowAdam):
+class LazyAdam(LazyRowAdam):
     """torch.optim.SparseAdam's lazy Adam, written with index_select / index_copy_ / index_add_ on
     the touched rows (torch's goes through sparse_mask and sparse additions; measured 2-4x
     slower here, docs/LOG.md). Same state (step, exp_avg, exp_avg_sq), same formula: for each
