@@ -172,9 +172,12 @@ def open_read(path: StrPath, root: StrPath | None = None) -> IO[bytes]:
 
 
 def read_bytes(path: StrPath, root: StrPath | None = None, limit: int | None = None) -> bytes:
-    """The bytes of a regular file (at most `limit`: a larger file is refused, naming it)."""
+    """The bytes of a regular file (at most `limit`: a larger file is refused, naming it, before
+    any byte is read)."""
     with open_read(path, root) as f:
-        data = f.read() if limit is None else f.read(limit + 1)
+        if limit is not None and os.fstat(f.fileno()).st_size > limit:
+            raise TngramError(f"{path}: larger than {limit:,} bytes; not a file tngram wrote")
+        data = f.read() if limit is None else f.read(limit + 1)  # (+1: a file still growing)
     if limit is not None and len(data) > limit:
         raise TngramError(f"{path}: larger than {limit:,} bytes; not a file tngram wrote")
     return data

@@ -14,7 +14,6 @@ re-exported here.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -38,6 +37,7 @@ from research.experiments.pareto_paired import (  # noqa: F401  (public names)
     paired_rows,
 )
 from research.experiments.pareto_timing import bench_points, median_ci, step_ratio  # noqa: F401
+from research.report.markdown import read_results
 
 
 def pareto_front(points: Sequence[Point]) -> list[int]:
@@ -121,8 +121,8 @@ def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[di
 
         summ = read_summary_file(f, run_dir_of(out, s))  # checked: one line naming a bad field
         get(summ, "total_params", "int", str(f), lo=0)
-        for k in ("val_loss", "val_bpb", "train_loss"):
-            get(summ, k, "any-number?", str(f))
+        for k in ("val_loss", "val_bpb", "train_loss"):  # a point of the map: finite, never null
+            get(summ, k, "float", str(f))
         total = int(summ["total_params"])
         delta = total - raw_total.get(s.tags["corpus"], total)
         rows.append(
@@ -414,7 +414,7 @@ def write_report(
     rows = collect(out, specs, core_max) if rows is None else rows
     if bench is None:
         f = out / "bench.json"
-        bench = json.loads(f.read_text()) if f.is_file() else {}
+        bench = read_results(f) if f.is_file() else {}  # times >= 0, strict JSON
     points = aggregate(rows, bench)
     corpora = list(dict.fromkeys(s.tags["corpus"] for s in specs))
     tables = {c: corpus_tables(points, c) for c in corpora}
@@ -480,7 +480,7 @@ def write_results_files(out: Path) -> None:
 
     g = git_info(Path(__file__).resolve().parent)
     commit = (g["commit"] or "unknown")[:12] + (" (uncommitted changes)" if g["dirty"] else "")
-    bench = json.loads((out / "pareto.json").read_text()).get("bench", {})
+    bench = read_results(out / "pareto.json").get("bench", {})
     m = bench.get("machine", {})
     machine = (
         f"{m.get('cpu', '?')}, {m.get('logical_cpus', '?')} CPUs; training runs one torch "
@@ -500,7 +500,7 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
     """research/results files (kind "table") per corpus: pareto-<corpus>,
     pareto-<corpus>-best-params,
     pareto-<corpus>-best-step, from OUT/pareto.json."""
-    data = json.loads((out / "pareto.json").read_text())
+    data = read_results(out / "pareto.json")
     files = {}
     for c, t in data["tables"].items():
         meta = {
@@ -530,7 +530,7 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
             files[f"pareto-{kind.replace('_', '-')}"] = _table_file(cross[1], cross[0], meta)
     tuning = out / "tuning" / "tuning.json"
     if tuning.is_file():
-        tj = json.loads(tuning.read_text())
+        tj = read_results(tuning)
         by: dict[float, list[float]] = {}
         for r in tj["rows"]:
             by.setdefault(float(r["factor"]), []).append(float(r["val_loss"]))

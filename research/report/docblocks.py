@@ -41,7 +41,6 @@ every block found is checked or refused, and --check says how many it checked.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from research.report.markdown import (
     block_names,
     current_block,
     provenance,
+    read_results,
     render_cell,  # noqa: F401
     render_table,
     replace_block,
@@ -75,10 +75,7 @@ def load_snapshot(doc: Path, name: str) -> dict[str, Any]:
     path = snapshot_path(doc, name)
     if not path.is_file():
         raise MissingFileError(f"{doc}: block {name!r} cites {path}, which is missing")
-    try:
-        snap = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TngramError(f"{path}: not valid JSON ({e})") from None
+    snap = read_results(path)  # strict JSON, times >= 0 (research.report.markdown)
     if isinstance(snap, dict) and snap.get("kind") == "summary":  # its numbers live in other files
         snap = resolve_summary(snap, path.parent)
     if isinstance(snap, dict) and snap.get("kind") == "gpu-index":  # lists the gpu-*.json files
@@ -90,8 +87,16 @@ def load_snapshot(doc: Path, name: str) -> dict[str, Any]:
 
 
 def render(snap: dict[str, Any], name: str) -> str:
-    """The text of block `name` from its results file."""
+    """The text of block `name` from its results file; a value the block cannot show (NaN, a
+    string where a number belongs, a missing seed, a bad format code) is one line naming it."""
     source = f"research/results/{results_name(name)}.json"
+    try:
+        return _render(snap, name, source)
+    except TngramError as e:
+        raise TngramError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
+
+
+def _render(snap: dict[str, Any], name: str, source: str) -> str:
     view = name.split(":", 1)[1] if ":" in name else ""
     kind = snap.get("kind", "compare")
     if kind == "compare":

@@ -18,7 +18,6 @@ commit.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from research.report.gpu_cells import ok as _ok
 from research.report.gpu_cells import ratio as _ratio
 from research.report.gpu_goals import goals_table
 from research.report.gpu_micro_blocks import attention_table, kernels_table, optim_table
-from research.report.markdown import md_row
+from research.report.markdown import md_row, read_results
 
 MODELS = (("raw", "raw"), ("engram", "Engram"), ("tngram", "TN-gram"))
 UPDATES = ("dense", "sparse", "rowwise")
@@ -376,10 +375,7 @@ def resolve_index(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
     list is refused with one line saying where to add it (the goals block reads the newest)."""
     runs = []
     for path in sorted(results_dir.glob("gpu-*.json")):
-        try:
-            other = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise TngramError(f"{path}: not valid JSON ({e})") from None
+        other = read_results(path)  # strict JSON, times >= 0 (research.report.markdown)
         if isinstance(other, dict) and other.get("kind") == "bench-gpu" and not other.get("tiny"):
             runs.append((path.name, other))
     order = list(snap.get("order", []))

@@ -7,6 +7,7 @@ research.report.readme and research.report.bench_blocks all build on it.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -140,12 +141,54 @@ def md_row(cells: list[str]) -> str:
     return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
 
 
-def _num(v: float, spec: str) -> str:
-    return format(v, spec).replace("-", MINUS)
+MAX_RESULTS_BYTES = 64 << 20  # the largest results file is a few MB
+# keys of a results file that hold a time or a rate: a number >= 0 (or null) wherever they are;
+# a difference of two (an overhead, a delta) a number
+_TIME = re.compile(r"(^|_)(ms|s|seconds|time|per_s|per_token)$")
+_DIFFERENCE = re.compile(r"overhead|delta|diff|gain|saved")
+
+
+def _time_kind(key: Any) -> str:
+    if not isinstance(key, str) or not _TIME.search(key):
+        return ""
+    return "difference" if _DIFFERENCE.search(key) else "time"
+
+
+def read_results(path: Path) -> Any:
+    """A results file the docs are generated from: tngram.readback's checked JSON (size before
+    reading, UTF-8, strict: no NaN / Infinity, depth), an object, and every time or rate field
+    (a key ending in _ms, _s, per_s, ...) a finite number >= 0 or null, named when not."""
+    from tngram.readback import load_json
+
+    snap = load_json(path, limit=MAX_RESULTS_BYTES)
+    stack: list[tuple[Any, str, str]] = [(snap, "", "")]  # (value, field, its time key's kind)
+    while stack:
+        o, at, kind = stack.pop()
+        if isinstance(o, (dict, list)):
+            for k, v in o.items() if isinstance(o, dict) else enumerate(o):
+                field = f"{at}.{k}".lstrip(".") if isinstance(k, str) else f"{at}[{k}]"
+                stack.append((v, field, _time_kind(k) or kind))
+        elif kind and o is not None:
+            number = isinstance(o, (int, float)) and not isinstance(o, bool)
+            if not number or (kind == "time" and o < 0):
+                what = "a time or rate >= 0" if kind == "time" else "a number"
+                raise TngramError(f"{path}: field {at} must be {what}, got {o!r:.40}")
+    return snap
+
+
+def _num(v: Any, spec: str) -> str:
+    """A finite number formatted by `spec` (a NaN, a string or a bad format code: one line)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise TngramError(f"a number belongs in this cell, got {v!r:.40}")
+    try:
+        return format(v, spec).replace("-", MINUS)
+    except ValueError as e:
+        raise TngramError(f"bad format code {spec!r} for {v!r} ({e})") from None
 
 
 def render_cell(value: Any, fmt: str = "") -> str:
-    """One table cell. `value` is None (shown "–"), a string (shown as is), a number, a list of
+    """One table cell. `value` is None (shown "–"), a string (shown as is; in a column with a
+    format it must begin with a number), a finite number, a list of finite
     numbers (one per seed), or {"value": v, "bold": true}. `fmt` is a Python format spec
     (".4f", "+.4f", ",") or one of
       "params"          5683200 -> 5.68M
@@ -158,12 +201,20 @@ def render_cell(value: Any, fmt: str = "") -> str:
         return f"**{cell}**" if value.get("bold") else cell
     if value is None:
         return "–"
-    if isinstance(value, str):
+    if isinstance(value, str):  # a note in a number's column begins with its number
+        if fmt and value and not re.match(r"[-+−]?\d", value):
+            raise TngramError(
+                f"a number belongs in this cell (format {fmt!r}), got {value!r:.40} (a note "
+                "there must begin with the number it annotates)"
+            )
         return value
     kind, _, spec = fmt.partition(":") if ":" in fmt else ("", "", fmt)
     if kind == "mean_std" or kind == "list":
         if not isinstance(value, list):
             raise TngramError(f"format {fmt!r} needs a list of numbers, got {value!r}")
+        for i, v in enumerate(value):  # a seed that is not there is named, never averaged away
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TngramError(f"value {i + 1} of {len(value)} (one per seed) is {v!r:.40}")
         if kind == "list":
             return ", ".join(_num(v, spec) for v in value)
         m, s = mean_std(value)

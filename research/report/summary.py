@@ -19,12 +19,11 @@ regenerated.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from tngram.common import MissingFileError, TngramError
-from research.report.markdown import md_row, render_cell
+from research.report.markdown import md_row, read_results, render_cell
 
 
 def _row(table: dict[str, Any], key: int | str, where: str) -> list[Any]:
@@ -68,7 +67,7 @@ def resolve(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
                     raise MissingFileError(
                         f"summary finding {n + 1} cites {path}, which is missing"
                     )
-                tables[name] = json.loads(path.read_text(encoding="utf-8"))
+                tables[name] = read_results(path)
             values[slot] = cell_text(
                 tables[name],
                 ref["row"],
@@ -92,8 +91,9 @@ def resolve(snap: dict[str, Any], results_dir: Path) -> dict[str, Any]:
 def render_summary(snap: dict[str, Any]) -> str:
     """The summary table of a resolved "summary" results file."""
     if "resolved" not in snap:
-        raise TngramError("a 'summary' results file must be resolved against research/results "
-        "first")
+        raise TngramError(
+            "a 'summary' results file must be resolved against research/results first"
+        )
     out = ["| question (section below) | finding | numbers from |", "|---|---|---|"]
     for line in snap["resolved"]:
         files = ", ".join(f"`{name}.json`" for name in line["files"])

@@ -64,6 +64,38 @@ def test_report_doc_regenerates_and_check_catches_an_edit(tmp_path):
     assert check_doc(doc) == ["t"]
 
 
+@pytest.mark.parametrize("cell, fmt, needle", [
+    ([3.0, None, 3.2], "mean_std:.4f", "value 2 of 3 (one per seed) is None"),
+    ([3.0, float("nan")], "mean_std:.4f", "value 2 of 2 (one per seed) is nan"),
+    (float("nan"), ".4f", "a number belongs in this cell, got nan"),
+    ("abc", ".4f", "a number belongs in this cell (format '.4f'), got 'abc'"),
+    (3.0, ".4q", "bad format code '.4q'"),
+])
+def test_a_block_never_shows_nan_a_word_for_a_number_or_averages_a_seed_away(cell, fmt, needle):
+    snap = dict(TABLE, columns=[{"header": "method"}, {"header": "v", "fmt": fmt}], rows=[["x", cell]])
+    with pytest.raises(TngramError) as e:
+        render(snap, "t")
+    assert str(e.value).startswith("research/results/t.json: ") and needle in str(e.value), e.value
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"kind": "table", "v": NaN}', "field v holds NaN"),
+    ('{"kind": "bench-threads", "rows": [{"step_ms": -5}]}', "field rows[0].step_ms must be a time"),
+    ('{"kind": "x", "tokens_per_s": "fast"}', "field tokens_per_s must be a time or rate"),
+    ("[1, 2]", "expected a JSON object"),
+    ("[" * 5000 + "]" * 5000, "nested more than"),
+])
+def test_a_results_file_is_read_strictly_before_any_block_is_written(text, needle, tmp_path,
+                                                                      capsys):
+    doc = _doc(tmp_path, TABLE)
+    (tmp_path / "research" / "results" / "t.json").write_text(text)
+    before = doc.read_text()
+    assert research_main(["report", "doc", str(doc)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "t.json: " in err and needle in err, err
+    assert doc.read_text() == before
+
+
 def test_bad_results_files_fail_with_one_clear_line(tmp_path):
     with pytest.raises(TngramError, match="'commit' is missing"):
         render({k: v for k, v in TABLE.items() if k != "commit"}, "t")

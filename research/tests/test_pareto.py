@@ -233,6 +233,42 @@ def test_report_from_finished_runs_picks_the_front_and_skips_other_configs(tmp_p
     assert "| ≤ 1.5M | TN-gram (88) | 1.08M | 3.4700 |" in render_table(snap)
 
 
+@pytest.mark.parametrize("summary, bench, needle", [
+    ('{"total_params": 1, "val_loss": NaN, "val_bpb": 1.0, "train_loss": 1.0}', None,
+     "field val_loss holds NaN"),
+    ('{"total_params": 1, "val_loss": null, "val_bpb": 1.0, "train_loss": 1.0}', None,
+     "field 'val_loss' must be a finite number"),
+    (None, {"points": {"raw": {"step_ms": -5.0}}}, "field points.raw.step_ms must be a time"),
+    (None, {"points": {"raw": {"step_ms": "abc"}}}, "field points.raw.step_ms must be a time"),
+])
+def test_the_map_never_takes_a_non_finite_loss_or_a_bad_time(summary, bench, needle, tmp_path,
+                                                             monkeypatch):
+    """A finished run whose summary holds NaN (or null) val loss, and a bench.json with a negative
+    or non-numeric step time: one line naming the file and the field, and no pareto.json."""
+    import json
+
+    from research.experiments.pareto_report import write_report
+    from tngram.common import TngramError
+    from tngram.experiments.runner import run_dir_of
+    from tngram.train.recipes import param_summary
+    monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 1024))
+    factors = {"engram": 4.0, "tngram": 2.0, "oe": 1.0, "longcat": 1.0}
+    specs = P.specs_for(["default"], "mini", 1, None, factors, families=("raw",), n_sizes=1)
+    d = run_dir_of(tmp_path, specs[0])
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(specs[0].config.to_dict()))
+    total = param_summary(specs[0].config)["total_params"]
+    (d / "summary.json").write_text(summary.replace('"total_params": 1', f'"total_params": {total}')
+                                    if summary else json.dumps({"total_params": total, "val_loss": 3.7,
+                                                                "val_bpb": 1.8, "train_loss": 3.7}))
+    if bench is not None:
+        (tmp_path / "bench.json").write_text(json.dumps(bench))
+    with pytest.raises(TngramError) as e:
+        write_report(tmp_path, specs, factors)
+    assert needle in str(e.value) and "\n" not in str(e.value), e.value
+    assert not (tmp_path / "pareto.json").exists()
+
+
 def test_large_vocabulary_setting_rides_with_the_default_corpus(monkeypatch):
     """`default@8192` trains every family at its recipe size and one larger, at vocabulary 8192."""
     monkeypatch.setattr(P, "corpus_data", lambda corpus: ("/nonexistent", 8192 if corpus.endswith("@8192") else 1024))
