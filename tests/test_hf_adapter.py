@@ -89,6 +89,57 @@ def test_load_memory_refuses_another_base(tmp_path, other):
     assert type(base) is cls and not memory_modules(base)
 
 
+def _llama(**changes):
+    cfg = tiny_config("llama")
+    torch.manual_seed(0)  # the weights of tiny_model("llama")
+    return LlamaForCausalLM(cfg.__class__(**{**cfg.to_dict(), **changes})).eval()
+
+
+def test_load_memory_ignores_token_ids_and_names_the_field_that_differs(tmp_path):
+    """Recipes set pad / eos / bos token ids freely: they do not change the network, so a base
+    differing only there takes the memory, exactly. A field that does change it is named with
+    both values, and ignore_base_fields lets a user vouch for it."""
+    model = with_memory("llama", "tngram")
+    x = prompt(2, 9)
+    save_memory(model, tmp_path / "mem")
+    meta = json.loads((tmp_path / "mem" / SPEC_FILE).read_text())
+    assert meta["base"]["config"]["hidden_size"] == 32 and "pad_token_id" not in str(meta)
+    base = load_memory(_llama(pad_token_id=5, eos_token_id=7, bos_token_id=3), tmp_path / "mem")
+    with torch.no_grad():
+        assert torch.equal(base(x).logits, model(x).logits)
+    other = _llama(rms_norm_eps=1e-3)
+    with pytest.raises(TngramError, match=r"config\.rms_norm_eps is 1e-06 there, 0\.001 here.*"
+                                          r"ignore_base_fields=\['rms_norm_eps'\]"):
+        load_memory(other, tmp_path / "mem")
+    assert type(other) is LlamaForCausalLM and not memory_modules(other)
+    load_memory(other, tmp_path / "mem", ignore_base_fields=["rms_norm_eps"])
+    assert memory_modules(other)
+    with pytest.raises(TngramError, match=r"config\.num_hidden_layers is 3 there, 4 here"):
+        load_memory(_llama(num_hidden_layers=4), tmp_path / "mem")
+
+
+def test_load_memory_reads_files_without_a_field_record(tmp_path):
+    """A tngram_memory.json written before base.config was recorded: its config_hash (over every
+    field but the runtime ones, token ids included) still admits the same base."""
+    from tngram.hf.adapter import _LEGACY_RUNTIME_FIELDS, _sha256_json
+
+    model = with_memory("llama", "tngram")
+    save_memory(model, tmp_path / "mem")
+    path = tmp_path / "mem" / SPEC_FILE
+    meta = json.loads(path.read_text())
+    del meta["base"]["config"]
+    legacy = {k: v for k, v in tiny_config("llama").to_dict().items()
+              if k not in _LEGACY_RUNTIME_FIELDS}
+    meta["base"]["config_hash"] = _sha256_json(legacy)
+    path.write_text(json.dumps(meta))
+    x = prompt(2, 9)
+    with torch.no_grad():
+        assert torch.equal(load_memory(tiny_model("llama"), tmp_path / "mem")(x).logits,
+                           model(x).logits)
+    with pytest.raises(TngramError, match="config_hash is .*this file records no config fields"):
+        load_memory(_llama(rms_norm_eps=1e-3), tmp_path / "mem")
+
+
 def test_load_memory_refuses_edited_weights_and_a_model_with_memory(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -121,6 +172,23 @@ def test_trainable_memory_and_the_report(capsys):
     assert f"all params: {n_all:,}" in line and f"{100 * n_mem / n_all:.4f}" in line
     with pytest.raises(TngramError, match="trainable must be one of"):
         add_memory(tiny_model("llama"), MEMORIES["tngram"], trainable="backbone")
+
+
+def test_report_counts_the_memory_of_a_peft_model_once():
+    """peft keeps a frozen original beside the copy of the memory it trains (modules_to_save):
+    the report counts the copy that runs, so the memory equals the memory of the model before
+    wrapping (it was counted twice); switching the adapters off counts the original instead."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (the hf extra has it)")
+    model = with_memory("llama", "tngram")
+    before = trainable_parameters(model)
+    pm = peft.get_peft_model(model, peft.LoraConfig(
+        r=2, target_modules=["q_proj"], modules_to_save=["ngram_memory"]))
+    lora = sum(p.numel() for n, p in pm.named_parameters() if "lora_" in n)
+    c = trainable_parameters(pm)
+    assert c["memory"] == c["memory_trainable"] == before["memory"]
+    assert c["all"] == before["all"] + lora and c["trainable"] == before["memory"] + lora
+    with pm.disable_adapter():
+        assert trainable_parameters(pm)["memory"] == before["memory"]
 
 
 def test_disable_memory_gives_the_plain_model():

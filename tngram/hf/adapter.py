@@ -10,11 +10,13 @@
     trainable_parameters / print_trainable_parameters   counts, like peft's report
     disable_memory(model)        a context manager: the model runs as if it had no memory
 
-The base's identity is its configuration, hashed (`config_hash`: SHA-256 of the family
-config's JSON without the fields that do not change the network: name_or_path, dtype,
-transformers version, attention implementation, output flags), its vocabulary size (the input
-embedding's rows) and its model type; `name_or_path` is recorded but not compared (the same base
-may sit at another path on another machine).
+The base's identity is the part of its configuration that shapes the network (`config`: the
+family config's fields without those that do not change what it computes: name_or_path,
+dtype, transformers version, attention implementation, output flags, the special token ids,
+init range; `config_hash`: their SHA-256), its vocabulary size (the input embedding's rows) and
+its model type. load_memory compares them field by field and names the first that differs;
+`name_or_path` is recorded but not compared (the same base may sit at another path on another
+machine).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import copy
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -55,7 +57,8 @@ WEIGHTS_FILE = "tngram_memory.safetensors"
 SPEC_FILE = "tngram_memory.json"
 DIGEST_KEY = "weights_sha256"  # in SPEC_FILE: sha256 of WEIGHTS_FILE's payload (its tensors)
 FORMAT = 1
-# config fields that do not change the network a memory was trained on
+# config fields that do not change the network a memory was trained on (and every special
+# token id: `*_token_id` / `*_token_ids`, which recipes set freely; see _network_fields)
 _RUNTIME_FIELDS = frozenset(
     {
         "_name_or_path",
@@ -75,8 +78,21 @@ _RUNTIME_FIELDS = frozenset(
         "output_attentions",
         "output_hidden_states",
         "return_dict",
+        "initializer_range",
+        "tokenizer_class",
+        "id2label",
+        "label2id",
+        "problem_type",
     }
 )
+# the fields the first format-1 files hashed left out (their config_hash still verifies)
+_LEGACY_RUNTIME_FIELDS = _RUNTIME_FIELDS - {
+    "initializer_range",
+    "tokenizer_class",
+    "id2label",
+    "label2id",
+    "problem_type",
+}
 MAX_SPEC_BYTES = 1 << 20
 
 
@@ -86,19 +102,43 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return get() if callable(get) and hasattr(model, "peft_config") else model
 
 
-def config_hash(config: Any) -> str:
-    """SHA-256 (hex) of the family config's fields that shape the network (_RUNTIME_FIELDS out)."""
+def _family_fields(config: Any) -> dict[str, Any]:
+    """The family config's to_dict() (a memory config's spec and class left out)."""
     plain = copy.deepcopy(config)
     if isinstance(plain, TngramConfigMixin):
         plain.__class__ = base_class(type(plain))
         plain.__dict__.pop(CONFIG_KEY, None)
-    fields = {k: v for k, v in plain.to_dict().items() if k not in _RUNTIME_FIELDS}
+    return plain.to_dict()
+
+
+def _is_token_id(key: str) -> bool:
+    return key.endswith(("_token_id", "_token_ids"))
+
+
+def network_fields(config: Any) -> dict[str, Any]:
+    """The config fields that shape the network, as JSON values (sorted keys): the family config
+    without _RUNTIME_FIELDS and the special token ids (pad / bos / eos / ...)."""
+    fields = {
+        k: v
+        for k, v in _family_fields(config).items()
+        if k not in _RUNTIME_FIELDS and not _is_token_id(k)
+    }
+    return json.loads(json.dumps(fields, sort_keys=True, default=str))
+
+
+def _sha256_json(fields: dict[str, Any]) -> str:
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def config_hash(config: Any) -> str:
+    """SHA-256 (hex) of network_fields(config)."""
+    return _sha256_json(network_fields(config))
+
+
 def base_identity(model: nn.Module) -> dict[str, Any]:
-    """{"name_or_path", "model_type", "config_hash", "vocab_size"} of a model's base."""
+    """{"name_or_path", "model_type", "config_hash", "vocab_size", "config"} of a model's base
+    ("config": network_fields, which load_memory compares field by field)."""
     model = _unwrap(model)
     config = model.config
     return {
@@ -106,6 +146,7 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
         "model_type": _family(config),
         "config_hash": config_hash(config),
         "vocab_size": _embedding_rows(_base(model)),
+        "config": network_fields(config),
     }
 
 
@@ -169,6 +210,8 @@ def read_memory_meta(directory: str | Path) -> dict[str, Any]:
     keys = ("name_or_path", "model_type", "config_hash", "vocab_size")
     if not isinstance(base, dict) or any(k not in base for k in keys):
         raise TngramError(f"{path}: base must be an object with the keys {list(keys)}")
+    if not isinstance(base.get("config", {}), dict):
+        raise TngramError(f"{path}: base.config must be an object (the base's config fields)")
     if not isinstance(meta.get("spec"), dict):
         raise TngramError(f"{path}: spec must be an object (the memory spec)")
     digest = meta.get(DIGEST_KEY)
@@ -181,23 +224,62 @@ def read_memory_meta(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
-def check_base(base: nn.Module, saved: dict[str, Any], where: str) -> None:
-    """One TngramError if `base` is not the base the memory was saved from."""
+def check_base(
+    base: nn.Module, saved: dict[str, Any], where: str, ignore: Iterable[str] = ()
+) -> None:
+    """One TngramError, naming the field, if `base` is not the base the memory was saved from:
+    its model type, vocabulary size and network_fields (but the fields in `ignore`). A file
+    without base.config (written before it was recorded) is checked by its config_hash."""
     have = base_identity(base)
-    for key in ("model_type", "vocab_size", "config_hash"):
-        if have[key] != saved[key]:
-            raise TngramError(
-                f"{where}: the memory was saved from a different base ({key} "
-                f"{saved[key]!r}, base {saved['name_or_path']!r}) than this model ({key} "
-                f"{have[key]!r}); load it onto the base it was trained on"
-            )
+    ignore = set(ignore)
+    differ = [k for k in ("model_type", "vocab_size") if have[k] != saved[k]]
+    if "config" in saved:
+        mine, theirs = have["config"], saved["config"]
+        differ += [
+            f"config.{k}"
+            for k in sorted(set(mine) | set(theirs))
+            if k not in ignore and mine.get(k) != theirs.get(k)
+        ]
+    elif have["config_hash"] != saved["config_hash"]:
+        legacy = {
+            k: v for k, v in _family_fields(_unwrap(base).config).items()
+            if k not in _LEGACY_RUNTIME_FIELDS
+        }
+        if _sha256_json(legacy) != saved["config_hash"]:
+            differ.append("config_hash")  # no field record in this file to name the field
+    if not differ:
+        return
+    key = differ[0]
+    if key == "config_hash":
+        there, here = saved[key], have[key]
+        hint = "(this file records no config fields: save the memory again to have them named)"
+    elif key.startswith("config."):
+        there, here = saved["config"].get(key[7:]), have["config"].get(key[7:])
+        hint = f"(if it does not change what the memory learned: ignore_base_fields=[{key[7:]!r}])"
+    else:
+        there, here = saved[key], have[key]
+        hint = ""
+    more = f" and {len(differ) - 1} more field(s)" if len(differ) > 1 else ""
+    raise TngramError(
+        f"{where}: the memory was saved from a different base ({saved['name_or_path']!r}): "
+        f"{key} is {there!r} there, {here!r} here{more}; load it onto the base it was trained "
+        f"on {hint}".rstrip()
+    )
 
 
-def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "all") -> nn.Module:
+def load_memory(
+    model: nn.Module,
+    directory: str | Path,
+    *,
+    trainable: str = "all",
+    ignore_base_fields: Iterable[str] = (),
+) -> nn.Module:
     """Attach the memory saved in `directory` (save_memory) to `model`, a plain transformers
-    model of the same base; returns the model. Refused with one line: a different base (config
-    hash, vocabulary size, model type), a model that already has a memory, weights that do not
-    match the spec. On refusal the model is left as it was."""
+    model of the same base; returns the model. Refused with one line: a different base (model
+    type, vocabulary size, or a config field that shapes the network, named; special token ids
+    such as pad / eos never count, and `ignore_base_fields` lists config fields you vouch for),
+    a model that already has a memory, weights that do not match the spec. On refusal the model
+    is left as it was."""
     from tngram.hf.gpt_folder import pin_memory_tokenizer
     from tngram.readback.tensors import read_safetensors
 
@@ -206,7 +288,11 @@ def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "al
     meta = read_memory_meta(directory)
     if memory_spec(model) is not None or memory_modules(model):
         raise TngramError(f"{where}: the model already has an n-gram memory (remove_memory first)")
-    check_base(model, meta["base"], where)
+    if isinstance(ignore_base_fields, str):
+        raise TngramError(
+            f"ignore_base_fields must be a list of config field names, got {ignore_base_fields!r}"
+        )
+    check_base(model, meta["base"], where, ignore_base_fields)
     spec = meta["spec"]
     check_spec(spec, _base(model), where=f"{where} spec")
     # a tokenizer the memory reads (Engram's compression): a plain name inside the folder
@@ -235,10 +321,32 @@ def load_memory(model: nn.Module, directory: str | Path, *, trainable: str = "al
     return model
 
 
+def _idle_copies(model: nn.Module) -> set[int]:
+    """ids of the parameters a forward does not use: in each peft wrapper that keeps copies of a
+    module (modules_to_save), the copies other than the one that runs (its original, the other
+    adapters' copies)."""
+    idle: set[int] = set()
+    for mod in model.modules():
+        copies, original = mod._modules.get("modules_to_save"), mod._modules.get("original_module")
+        if not isinstance(copies, nn.ModuleDict) or original is None:
+            continue
+        active = cast("list[str]", getattr(mod, "active_adapters", []))
+        disabled = bool(getattr(mod, "disable_adapters", False))
+        running = (
+            copies[active[0]] if active and active[0] in copies and not disabled else original
+        )
+        used = {id(p) for p in running.parameters()}
+        for m in (original, *copies.values()):
+            idle |= {id(p) for p in m.parameters() if id(p) not in used}
+    return idle
+
+
 def trainable_parameters(model: nn.Module) -> dict[str, int]:
-    """{"trainable", "all", "memory", "memory_trainable"}: parameter counts (shared ones once)."""
+    """{"trainable", "all", "memory", "memory_trainable"}: parameter counts of the network that
+    runs, each parameter once (shared ones once; of a module peft keeps copies of, only the copy
+    a forward uses: the memory of a PeftModel is counted once, not with its frozen original)."""
     counts = dict.fromkeys(("trainable", "all", "memory", "memory_trainable"), 0)
-    seen: set[int] = set()
+    seen: set[int] = _idle_copies(model)
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
