@@ -202,23 +202,23 @@ def verify_weights_digest(config: Any, source: Any, where: str, kwargs: dict) ->
             "recorded its weights' digest, or edited (if you trust it, load it and "
             "save_pretrained it again)"
         )
-    folder = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
-    local = folder is not None and folder.is_dir()
+    folder = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else Path()
+    local = isinstance(source, (str, os.PathLike)) and folder.is_dir()
     if local:
-        assert folder is not None
         extra = sorted({f.name for f in folder.glob("*.safetensors")} - set(digests))
         if extra:
             raise BadRecordError(f"{where}: field {WEIGHTS_DIGEST} does not list {extra[:3]}")
     for name, want in digests.items():
         plain_name(name, where, f"field {WEIGHTS_DIGEST} key")
         if local:
-            assert folder is not None
             path = folder / name
         else:
             from transformers.utils import cached_file
 
-            hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-            path = Path(cached_file(source, name, **hub))
+            got = cached_file(source, name, **{k: kwargs[k] for k in HUB_KWARGS if k in kwargs})
+            if got is None:
+                raise BadRecordError(f"{where}: field {WEIGHTS_DIGEST} lists {name}, not there")
+            path = Path(got)
         if payload_digest(path, path.parent)[1] != want:
             raise BadRecordError(
                 f"{path}: the payload does not match its sha256 in config.json "
