@@ -1,4 +1,4 @@
-"""Safe file access inside a run or dataset folder (docs/RELIABILITY.md, "Received folders").
+"""Safe file access inside a run or dataset folder (docs/RELIABILITY.md, "Files read back").
 
 Run and dataset folders are shared, copied and downloaded, so their content is untrusted. Every
 file tngram writes or reads inside such a folder (the *root*) goes through this module:
