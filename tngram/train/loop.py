@@ -122,7 +122,7 @@ def train(
         with sdpa_preference(cfg.run.sdpa):  # the attention kernel torch prefers (run.sdpa)
             trainer = Trainer(cfg, run_dir, ctx, resume, max_steps, logger, progress)
             trainer.watch = watch
-            with StopRequest() as signals:  # SIGTERM / SIGINT / SIGHUP: finish the step, checkpoint, stop
+            with StopRequest() as signals:  # SIGTERM, SIGINT, SIGHUP: checkpoint, stop
                 return trainer.run(signals)
     except TrainingStopped as stop:
         stopped = stop
