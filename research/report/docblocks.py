@@ -94,6 +94,10 @@ def render(snap: dict[str, Any], name: str) -> str:
         return _render(snap, name, source)
     except TngramError as e:
         raise TngramError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
+    except KeyError as e:  # the renderers read only the snapshot: a field it lacks
+        raise TngramError(f"{source}: field {e} is missing") from None
+    except (TypeError, ValueError, IndexError, AttributeError) as e:
+        raise TngramError(f"{source}: a field has the wrong type or shape ({e})") from None
 
 
 def _render(snap: dict[str, Any], name: str, source: str) -> str:

@@ -78,6 +78,11 @@ def test_a_block_never_shows_nan_a_word_for_a_number_or_averages_a_seed_away(cel
     assert str(e.value).startswith("research/results/t.json: ") and needle in str(e.value), e.value
 
 
+def test_a_results_file_missing_a_key_is_named_not_a_bug():
+    with pytest.raises(TngramError, match=r"^research/results/t.json: field 'header' is missing$"):
+        render(dict(TABLE, columns=[{"header": "method"}, {"fmt": ".4f"}]), "t")
+
+
 @pytest.mark.parametrize("text, needle", [
     ('{"kind": "table", "v": NaN}', "field v holds NaN"),
     ('{"kind": "bench-threads", "rows": [{"step_ms": -5}]}', "field rows[0].step_ms must be a time"),
