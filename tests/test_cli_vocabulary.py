@@ -33,7 +33,13 @@ def options(parser):
                                                                                   argparse._VersionAction))]
 
 
-COMMANDS = {" ".join(p): parser for p, parser in all_parsers()}
+def _lab_parsers():
+    """The lab's commands (`python -m research ...`) share the vocabulary: same helpers, same flags."""
+    from research.cli import build_parser as lab_parser
+    return all_parsers(lab_parser(), ("python -m research",))
+
+
+COMMANDS = {" ".join(p): parser for p, parser in [*all_parsers(), *_lab_parsers()]}
 LEAVES = {k: p for k, p in COMMANDS.items() if not any(isinstance(a, argparse._SubParsersAction) for a in p._actions)}
 
 

@@ -126,8 +126,9 @@ def test_train_with_config_runs(tiny_data, tmp_path):  # noqa: F811
 
 
 def test_set_on_compare_and_experiment_fails_before_work(tmp_path, capsys):
-    for cmd in (["compare"], ["experiment", "capacity"]):
-        rc = main([*cmd, "--out", str(tmp_path / "o"), "--set", "optim.nope=1"])
+    from research.cli import main as lab_main
+    for run, cmd in ((main, ["compare"]), (lab_main, ["experiment", "capacity"])):
+        rc = run([*cmd, "--out", str(tmp_path / "o"), "--set", "optim.nope=1"])
         assert rc == 2 and "unknown config key 'optim.nope'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
