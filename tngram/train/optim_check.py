@@ -198,6 +198,9 @@ def _same(saved: Any, own: Any) -> bool:
     return saved == own
 
 
+OPTIONAL = ("seed", "batches")  # loader fields older checkpoints lack (the loader's defaults)
+
+
 def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
     """A checkpoint's meta.json: an object whose counters the trainer resumes from are in range
     (step, tokens: whole numbers >= 0; train_time_s, wall_s: finite >= 0; world_size >= 1;
@@ -211,7 +214,7 @@ def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
         get(meta, k, "float", file, lo=0)
     loader = get(meta, "loader", "dict", file)
     for k in ("version", "shard", "pos", "seed", "batches"):  # TokenLoader.state_dict
-        get(loader, k, "int", f"{file} loader", lo=0)
+        get(loader, k, "int", f"{file} loader", lo=0, **({"default": 0} if k in OPTIONAL else {}))
     for k in ("counts", "order"):
         v = get(loader, k, "list", f"{file} loader")
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
