@@ -68,50 +68,30 @@ def memory_config_to_dict(cfg: Any) -> dict[str, Any] | None:
 
 def migrate_memory_dict(d: dict[str, Any]) -> dict[str, Any]:
     """A memory config dict in today's spelling: fields its kind handed to another kind
-    (`moved_fields`) make it that kind, unless every one of them is at that kind's default (then
-    they are dropped: the config is its own kind's). A dict with no such field is returned as it
-    is; an unknown kind is left for the caller to report."""
+    (`moved_fields`) make it that kind, unless each is at that kind's default (then they are
+    dropped: the config is its own kind's). Other dicts are returned as they are."""
     classes, kind = memory_config_classes(), d.get("kind")
     cls: Any = classes.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        return d
-    own = {f.name for f in fields(cls)}
-    moved = {k: cls.moved_fields[k] for k in d if k in cls.moved_fields and k not in own}
+    moved = {k: cls.moved_fields[k] for k in d if k in cls.moved_fields} if cls else {}
     if not moved:
         return d
-    kinds = sorted(set(moved.values()))
-    if len(kinds) > 1:
-        raise TngramError(
-            f"memory fields {sorted(moved)} of kind {d['kind']} belong to different kinds "
-            f"{kinds}: set model.memory.kind to one of them"
-        )
-    target = classes[kinds[0]]
-    defaults = {f.name: f.default for f in fields(target)}
-    if all(_same(d[k], defaults.get(k)) for k in moved):
+    if len(set(moved.values())) > 1:
+        raise TngramError(f"memory fields {sorted(moved)} belong to different kinds: set its kind")
+    target = next(iter(moved.values()))
+    default = {f.name: f.default for f in fields(classes[target])}
+    if all((tuple(d[k]) if isinstance(d[k], list) else d[k]) == default[k] for k in moved):
         return {k: v for k, v in d.items() if k not in moved}
-    return {**d, "kind": kinds[0]}
-
-
-def _same(value: Any, default: Any) -> bool:
-    return (tuple(value) if isinstance(value, list) else value) == default
-
-
-def memory_config_class(d: dict[str, Any]) -> type:
-    """The config class a memory dict (already `migrate_memory_dict`-ed) builds; one
-    TngramError naming the kinds otherwise."""
-    classes = memory_config_classes()
-    kind = d.get("kind")
-    if kind not in classes:
-        raise TngramError(f"memory.kind must be one of {sorted(classes)}, got {kind!r}")
-    return classes[kind]
+    return {**d, "kind": target}
 
 
 def memory_config_from_dict(d: dict[str, Any] | None) -> Any:
     if d is None:
         return None
     d = dict(migrate_memory_dict(d))
-    cls = memory_config_class(d)
-    kind = d.pop("kind")
+    kind, classes = d.pop("kind", None), memory_config_classes()
+    if kind not in classes:
+        raise TngramError(f"memory.kind must be one of {sorted(classes)}, got {kind!r}")
+    cls = classes[kind]
     valid = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - valid)
     if unknown:
@@ -144,11 +124,5 @@ def memory_config_as(cfg: Any, kind: str) -> Any:
 def with_memory_fields(cfg: Any, **changes: Any) -> Any:
     """dataclasses.replace(cfg, **changes), where a field cfg's kind handed to another kind
     (`moved_fields`, e.g. TN-gram's order_combine) first makes cfg that kind."""
-    moved = {cfg.moved_fields[k] for k in changes if k in cfg.moved_fields}
-    if len(moved) > 1:
-        raise TngramError(
-            f"memory fields {sorted(changes)} belong to different kinds {sorted(moved)}"
-        )
-    if moved:
-        cfg = memory_config_as(cfg, moved.pop())
-    return replace(cfg, **changes)
+    moved = [cfg.moved_fields[k] for k in changes if k in cfg.moved_fields]
+    return replace(memory_config_as(cfg, moved[0]) if moved else cfg, **changes)
