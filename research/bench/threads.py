@@ -69,6 +69,52 @@ def run(
     zero: bool = True,
 ) -> dict[str, Any]:
     from research.bench import modules
+
+    mods, h, work, facts = _workloads(batch, seq, steps, zero)
+    cands = {f"{k}@{t}": fn for t in threads for k, fn in work.items()}
+    rows, info = _time_interleaved(cands, mods, h, reps, warmup)
+    out: dict[str, Any] = {
+        "benchmark": "threads",
+        "threads": list(threads),
+        "machine": info,
+        "shapes": {
+            "batch": batch,
+            "seq": seq,
+            "tokens": batch * seq,
+            "d_model": modules.D_MODEL,
+            "vocab": modules.VOCAB,
+        },
+        "reps": reps,
+        "warmup": warmup,
+        "times": rows,
+        "step_facts": facts,
+    }
+    ratios: dict[str, Any] = {}
+    for t in threads:
+        r = ratios[str(t)] = {}
+        for part in ("lookup", "module"):
+            r[part] = _tngram_over_engram(rows, f"{part}:{{}}@{t}", "median_s")
+            r[f"{part}_min"] = _tngram_over_engram(rows, f"{part}:{{}}@{t}", "min_s")
+        if steps:
+            r["step"] = _tngram_over_engram(rows, f"step:mini-{{}}@{t}", "median_s")
+    # analytic references from bench.modules (thread-independent)
+    by = {n: modules.lookup_bytes(n, m, batch * seq)["mirror"] for n, m in mods.items()}
+    fl = {n: modules.module_flops(n, m, batch * seq) for n, m in mods.items()}
+    out["bytes_ratio"] = by["tngram"] / by["engram"]
+    out["flop_ratio"] = fl["tngram"] / fl["engram"]
+    out["ratios"] = ratios
+    out["cpu_ratios"] = _cpu_ratios(rows, threads, steps)
+    if 1 in threads and 2 in threads:
+        out["speedups"] = _speedups(rows, list(work))
+    return out
+
+
+def _workloads(
+    batch: int, seq: int, steps: bool, zero: bool
+) -> tuple[dict[str, nn.Module], torch.Tensor, dict[str, Callable[[], Any]], dict[str, Any]]:
+    """The memory modules, the hidden input h, the candidates' work (name -> fn, thread count
+    not yet applied) and the optimiser steps' facts, from a fixed seed."""
+    from research.bench import modules
     from research.bench.step import build_step
 
     gen = torch.Generator().manual_seed(1)
@@ -105,7 +151,18 @@ def run(
 
         for V in (1024, 8192):
             work[f"zero:V{V}"] = zeros(V)
-    cands = {f"{k}@{t}": fn for t in threads for k, fn in work.items()}
+    return mods, h, work, facts
+
+
+def _time_interleaved(
+    cands: dict[str, Callable[[], Any]],
+    mods: dict[str, nn.Module],
+    h: torch.Tensor,
+    reps: int,
+    warmup: int,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Time `cands` ("what@threads") interleaved, each under its thread count with no gradients
+    left over: (name -> its times and CPU median, the machine's facts with the load before)."""
 
     def setup(name: str) -> None:
         torch.set_num_threads(int(name.rsplit("@", 1)[1]))
@@ -128,62 +185,36 @@ def run(
     for k, r in rows.items():  # CPU seconds of the process (all threads), warm-up reps dropped
         xs = sorted(cpu[k][warmup:])
         r["cpu_median_s"] = xs[len(xs) // 2] if xs else float("nan")
-    out: dict[str, Any] = {
-        "benchmark": "threads",
-        "threads": list(threads),
-        "machine": info,
-        "shapes": {
-            "batch": batch,
-            "seq": seq,
-            "tokens": batch * seq,
-            "d_model": modules.D_MODEL,
-            "vocab": modules.VOCAB,
-        },
-        "reps": reps,
-        "warmup": warmup,
-        "times": rows,
-        "step_facts": facts,
-    }
-    ratios: dict[str, Any] = {}
-    for t in threads:
-        r = ratios[str(t)] = {}
-        for part in ("lookup", "module"):
-            tn, en = rows[f"{part}:tngram@{t}"], rows[f"{part}:engram@{t}"]
-            r[part] = tn["median_s"] / en["median_s"]
-            r[f"{part}_min"] = tn["min_s"] / en["min_s"]
-        if steps:
-            r["step"] = (
-                rows[f"step:mini-tngram@{t}"]["median_s"]
-                / rows[f"step:mini-engram@{t}"]["median_s"]
-            )
-    # analytic references from bench.modules (thread-independent)
-    by = {n: modules.lookup_bytes(n, m, batch * seq)["mirror"] for n, m in mods.items()}
-    fl = {n: modules.module_flops(n, m, batch * seq) for n, m in mods.items()}
-    out["bytes_ratio"] = by["tngram"] / by["engram"]
-    out["flop_ratio"] = fl["tngram"] / fl["engram"]
-    out["ratios"] = ratios
+    return rows, info
+
+
+def _tngram_over_engram(rows: dict[str, dict[str, Any]], key: str, field: str) -> float:
+    """rows[key with tngram][field] / rows[key with engram][field]; `key` has one "{}"."""
+    return rows[key.format("tngram")][field] / rows[key.format("engram")][field]
+
+
+def _cpu_ratios(
+    rows: dict[str, dict[str, Any]], threads: tuple[int, ...], steps: bool
+) -> dict[str, Any]:
+    """Per thread count: TN-gram / Engram of the CPU-time medians (lookup, module, step)."""
     cpu_ratios: dict[str, Any] = {}
     for t in threads:
         c = cpu_ratios[str(t)] = {}
         for part in ("lookup", "module"):
-            c[part] = (
-                rows[f"{part}:tngram@{t}"]["cpu_median_s"]
-                / rows[f"{part}:engram@{t}"]["cpu_median_s"]
-            )
+            c[part] = _tngram_over_engram(rows, f"{part}:{{}}@{t}", "cpu_median_s")
         if steps:
-            c["step"] = (
-                rows[f"step:mini-tngram@{t}"]["cpu_median_s"]
-                / rows[f"step:mini-engram@{t}"]["cpu_median_s"]
-            )
-    out["cpu_ratios"] = cpu_ratios
-    if 1 in threads and 2 in threads:
-        sp = {}
-        for k in work:
-            s2 = rows[f"{k}@1"]["median_s"] / rows[f"{k}@2"]["median_s"]
-            p, s16 = amdahl_16(s2)
-            sp[k] = {"speedup_2": s2, "parallel_fraction": p, "amdahl_16": s16}
-        out["speedups"] = sp
-    return out
+            c["step"] = _tngram_over_engram(rows, f"step:mini-{{}}@{t}", "cpu_median_s")
+    return cpu_ratios
+
+
+def _speedups(rows: dict[str, dict[str, Any]], work: list[str]) -> dict[str, Any]:
+    """Per candidate: the 2-thread speed-up, its parallel fraction and Amdahl's 16 cores."""
+    sp = {}
+    for k in work:
+        s2 = rows[f"{k}@1"]["median_s"] / rows[f"{k}@2"]["median_s"]
+        p, s16 = amdahl_16(s2)
+        sp[k] = {"speedup_2": s2, "parallel_fraction": p, "amdahl_16": s16}
+    return sp
 
 
 def report(res: dict[str, Any]) -> str:

@@ -262,8 +262,6 @@ def download_fineweb(
 ) -> Path:
     """Fetch the FineWeb export into `out` (default fineweb_dir(variant)); return the dataset
     dir."""
-    from tqdm import tqdm
-
     repo_id = repo_id or os.environ.get("MATCHED_FINEWEB_REPO_ID", DEFAULT_REPO_ID)
     remote_root = (
         remote_root
@@ -272,6 +270,30 @@ def download_fineweb(
     )
     _dataset_name(variant)
     out_dir = Path(out).expanduser() if out is not None else fineweb_dir(variant)
+    _refuse_foreign_folder(out_dir)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / ".hf-download"
+    online = _OnlineGate(hf_offline(), out_dir, repo_id, timeout)
+    try:
+        upstream = _upstream_manifest(out_dir, repo_id, remote_root, staging, timeout, online)
+        plan = plan_fineweb(upstream, variant, train_shards, remote_root)
+        verified = _verified(out_dir)
+        ok = _fetch_plan(plan, out_dir, verified, repo_id, staging, timeout, online, progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # do not leave an empty folder behind a failed first attempt
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    manifest = _fineweb_manifest(out_dir, plan, upstream, repo_id, remote_root, {**verified, **ok})
+    write_manifest(out_dir, manifest)
+    print0(f"FineWeb {variant}: {len(plan.train)} train + {len(plan.val)} val shards in {out_dir}")
+    return out_dir
+
+
+def _refuse_foreign_folder(out_dir: Path) -> None:
+    """Raise when `out_dir` holds files but no FineWeb download (neither manifest)."""
     if out_dir.is_dir() and any(out_dir.iterdir()):
         m = out_dir / "manifest.json"
         if not (out_dir / "upstream_manifest.json").is_file() and not m.is_file():
@@ -279,76 +301,106 @@ def download_fineweb(
                 f"{out_dir} exists, is not empty and is not a FineWeb download; choose another "
                 f"--out"
             )
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    offline = hf_offline()
+
+
+class _OnlineGate:
+    """Called before the first thing a download needs from the network: refuses it under
+    HF_HUB_OFFLINE, and probes the Hub once (the first call) so an offline run fails at once."""
+
+    def __init__(self, offline: bool, out_dir: Path, repo_id: str, timeout: float) -> None:
+        self.offline, self.out_dir, self.repo_id, self.timeout = offline, out_dir, repo_id, timeout
+        self.checked = False
+
+    def __call__(self, what: str) -> None:
+        """Allow fetching `what` (named in the offline error), or raise."""
+        if self.offline:
+            raise TngramError(
+                f"HF_HUB_OFFLINE is set and {what} is not in {self.out_dir}: cannot download it "
+                f"from the Hugging Face dataset repo {self.repo_id}. Unset HF_HUB_OFFLINE when "
+                "online, or use `tngram data build` (offline default corpus)."
+            )
+        if not self.checked:
+            _import_hf()
+            _probe(self.repo_id, self.timeout)
+            self.checked = True
+
+
+def _upstream_manifest(
+    out_dir: Path,
+    repo_id: str,
+    remote_root: str,
+    staging: Path,
+    timeout: float,
+    online: _OnlineGate,
+) -> dict[str, Any]:
+    """parameter-golf's manifest.json, fetched into out_dir once and read (deleted if invalid)."""
     root = f"{remote_root}/" if remote_root else ""
     upstream_path = out_dir / "upstream_manifest.json"
-    staging = out_dir / ".hf-download"
-    checked = False
-
-    def online_check(what: str) -> None:
-        nonlocal checked
-        if offline:
-            raise TngramError(
-                f"HF_HUB_OFFLINE is set and {what} is not in {out_dir}: cannot download it from "
-                f"the "
-                f"Hugging Face dataset repo {repo_id}. Unset HF_HUB_OFFLINE when online, or use "
-                "`tngram data build` (offline default corpus)."
-            )
-        if not checked:
-            _import_hf()
-            _probe(repo_id, timeout)
-            checked = True
-
+    if not upstream_path.is_file():
+        online(f"{root}manifest.json")
+        want = _remote_files(repo_id, [f"{root}manifest.json"], timeout)
+        _fetch(repo_id, f"{root}manifest.json", upstream_path, staging, timeout, *want.values())
     try:
-        if not upstream_path.is_file():
-            online_check(f"{root}manifest.json")
-            want = _remote_files(repo_id, [f"{root}manifest.json"], timeout)
-            _fetch(repo_id, f"{root}manifest.json", upstream_path, staging, timeout, *want.values())
-        try:
-            upstream = json.loads(upstream_path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            upstream_path.unlink()
-            raise TngramError(
-                f"{upstream_path}: invalid JSON ({e}); deleted it, please retry"
-            ) from None
-        plan = plan_fineweb(upstream, variant, train_shards, remote_root)
-        verified = _verified(out_dir)
-        ok = {
-            name: verified[name]
-            for _, name in plan.files
-            if name in verified
-            and (out_dir / name).is_file()
-            and (out_dir / name).stat().st_size == verified[name].get("size")
-        }
-        todo = [(r, name) for r, name in plan.files if name not in ok]
-        if todo:
-            online_check(
-                ", ".join(name for _, name in todo[:3]) + (" ..." if len(todo) > 3 else "")
-            )
-            remote = _remote_files(repo_id, [r for r, _ in todo], timeout)
-            for r, name in todo:  # left by a download that stopped before its manifest
-                if (out_dir / name).is_file() and file_matches(out_dir / name, remote[r]):
-                    ok[name] = remote[r]
-            missing = [(r, name) for r, name in todo if name not in ok]
-            if missing:
-                print0(
-                    f"downloading {len(missing)} file(s) from "
-                    f"https://huggingface.co/datasets/{repo_id} into {out_dir}"
-                )
-            for r, name in tqdm(
-                missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())
-            ):
-                _fetch(repo_id, r, out_dir / name, staging, timeout, remote[r])
-                ok[name] = remote[r]
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created and not any(out_dir.iterdir()):
-            out_dir.rmdir()  # do not leave an empty folder behind a failed first attempt
-        raise
-    shutil.rmtree(staging, ignore_errors=True)
+        return json.loads(upstream_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        upstream_path.unlink()
+        raise TngramError(
+            f"{upstream_path}: invalid JSON ({e}); deleted it, please retry"
+        ) from None
 
+
+def _fetch_plan(
+    plan: FinewebPlan,
+    out_dir: Path,
+    verified: dict[str, dict[str, Any]],
+    repo_id: str,
+    staging: Path,
+    timeout: float,
+    online: _OnlineGate,
+    progress: bool,
+) -> dict[str, dict[str, Any]]:
+    """Fetch the plan's files not yet in out_dir; return {name: record} of every file of the
+    plan now known good (verified before with its size unchanged, matched, or downloaded)."""
+    from tqdm import tqdm
+
+    ok = {
+        name: verified[name]
+        for _, name in plan.files
+        if name in verified
+        and (out_dir / name).is_file()
+        and (out_dir / name).stat().st_size == verified[name].get("size")
+    }
+    todo = [(r, name) for r, name in plan.files if name not in ok]
+    if not todo:
+        return ok
+    online(", ".join(name for _, name in todo[:3]) + (" ..." if len(todo) > 3 else ""))
+    remote = _remote_files(repo_id, [r for r, _ in todo], timeout)
+    for r, name in todo:  # left by a download that stopped before its manifest
+        if (out_dir / name).is_file() and file_matches(out_dir / name, remote[r]):
+            ok[name] = remote[r]
+    missing = [(r, name) for r, name in todo if name not in ok]
+    if missing:
+        print0(
+            f"downloading {len(missing)} file(s) from "
+            f"https://huggingface.co/datasets/{repo_id} into {out_dir}"
+        )
+    for r, name in tqdm(
+        missing, desc="fineweb", unit="file", disable=not (progress and sys.stderr.isatty())
+    ):
+        _fetch(repo_id, r, out_dir / name, staging, timeout, remote[r])
+        ok[name] = remote[r]
+    return ok
+
+
+def _fineweb_manifest(
+    out_dir: Path,
+    plan: FinewebPlan,
+    upstream: dict[str, Any],
+    repo_id: str,
+    remote_root: str,
+    verified: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """Our manifest.json of a complete download: files, token counts, tokenizer, provenance."""
     from tngram.data.tokenizer import load_tokenizer
 
     sp = load_tokenizer(out_dir / plan.tokenizer_model)
@@ -359,7 +411,7 @@ def download_fineweb(
     rel = [*plan.train, *plan.val, plan.tokenizer_model] + (
         [plan.tokenizer_vocab] if plan.tokenizer_vocab else []
     )
-    manifest = {
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kind": "fineweb",
@@ -392,8 +444,5 @@ def download_fineweb(
         "tokens": counts,
         "files": {"train": plan.train, "val": plan.val},
         "file_sizes": {f: (out_dir / f).stat().st_size for f in rel},
-        "verified": {**verified, **ok},
+        "verified": verified,
     }
-    write_manifest(out_dir, manifest)
-    print0(f"FineWeb {variant}: {len(plan.train)} train + {len(plan.val)} val shards in {out_dir}")
-    return out_dir
