@@ -38,8 +38,10 @@ from torch import Tensor
 from tngram.kernels.triton_round import round_to as _rnd
 
 
+# one GPU program: a @triton.jit body compiles to a single kernel, so splitting it into jit
+# helpers changes nothing measurable and reads worse (hence the statement-count exemption)
 @triton.jit
-def _row_adam_kernel(
+def _row_adam_kernel(  # noqa: PLR0915
     w_ptr,
     m_ptr,
     v_ptr,
