@@ -14,6 +14,7 @@ from tngram.memory.engram import EngramConfig
 from tngram.memory.overencoding import OverEncodingConfig
 from tngram.memory.tngram import TNGramConfig
 from tngram.memory.tngram_hashed import TNGramHashedConfig
+from tngram.memory.tngram_variants import TNGramVariantConfig
 from tngram.model.gpt import GPTConfig
 from tngram.train.config import TrainConfig, apply_overrides
 
@@ -21,7 +22,10 @@ SMALL = {"tngram": TNGramConfig(max_ngram=3, cp_rank=4),
          "engram": EngramConfig(max_ngram=3, n_head_per_ngram=2, n_embed_per_ngram=8, pad_id=0),
          "oe": OverEncodingConfig(max_ngram=3, pad_id=0),
          "tngram-hashed": TNGramHashedConfig(max_ngram=3, cp_rank=4, factor_rows=5, n_hashes=2,
-                                             combine="sum")}
+                                             combine="sum"),
+         "tngram-variant": TNGramVariantConfig(max_ngram=3, cp_rank=4, order_combine="sum",
+                                               kv_rank=3, hash_orders=(3,), hash_heads=2,
+                                               hash_embed=4, hash_budget=7)}
 
 
 def test_registry_kinds_and_class_attributes():
