@@ -270,22 +270,22 @@ def test_kill_9_during_checkpoint_save_then_resume_is_identical(point, reference
     run = tmp_path / "run"
     if point == "after-rename":
         hook = """
-            real = ckpt._fsync_dir
+            real = ckpt.fsync_dir
             def patched(path):
                 real(path)
                 if path.name == "checkpoints" and (path / "step_000004").exists():
                     os.kill(os.getpid(), signal.SIGKILL)
-            ckpt._fsync_dir = patched
+            ckpt.fsync_dir = patched
         """
     else:
         hook = f"""
-            real = ckpt._write_file
+            real = ckpt.write_file
             def patched(path, data):
                 real(path, data)
                 fname = path.name
                 if ".tmp-step_000004" in str(path) and {KILL_AT[point]}:
                     os.kill(os.getpid(), signal.SIGKILL)
-            ckpt._write_file = patched
+            ckpt.write_file = patched
         """
     code = textwrap.dedent("""
         import os, signal, sys
@@ -316,20 +316,20 @@ def test_disk_full_during_save_leaves_no_torn_folder_and_resume_recovers(referen
     bit-identical to the reference."""
     ref, _ = reference
     run = tmp_path / "run"
-    real = ckpt._write_file
+    real = ckpt.write_file
 
     def full(path, data):
         if ".tmp-step_000004" in str(path) and path.name == "state.safetensors":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_file", full)
+    monkeypatch.setattr(ckpt, "write_file", full)
     with pytest.raises(ckpt.DiskFull, match=r"disk full while writing checkpoint step_000004 .* needs [\d.]+ MiB"):
         train(tiny_config(tiny_data, extra=EXTRA), run)
     assert not list((run / "checkpoints").glob(".tmp-*"))
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)] == [2]
     assert ckpt.verify_checkpoint(run / "checkpoints" / "step_000002") is None
-    monkeypatch.setattr(ckpt, "_write_file", real)
+    monkeypatch.setattr(ckpt, "write_file", real)
     train(tiny_config(tiny_data, extra=EXTRA), run, resume=True)
     same_as_reference(ref, run)
 

@@ -53,12 +53,12 @@ from tngram.safefs import (
     write_json,
 )
 from tngram.train.ckpt_files import (
-    _file_sha256,
-    _load_json,
-    _load_tensors,
-    _read_safetensors_header,
-    _sha256,
-    _short,
+    file_sha256,
+    load_checkpoint_json,
+    load_tensors,
+    safetensors_shapes,
+    sha256_hex,
+    short_error,
     model_tensors,
 )
 from tngram.train.optim_check import check_checkpoint_meta
@@ -81,7 +81,7 @@ from tngram.train.runfiles import (  # noqa: F401
 )
 from tngram.train.saved import config_from_saved
 from tngram.train.weights import (  # noqa: F401  (final_problem .. resume_suspect: the trainer's)
-    _weights_step,
+    weights_step,
     check_final,
     check_finite_model,
     final_problem,
@@ -101,7 +101,7 @@ DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint files (FS
 # ---- writing helpers
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: bytes) -> None:
     """A new file (O_EXCL | O_NOFOLLOW: never an existing file or a link's target)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "wb") as f:
@@ -166,7 +166,7 @@ def save_checkpoint(
     }
     manifest = {
         "step": step,
-        "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
+        "files": {n: {"size": len(b), "sha256": sha256_hex(b)} for n, b in blobs.items()},
     }
     needed = sum(len(b) for b in blobs.values()) + 4096
     check_free_space(root, needed, f"checkpoint step_{step:06d}")
@@ -176,14 +176,14 @@ def save_checkpoint(
                 os.unlink(tmp)
         tmp.mkdir()
         for name, data in blobs.items():
-            _write_file(tmp / name, data)
-        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
-        _fsync_dir(tmp)
+            write_file(tmp / name, data)
+        write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
+        fsync_dir(tmp)
         if os.path.lexists(final):  # re-saving the same step (a resumed run that was complete)
             if not remove_tree(final):  # a file or a link in its place
                 os.unlink(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except OSError as e:
         remove_tree(tmp)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -220,7 +220,7 @@ def remove_torn_temps(run_dir: str | os.PathLike) -> list[Path]:
     return gone
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -273,13 +273,13 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
                 size = os.fstat(fd := open_fd(f)).st_size
                 os.close(fd)
             except (OSError, TngramError) as e:
-                return f"{name} is missing" if isinstance(e, FileNotFoundError) else _short(e)
+                return f"{name} is missing" if isinstance(e, FileNotFoundError) else short_error(e)
             if size != rec.get("size"):
                 return (
                     f"{name} has {size} bytes, the manifest says {rec.get('size')} "
                     f"(truncated or replaced)"
                 )
-            if _file_sha256(f) != rec.get("sha256"):
+            if file_sha256(f) != rec.get("sha256"):
                 return f"{name} does not match its sha256 in the manifest (corrupt)"
         return None
     if os.path.lexists(path / DCP_DIR):
@@ -293,7 +293,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         return "meta.json is corrupt"
     for name in ("model.safetensors", "state.safetensors"):
         try:
-            _read_safetensors_header(path / name)
+            safetensors_shapes(path / name)
         except TngramError as e:
             return str(e).split(": ", 1)[-1]
     return None
@@ -315,7 +315,7 @@ def newest_good_checkpoint(
 def read_checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The meta.json of checkpoint folder `path` (step, tokens, times, loader state, config)."""
     file = Path(path) / "meta.json"
-    return check_checkpoint_meta(_load_json(file), file)
+    return check_checkpoint_meta(load_checkpoint_json(file), file)
 
 
 def load_checkpoint(
@@ -327,12 +327,12 @@ def load_checkpoint(
     """Restore weights (and optimisers, RNG) from a checkpoint folder; returns its meta.json.
     Every problem is a TngramError naming the file."""
     path = Path(path)
-    meta = check_checkpoint_meta(_load_json(path / "meta.json"), path / "meta.json")
+    meta = check_checkpoint_meta(load_checkpoint_json(path / "meta.json"), path / "meta.json")
     # tensors read by tngram.readback.tensors: every float tensor finite (a checkpoint without a
     # manifest cannot be verified byte for byte: its values are checked)
     load_weights(model, path / "model.safetensors", (optimizers or {}).values())
     if optimizers:
-        state = _load_tensors(path / "state.safetensors")
+        state = load_tensors(path / "state.safetensors")
         for name, opt in optimizers.items():
             if name not in meta.get("optimizers", {}):
                 raise TngramError(f"checkpoint {path} has no state for optimiser {name!r}")
@@ -377,7 +377,7 @@ def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(run_dir) / "config.json"
     if not os.path.lexists(path):
         raise MissingFileError(f"{run_dir} is not a run folder (no config.json)")
-    d = _load_json(path)
+    d = load_checkpoint_json(path)
     if (
         not isinstance(d, dict)
         or not isinstance(d.get("name"), str)
@@ -449,7 +449,7 @@ def load_run_model(
     candidates = []
     final = run_dir / FINAL_WEIGHTS
     if os.path.lexists(final):
-        candidates.append((_weights_step(final), 1, final))
+        candidates.append((weights_step(final), 1, final))
     ckpt = newest_good_checkpoint(run_dir, say)
     if ckpt is not None:
         candidates.append((checkpoint_step(ckpt), 0, ckpt / "model.safetensors"))

@@ -16,35 +16,35 @@ from tngram.readback.tensors import read_safetensors, read_safetensors_header
 from tngram.safefs import open_read
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: _cpu(v) for k, v in model.state_dict().items()}
+    return {k: cpu_copy(v) for k, v in model.state_dict().items()}
 
 
-def _sha256(data: bytes | memoryview) -> str:
+def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
 
 
-def _read_safetensors_header(file: Path) -> dict[str, Any]:
+def safetensors_shapes(file: Path) -> dict[str, Any]:
     """{tensor name: shape} of a safetensors file, read and checked by tngram.readback.tensors
     (missing, truncated, oversized or not safetensors: one TngramError naming it)."""
     return dict(read_safetensors_header(file).shapes)
 
 
-def _load_tensors(file: Path, finite: bool = True) -> dict[str, torch.Tensor]:
+def load_tensors(file: Path, finite: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (tngram.readback.tensors.read_safetensors: header and
     size checked first, float tensors finite)."""
     return read_safetensors(file, finite=finite)[0]
 
 
-def _load_json(file: Path) -> Any:
+def load_checkpoint_json(file: Path) -> Any:
     try:
         return load_json(file, want_dict=False)
     except FileNotFoundError:
@@ -56,10 +56,10 @@ def _load_json(file: Path) -> Any:
             ) from None
         raise
     except OSError as e:
-        raise TngramError(f"{file}: corrupt or truncated JSON ({_short(e)})") from None
+        raise TngramError(f"{file}: corrupt or truncated JSON ({short_error(e)})") from None
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open_read(path) as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

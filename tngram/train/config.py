@@ -15,9 +15,9 @@ from tngram.common import TngramError
 from tngram.memory import memory_config_as, with_memory_fields
 from tngram.model.gpt import GPTConfig
 from tngram.train.config_checks import (  # noqa: F401  (_validate_*: used by train.saved)
-    _check,
-    _validate_memory,
-    _validate_model,
+    check_field,
+    validate_memory,
+    validate_model,
     check_data,
     check_finite,
     check_optim,
@@ -61,8 +61,8 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        _check(self.steps >= 1, "schedule.steps", ">= 1", self.steps)
-        _check(self.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", self.warmdown_steps)
+        check_field(self.steps >= 1, "schedule.steps", ">= 1", self.steps)
+        check_field(self.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", self.warmdown_steps)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -23,7 +23,7 @@ _SECTION_NAME = {
 }
 
 
-def _check(ok: bool, key: str, expected: str, got: Any) -> None:
+def check_field(ok: bool, key: str, expected: str, got: Any) -> None:
     if not ok:
         raise TngramError(f"{key} must be {expected}, got {got!r}")
 
@@ -58,37 +58,37 @@ MODEL_INT_MAX = {
 }
 
 
-def _validate_model(m: Any) -> None:
+def validate_model(m: Any) -> None:
     for k, lo in MODEL_INT_MIN.items():
-        _check(
+        check_field(
             isinstance(getattr(m, k), int) and getattr(m, k) >= lo,
             f"model.{k}",
             f"an int >= {lo}",
             getattr(m, k),
         )
-    _check(
+    check_field(
         m.vocab_size <= MAX_VOCAB,
         "model.vocab_size",
         f"<= {MAX_VOCAB} (uint16 token shards)",
         m.vocab_size,
     )
     for k, hi in MODEL_INT_MAX.items():
-        _check(getattr(m, k) <= hi, f"model.{k}", f"<= {hi}", getattr(m, k))
+        check_field(getattr(m, k) <= hi, f"model.{k}", f"<= {hi}", getattr(m, k))
     for k in ("rope_base", "logit_softcap"):
-        _check(
+        check_field(
             _finite(getattr(m, k)) and getattr(m, k) > 0,
             f"model.{k}",
             "a finite float > 0",
             getattr(m, k),
         )
     for k in ("qk_gain_init", "tied_embed_init_std"):
-        _check(
+        check_field(
             _finite(getattr(m, k)) and getattr(m, k) >= 0,
             f"model.{k}",
             "a finite float >= 0",
             getattr(m, k),
         )
-    _check(
+    check_field(
         all(isinstance(i, int) for i in m.memory_layers),
         "model.memory_layers",
         "block indices",
@@ -96,7 +96,7 @@ def _validate_model(m: Any) -> None:
     )
 
 
-def _validate_memory(mem: Any) -> None:
+def validate_memory(mem: Any) -> None:
     """That model.memory is a memory config (which checked its fields when it was made)."""
     if mem is not None and not isinstance(mem, MemoryConfig):
         raise TngramError(
@@ -111,35 +111,35 @@ def check_finite(sec: Any) -> None:
     for f in fields(sec):
         v = getattr(sec, f.name)
         if isinstance(v, float):
-            _check(math.isfinite(v), f"{name}.{f.name}", "finite", v)
+            check_field(math.isfinite(v), f"{name}.{f.name}", "finite", v)
 
 
 def check_optim(o: Any) -> None:
     check_finite(o)
     for k in ("matrix_lr", "tied_embed_lr", "scalar_lr", "adam_eps", "grad_clip_norm"):
-        _check(getattr(o, k) >= 0, f"optim.{k}", ">= 0", getattr(o, k))
-    _check(
+        check_field(getattr(o, k) >= 0, f"optim.{k}", ">= 0", getattr(o, k))
+    check_field(
         o.memory_table_lr is None or o.memory_table_lr >= 0,
         "optim.memory_table_lr",
         ">= 0 or none",
         o.memory_table_lr,
     )
     for k in ("muon_momentum", "muon_momentum_start", "beta1", "beta2"):
-        _check(0 <= getattr(o, k) < 1, f"optim.{k}", "in [0, 1)", getattr(o, k))
-    _check(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
-    _check(
+        check_field(0 <= getattr(o, k) < 1, f"optim.{k}", "in [0, 1)", getattr(o, k))
+    check_field(o.muon_ns_steps >= 1, "optim.muon_ns_steps", ">= 1", o.muon_ns_steps)
+    check_field(
         o.memory_update in ("dense", "sparse", "rowwise"),
         "optim.memory_update",
         "one of dense, sparse, rowwise",
         o.memory_update,
     )
-    _check(
+    check_field(
         isinstance(o.memory_catchup, bool),
         "optim.memory_catchup",
         "true or false",
         o.memory_catchup,
     )
-    _check(
+    check_field(
         o.muon_momentum_warmup_steps >= 0,
         "optim.muon_momentum_warmup_steps",
         ">= 0",
@@ -147,51 +147,51 @@ def check_optim(o: Any) -> None:
     )
     from tngram.train.init_from import TRAINABLE
 
-    _check(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
+    check_field(o.trainable in TRAINABLE, "optim.trainable", f"one of {TRAINABLE}", o.trainable)
 
 
 def check_data(d: Any) -> None:
-    _check(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
-    _check(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
-    _check(
+    check_field(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
+    check_field(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
+    check_field(
         d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens
     )
-    _check(0 <= d.seed < 2**63, "data.seed", "in [0, 2^63) (a 64-bit seed)", d.seed)
+    check_field(0 <= d.seed < 2**63, "data.seed", "in [0, 2^63) (a 64-bit seed)", d.seed)
 
 
 def check_run(r: Any) -> None:
     check_finite(r)
-    _check(r.parallel in ("ddp", "fsdp"), "run.parallel", "ddp or fsdp", r.parallel)
-    _check(r.sdpa in SDPA_SETTINGS, "run.sdpa", " / ".join(SDPA_SETTINGS), r.sdpa)
-    _check(0 <= r.seed < 2**63, "run.seed", "in [0, 2^63) (a 64-bit seed)", r.seed)
-    _check(
+    check_field(r.parallel in ("ddp", "fsdp"), "run.parallel", "ddp or fsdp", r.parallel)
+    check_field(r.sdpa in SDPA_SETTINGS, "run.sdpa", " / ".join(SDPA_SETTINGS), r.sdpa)
+    check_field(0 <= r.seed < 2**63, "run.seed", "in [0, 2^63) (a 64-bit seed)", r.seed)
+    check_field(
         r.device == "auto" or r.device == "cpu" or r.device == "mps" or r.device.startswith("cuda"),
         "run.device",
         "auto, cpu, cuda, cuda:N or mps",
         r.device,
     )
-    _check(r.dtype in DTYPES, "run.dtype", f"one of {DTYPES}", r.dtype)
-    _check(
+    check_field(r.dtype in DTYPES, "run.dtype", f"one of {DTYPES}", r.dtype)
+    check_field(
         isinstance(r.compile, bool) or r.compile == "auto",
         "run.compile",
         "true, false or auto",
         r.compile,
     )
-    _check(r.log_every >= 1, "run.log_every", ">= 1", r.log_every)
+    check_field(r.log_every >= 1, "run.log_every", ">= 1", r.log_every)
     for k in ("val_every", "checkpoint_every"):
-        _check(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
-    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
-    _check(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
+        check_field(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
+    check_field(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
+    check_field(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
 
 
 def check_train(cfg: Any) -> None:
     """What involves several sections (each section checked itself when it was made; a memory
     config too, tngram.memory.base.MemoryConfig.check). TngramError naming the field."""
     o, d, r, m = cfg.optim, cfg.data, cfg.run, cfg.model
-    _validate_model(m)
+    validate_model(m)
     mem = m.memory
-    _validate_memory(mem)
-    _check(
+    validate_memory(mem)
+    check_field(
         d.val_tokens is None
         or not isinstance(m.sequence_len, int)
         or d.val_tokens >= m.sequence_len,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tngram.common import TngramError
-from tngram.train.ckpt_files import _cpu, _short
+from tngram.train.ckpt_files import cpu_copy, short_error
 from tngram.train.optim_check import check_optimizer_state
 
 
@@ -23,7 +23,7 @@ def optimizer_to_flat(
     for idx, state in sd["state"].items():
         for k, v in state.items():
             if torch.is_tensor(v):
-                tensors[f"optim/{name}/{idx}/{k}"] = _cpu(v)
+                tensors[f"optim/{name}/{idx}/{k}"] = cpu_copy(v)
             else:
                 plain.setdefault(str(idx), {})[k] = v
     return tensors, {"param_groups": sd["param_groups"], "plain_state": plain}
@@ -81,7 +81,7 @@ def load_optimizer_checked(
         optimizer_from_flat(name, opt, tensors, layout)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise TngramError(
-            f"{where}: optimiser {name!r} state does not fit this model ({_short(e)})"
+            f"{where}: optimiser {name!r} state does not fit this model ({short_error(e)})"
         ) from None
 
 
@@ -94,6 +94,6 @@ def restore_rng_checked(path: Path, state: dict[str, torch.Tensor]) -> None:
         restore_rng(state)
     except (RuntimeError, ValueError, TypeError) as e:
         raise TngramError(
-            f"{path / 'state.safetensors'}: the RNG state is corrupt ({_short(e)}); move "
+            f"{path / 'state.safetensors'}: the RNG state is corrupt ({short_error(e)}); move "
             f"{path.name} away to resume from an older checkpoint"
         ) from None

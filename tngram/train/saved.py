@@ -136,7 +136,7 @@ def model_config_from_saved(d: Any, where: str, prefix: str = "gpt.") -> Any:
     from tngram.model.gpt import GPTConfig
 
     # the model checks validate_config runs on a run's config (private there: one list of rules)
-    from tngram.train.config import _validate_memory, _validate_model
+    from tngram.train.config import validate_memory, validate_model
 
     if not isinstance(d, dict):
         raise BadRecordError(f"{where}: field {prefix.rstrip('.')} must be an object")
@@ -144,8 +144,8 @@ def model_config_from_saved(d: Any, where: str, prefix: str = "gpt.") -> Any:
     _check_memory_dict(d.get("memory"), prefix, where)
     try:
         m = GPTConfig.from_dict(d)
-        _validate_model(m)
-        _validate_memory(m.memory)
+        validate_model(m)
+        validate_memory(m.memory)
         if m.memory is not None:
             m.memory.check_vocab(m.vocab_size)
     except (TngramError, TypeError, ValueError, KeyError) as e:

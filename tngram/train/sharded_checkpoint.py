@@ -49,15 +49,15 @@ from tngram.train.checkpoint import (
     DCP_DIR,
     MANIFEST,
     DiskFull,
-    _fsync_dir,
-    _write_file,
+    fsync_dir,
+    write_file,
     check_free_space,
     list_checkpoints,
     load_checkpoint,
     remove_torn_temps,
     save_checkpoint,
 )
-from tngram.train.ckpt_files import _cpu, _file_sha256, _load_json, _load_tensors, _sha256, _short
+from tngram.train.ckpt_files import cpu_copy, file_sha256, load_checkpoint_json, load_tensors, sha256_hex, short_error
 from tngram.train.fsdp import FullStateModel, checkpoint_views
 from tngram.train.optim_check import check_checkpoint_meta
 from tngram.train.optim_state import load_optimizer_checked, restore_rng_checked, rng_tensors
@@ -196,7 +196,7 @@ def write_shards(tmp: Path, tensors: dict[str, Any]) -> None:
             storage_writer=HuggingFaceStorageWriter(str(tmp / DCP_DIR), save_distributed=True),
         )
     except Exception as e:  # DCP raises every process's failure on every process
-        text = _short(e)
+        text = short_error(e)
         if "No space left" in str(e) or "Disk quota" in str(e):
             raise DiskFull(
                 f"disk full while writing the shards of checkpoint {tmp.name} ({text}); "
@@ -221,7 +221,7 @@ def finish_sharded_checkpoint(
     final, tmp = root / f"step_{step:06d}", sharded_temp(run_dir, step)
     blobs = {
         "model.safetensors": save(
-            {k: _cpu(v) for k, v in full_model.items()}, metadata={"step": str(step)}
+            {k: cpu_copy(v) for k, v in full_model.items()}, metadata={"step": str(step)}
         ),
         "state.safetensors": save(rng_tensors(), metadata={"step": str(step)}),
         "meta.json": (
@@ -233,7 +233,7 @@ def finish_sharded_checkpoint(
     }
     try:
         shards = {
-            f.name: {"size": f.stat().st_size, "sha256": _file_sha256(f)}
+            f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
             for f in sorted((tmp / DCP_DIR).iterdir())
         }
         check_free_space(
@@ -241,19 +241,19 @@ def finish_sharded_checkpoint(
         )
         manifest = {
             "step": step,
-            "files": {n: {"size": len(b), "sha256": _sha256(b)} for n, b in blobs.items()},
+            "files": {n: {"size": len(b), "sha256": sha256_hex(b)} for n, b in blobs.items()},
             "shards": shards,
         }
         for name, data in blobs.items():
-            _write_file(tmp / name, data)
-        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
-        _fsync_dir(tmp / DCP_DIR)
-        _fsync_dir(tmp)
+            write_file(tmp / name, data)
+        write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
+        fsync_dir(tmp / DCP_DIR)
+        fsync_dir(tmp)
         if os.path.lexists(final):
             if not remove_tree(final):  # a file or a link in its place
                 os.unlink(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except (OSError, TngramError) as e:
         remove_tree(tmp)
         if isinstance(e, TngramError):
@@ -296,7 +296,7 @@ def load_sharded_checkpoint(
 
     path = Path(path)
     where = path / DCP_DIR
-    meta = check_checkpoint_meta(_load_json(path / "meta.json"), path / "meta.json")
+    meta = check_checkpoint_meta(load_checkpoint_json(path / "meta.json"), path / "meta.json")
     reader = HuggingFaceStorageReader(str(where))
     try:
         md = reader.read_metadata().state_dict_metadata
@@ -308,7 +308,7 @@ def load_sharded_checkpoint(
         if len(shapes) != len(md):  # tngram writes only tensors
             raise ValueError("an entry is not a tensor")
     except Exception as e:
-        raise TngramError(f"{where}: corrupt sharded checkpoint ({_short(e)})") from None
+        raise TngramError(f"{where}: corrupt sharded checkpoint ({short_error(e)})") from None
     own = model.state_dict()
     template: dict[str, Any] = {}
     for k, v in own.items():
@@ -348,7 +348,7 @@ def load_sharded_checkpoint(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(template, storage_reader=reader, no_dist=single)
     except Exception as e:
-        raise TngramError(f"{where}: cannot read the sharded checkpoint ({_short(e)})") from None
+        raise TngramError(f"{where}: cannot read the sharded checkpoint ({short_error(e)})") from None
     for k, v in template.items():
         local = v.to_local() if hasattr(v, "to_local") else v
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
@@ -362,5 +362,5 @@ def load_sharded_checkpoint(
             where, name, opt, template, meta["optimizers"][name], meta.get("step")
         )
     if optimizers and restore_rng_state:
-        restore_rng_checked(path, _load_tensors(path / "state.safetensors"))
+        restore_rng_checked(path, load_tensors(path / "state.safetensors"))
     return meta

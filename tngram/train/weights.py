@@ -20,7 +20,7 @@ from tngram.readback.tensors import (
     payload_digest,
     read_safetensors_header,
 )
-from tngram.train.ckpt_files import _load_tensors, _sha256
+from tngram.train.ckpt_files import load_tensors, sha256_hex
 from tngram.train.runfiles import latest_checkpoint
 
 
@@ -30,7 +30,7 @@ def load_weights(
     """Load a safetensors state dict into `model`; names and shapes are checked first, so a file
     that does not fit raises one TngramError naming it (and loads nothing)."""
     file = Path(file)
-    tensors = _load_tensors(file)
+    tensors = load_tensors(file)
     # weights saved after adaptive CP-rank pruning have smaller TN-gram shapes than the config's
     # starting rank: shrink those modules first (the loaded values then overwrite them; the
     # optimisers are pointed at the new, smaller parameters)
@@ -70,7 +70,7 @@ def weights_with_digest(
     meta = {
         "step": str(step),
         "payload_bytes": str(len(payload)),
-        "payload_sha256": _sha256(payload),
+        "payload_sha256": sha256_hex(payload),
     }
     if config is not None:
         meta["config"] = json_text(config, sort_keys=True, separators=(",", ":"))
@@ -125,7 +125,7 @@ def check_finite_model(model: nn.Module, file: Path) -> None:
         )
 
 
-def _weights_step(file: Path) -> int:
+def weights_step(file: Path) -> int:
     try:
         return int(_final_header(file).metadata.get("step", -1))
     except ValueError as e:
