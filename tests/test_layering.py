@@ -1,9 +1,9 @@
 """Layers point one way: the contracts in .importlinter (import-linter), plus a few rules of our own.
 
-The layers, top to bottom (.importlinter is the source of truth; docs/ARCHITECTURE.md, when present,
-draws them): cli <- experiments <- bench <- hf | report <- train <- eval <- optim | data <- model <-
-memory <- kernels <- readback <- safefs | cpu <- common. No library module imports tngram.hf, and no
-package has an import cycle. `import tngram` loads no torch, transformers, matplotlib or scipy.
+The layers, top to bottom (.importlinter is the source of truth; docs/ARCHITECTURE.md draws them):
+cli <- experiments <- hf | report <- train <- eval <- optim | data <- model <- memory <- kernels <-
+readback <- safefs | cpu <- common. No library module imports tngram.hf or the lab (research/),
+no package has an import cycle, and no module imports another's private names. `import tngram` loads no torch, transformers, matplotlib or scipy.
 Below, by scanning imports with ast: memory never imports model/train/optim/...; the model never
 imports optim/train; optim never imports the model; reporting only reads run folders.
 """
@@ -44,10 +44,13 @@ def test_contracts_name_every_package():
 
 
 def test_import_tngram_is_light():
-    """`import tngram` (a fresh process) imports none of the heavy or optional dependencies; the
+    """`import tngram` (a fresh process) imports none of the heavy or optional dependencies and
+    patches nothing (no import hook: the Hugging Face integration is `import tngram.hf`); the
     public names load them on first use."""
-    code = ("import sys, json, tngram; heavy = ('torch', 'transformers', 'matplotlib', 'scipy'); "
-            "print(json.dumps([m for m in heavy if m in sys.modules]))")
+    code = ("import sys, json; hooks = list(sys.meta_path); import tngram; "
+            "heavy = ('torch', 'transformers', 'peft', 'matplotlib', 'scipy'); "
+            "print(json.dumps([m for m in heavy if m in sys.modules] + "
+            "(['meta_path'] if sys.meta_path != hooks else [])))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == []
@@ -98,7 +101,20 @@ def test_no_bare_rank_names():
     assert not bad, bad
 
 
-def test_no_source_file_over_600_lines():
-    long = [f"{f.relative_to(PKG.parent)}: {n}" for f in PKG.rglob("*.py")
-            if (n := len(f.read_text().splitlines())) > 600]
-    assert not long, long
+def test_no_module_imports_another_modules_private_names():
+    """Modules use each other's public names only: no `from tngram.a import _x` across modules,
+    in the library or the lab (research.proportion's scan; size is ruff's PLR0915's job)."""
+    from research.proportion import private_imports
+    assert private_imports(PKG, ROOT) == []
+    assert private_imports(ROOT / "research", ROOT) == []
+
+
+def test_private_import_scan_finds_one(tmp_path):
+    """The scan above reports a cross-module private import (and not a module's own names)."""
+    from research.proportion import private_imports
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("_x = 1\nfrom pkg.a import _x as y\n")
+    (pkg / "b.py").write_text("from pkg.a import _x\nfrom pkg.a import __doc__\n")
+    assert private_imports(pkg, tmp_path) == ["pkg.b: from pkg.a import _x"]
