@@ -36,7 +36,7 @@ def ngram_keys(tokens: np.ndarray, n: int) -> np.ndarray:
     return keys
 
 
-def _train_tokens(data_dir: str) -> np.ndarray:
+def train_split_tokens(data_dir: str) -> np.ndarray:
     from tngram.data.build import open_dataset
     from tngram.data.shards import read_shard
 
@@ -72,7 +72,7 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
     cap = cfg["data"].get("val_tokens")
     if cap:
         val = val[: (cap // seq_len) * seq_len + 1]
-    train = _train_tokens(data_dir)
+    train = train_split_tokens(data_dir)
     positions = np.asarray(val[:-1].numpy())  # the input token at each scored position
     results: dict[str, Any] = {"orders": {}, "runs": {}}
     seen_by_order = {}
@@ -177,7 +177,7 @@ def collision_stats(out: Path, cfg: Any, data_dir: str) -> Path:
         layer_id=layers[0],
         layer_ids=layers,
     )
-    train = _train_tokens(data_dir)
+    train = train_split_tokens(data_dir)
     ids = torch.from_numpy(train.astype(np.int64)).unsqueeze(0)
     with torch.no_grad():
         hashes = module.hash_ids(ids)[0].numpy()  # (L, (N-1)*H)

@@ -47,7 +47,7 @@ def corpus_seen_fractions(cfg: Any) -> dict[str, dict[int, float]]:
     and against the whole train split ("train")."""
     from tngram.data.build import open_dataset
     from tngram.data.loader import load_val_tokens
-    from research.experiments.analysis import _train_tokens, consumed_train_tokens, seen_fractions
+    from research.experiments.analysis import train_split_tokens, consumed_train_tokens, seen_fractions
 
     info = open_dataset(cfg.data.dir)
     seq = cfg.model.sequence_len
@@ -57,7 +57,7 @@ def corpus_seen_fractions(cfg: Any) -> dict[str, dict[int, float]]:
     pos = np.asarray(val[:-1].numpy())
     return {
         "consumed": seen_fractions(pos, consumed_train_tokens(cfg)),
-        "train": seen_fractions(pos, _train_tokens(cfg.data.dir)),
+        "train": seen_fractions(pos, train_split_tokens(cfg.data.dir)),
     }
 
 
