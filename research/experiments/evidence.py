@@ -47,7 +47,11 @@ def corpus_seen_fractions(cfg: Any) -> dict[str, dict[int, float]]:
     and against the whole train split ("train")."""
     from tngram.data.build import open_dataset
     from tngram.data.loader import load_val_tokens
-    from research.experiments.analysis import train_split_tokens, consumed_train_tokens, seen_fractions
+    from research.experiments.analysis import (
+        consumed_train_tokens,
+        seen_fractions,
+        train_split_tokens,
+    )
 
     info = open_dataset(cfg.data.dir)
     seq = cfg.model.sequence_len
