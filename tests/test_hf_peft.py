@@ -171,6 +171,119 @@ def test_adapter_with_memory_refuses_a_base_without_memory(tmp_path):
         peft.PeftModel.from_pretrained(tiny_model("llama"), tmp_path / "adapter")
 
 
+def test_transformers_adapter_loading_keeps_the_memory_or_refuses(tmp_path):
+    """transformers' own paths (model.load_adapter, AutoModelForCausalLM.from_pretrained on an
+    adapter folder) and peft's AutoPeftModelForCausalLM on an adapter saved without task_type:
+    exact where the base has the memory, one line where it has none (transformers alone dropped
+    the memory weights, listing them as unexpected; AutoPeft could not import the class)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import MEMORIES, tiny_model
+    from tngram.common import TngramError
+    from tngram.hf import add_memory
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    with_memory("llama", "engram").save_pretrained(tmp_path / "with-memory")
+    x = prompt(2, 9)
+    lora = dict(r=2, target_modules=["q_proj"], modules_to_save=["ngram_memory"],
+                init_lora_weights=False)
+    want = {}
+    for base in ("base", "with-memory"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / base)
+        if base == "base":
+            model = add_memory(model, MEMORIES["engram"], layers=(0, 2), memory_seed=1)
+        torch.manual_seed(3)
+        pm = peft.get_peft_model(model, peft.LoraConfig(**lora)).eval()
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if ".modules_to_save." in n:
+                    p.add_(0.05 * torch.randn_like(p))
+            want[base] = pm(x).logits
+        pm.save_pretrained(tmp_path / f"adapter-{base}")
+    mapping = json.loads((tmp_path / "adapter-base" / "adapter_config.json").read_text())
+    assert mapping["auto_mapping"]["base_model_class"] == "AutoModelForCausalLM"
+    # onto a model with the memory: exact
+    mem = add_memory(tiny_model("llama"), MEMORIES["engram"], layers=(0, 2), memory_seed=1)
+    mem.load_adapter(str(tmp_path / "adapter-base"))
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter-with-memory").eval()
+    auto_peft = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter-with-memory")
+    with torch.no_grad():
+        assert torch.equal(mem.eval()(x).logits, want["base"])
+        assert torch.equal(auto(x).logits, want["with-memory"])
+        assert torch.equal(auto_peft.eval()(x).logits, want["with-memory"])
+    # onto a model without it: one line, the model left without the adapter
+    plain = tiny_model("llama")
+    with pytest.raises(TngramError, match="holds n-gram memory weights .* has no memory"):
+        plain.load_adapter(str(tmp_path / "adapter-base"))
+    assert not any("lora_" in n for n, _ in plain.named_parameters())
+    with pytest.raises(TngramError, match="holds n-gram memory weights .* has no memory"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "adapter-base")
+    with pytest.raises(TngramError, match="holds n-gram memory weights .* has no memory"):
+        peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter-base")
+
+
+def shared_memory(kind: str):
+    """Memories whose layers share one table (the first layer's module owns it)."""
+    from tngram.memory.product_key import ProductKeyConfig
+    from tngram.memory.tngram_variants import TNGramVariantConfig
+
+    if kind == "share_factors":
+        return TNGramVariantConfig(max_ngram=3, cp_rank=8, zero_init_value=False,
+                                   zero_init_conv=False, share_factors=True)
+    return ProductKeyConfig(n_keys=8, key_dim=16, topk=2, shared_values=True)
+
+
+@pytest.mark.parametrize("kind", ["share_factors", "shared_values"])
+def test_shared_tables_stay_shared_through_modules_to_save(tmp_path, kind):
+    """peft copies each layer's memory on its own (modules_to_save), which gave layer 2 a private
+    copy of layer 0's table, never trained nor saved. The hooks point layer 2's running copy at
+    layer 0's: training moves the one table both read, and the adapter reloaded, the merged
+    model and the merged model saved and loaded compute the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import tiny_model
+    from tngram.hf import add_memory
+    from tngram.hf.hooks import owner_refs
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+
+    def with_shared():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        return add_memory(base, shared_memory(kind), layers=(0, 2), memory_seed=1)
+
+    model = with_shared()
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                    modules_to_save=["ngram_memory"]))
+    x = prompt(2, 12, seed=5)
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5)
+    pm.train()
+    for _ in range(3):
+        pm(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    pm.eval()
+    layers = pm.base_model.model.model.layers
+    first, second = (layers[i].ngram_memory.modules_to_save["default"] for i in (0, 2))
+    (ref,) = owner_refs(second)
+    assert second.__dict__[ref][0] is first  # layer 2 reads the table layer 0's copy trains
+    original = layers[0].ngram_memory.original_module
+    table = "factors" if kind == "share_factors" else "values"
+    assert not torch.equal(getattr(first, table), getattr(original, table))  # it trained
+    with torch.no_grad():
+        want = pm(x).logits
+    pm.save_pretrained(tmp_path / "adapter")
+    again = peft.PeftModel.from_pretrained(with_shared(), tmp_path / "adapter").eval()
+    merged = copy.deepcopy(pm).merge_and_unload().eval()
+    merged.save_pretrained(tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, want)
+        torch.testing.assert_close(merged(x).logits, want, rtol=0, atol=1e-6)  # LoRA merged
+        assert torch.equal(loaded(x).logits, merged(x).logits)
+
+
 def test_save_memory_from_a_peft_model_keeps_the_trained_copy(tmp_path):
     """save_memory(peft_model) writes the memory's modules_to_save copy (the one that trains),
     so the base with load_memory equals the PeftModel with its LoRA at zero."""

@@ -77,6 +77,7 @@ def register() -> None:
     attach.install_transformers_patches()
     register_auto_classes()
     peft_compat.install_peft_patches()
+    peft_compat.install_adapter_loading_check()
 
 
 if importlib.util.find_spec("transformers") is None:

@@ -44,6 +44,7 @@ from tngram.hf.attach import (  # noqa: F401  (set_trainable re-exported)
     set_trainable,
 )
 from tngram.hf.classes import CONFIG_KEY, MEMORY_ATTR, TngramConfigMixin, base_class
+from tngram.hf.peft_compat import memory_copies, running_memory
 from tngram.hf.spec import (
     _base,
     _embedding_rows,
@@ -327,17 +328,11 @@ def _idle_copies(model: nn.Module) -> set[int]:
     adapters' copies)."""
     idle: set[int] = set()
     for mod in model.modules():
-        copies, original = mod._modules.get("modules_to_save"), mod._modules.get("original_module")
-        if not isinstance(copies, nn.ModuleDict) or original is None:
-            continue
-        active = cast("list[str]", getattr(mod, "active_adapters", []))
-        disabled = bool(getattr(mod, "disable_adapters", False))
-        running = (
-            copies[active[0]] if active and active[0] in copies and not disabled else original
-        )
-        used = {id(p) for p in running.parameters()}
-        for m in (original, *copies.values()):
-            idle |= {id(p) for p in m.parameters() if id(p) not in used}
+        copies = memory_copies(mod)
+        if len(copies) > 1:
+            used = {id(p) for p in running_memory(mod).parameters()}
+            for m in copies:
+                idle |= {id(p) for p in m.parameters() if id(p) not in used}
     return idle
 
 

@@ -48,8 +48,9 @@ from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     _layer_pre_hook,
     _State,
     _wrap_prepare_inputs,
+    owner_refs,
 )
-from tngram.hf.peft_compat import refuse_peft
+from tngram.hf.peft_compat import memory_copies, refuse_peft
 from tngram.hf.placement import check_memory_config, check_table_device, place_tables
 from tngram.hf.size_check import warn_if_large
 from tngram.hf.spec import (  # noqa: F401  (re-exported)
@@ -245,9 +246,12 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     for i, owner in _memory_layers(base, cfg, ids, layer_list):
         owner.add_module(MEMORY_ATTR, _build(cfg, d_model, vocab, i, ids or (0,), seed, ref))
     # e.g. TN-gram share_factors: one A_1..A_N (tngram.memory.base.MemoryConfig.link_layers)
-    cfg.link_layers(
-        [getattr(owner, MEMORY_ATTR) for _, owner in _memory_layers(base, cfg, ids, layer_list)]
-    )
+    owners = dict(_memory_layers(base, cfg, ids, layer_list))
+    cfg.link_layers([getattr(owner, MEMORY_ATTR) for owner in owners.values()])
+    layer_of = {id(getattr(owner, MEMORY_ATTR)): owner for owner in owners.values()}
+    for i, owner in owners.items():  # the hooks keep the links through peft's copies (relink)
+        for ref in owner_refs(getattr(owner, MEMORY_ATTR)):
+            state.links[f"layer{i}"] = layer_of[id(getattr(owner, MEMORY_ATTR).__dict__[ref][0])]
     if cfg.injection == "embedding":
         emb: nn.Module = cast("PreTrainedModel", base).get_input_embeddings()  # transformers'
         # nn.Module.__setattr__ is annotated Tensor | Module; it stores any other value as is
@@ -315,16 +319,19 @@ def _check_constants(model: nn.Module, where: str) -> None:
         int(spec["vocab_size"]),
     )
     for i, owner in _memory_layers(base, cfg, ids, layer_list):
-        loaded = dict(getattr(owner, MEMORY_ATTR).named_buffers())
         with torch.device("cpu"):
             fresh = dict(_build(cfg, d_model, vocab, i, ids or (0,), seed, None).named_buffers())
         for name, buf in fresh.items():
-            got = loaded.get(name)
-            if (
-                got is None
-                or got.shape != buf.shape
-                or not torch.equal(got.detach().cpu().to(buf.dtype), buf)
-            ):
+            # each copy a peft wrapper keeps (transformers' load_adapter has run in from_pretrained
+            # of an adapter folder), or the memory itself
+            for mem in memory_copies(getattr(owner, MEMORY_ATTR)):
+                got = dict(mem.named_buffers()).get(name)
+                if (
+                    got is not None
+                    and got.shape == buf.shape
+                    and torch.equal(got.detach().cpu().to(buf.dtype), buf)
+                ):
+                    continue
                 raise TngramError(
                     f"{where}: the saved memory constant {MEMORY_ATTR}.{name} of "
                     f"layer {i} does not match config.json {CONFIG_KEY} (was the "

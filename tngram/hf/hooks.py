@@ -30,6 +30,7 @@ from tngram.hf.cache_state import (
     prepare_compiled_install,
 )
 from tngram.hf.classes import MEMORY_ATTR
+from tngram.hf.peft_compat import running_memory
 from tngram.hf.spec import _embedding_rows
 from tngram.memory.ngrams import check_ids_in_forward
 
@@ -51,6 +52,9 @@ class _State:
             None  # 2-D mask recorded by prepare_inputs_for_generation
         )
         self.handles: list = []
+        # layer key -> the layer whose memory owns the tables this layer's memory reads
+        # (TN-gram variant share_factors, product keys shared_values; see relink)
+        self.links: dict[str, nn.Module] = {}
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,10 +246,37 @@ def _layer_pre_hook(
     mem_state = (
         None if ctx["states"] is None else ctx["states"].setdefault(key, {"keep_history": True})
     )
+    owner = _state(layer).links.get(key)
+    if owner is not None:
+        relink(getattr(layer, MEMORY_ATTR), getattr(owner, MEMORY_ATTR))
     h = h + getattr(layer, MEMORY_ATTR)(h, ids, cache=mem_state, valid=ctx["valid"])
     if args:
         return (h, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": h}
+
+
+def owner_refs(mem: nn.Module) -> list[str]:
+    """The attributes by which a memory module reads tables another layer's module owns: a
+    linked module keeps its owner as `__dict__["_<what>_owner"] = [owner]` (TNGramVariant's
+    share_factors, ProductKeyMemory's shared_values)."""
+    return [
+        k
+        for k, v in mem.__dict__.items()
+        if k.endswith("_owner") and isinstance(v, list) and len(v) == 1
+        and isinstance(v[0], nn.Module)
+    ]
+
+
+def relink(mem: nn.Module, owner: nn.Module) -> None:
+    """Point the memory module that runs at `mem`'s position at the one that runs at `owner`'s.
+    peft's modules_to_save copies each layer's memory on its own, so a copy would read a private
+    copy of the owner (never trained nor saved); merge_and_unload and switching adapters change
+    which modules run. Called before each linked memory's call: the layers then share what the
+    model trains and saves."""
+    run, own = running_memory(mem), running_memory(owner)
+    for k in owner_refs(run):
+        if run.__dict__[k][0] is not own:
+            run.__dict__[k] = [own]
 
 
 def _embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
