@@ -250,8 +250,8 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     cfg.link_layers([getattr(owner, MEMORY_ATTR) for owner in owners.values()])
     layer_of = {id(getattr(owner, MEMORY_ATTR)): owner for owner in owners.values()}
     for i, owner in owners.items():  # the hooks keep the links through peft's copies (relink)
-        for ref in owner_refs(getattr(owner, MEMORY_ATTR)):
-            state.links[f"layer{i}"] = layer_of[id(getattr(owner, MEMORY_ATTR).__dict__[ref][0])]
+        for attr in owner_refs(getattr(owner, MEMORY_ATTR)):
+            state.links[f"layer{i}"] = layer_of[id(getattr(owner, MEMORY_ATTR).__dict__[attr][0])]
     if cfg.injection == "embedding":
         emb: nn.Module = cast("PreTrainedModel", base).get_input_embeddings()  # transformers'
         # nn.Module.__setattr__ is annotated Tensor | Module; it stores any other value as is
