@@ -68,6 +68,33 @@ def test_large_memory_warns_with_a_size_that_fits():
     assert fits(k) <= TARGET_RATIO * params < fits(k + 1)  # the largest cp_rank within 10%
 
 
+@pytest.mark.parametrize("kind", ["engram", "oe"])
+def test_large_table_memory_warns_with_a_config_that_fits(kind):
+    """Engram and Over-Encoding get a config to copy (the warning read "use scale table_budget /
+    n_embed_per_ngram by about 0.05"): the largest table_budget (each order) / table_rows whose
+    memory stays within a tenth of the model."""
+    from tngram.memory.engram import EngramConfig
+    from tngram.memory.overencoding import OverEncodingConfig
+
+    vocab = 8192
+    model = large_vocab_model(vocab)
+    params = n_params(model)
+    if kind == "engram":
+        cfg = EngramConfig(max_ngram=3, n_head_per_ngram=2, n_embed_per_ngram=8)
+        field = "table_budget"
+        make = lambda b: dataclasses.replace(cfg, table_budget=(b, b))  # noqa: E731
+    else:
+        cfg, field = OverEncodingConfig(max_ngram=3, slice_dim=4), "table_rows"
+        make = lambda b: dataclasses.replace(cfg, table_rows=b)  # noqa: E731
+    ids = () if cfg.injection == "embedding" else (1,)
+    with pytest.warns(MemorySizeWarning, match=rf"use {type(cfg).__name__}\({field}=") as rec:
+        add_memory(model, cfg, layers=(1,))
+    msg = str(rec[0].message)
+    b = int(msg.split(f"{field}=")[1].lstrip("(").split(",")[0].split(")")[0])
+    fits = lambda b: memory_size(make(b), 32, vocab, ids)[0]  # noqa: E731
+    assert fits(b) <= TARGET_RATIO * params < fits(b + 1) and "scale" not in msg
+
+
 def test_small_memory_is_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemorySizeWarning)

@@ -3,8 +3,8 @@
 The memory is built once on the meta device (no storage, no initialisation: milliseconds even
 at a 128,256-token vocabulary) and its parameters are counted. A memory larger than the model
 (`MAX_RATIO`) gets one warning saying its size, the model's, how much of it is lookup tables,
-and a size for about a tenth of the model (`TARGET_RATIO`): for TN-gram the largest cp_rank
-within it, for Engram / Over-Encoding the factor to scale the tables by.
+and a size for about a tenth of the model (`TARGET_RATIO`): the largest cp_rank (TN-gram),
+table_budget per order (Engram) or table_rows (Over-Encoding) within it, as a config to copy.
 
 At a large vocabulary (`LARGE_VOCAB` and up) the paper's TN-gram gets a cp_rank far below V, where
 it was measured behind Engram (research/results/vocab-regime.json): there the warning (and a
@@ -31,8 +31,8 @@ REGIME_RV = 0.25  # R/V below which the paper's TN-gram was measured behind Engr
 TABLE_FIELDS = {  # what sets a memory's table size, per kind
     "tngram": "cp_rank",
     "tngram-variant": "cp_rank",
-    "engram": "table_budget / n_embed_per_ngram",
-    "overencoding": "table_rows",
+    "engram": "table_budget",
+    "oe": "table_rows",
 }
 
 
@@ -64,9 +64,10 @@ def memory_size(cfg: Any, d_model: int, vocab: int, layer_ids: tuple[int, ...]) 
 def suggestion(
     cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], total: int, model_params: int
 ) -> str:
-    """A size for about TARGET_RATIO of the model: TN-gram's largest cp_rank within it (found
-    by bisection on meta-device counts: the tables and the K/V projections both grow with it);
-    for the others, the factor to scale the tables by (their size is about linear in it)."""
+    """A size for about TARGET_RATIO of the model, as a config: TN-gram's largest cp_rank,
+    Engram's largest table_budget (the same for each order), Over-Encoding's largest table_rows
+    within it (found by bisection on meta-device counts); for other kinds the factor to scale
+    the tables by."""
     target = TARGET_RATIO * model_params
     kind = getattr(cfg, "kind", "")
     if kind in ("tngram", "tngram-variant") and dataclasses.is_dataclass(cfg):
@@ -74,8 +75,24 @@ def suggestion(
         make = lambda r: dataclasses.replace(tn, cp_rank=r)  # noqa: E731
         r = _largest(make, int(tn.cp_rank), d_model, vocab, ids, target)
         return f"{type(cfg).__name__}(cp_rank={r}) for about {TARGET_RATIO:.0%} of the model"
+    about = f"for about {TARGET_RATIO:.0%} of the model"
+    if kind == "engram" and dataclasses.is_dataclass(cfg):
+        n = int(getattr(cfg, "max_ngram")) - 1  # one budget per order 2..N
+        top = max(cfg.budgets(vocab))
+        make = lambda b: dataclasses.replace(cfg, table_budget=(b,) * n)  # noqa: E731
+        b = _largest(make, top, d_model, vocab, ids, target)
+        over = memory_size(make(b), d_model, vocab, ids)[0] > target
+        hint = " (smaller tables alone do not get there: lower n_embed_per_ngram too)"
+        return f"{type(cfg).__name__}(table_budget={(b,) * n}) {about}" + (hint if over else "")
+    if kind == "oe" and dataclasses.is_dataclass(cfg):
+        top = getattr(cfg, "table_rows", None) or 5 * vocab
+        make = lambda r: dataclasses.replace(cfg, table_rows=r)  # noqa: E731
+        rows = _largest(make, top, d_model, vocab, ids, target)
+        over = memory_size(make(rows), d_model, vocab, ids)[0] > target
+        hint = " (smaller tables alone do not get there: lower slice_dim too)"
+        return f"{type(cfg).__name__}(table_rows={rows}) {about}" + (hint if over else "")
     field = TABLE_FIELDS.get(kind, "its table size")
-    return f"scale {field} by about {target / total:.2g} for about {TARGET_RATIO:.0%} of the model"
+    return f"tables about {target / total:.2g}x this size ({field}) {about}"
 
 
 def _largest(
