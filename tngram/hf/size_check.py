@@ -111,8 +111,8 @@ def _largest(
 
 def regime_note(cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], model_params: int) -> str:
     """What to use instead of the paper's TN-gram at a LARGE_VOCAB+ vocabulary ("" otherwise):
-    Engram, or TN-gram with hashed factor rows (TNGramHashedConfig, R/V' = 1) at the largest
-    cp_rank = factor_rows within TARGET_RATIO of the model, with the measured numbers."""
+    Engram, with the measured numbers, and the TN-gram that keeps R/V' = 1 (TNGramHashedConfig at
+    the largest cp_rank = factor_rows within TARGET_RATIO of the model)."""
     if getattr(cfg, "kind", "") not in ("tngram", "tngram-variant") or vocab < LARGE_VOCAB:
         return ""
     from tngram.memory.tngram_hashed import TNGramHashedConfig
@@ -125,8 +125,10 @@ def regime_note(cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], model_
         f"{cfg.cp_rank / vocab:.2g}, "
         f"where the paper's TN-gram was measured behind Engram at <= Engram's parameters (+0.012 "
         f"and +0.025 nats at V 8,192, R/V 0.09 and 0.04; +0.006 bits/byte at V 32k in an "
-        f"independent reproduction; research/results/vocab-regime.json): use EngramConfig, or "
-        f"TNGramHashedConfig(cp_rank={r}, factor_rows={r}) (hashed factor rows, R/V' = 1)"
+        f"independent reproduction), and TN-gram with hashed factor rows at R/V' = 1 too (+0.0066 "
+        f"nats at V 4,096, 2 seeds; research/results/vocab-regime.json): use EngramConfig; "
+        f"TNGramHashedConfig(cp_rank={r}, factor_rows={r}) is the TN-gram that keeps R/V' = 1 at "
+        f"that size"
     )
 
 
