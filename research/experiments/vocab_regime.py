@@ -25,6 +25,9 @@ cells are missing and what they would cost):
          <= its Δparams (R 27, R/V = 0.007), Engram at >= both (budget 788; one Engram run
          serves both pairs); paper TN-gram R 256 (R/V = 1/16) against Engram 10334
     q2   the first two pairs again at seed 1, then on literature@4096 at seed 0
+
+Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
+seeds 0 and 1); the R 256 pair and the literature runs did not fit the CPU time and are not in it.
 """
 
 from __future__ import annotations
