@@ -76,21 +76,20 @@ def suggestion(
         r = _largest(make, int(tn.cp_rank), d_model, vocab, ids, target)
         return f"{type(cfg).__name__}(cp_rank={r}) for about {TARGET_RATIO:.0%} of the model"
     about = f"for about {TARGET_RATIO:.0%} of the model"
-    if kind == "engram" and dataclasses.is_dataclass(cfg):
-        n = int(getattr(cfg, "max_ngram")) - 1  # one budget per order 2..N
-        top = max(cfg.budgets(vocab))
-        make = lambda b: dataclasses.replace(cfg, table_budget=(b,) * n)  # noqa: E731
-        b = _largest(make, top, d_model, vocab, ids, target)
-        over = memory_size(make(b), d_model, vocab, ids)[0] > target
-        hint = " (smaller tables alone do not get there: lower n_embed_per_ngram too)"
-        return f"{type(cfg).__name__}(table_budget={(b,) * n}) {about}" + (hint if over else "")
-    if kind == "oe" and dataclasses.is_dataclass(cfg):
-        top = getattr(cfg, "table_rows", None) or 5 * vocab
-        make = lambda r: dataclasses.replace(cfg, table_rows=r)  # noqa: E731
-        rows = _largest(make, top, d_model, vocab, ids, target)
-        over = memory_size(make(rows), d_model, vocab, ids)[0] > target
-        hint = " (smaller tables alone do not get there: lower slice_dim too)"
-        return f"{type(cfg).__name__}(table_rows={rows}) {about}" + (hint if over else "")
+    conf: Any = cfg  # an EngramConfig / OverEncodingConfig below (frozen dataclasses)
+    if kind in ("engram", "oe"):
+        if kind == "engram":  # one per-head budget per order 2..N, the same for each
+            n, top, other = int(conf.max_ngram) - 1, max(conf.budgets(vocab)), "n_embed_per_ngram"
+            value: Any = lambda b: (b,) * n  # noqa: E731
+        else:
+            top, other = conf.table_rows or 5 * vocab, "slice_dim"
+            value = lambda b: b  # noqa: E731
+        field = TABLE_FIELDS[kind]
+        grow: Any = lambda b: dataclasses.replace(conf, **{field: value(b)})  # noqa: E731
+        best = _largest(grow, top, d_model, vocab, ids, target)
+        over = memory_size(grow(best), d_model, vocab, ids)[0] > target
+        hint = f" (smaller tables alone do not get there: lower {other} too)" if over else ""
+        return f"{type(cfg).__name__}({field}={value(best)}) {about}{hint}"
     field = TABLE_FIELDS.get(kind, "its table size")
     return f"tables about {target / total:.2g}x this size ({field}) {about}"
 
