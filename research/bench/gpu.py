@@ -295,12 +295,40 @@ def _run(
     save: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
     """`run`'s body, under its kernel policy (`policy`: what the file records of it)."""
-    from research.bench import gpu_attention, gpu_kernels, gpu_optim, gpu_tables
-    from research.bench import gpu_parts as parts
     from tngram.train.recipes import recipe_names
 
     budget = Budget(budget_s)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = _shapes_here(device, reps, vocabs, say)
+    names = paper_recipes(recipes if recipes is not None else recipe_names())
+    res = _new_results(budget_s, shapes, names, sections, steps, trainer_sets, profile, policy)
+    runner = _Runner(res, budget, shapes, sections, say, save)
+    if doctor is not None:
+        _doctor_item(runner, doctor)
+    _lookup_and_kernels(runner, names, compile)
+    _attention_and_optim(runner, names)
+    peaks = (res["flops"]["peak_bf16_spec"], res["flops"]["peak_matmul_measured"])
+    _eager_fwdbwd(runner, names, peaks, profile)
+    base, rest = [r for r in names if r in BASE], [r for r in names if r not in BASE]
+    for r in base if compile else []:
+        runner.item(*_compiled_item(shapes, r, peaks, profile))
+    _tables(runner, profile)
+    trainer = partial(_trainer_item, shapes, steps=steps, data=data, sets=trainer_sets)
+    for r in base:
+        runner.item(*trainer(r))
+    for r in rest:
+        if compile:
+            runner.item(*_compiled_item(shapes, r, peaks, profile))
+        runner.item(*trainer(r))
+    res["elapsed_s"] = round(budget.elapsed(), 1)
+    res["complete"] = True
+    return res
+
+
+def _shapes_here(
+    device: str, reps: int | None, vocabs: tuple[int, ...] | None, say: Callable[[str], None]
+) -> Shapes:
+    """The run's shapes on `device` (said first when tiny), with `vocabs` for the tables."""
     shapes = shapes_for(device, reps)
     if shapes.tiny:
         say(
@@ -311,13 +339,28 @@ def _run(
         from dataclasses import replace
 
         shapes = replace(shapes, vocabs=tuple(vocabs))
-    names = paper_recipes(recipes if recipes is not None else recipe_names())
+    return shapes
+
+
+def _new_results(
+    budget_s: float,
+    shapes: Shapes,
+    names: list[str],
+    sections: tuple[str, ...],
+    steps: int,
+    trainer_sets: tuple[str, ...],
+    profile: bool,
+    policy: dict[str, Any],
+) -> dict[str, Any]:
+    """The results file before any item: provenance, shapes, and the FLOP peaks (one measured)."""
+    from research.bench import gpu_parts as parts
+
     ver = versions()
     res: dict[str, Any] = {
         "benchmark": "gpu",
         **ver,
         "card_slug": card_slug(ver["card"]),
-        "device": device,
+        "device": shapes.device,
         "tiny": shapes.tiny,
         "shapes": {
             "batch": shapes.batch,
@@ -338,43 +381,68 @@ def _run(
         "skipped": [],
         "complete": False,
     }
-    peak_spec = spec_peak(ver["card"])
     res["flops"] = {
         "count": "tngram.model.flops.train_flops: 6 x matmul params x tokens + 12 x L x d x T x "
         "tokens (the count of `tngram plan`; lookups and elementwise work not counted)",
-        "peak_bf16_spec": peak_spec,
-        "peak_matmul_measured": parts.matmul_peak(device, shapes.tiny),
+        "peak_bf16_spec": spec_peak(ver["card"]),
+        "peak_matmul_measured": parts.matmul_peak(shapes.device, shapes.tiny),
     }
+    return res
 
-    def skip(section: str, key: str, why: str) -> None:
-        res["sections"][section][key] = {"skipped": why}
-        res["skipped"].append(f"{section} {key}: {why}")
-        say(f"[{budget.elapsed():5.0f}s] skip {section} {key} ({why})")
 
-    took: dict[str, float] = {}  # section -> the longest item it ran (tiny shapes' estimate)
+class _Runner:
+    """Runs a results file's items inside the time budget: skips what no longer fits (named in
+    the file), records each item's result or error, and saves after every item."""
 
-    def over_budget(cost: float, section: str = "") -> str:
-        if shapes.tiny:  # no table of CPU costs: the longest item so far of this section, or any
+    def __init__(
+        self,
+        res: dict[str, Any],
+        budget: Budget,
+        shapes: Shapes,
+        sections: tuple[str, ...],
+        say: Callable[[str], None],
+        save: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.res, self.budget, self.shapes, self.sections = res, budget, shapes, sections
+        self.say, self.save = say, save
+        self.took: dict[str, float] = {}  # section -> the longest item it ran (tiny's estimate)
+
+    def skip(self, section: str, key: str, why: str) -> None:
+        """Record `key` of `section` as skipped for `why`, and say so."""
+        self.res["sections"][section][key] = {"skipped": why}
+        self.res["skipped"].append(f"{section} {key}: {why}")
+        self.say(f"[{self.budget.elapsed():5.0f}s] skip {section} {key} ({why})")
+
+    def over_budget(self, cost: float, section: str = "") -> str:
+        """Why an item estimated at `cost` s no longer fits the budget, or "" when it fits."""
+        took = self.took
+        if (
+            self.shapes.tiny
+        ):  # no table of CPU costs: the longest item so far of its section, or any
             cost = max(cost, took.get(section, max(took.values(), default=0.0)))
-        if budget.fits(cost):
+        if self.budget.fits(cost):
             return ""
-        return f"time budget: {budget.left():.0f} s left of {budget_s:.0f}, needs ~{cost:.1f} s"
+        b = self.budget
+        return f"time budget: {b.left():.0f} s left of {b.seconds:.0f}, needs ~{cost:.1f} s"
 
-    def timed(section: str, fn: Callable[[], Any]) -> Any:
+    def timed(self, section: str, fn: Callable[[], Any]) -> Any:
+        """fn(), its time kept as the section's longest item so far."""
         t0 = time.perf_counter()
         try:
             return fn()
         finally:
-            took[section] = max(took.get(section, 0.0), time.perf_counter() - t0)
+            self.took[section] = max(self.took.get(section, 0.0), time.perf_counter() - t0)
 
-    def done() -> None:
-        res["elapsed_s"] = round(budget.elapsed(), 1)
-        if device == "cuda":
+    def done(self) -> None:
+        """After an item: the elapsed time, the CUDA cache emptied, the file saved."""
+        self.res["elapsed_s"] = round(self.budget.elapsed(), 1)
+        if self.shapes.device == "cuda":
             torch.cuda.empty_cache()
-        if save is not None:
-            save(res)
+        if self.save is not None:
+            self.save(self.res)
 
     def item(
+        self,
         section: str,
         key: str,
         cost: float,
@@ -383,20 +451,21 @@ def _run(
     ) -> None:
         """Run fn() as res["sections"][section][key], unless the time budget or `short()` (a
         reason it would not fit in memory, or "") says skip it."""
-        if section not in sections:
+        if section not in self.sections:
             return
-        why = over_budget(cost, section) or (short() if short is not None else "")
+        why = self.over_budget(cost, section) or (short() if short is not None else "")
         if why:
-            return skip(section, key, why)
-        say(f"[{budget.elapsed():5.0f}s] {section} {key}")
+            return self.skip(section, key, why)
+        self.say(f"[{self.budget.elapsed():5.0f}s] {section} {key}")
         try:
-            out = timed(section, fn)
+            out = self.timed(section, fn)
         except Exception as e:  # one failed item must not lose the others' numbers
             out = {"error": f"{type(e).__name__}: {e}"[:400]}
-        res["sections"][section][key] = out
-        done()
+        self.res["sections"][section][key] = out
+        self.done()
 
     def items(
+        self,
         section: str,
         keys: list[str],
         costs: list[float],
@@ -407,67 +476,113 @@ def _run(
         of `keys` whose summed `costs` fit the time budget; the rest, or all of them when `why`
         (a reason to skip them) is given, are skipped."""
         n = 0 if why else len(keys)
-        while n and over_budget(sum(costs[:n]), section):
+        while n and self.over_budget(sum(costs[:n]), section):
             n -= 1
-        why = why or over_budget(sum(costs[: n + 1]), section)
+        why = why or self.over_budget(sum(costs[: n + 1]), section)
         chosen, out = keys[:n], {}
         if chosen:
-            say(f"[{budget.elapsed():5.0f}s] {section} {', '.join(chosen)}")
+            self.say(f"[{self.budget.elapsed():5.0f}s] {section} {', '.join(chosen)}")
             try:
-                out = timed(section, lambda: fn(chosen))
+                out = self.timed(section, lambda: fn(chosen))
             except Exception as e:  # one failed group must not lose the other items' numbers
                 out = {k: {"error": f"{type(e).__name__}: {e}"[:400]} for k in chosen}
         for k in keys:  # in the order of `keys`
             if k in out:
-                res["sections"][section][k] = out[k]
+                self.res["sections"][section][k] = out[k]
             else:
-                skip(section, k, why)
-        done()
+                self.skip(section, k, why)
+        self.done()
 
-    if doctor is not None:
-        item("doctor", "self_checks", shapes.cost("doctor"), lambda: parts.doctor_summary(doctor()))
-    item("lookup", "paper-l9-tngram", shapes.cost("lookup"), lambda: parts.lookup(shapes))
-    no_triton = gpu_kernels.triton_runs_here(device)
-    for r in [r for r in names if has_tngram(r)] if "kernels" in sections else []:
+
+def _doctor_item(runner: _Runner, doctor: Callable[[], dict[str, Any]]) -> None:
+    """The doctor section: `tngram doctor`'s self-checks, summarised."""
+    from research.bench import gpu_parts as parts
+
+    cost = runner.shapes.cost("doctor")
+    runner.item("doctor", "self_checks", cost, lambda: parts.doctor_summary(doctor()))
+
+
+def _lookup_and_kernels(runner: _Runner, names: list[str], compile: bool) -> None:
+    """The lookup section, then the kernels section for every TN-gram recipe of `names`."""
+    from research.bench import gpu_kernels
+    from research.bench import gpu_parts as parts
+
+    shapes, res = runner.shapes, runner.res
+    runner.item("lookup", "paper-l9-tngram", shapes.cost("lookup"), lambda: parts.lookup(shapes))
+    no_triton = gpu_kernels.triton_runs_here(shapes.device)
+    for r in [r for r in names if has_tngram(r)] if "kernels" in runner.sections else []:
         if no_triton:  # e.g. a CPU run without the Triton interpreter: listed, not an error
             res["sections"]["kernels"][r] = {"skipped": no_triton}
             res["skipped"].append(f"kernels {r}: {no_triton}")
             continue
         backwards = partial(gpu_kernels.lookup_backwards, r, shapes, compile)
         cost = shapes.cost("kernels") + (shapes.cost("kernels_inductor") if compile else 0)
-        item("kernels", r, cost, backwards)
-    item(
+        runner.item("kernels", r, cost, backwards)
+
+
+def _attention_and_optim(runner: _Runner, names: list[str]) -> None:
+    """The attention section (paper-l9's shapes), then the optim section per recipe."""
+    from research.bench import gpu_attention, gpu_optim
+
+    shapes = runner.shapes
+    runner.item(
         "attention",
         "paper-l9",
         shapes.cost("attention"),
         partial(gpu_attention.attention_backends, shapes),
     )
     for r in names:
-        item("optim", r, shapes.cost("optim"), partial(gpu_optim.optimiser_steps, r, shapes))
-    peaks = (peak_spec, res["flops"]["peak_matmul_measured"])
+        runner.item("optim", r, shapes.cost("optim"), partial(gpu_optim.optimiser_steps, r, shapes))
+
+
+def _eager_fwdbwd(
+    runner: _Runner, names: list[str], peaks: tuple[float | None, float], profile: bool
+) -> None:
+    """The fwdbwd section's eager items, one per recipe."""
+    from research.bench import gpu_parts as parts
+
+    shapes = runner.shapes
     for r in names:
-        item(
+        runner.item(
             "fwdbwd",
             f"{r}/eager",
             shapes.cost("eager", profile=profile),
             partial(parts.fwdbwd, r, shapes, False, peaks, profile),
         )
 
-    def compiled(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
-        fn = lambda: parts.fwdbwd(r, shapes, True, peaks, profile)
-        return ("fwdbwd", f"{r}/compile", shapes.cost("compile", profile=profile), fn)
 
-    def trained(r: str) -> tuple[str, str, float, Callable[[], dict[str, Any]]]:
-        cost = shapes.cost("trainer", steps) + shapes.cost("compile") * parts.trainer_compiles(
-            r, shapes
-        )
-        fn = lambda: parts.trainer(r, shapes, steps, data, list(trainer_sets))
-        return ("trainer", r, cost, fn)
+Item = tuple[str, str, float, Callable[[], dict[str, Any]]]
 
-    base, rest = [r for r in names if r in BASE], [r for r in names if r not in BASE]
-    for r in base if compile else []:
-        item(*compiled(r))
-    for V in shapes.vocabs if "tables" in sections else ():
+
+def _compiled_item(
+    shapes: Shapes, r: str, peaks: tuple[float | None, float], profile: bool
+) -> Item:
+    """The fwdbwd section's compiled item of recipe `r`: (section, key, cost, fn)."""
+    from research.bench import gpu_parts as parts
+
+    fn = lambda: parts.fwdbwd(r, shapes, True, peaks, profile)
+    return ("fwdbwd", f"{r}/compile", shapes.cost("compile", profile=profile), fn)
+
+
+def _trainer_item(
+    shapes: Shapes, r: str, *, steps: int, data: str | None, sets: tuple[str, ...]
+) -> Item:
+    """The trainer section's item of recipe `r`: (section, key, cost, fn)."""
+    from research.bench import gpu_parts as parts
+
+    cost = shapes.cost("trainer", steps) + shapes.cost("compile") * parts.trainer_compiles(
+        r, shapes
+    )
+    fn = lambda: parts.trainer(r, shapes, steps, data, list(sets))
+    return ("trainer", r, cost, fn)
+
+
+def _tables(runner: _Runner, profile: bool) -> None:
+    """The tables section: per vocabulary, its groups of update candidates timed together."""
+    from research.bench import gpu_tables
+
+    shapes = runner.shapes
+    for V in shapes.vocabs if "tables" in runner.sections else ():
         for group, why in gpu_tables.plan(V, shapes):
             keys = [c.key for c in group]
             costs = [shapes.cost("table", vocab=V, profile=profile) for _ in group]
@@ -475,16 +590,7 @@ def _run(
             def fn(chosen: list[str], group: list = group) -> dict[str, Any]:
                 return gpu_tables.time_group(group[: len(chosen)], shapes, profile)
 
-            items("tables", keys, costs, fn, why)
-    for r in base:
-        item(*trained(r))
-    for r in rest:
-        if compile:
-            item(*compiled(r))
-        item(*trained(r))
-    res["elapsed_s"] = round(budget.elapsed(), 1)
-    res["complete"] = True
-    return res
+            runner.items("tables", keys, costs, fn, why)
 
 
 def report(res: dict[str, Any]) -> str:
