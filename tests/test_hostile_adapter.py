@@ -145,9 +145,21 @@ def test_load_memory_never_loads_non_finite_weights(saved, tmp_path):
     refused(folder, f"tensor {k} holds non-finite values")
 
 
-def test_load_memory_refuses_an_adapter_without_its_payload_digest(saved, tmp_path):
+def test_an_adapter_saved_before_the_digest_loads_exactly_and_says_so(saved, tmp_path):
+    """An older save_memory wrote no payload digest: the adapter still loads (shapes and
+    finiteness checked), with one warning saying to save it again; its memory equals the saved
+    one. A digest that is there but malformed is refused."""
+    from safetensors.torch import load_file
+
     folder = copy(saved, tmp_path / "mem")
     edit_meta(folder, lambda m: m.pop(DIGEST_KEY))
+    base = tiny_model("llama")
+    with pytest.warns(UserWarning, match=f"no {DIGEST_KEY} .*save_memory again"):
+        load_memory(base, folder)
+    want = load_file(saved / WEIGHTS_FILE)
+    got = {k: v for k, v in base.state_dict().items() if k in want}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    edit_meta(folder, lambda m: m.update({DIGEST_KEY: "abc"}))
     refused(folder, f"field {DIGEST_KEY} must be the sha256")
 
 

@@ -210,10 +210,19 @@ def test_exported_weights_must_match_their_payload_digest(folders, tmp_path):
         load(folder)
 
 
-def test_exported_folder_without_its_weights_digest_is_refused(folders, tmp_path):
-    folder = edit(folders["tngram"][1], tmp_path / "f", lambda c: c.pop("weights_sha256"))
-    with pytest.raises(BadRecordError, match="config.json: field weights_sha256 is missing"):
-        load(folder)
+def test_exported_folder_from_before_the_digest_loads_with_a_warning(folders, tmp_path):
+    """An export by an older tngram has no weights_sha256: it loads with the same logits and one
+    warning; a weights_sha256 that is not a mapping is refused."""
+    original = folders["tngram"][1]
+    folder = edit(original, tmp_path / "f", lambda c: c.pop("weights_sha256"))
+    with pytest.warns(UserWarning, match="no weights_sha256 in config.json"):
+        loaded = load(folder)
+    ids = torch.arange(20).remainder(97).view(1, 20)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, load(original)(ids).logits)
+    bad = edit(original, tmp_path / "g", lambda c: c.update({"weights_sha256": "x"}))
+    with pytest.raises(BadRecordError, match="field weights_sha256 must map"):
+        load(bad)
 
 
 def test_non_finite_weights_never_load_from_either_folder_kind(folders, tmp_path):

@@ -26,6 +26,7 @@ import copy
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -216,11 +217,16 @@ def read_memory_meta(directory: str | Path) -> dict[str, Any]:
     if not isinstance(meta.get("spec"), dict):
         raise TngramError(f"{path}: spec must be an object (the memory spec)")
     digest = meta.get(DIGEST_KEY)
-    if not isinstance(digest, str) or len(digest) != 64:
+    if digest is None:  # saved before the digest was recorded: shapes and finiteness still hold
+        warnings.warn(
+            f"{path}: no {DIGEST_KEY} (saved by an older tngram): its weights are checked for "
+            "shape and finiteness only; save_memory again to record their digest",
+            stacklevel=3,
+        )
+    elif not isinstance(digest, str) or len(digest) != 64:
         raise TngramError(
             f"{path}: field {DIGEST_KEY} must be the sha256 of {WEIGHTS_FILE}'s payload, which "
-            f"save_memory writes; got {digest!r:.40} (saved before tngram wrote it: save the "
-            "memory again)"
+            f"save_memory writes; got {digest!r:.40}"
         )
     return meta
 
@@ -310,7 +316,7 @@ def load_memory(
             directory,
             limit=(1 << 20) + 8 * sum(math.prod(s) for s in want.values()),
             shapes=want,
-            digest=meta[DIGEST_KEY],
+            digest=meta.get(DIGEST_KEY),
         )
         model.load_state_dict(tensors, strict=False)
         _check_constants(model, str(weights))

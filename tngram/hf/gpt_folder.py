@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -196,12 +197,16 @@ def verify_weights_digest(config: Any, source: Any, where: str, kwargs: dict) ->
     from tngram.readback.tensors import payload_digest
 
     digests = getattr(config, WEIGHTS_DIGEST, None)
-    if not isinstance(digests, dict) or not digests:
-        raise BadRecordError(
-            f"{where}: field {WEIGHTS_DIGEST} is missing: the folder was exported before tngram "
-            "recorded its weights' digest, or edited (if you trust it, load it and "
-            "save_pretrained it again)"
+    if digests is None:  # exported by an older tngram: shapes and finiteness are still checked
+        warnings.warn(
+            f"{where}: no {WEIGHTS_DIGEST} in config.json (exported by an older tngram): its "
+            "weights are checked for shape and finiteness only; save_pretrained it again to "
+            "record their digest",
+            stacklevel=3,
         )
+        return
+    if not isinstance(digests, dict) or not digests:
+        raise BadRecordError(f"{where}: field {WEIGHTS_DIGEST} must map weights files to sha256")
     folder = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else Path()
     local = isinstance(source, (str, os.PathLike)) and folder.is_dir()
     if local:

@@ -43,8 +43,11 @@ def source_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     check_init_from(str(d))
     cfg = load_json(d / "config.json", d)
     if cfg.get("model_type") == HF_MODEL_TYPE:  # export's payload digest, finite values
-        digests = get(cfg, "weights_sha256", "dict", str(d / "config.json"))
-        want = get(digests, "model.safetensors", "str", f"{d / 'config.json'} weights_sha256")
+        # an export by an older tngram records no digest: shapes and finiteness still checked
+        digests = get(cfg, "weights_sha256", "dict", str(d / "config.json"), default={})
+        want = get(
+            digests, "model.safetensors", "str", f"{d / 'config.json'} weights_sha256", default=None
+        )
         tensors, _ = read_safetensors(d / "model.safetensors", d, digest=want)
         return {k[len(HF_PREFIX) :]: v for k, v in tensors.items() if k.startswith(HF_PREFIX)}
     model, _ = load_run_model(d)  # newest of final weights / latest checkpoint
