@@ -65,7 +65,8 @@ def claim_run_dir(run_dir: Path, recipe: str, resume: bool, what: str = "train")
         entries = {
             p.name
             for p in run_dir.iterdir()
-            if p.name not in (LOCK_FILE, "requested_config.json")  # (tngram experiment's)
+            # requested_config.json: written by the compare/experiment runner before it trains
+            if p.name not in (LOCK_FILE, "requested_config.json")
             and not (p.is_file() and p.name.endswith(_NOTE_SUFFIXES))
         }
         if entries:
