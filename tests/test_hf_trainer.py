@@ -97,6 +97,45 @@ def test_recipe_groups_cover_every_trainable_parameter_once(tmp_path):
     assert type(opt).__name__ == "AdamW"                 # Trainer's class for the default optim
 
 
+@pytest.mark.parametrize("memory_update", ["dense", "sparse"])
+def test_logs_the_same_learning_rates_whatever_the_update(tmp_path, memory_update):
+    """Trainer logs its first param group's lr as learning_rate: the recipe puts the tables last,
+    so that is the args' lr with dense and row-sparse updates alike (dense logged the table lr
+    there), and MemoryTrainer logs the tables' lr beside it, on the same schedule."""
+    a = args(tmp_path, logging_steps=1, max_grad_norm=1.0)
+    a.logging_strategy, a.lr_scheduler_type = "steps", "linear"
+    trainer = MemoryTrainer(model=with_memory("llama", "engram"), args=a, train_dataset=Batches(),
+                            memory_table_lr=0.2, memory_update=memory_update)
+    trainer.train()
+    logged = [(h["learning_rate"], h["memory_table_lr"]) for h in trainer.state.log_history
+              if "learning_rate" in h]
+    want = [(LR * f, 0.2 * f) for f in (1, 2 / 3, 1 / 3)]
+    assert len(logged) == len(want)
+    assert all(g == pytest.approx(w) for g, w in zip(logged, want))
+
+
+@pytest.mark.parametrize("norm", [1.0, 0.0])
+def test_plain_trainer_with_row_sparse_tables_is_refused_up_front(tmp_path, norm):
+    """A plain Trainer takes the gradient norm with torch's clip_grad_norm_ at every step (with
+    max_grad_norm=0 too), which fails on row-sparse gradients: a raw torch error at the first
+    step. memory_optimizer refuses sparse / rowwise in one line naming MemoryTrainer, which
+    trains the same model."""
+    from tngram.common import TngramError
+
+    model = with_memory("llama", "engram")
+    for update in ("sparse", "rowwise"):
+        with pytest.raises(TngramError, match=r"use MemoryTrainer\(\.\.\., memory_update=\.\.\.\)"):
+            memory_optimizer(model, args(tmp_path, max_grad_norm=norm), memory_update=update)
+    with pytest.raises(NotImplementedError):  # what the refusal saves the user from
+        from tngram.hf.trainer import _memory_optimizer
+
+        a = args(tmp_path, max_grad_norm=norm)
+        opt = _memory_optimizer(model, a, None, None, "sparse", False)
+        Trainer(model=model, args=a, train_dataset=Batches(), optimizers=(opt, None)).train()
+    MemoryTrainer(model=model, args=args(tmp_path, max_grad_norm=norm), train_dataset=Batches(),
+                  memory_update="sparse").train()
+
+
 @pytest.mark.parametrize("kind", ["tngram", "engram", "oe"])
 def test_num_parameters_excludes_every_memory_table(kind):
     model = with_memory("llama", kind)

@@ -10,7 +10,7 @@
 `memory_catchup` (as `optim.memory_catchup`, with sparse / rowwise): the table optimiser adds the
 moves dense Adam would have made at the steps a row was not read, when the row is read again;
 MemoryTrainer settles the owed moves for evaluation and at the end of training, as our trainer
-does (`settle_memory_tables` for a plain Trainer).
+does (`settle_memory_tables` for an optimiser stepped elsewhere).
 
 With sparse / rowwise the optimiser Trainer sees is a `TableSplitOptimizer`: Trainer's own
 optimiser class on every group but the tables, and the table optimiser on the tables, stepped,

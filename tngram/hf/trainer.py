@@ -19,13 +19,16 @@ TrainingArguments, as Trainer does. Two ways in:
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       optimizers=(memory_optimizer(model, args, table_lr=1e-2), None))
 
+(row-sparse table updates need MemoryTrainer: a plain Trainer takes the gradient norm with
+torch's clip_grad_norm_, which fails on sparse gradients). The table group comes last, so the
+learning_rate Trainer logs is the args' lr; MemoryTrainer logs memory_table_lr beside it.
+
 Accumulated micro-steps (gradient_accumulation_steps > 1) with row-sparse tables: torch adds
 each micro-step's sparse gradient to `p.grad` by concatenation, copying the growing gradient
 once per micro-step (k(k+1)/2 - 1 micro-steps' worth of rows for k). MemoryTrainer runs the
 micro-steps of one optimiser step inside tngram.kernels.sparse_rows.accumulate_at_exit, as our
 trainer does: their gradients are set aside and concatenated once, after the window's last
-backward (Trainer's `sync_gradients` step) and before clipping, the norm and the step. A plain
-Trainer with memory_optimizer keeps torch's additions (the same sums, more copies).
+backward (Trainer's `sync_gradients` step) and before clipping, the norm and the step.
 """
 
 from __future__ import annotations
@@ -91,7 +94,11 @@ def memory_param_groups_for_trainer(
         )
         groups[key]["params"].append(p)
         groups[key]["names"].append(name)
-    return [{**g, "group": k} for k, g in groups.items() if g["params"]]
+    # the table group last: Trainer logs the first group's lr as `learning_rate`, which is then
+    # the args' lr whatever the memory_update (dense puts every group in one optimiser, sparse /
+    # rowwise the tables in their own after the rest); MemoryTrainer logs memory_table_lr beside
+    order = ("decay", "no_decay", "memory_control", "memory_table")
+    return [{**groups[k], "group": k} for k in order if groups[k]["params"]]
 
 
 def memory_optimizer(
@@ -107,11 +114,31 @@ def memory_optimizer(
 
     memory_update: "dense" (Trainer's optimiser on the tables too), "sparse" (LazyAdam on
     row-sparse table gradients) or "rowwise" (RowwiseAdam), with betas and eps from `args`
-    (tngram.hf.table_update). With sparse / rowwise, clip with MemoryTrainer (a plain Trainer's
-    clipping cannot take sparse gradients: set max_grad_norm=0 there).
+    (tngram.hf.table_update) need MemoryTrainer, and are refused here: a plain Trainer takes
+    the gradient norm with torch's clip_grad_norm_ at every step (max_grad_norm=0 included),
+    which fails on row-sparse gradients. MemoryTrainer computes it, and clips, with them.
     memory_catchup: with sparse / rowwise, lazy rows catch up on the moves dense Adam would have
-    made while they were not read (our trainer's optim.memory_catchup); a plain Trainer must
-    then call tngram.hf.table_update.settle_memory_tables(optimizer) after training."""
+    made while they were not read (our trainer's optim.memory_catchup)."""
+    check_memory_update(memory_update, memory_catchup)
+    if memory_update != "dense":
+        raise TngramError(
+            f"memory_update={memory_update!r} gives the tables row-sparse gradients, whose norm "
+            "a plain Trainer cannot take (torch's clip_grad_norm_, at every step, even with "
+            "max_grad_norm=0): use MemoryTrainer(..., memory_update=...), which takes the norm "
+            "and clips with them"
+        )
+    return _memory_optimizer(model, args, table_lr, decay_names, memory_update, memory_catchup)
+
+
+def _memory_optimizer(
+    model: nn.Module,
+    args: TrainingArguments,
+    table_lr: float | None,
+    decay_names: set[str] | None,
+    memory_update: str,
+    memory_catchup: bool,
+) -> torch.optim.Optimizer:
+    """memory_optimizer without the clipping check (MemoryTrainer clips row-sparse gradients)."""
     check_memory_update(memory_update, memory_catchup)
     if not memory_modules(model):
         raise TngramError("memory_optimizer: the model has no n-gram memory (tngram.hf.add_memory)")
@@ -187,6 +214,20 @@ class MemoryTrainer(Trainer):
         if window is not None:
             window.close()
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log; where it logs `learning_rate` (the args' lr on its schedule: the first
+        param group's), the tables' lr on the same schedule is logged beside as memory_table_lr."""
+        if "learning_rate" in logs and self.optimizer is not None:
+            groups = self.optimizer.param_groups
+            tables = [g for g in groups if g.get("group") == "memory_table"]
+            if tables and tables[0] is not groups[0]:
+                # Trainer's schedules scale every group's initial lr by one factor
+                scale = float(tables[0].get("initial_lr", tables[0]["lr"])) / float(
+                    groups[0].get("initial_lr", groups[0]["lr"])
+                )
+                logs = {**logs, "memory_table_lr": float(logs["learning_rate"]) * scale}
+        super().log(logs, *args, **kwargs)
+
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         with settled_memory_tables(self.optimizer):
             return super().evaluate(*args, **kwargs)
@@ -211,7 +252,7 @@ class MemoryTrainer(Trainer):
         if self.optimizer is None:
             opt_model = self.model if model is None else model
             assert opt_model is not None  # Trainer has its model by the time it builds one
-            self.optimizer = memory_optimizer(
+            self.optimizer = _memory_optimizer(
                 opt_model,
                 self.args,
                 self.memory_table_lr,
