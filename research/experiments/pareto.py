@@ -31,7 +31,7 @@ building Engram first) of CONFIRM_STEP_REPS alternating rounds.
 
 Issue 40's views (`view_specs`, mini): product keys, STEM and per-layer embeddings on the map
 (`TOKEN_SIZES`); five families at the raw GPT's total parameters, their MLP narrowed to pay for
-the memory (`ISO_SIZES`, pareto_iso.iso_backbone). Costs per token: pareto_costs.
+the memory (`ISO_SIZES`, `iso_backbone` below). Costs per token: pareto_report.point_costs.
 
 With the default corpus comes one large-vocabulary setting, `default@8192` (the default corpus with
 a SentencePiece vocabulary of 8192; each family at its recipe size and one larger, `VOCAB_SIZES`).
@@ -40,16 +40,47 @@ The Engram / TN-gram factors are the `python -m research experiment tuning` choi
 (research/results/tuning-literature.json); pass `--tuned` to use others. Runs are ordered seed by
 seed and corpus by corpus, so a partial sweep covers every family and size; finished runs are
 reused, and the report is written from whatever runs have finished (`pareto.json`).
+
+Paying for the memory with the backbone: the iso-parameter backbone and the map's "= total
+parameters" and "<= step time" views.
+
+`iso_backbone(model)`: the same GPT with every block's MLP narrowed so that backbone + memory
+has at most the raw GPT's total parameters. Shapes: the FFN width first (what deepseek-ai/Engram
+#20 shrank); the MLP hidden width is the largest multiple of `multiple` (16: matrix shapes stay
+aligned to bf16 tensor-core tiles, and one step at `mini` is 4 x 2 x 128 x 16 = 16,384
+parameters, 2.8% of the raw GPT) whose total is <= the raw GPT's; attention, the embedding and
+the depth are kept. Each block's MLP holds
+2 * n_embd * width parameters, so the total is linear in the width:
+
+    total(w) = total(w0) + 2 * n_embd * n_layer * (w - w0)
+    w*       = multiple * floor((raw_total - total(w0) + 2 d L w0) / (2 d L multiple))
+
+When even a width of `multiple` does not pay for the memory, the function refuses (one line):
+the memory is larger than the FFN can give (at `mini`, 4 blocks x 2 x 128 x 256 = 262,144 MLP
+parameters, so at most 245,760 of memory; Engram at the recipe's width needs more for its K/V
+projections alone).
+
+The "<= step time" view needs no runs of its own: every point's step is measured
+(`bench_points`), and a point enters the view at step <= the raw GPT's times a cap
+(`points_within_step`).
+
+Timing of the map's points. `bench_points`: one training step (forward, backward, Adam + Muon;
+the trainer's micro-batches and accumulation, bf16 autocast as the mini recipes) and greedy decode
+per token with the KV/memory cache, every (family, size) built in one process and timed
+interleaved (rep i of every point before rep i + 1 of any), medians, at the thread count of the
+caller (the command sets 1). `step_ratio`: one pair's step-time ratio in alternating rounds, with
+a distribution-free interval (`median_ci`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Callable, Sequence, TypedDict
 
 from tngram.common import TngramError, atomic_write_json, print0
 from tngram.experiments.common import (
@@ -62,13 +93,6 @@ from tngram.experiments.common import (
     with_memory,
     with_seed,
     with_steps,
-)
-from research.experiments.pareto_iso import (  # noqa: F401  (issue 40's views, public names)
-    ISO_SIZES,
-    ISO_VARIANTS,
-    METHODS,
-    TOKEN_SIZES,
-    iso_backbone,
 )
 from tngram.train.recipes import (
     LONGCAT,
@@ -123,7 +147,7 @@ class Confirm(TypedDict):
 
 CONFIRM: Confirm = {"family": "tngram-hsum", "baseline": "engram", "size_indices": (2, 1)}
 CONFIRM_SEEDS = 5
-# the pair's step ratio (pareto_report.step_ratio): CONFIRM_STEP_PROCESSES fresh processes, half of
+# the pair's step ratio (step_ratio, below): CONFIRM_STEP_PROCESSES fresh processes, half of
 # them
 # building Engram first, CONFIRM_STEP_REPS interleaved rounds each
 CONFIRM_STEP_PROCESSES = 8
@@ -148,6 +172,65 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "hash_embed": 104,
     },
 }
+
+
+# ---- the iso-parameter backbone and issue 40's views ----
+
+MLP_MULTIPLE = 16
+
+# issue 40's families (mini only: their recipes are mini-pkm, mini-stem, mini-ple), at the map's
+# common Δparams targets (1.1, 2.2, 4.3, 8.7, 12 M; tests/test_pareto_iso.py), at the recipes'
+# table lr (the embedding's; not tuned): product keys (n_keys: n_keys^2 slots per layer), STEM
+# (its FFN width), per-layer embeddings in every block (ple_dim)
+TOKEN_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "pkm": ("pkm", "n_keys", (64, 92, 129, 184, 216)),
+    "stem": ("stem", "hidden", (432, 864, 1680, 3392, 4688)),
+    "ple": ("ple", "ple_dim", (216, 432, 840, 1696, 2344)),
+}
+# "= total parameters": each family at three sizes near 1/4, 1/2 and 3/4 of the mini GPT's MLP
+# parameters (65,536, 131,072, 196,608 of 262,144), on a backbone whose MLP width is shrunk to
+# keep the raw GPT's total (iso_backbone). Engram at its recipe width needs more than that for its
+# K/V alone, so it enters at n_embed_per_ngram 32; the TN-gram variant is tngram-sum (one R-wide
+# K/V input), the one whose K/V fits at small R; Engram and TN-gram at the map's tuned table lr
+ISO_SIZES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "engram": ("engram", "table_budget", (50, 162, 400)),
+    "tngram-sum": ("tngram", "cp_rank", (6, 12, 18)),
+    "pkm": ("pkm", "n_keys", (11, 19, 24)),
+    "stem": ("stem", "hidden", (24, 48, 72)),
+    "ple": ("ple", "ple_dim", (12, 24, 36)),
+}
+ISO_VARIANTS: dict[str, dict[str, Any]] = {"engram": {"n_embed_per_ngram": 32}}
+METHODS = ("raw", "engram", "tngram", "pkm", "stem", "ple")  # the recipes view_specs builds on
+
+
+def iso_backbone(model: Any, raw: Any = None, multiple: int = MLP_MULTIPLE) -> Any:
+    """GPTConfig `model` (with a memory) -> the same config with `mlp_hidden` set to the largest
+    multiple of `multiple` whose total parameters are <= those of `raw` (default: `model`
+    without memory and at its recipe width). TngramError when no width >= `multiple` fits."""
+    from tngram.model.gpt import param_counts
+
+    if multiple < 1:
+        raise TngramError(f"multiple must be >= 1, got {multiple}")
+    raw = replace(model, memory=None, mlp_hidden=0) if raw is None else raw
+    target = param_counts(raw)["total_params"]
+    w0 = model.mlp_width()
+    now = param_counts(model)["total_params"]
+    per_unit = 2 * model.n_embd * model.n_layer  # parameters per unit of MLP width
+    fixed = now - per_unit * w0  # everything but the MLPs
+    width = multiple * ((target - fixed) // (per_unit * multiple))
+    if width < multiple:
+        mem = now - param_counts(replace(model, memory=None))["total_params"]
+        raise TngramError(
+            f"the memory ({mem:,} parameters) is larger than the backbone's MLPs can pay for: "
+            f"an MLP width of {multiple} already gives {fixed + per_unit * multiple:,} total "
+            f"parameters > the raw GPT's {target:,}"
+        )
+    return replace(model, mlp_hidden=int(width))
+
+
+def points_within_step(points: list[dict[str, Any]], raw_step_ms: float, cap: float) -> list:
+    """The points (dicts with "step_ms") whose measured step is <= cap x the raw GPT's."""
+    return [p for p in points if p.get("step_ms") is not None and p["step_ms"] <= cap * raw_step_ms]
 
 
 def iso_config(family: str, size: int, cfg_of: dict[str, Any]) -> Any:
@@ -537,7 +620,7 @@ def bench_once(
     their step ratio by `step_ratio`'s multi-process protocol ("confirm_steps"): once, and again
     whenever the points are timed again (one timing session for both)."""
     import torch
-    from research.experiments.pareto_report import bench_points, point_key, step_ratio
+    from research.experiments.pareto_report import point_key
     from tngram.experiments.runner import run_dir_of
 
     path = out / "bench.json"
@@ -600,3 +683,152 @@ def bench_once(
 
 def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ---- timing of the map's points ----
+
+
+def bench_points(
+    cfgs: dict[str, Any], reps: int = 5, warmup: int = 1, decode_tokens: int = 32
+) -> dict[str, Any]:
+    """{key: {"step_ms", "decode_ms_per_token"}} for each config, timed interleaved in this
+    process."""
+    import time
+    from dataclasses import replace
+
+    import torch
+    from research.bench.common import interleaved, machine_info
+    from research.bench.step import build_step_for
+    from tngram.model.gpt import GPT
+
+    steps = {
+        k: build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0]
+        for k, c in cfgs.items()
+    }
+    step_t = interleaved(steps, reps, warmup)
+    del steps
+    decoders: dict[str, Callable[[], Any]] = {}
+    for k, c in cfgs.items():
+        m = c.model
+        if m.memory is not None and hasattr(m.memory, "zero_init_value"):
+            m = replace(m, memory=replace(m.memory, zero_init_value=False))
+        torch.manual_seed(0)
+        model = GPT(m).eval()
+        prompt = torch.randint(1, m.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+
+        def decode(model: Any = model, prompt: Any = prompt) -> None:
+            cache: dict = {}
+            with torch.no_grad():
+                logits = model(prompt, cache=cache)
+                for _ in range(decode_tokens):
+                    logits = model(logits[:, -1:].argmax(-1), cache=cache)
+
+        decoders[k] = decode
+    dec_t = interleaved(decoders, reps, warmup)
+    out = {
+        k: {
+            "step_ms": 1e3 * step_t[k].median,
+            "decode_ms_per_token": 1e3 * dec_t[k].median / decode_tokens,
+            "reps": reps,
+        }
+        for k in cfgs
+    }
+    return {
+        "points": out,
+        "machine": machine_info(),
+        "timed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def median_ci(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free interval for the median of `xs`: the order statistics (k, n + 1 - k), k
+    the largest with P(Binomial(n, 1/2) <= k - 1) <= (1 - level) / 2; (nan, nan) when n is too
+    small."""
+    n, xs = len(xs), sorted(xs)
+    tail, k = 0.0, 0
+    for j in range(n // 2 + 1):  # tail = P(B <= j), B ~ Binomial(n, 1/2)
+        tail += math.comb(n, j) / 2**n
+        if tail > (1 - level) / 2:
+            break
+        k = j + 1
+    return (xs[k - 1], xs[n - k]) if k >= 1 else (math.nan, math.nan)
+
+
+def _round_ratios(
+    cfg_a: Any,
+    cfg_b: Any,
+    reps: int,
+    warmup: int,
+    b_first: bool = False,
+    threads: int | None = None,
+) -> list[float]:
+    """Per-round step-time ratios a / b, alternating rounds (a then b, b then a, ...) in this
+    process; b_first builds b's model and optimisers before a's."""
+    import time
+
+    import torch
+    from research.bench.step import build_step_for
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    order = (cfg_b, cfg_a) if b_first else (cfg_a, cfg_b)
+    built = [build_step_for(c, "bf16" if c.run.dtype == "bf16" else "fp32")[0] for c in order]
+    steps = built[::-1] if b_first else built  # steps[0] is a's
+    ratios = []
+    for i in range(warmup + reps):
+        t = [0.0, 0.0]
+        for j in (0, 1) if i % 2 == 0 else (1, 0):
+            t0 = time.perf_counter()
+            steps[j]()
+            t[j] = time.perf_counter() - t0
+        if i >= warmup:
+            ratios.append(t[0] / t[1])
+    return ratios
+
+
+def step_ratio(
+    cfg_a: Any, cfg_b: Any, reps: int, warmup: int = 2, processes: int = 1
+) -> dict[str, Any]:
+    """Training step of cfg_a over cfg_b's, timed in alternating rounds (a then b, b then a, ...).
+
+    processes=1: in this process at the caller's threads; the median of the per-round ratios and its
+    95% interval (`median_ci`). processes=P > 1: P fresh processes one after another (spawned, at
+    this process's thread count), the even ones building a first, the odd ones b first, `reps`
+    rounds each; the ratio is the median of the per-process medians and the interval `median_ci`
+    of those medians (for 6 <= P <= 8 their range; none below 6). Why: 16 fresh processes timing
+    one pair (4.3 M) gave medians from 1.000 to 1.042, and some of their 95% intervals did not
+    overlap ([0.997, 1.014] and [1.025, 1.045]; docs/LOG.md): the rounds of one process share
+    something (its memory layout, say) that moves the ratio, so one process's interval
+    understates the uncertainty."""
+    from research.bench.common import loadavg
+
+    if processes <= 1:
+        ratios = _round_ratios(cfg_a, cfg_b, reps, warmup)
+        lo, hi = median_ci(ratios)
+        return {
+            "ratio": statistics.median(ratios),
+            "ci": [lo, hi],
+            "rounds": reps,
+            "loadavg": loadavg(),
+        }
+    import multiprocessing
+
+    import torch
+
+    ctx = multiprocessing.get_context("spawn")
+    per: list[dict[str, Any]] = []
+    for i in range(processes):
+        with ctx.Pool(1) as pool:
+            r = pool.apply(
+                _round_ratios, (cfg_a, cfg_b, reps, warmup, i % 2 == 1, torch.get_num_threads())
+            )
+        per.append({"b_first": i % 2 == 1, "ratio": statistics.median(r), "rounds": r})
+    meds = [p["ratio"] for p in per]
+    lo, hi = median_ci(meds)
+    return {
+        "ratio": statistics.median(meds),
+        "ci": [lo, hi],
+        "rounds": reps,
+        "processes": per,
+        "loadavg": loadavg(),
+    }

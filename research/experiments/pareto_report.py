@@ -1,15 +1,42 @@
-"""The map of `python -m research experiment pareto`: fronts, "best memory at ≤ budget" tables,
-figures, timing.
+"""What `python -m research experiment pareto` reads back: fronts, "best memory at ≤ budget"
+tables, figures, the paired comparison with Engram, each point's cost axes, and the report and
+results files (the sweep that produces the runs and the timing: research.experiments.pareto).
 
 Pure pieces (tested against brute force in tests/test_pareto.py):
     pareto_front(points)      indices of the points no other point beats on both cost and loss
     best_under(points, cap)   the lowest-loss point whose cost is ≤ cap
     optimizer_state_bytes     what Adam (2 fp32 moments), Muon (1 fp32 momentum) and the memory
                               tables' optimiser (optim.memory_update) hold
+    point_costs(model)        a point's machine-independent cost axes (below)
 
-Split by what they hold: labels and keys (pareto_keys), timing (pareto_timing: bench_points,
-step_ratio), the paired comparison with Engram (pareto_paired); their public names are
-re-exported here.
+Labels and keys: LABELS, `point_key` (a point's timing key), `name_of`, the budget caps.
+
+The paired comparison of each TN-gram family with Engram at the same size index, by
+seed (`paired_rows`), and the pairs that need their own step timing (`candidate_pairs`).
+
+Cost axes of a map point that do not depend on the machine: table rows read per token, bytes
+of table rows read per token, forward FLOPs per token, total parameters (`point_costs`).
+
+Counting conventions (one token, one forward, batch and sequence amortised):
+- rows: lookup-table rows gathered (all memory layers); bytes: those rows x their width x 4
+  (fp32 tables). Dense parameters read once per batch (the product keys, projections) are not
+  counted as rows or bytes.
+- FLOPs: 2 per multiply-add of every matrix product (linears, the tied head), attention
+  2 x 2 x d x T_ctx per block with T_ctx = (T + 1) / 2, the mean causal context of a
+  sequence_len-T window; elementwise work is counted where it is a memory's own arithmetic (the
+  product keys' k^2 candidate sums, the gated products, TN-gram's CP products), never for norms,
+  softmax or activations.
+
+Per family, per memory layer (d model width, M hc branches, k conv kernel; GatedFusion's K/V
+projections, its gate dots and depthwise conv: 2 (M + 1) d_mem d + 2 M d + 2 M d k):
+    engram   rows (N-1) H of width E/H                         FLOPs fusion(d_mem = (N-1) E)
+    tngram   rows N of width R (A_1..A_N), + H per hashed order    2 N R (CP products and
+             of width hash_embed/H                                  absorption) + [2 d_in kv_rank]
+                                                                    + fusion(d_mem)
+    oe       rows S = k (N-1) slices of width d_s (once: the embedding)   2 S d_s d
+    pkm      rows H topk of width d         2 d H Kd + 2 H n Kd + H k^2 + 2 H k d
+    stem     rows 1 of width F              4 d F + F
+    ple      rows 1 of width P              2 P d [+ 2 d P + P when gated]
 """
 
 from __future__ import annotations
@@ -21,23 +48,45 @@ from typing import Any, Sequence
 
 from tngram.common import atomic_write_json, atomic_write_text, print0
 
-from research.experiments.pareto_keys import (  # noqa: F401  (public names)
-    LABELS,
-    PARAM_CAPS_M,
-    STEP_CAPS_X,
-    Point,
-    name_of,
-    point_key,
-)
-from research.experiments.pareto_paired import (  # noqa: F401  (public names)
-    PAIRED_COLUMNS,
-    PAIRED_FAMILIES,
-    STEP_NOISE,
-    candidate_pairs,
-    paired_rows,
-)
-from research.experiments.pareto_timing import bench_points, median_ci, step_ratio  # noqa: F401
 from research.report.markdown import read_results
+
+Point = tuple[float, float]  # (cost, loss)
+
+# "best at ≤ P" caps: Δparams (M) and step time as a multiple of the raw GPT's step
+PARAM_CAPS_M = (1.5, 3.0, 5.0, 10.0, 13.0)
+STEP_CAPS_X = (1.25, 1.5, 2.0, 3.0, 5.0)
+LABELS = {
+    "raw": "raw GPT",
+    "engram": "Engram",
+    "tngram": "TN-gram",
+    "oe": "Over-Encoding",
+    "longcat": "Over-Encoding (LongCat n4 k4)",
+    "dense": "dense (wider GPT)",
+    "tngram-lean": "TN-gram lean",
+    "tngram-sum": "TN-gram sum-K/V",
+    "tngram-shared": "TN-gram shared",
+    "tngram-hybrid": "TN-gram + hashed",
+    "tngram-hsum": "TN-gram sum + hashed",
+    "pkm": "product keys",
+    "stem": "STEM",
+    "ple": "per-layer embeddings",
+    "engram-iso": "Engram (E 32), iso",
+    "tngram-sum-iso": "TN-gram sum-K/V, iso",
+    "pkm-iso": "product keys, iso",
+    "stem-iso": "STEM, iso",
+    "ple-iso": "per-layer embeddings, iso",
+}
+
+
+def point_key(family: str, size: Any, corpus: str = "") -> str:
+    """The timing key of a point: family and size, plus "@V" for a corpus tokenised with another
+    vocabulary ("default@8192"): the step depends on the vocabulary, not on the text."""
+    key = family if size is None else f"{family}-{size}"
+    return key + ("@" + corpus.partition("@")[2] if "@" in corpus else "")
+
+
+def name_of(p: dict[str, Any]) -> str:
+    return LABELS.get(p["family"], p["family"]) + ("" if p["size"] is None else f" ({p['size']})")
 
 
 def pareto_front(points: Sequence[Point]) -> list[int]:
@@ -104,7 +153,6 @@ def read_core_score(run_dir: Path, max_per_task: int | None) -> float | None:
 def collect(out: Path, specs: list[Any], core_max: int | None = None) -> list[dict[str, Any]]:
     """One row per finished run (summary.json present, same config as its spec): tags + the numbers
     the map needs."""
-    from research.experiments.pareto_costs import point_costs
     from tngram.train.recipes import param_summary
     from tngram.experiments.runner import is_complete, run_dir_of
 
@@ -303,7 +351,7 @@ POINT_COLUMNS = [
     {"header": "forward FLOPs/token"},
     {"header": "on the front"},
 ]
-# machine-independent cost axes of every point (pareto_costs.point_costs), in POINT_COLUMNS order
+# machine-independent cost axes of every point (point_costs), in POINT_COLUMNS order
 COST_KEYS = ("total_params", "rows_per_token", "bytes_per_token", "flops_per_token")
 TOTAL_COLUMNS = [
     {"header": "memory (= raw GPT's total parameters)"},
@@ -555,3 +603,279 @@ def results_files(out: Path, commit: str, machine: str, command: str) -> dict[st
             },
         )
     return files
+
+
+# ---- cost axes of a point (machine-independent) ----
+
+BYTES_PER_VALUE = 4  # fp32 tables
+
+
+def fusion_flops(d_mem: int, d: int, hc_mult: int, kernel_size: int) -> int:
+    """GatedFusion: K per branch and the shared V (2 (M+1) d_mem d), gate dots, depthwise conv."""
+    M = hc_mult
+    return 2 * (M + 1) * d_mem * d + 2 * M * d + 2 * M * d * kernel_size
+
+
+def memory_costs(mem: Any, d: int, vocab_size: int) -> tuple[int, int, int] | None:
+    """(rows, bytes, FLOPs) per token of ONE layer of memory `mem` (a MemoryConfig); None for a
+    kind this module has no cost model for."""
+    kind = mem.kind
+    if kind == "engram":
+        E = mem.embed_per_ngram(d)
+        rows, width = (mem.max_ngram - 1) * mem.n_head_per_ngram, E // mem.n_head_per_ngram
+        flops = fusion_flops((mem.max_ngram - 1) * E, d, mem.hc_mult, mem.kernel_size)
+        return rows, rows * width * BYTES_PER_VALUE, flops
+    if kind in ("tngram", "tngram-variant"):
+        from tngram.memory.tngram_variants import TNGramVariantConfig, lookup_width
+
+        N, R = mem.max_ngram, mem.cp_rank
+        rows, nbytes = N, N * R * BYTES_PER_VALUE
+        if not isinstance(mem, TNGramVariantConfig):  # the paper's: K/V read e_concat
+            kv = fusion_flops((N - 1) * R, d, mem.hc_mult, mem.kernel_size)
+            return rows, nbytes, 2 * N * R + kv
+        d_in = lookup_width(mem)
+        if mem.hash_orders:
+            h = len(mem.hash_orders) * mem.hash_heads
+            rows, nbytes = (
+                rows + h,
+                nbytes + h * (mem.hash_embed // mem.hash_heads) * BYTES_PER_VALUE,
+            )
+            d_in += len(mem.hash_orders) * mem.hash_embed
+        flops = 2 * N * R
+        if mem.kv_rank:
+            flops, d_in = flops + 2 * d_in * mem.kv_rank, mem.kv_rank
+        return rows, nbytes, flops + fusion_flops(d_in, d, mem.hc_mult, mem.kernel_size)
+    if kind == "oe":
+        S = mem.n_tables  # n_slices * (N - 1)
+        ds = mem.slice_width(d)
+        return S, S * ds * BYTES_PER_VALUE, 2 * S * ds * d
+    if kind == "pkm":
+        H, k, n, Kd = mem.n_heads, mem.topk, mem.n_keys, mem.key_dim
+        flops = 2 * d * H * Kd + 2 * H * n * Kd + H * k * k + 2 * H * k * d
+        return H * k, H * k * d * BYTES_PER_VALUE, flops
+    if kind == "stem":
+        F = mem.width(d)
+        return 1, F * BYTES_PER_VALUE, 4 * d * F + F
+    if kind == "ple":
+        P = mem.ple_dim
+        return 1, P * BYTES_PER_VALUE, 2 * P * d + ((2 * d * P + P) if mem.gated else 0)
+    return None  # a memory registered elsewhere: no cost model here
+
+
+def backbone_flops(m: Any) -> int:
+    """Forward FLOPs per token of the GPT without memory (GPTConfig `m`)."""
+    d, L = m.n_embd, m.n_layer
+    kv = m.n_kv_head * (d // m.n_head)
+    per_block = 2 * (2 * d * d + 2 * d * kv) + 2 * 2 * d * m.mlp_width()  # q, o, k, v; MLP
+    per_block += 2 * 2 * d * (m.sequence_len + 1) / 2  # scores and values over T_ctx
+    return int(L * per_block + 2 * m.vocab_size * d)  # + the tied head
+
+
+def point_costs(m: Any) -> dict[str, int | None]:
+    """{rows_per_token, bytes_per_token, flops_per_token, total_params} of GPTConfig `m` (the
+    first three None for a memory kind with no cost model here)."""
+    from tngram.model.gpt import param_counts
+
+    total = param_counts(m)["total_params"]
+    costs = (0, 0, 0) if m.memory is None else memory_costs(m.memory, m.n_embd, m.vocab_size)
+    if costs is None:
+        return {
+            "rows_per_token": None,
+            "bytes_per_token": None,
+            "flops_per_token": None,
+            "total_params": total,
+        }
+    layers = len(m.memory_layers) if m.memory is not None and m.memory.injection == "block" else 1
+    rows, nbytes, flops = (layers * c for c in costs)
+    return {
+        "rows_per_token": rows,
+        "bytes_per_token": nbytes,
+        "flops_per_token": backbone_flops(m) + flops,
+        "total_params": total,
+    }
+
+
+# ---- the paired comparison with Engram ----
+
+PAIRED_FAMILIES = (
+    "tngram",
+    "tngram-lean",
+    "tngram-sum",
+    "tngram-shared",
+    "tngram-hybrid",
+    "tngram-hsum",
+)
+# how far above 1 a pair's 5-rep step ratio may be and the pair still be timed by the multi-process
+# protocol before a verdict: the points' 5-rep medians moved 0.93-1.10x between two timings
+# (research/RESULTS.md), so a pair at 1.01 on them may be below 1 on its own timing, and the reverse
+STEP_NOISE = 0.10
+
+
+def paired_rows(
+    rows: list[dict[str, Any]],
+    bench: dict[str, Any],
+    sizes: dict[str, tuple],
+    corpus_sizes: dict[str, dict[str, tuple]] | None = None,
+) -> list[list[Any]]:
+    """One row per (corpus, family in PAIRED_FAMILIES, size index) with a finished Engram twin: the
+    family's val loss minus Engram's at the same size index (`sizes`: family -> its sizes), paired
+    by seed over every seed both have (the confirmation's extra seeds included): n, Engram's mean,
+    mean difference with its 95% t interval, wins/losses, and Δparams and step time as ratios to
+    Engram's. "beats Engram" needs Δparams <= Engram's, step <= Engram's and the interval below 0;
+    it says "yes" only when the step ratio is the pair's own multi-process timing
+    (bench["confirm_steps"], `step_ratio`), "candidate" when the loss and Δparams pass and the
+    points' 5-rep step ratio is within 1 + STEP_NOISE (those medians move by several percent
+    between timings, so they decide nothing near 1; `candidate_pairs` lists those pairs).
+    `corpus_sizes` replaces `sizes` for the corpora it names (the vocabulary-8192 setting)."""
+    return [row for row, _ in _paired(rows, bench, sizes, corpus_sizes)]
+
+
+def candidate_pairs(
+    rows: list[dict[str, Any]],
+    bench: dict[str, Any],
+    sizes: dict[str, tuple],
+    corpus_sizes: dict[str, dict[str, tuple]] | None = None,
+) -> list[list[str]]:
+    """[family point key, Engram point key] of every paired row that says "candidate": the pairs
+    whose step ratio must be timed by `step_ratio`'s multi-process protocol before a "yes"."""
+    pairs = [
+        pair for row, pair in _paired(rows, bench, sizes, corpus_sizes) if row[-1] == "candidate"
+    ]
+    return [list(p) for p in dict.fromkeys(tuple(p) for p in pairs)]
+
+
+def _paired(
+    rows: list[dict[str, Any]],
+    bench: dict[str, Any],
+    sizes: dict[str, tuple],
+    corpus_sizes: dict[str, dict[str, tuple]] | None,
+) -> list[tuple[list[Any], list[str]]]:
+    """paired_rows' rows, each with its [family point key, Engram point key]."""
+    loss = {(r["corpus"], r["family"], r["size"], r["seed"]): r for r in rows}
+    seeds_of: dict[tuple, set] = {}  # (corpus, family, size) -> its seeds
+    for k in loss:
+        seeds_of.setdefault(k[:3], set()).add(k[3])
+    steps = bench.get("points", {})
+    out: list[Any] = []
+    pooled: dict[tuple[str, str], dict[str, Any]] = {}
+    for corpus in dict.fromkeys(r["corpus"] for r in rows):
+        cs = (corpus_sizes or {}).get(corpus, sizes)  # this corpus's sizes
+        for fam in PAIRED_FAMILIES:
+            for i, size in enumerate(cs.get(fam, ())):
+                e_size = cs["engram"][i] if i < len(cs.get("engram", ())) else None
+                seeds = sorted(
+                    seeds_of.get((corpus, fam, size), set())
+                    & seeds_of.get((corpus, "engram", e_size), set())
+                )
+                if not seeds:
+                    continue
+                a = [loss[(corpus, fam, size, s)] for s in seeds]
+                b = [loss[(corpus, "engram", e_size, s)] for s in seeds]
+                diffs = [x["val_loss"] - y["val_loss"] for x, y in zip(a, b)]
+                ka, kb = point_key(fam, size, corpus), point_key("engram", e_size, corpus)
+                ta, tb = steps.get(ka, {}).get("step_ms"), steps.get(kb, {}).get("step_ms")
+                t_ratio, timed = (ta / tb if ta and tb else None), False
+                for confirm in bench.get("confirm_steps", []):
+                    if confirm["pair"] == [ka, kb]:
+                        t_ratio, timed = confirm["ratio"], True  # the pair's own, longer timing
+                p_ratio, label = a[0]["delta_params"] / b[0]["delta_params"], f"{size} vs {e_size}"
+                out.append(
+                    (
+                        _paired_row(
+                            corpus,
+                            fam,
+                            label,
+                            p_ratio,
+                            t_ratio,
+                            [y["val_loss"] for y in b],
+                            diffs,
+                            timed,
+                        ),
+                        [ka, kb],
+                    )
+                )
+                if "@" not in corpus:  # the vocabulary setting is another model
+                    pool = pooled.setdefault(
+                        (fam, label),
+                        {
+                            "p_ratio": p_ratio,
+                            "t_ratio": t_ratio,
+                            "engram": [],
+                            "diffs": [],
+                            "corpora": 0,
+                            "timed": timed,
+                            "pair": [ka, kb],
+                        },
+                    )
+                    pool["engram"] += [y["val_loss"] for y in b]
+                    pool["diffs"] += diffs
+                    pool["corpora"] += 1
+    for (fam, label), pool in pooled.items():
+        if pool["corpora"] > 1:
+            out.append(
+                (
+                    _paired_row(
+                        f"{pool['corpora']} corpora pooled",
+                        fam,
+                        label,
+                        pool["p_ratio"],
+                        pool["t_ratio"],
+                        pool["engram"],
+                        pool["diffs"],
+                        pool["timed"],
+                    ),
+                    pool["pair"],
+                )
+            )
+    return out
+
+
+def _paired_row(
+    corpus: str,
+    fam: str,
+    sizes_txt: str,
+    p_ratio: float,
+    t_ratio: float | None,
+    engram: list[float],
+    diffs: list[float],
+    timed: bool = False,
+) -> list[Any]:
+    from tngram.report.stats import paired_stats
+
+    st = paired_stats(diffs)
+    loss_and_params = p_ratio <= 1 and t_ratio is not None and st.n > 1 and st.ci_high < 0
+    if timed:
+        verdict = "yes" if loss_and_params and t_ratio is not None and t_ratio <= 1 else "no"
+    else:
+        fast = t_ratio is not None and t_ratio <= 1 + STEP_NOISE
+        verdict = "candidate" if loss_and_params and fast else "no"
+    return [
+        corpus,
+        LABELS[fam],
+        sizes_txt,
+        p_ratio,
+        t_ratio,
+        st.n,
+        statistics.fmean(engram),
+        st.mean,
+        None if st.n < 2 else [st.ci_low, st.ci_high],
+        f"{st.wins}/{st.losses}",
+        st.sign_p,
+        verdict,
+    ]
+
+
+PAIRED_COLUMNS = [
+    {"header": "corpus"},
+    {"header": "memory"},
+    {"header": "size vs Engram's"},
+    {"header": "Δparams / Engram's", "fmt": ".3f"},
+    {"header": "step / Engram's", "fmt": ".3f"},
+    {"header": "seeds"},
+    {"header": "Engram val loss", "fmt": ".4f"},
+    {"header": "− Engram (mean)", "fmt": "+.4f"},
+    {"header": "95% CI", "fmt": "list:+.4f"},
+    {"header": "better/worse seeds"},
+    {"header": "sign test p", "fmt": ".3g"},
+    {"header": "beats Engram at ≤ params and ≤ step"},
+]

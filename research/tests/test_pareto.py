@@ -393,7 +393,7 @@ def test_median_ci_is_the_binomial_order_statistic_interval(n):
     its coverage: the chance that the true median of a continuous distribution falls outside is
     P(B <= k - 1) + P(B >= n - k + 1) <= 5%, and one rank tighter would exceed 5%."""
     from scipy.stats import binom
-    from research.experiments.pareto_report import median_ci
+    from research.experiments.pareto import median_ci
     xs = [float(i) for i in range(1, n + 1)]          # the i-th order statistic is i
     lo, hi = median_ci(list(reversed(xs)))
     k = max((j for j in range(0, n // 2 + 1) if binom.cdf(j - 1, n, 0.5) <= 0.025), default=0)
@@ -448,7 +448,7 @@ def test_step_ratio_of_a_config_with_itself_is_near_one():
     ranged 0.80-1.24 over six tries, and 7 rounds reached 1.3), yet it still fails a ratio that
     halves (a / (a + b)) or doubles (a counted twice)."""
     from tngram.experiments.common import base_recipe, with_memory
-    from research.experiments.pareto_report import step_ratio
+    from research.experiments.pareto import step_ratio
     cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
     cfg = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))
     from test_train_support import single_thread
@@ -463,7 +463,7 @@ def test_step_ratio_across_processes_keeps_a_over_b_whichever_is_built_first():
     order would show below 1), and the reported ratio is the median of the per-process medians."""
     import statistics
     from tngram.experiments.common import base_recipe, with_memory
-    from research.experiments.pareto_report import step_ratio
+    from research.experiments.pareto import step_ratio
     cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
     b = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))
     a = replace(cfg, data=replace(cfg.data, global_batch_tokens=4 * 2 * 256, micro_batch_seqs=2))

@@ -1,4 +1,4 @@
-"""The machine-independent cost axes of a map point (pareto_costs.point_costs) against hand
+"""The machine-independent cost axes of a map point (pareto_report.point_costs) against hand
 counts, one tiny config per family (d 32, 2 layers, V 50, T 16, GQA 2/1 heads, MLP 64)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from research.experiments.pareto_costs import backbone_flops, point_costs
+from research.experiments.pareto_report import backbone_flops, point_costs
 from tngram.memory.engram import EngramConfig
 from tngram.memory.overencoding import OverEncodingConfig
 from tngram.memory.per_layer_embedding import PerLayerEmbeddingConfig

@@ -11,7 +11,7 @@ import torch
 
 import research.experiments.pareto as P
 from tngram.common import TngramError
-from research.experiments.pareto_iso import iso_backbone, points_within_step
+from research.experiments.pareto import iso_backbone, points_within_step
 from tngram.memory.per_layer_embedding import PerLayerEmbeddingConfig
 from tngram.memory.stem import StemConfig
 from tngram.model.gpt import GPT, GPTConfig, param_counts

@@ -10,7 +10,7 @@ How it fits the memory contract (injection "block"): the module is an extra FFN 
 output is added to the residual stream of its block before attention, like the other block
 memories; the block's own relu^2 MLP stays. STEM's "replace the up-projection" is obtained at
 equal total parameters by paying for the table with the backbone: the iso-parameter backbone
-(research.experiments.pareto_iso.iso_backbone) shrinks every block's MLP width so that
+(research.experiments.pareto.iso_backbone) shrinks every block's MLP width so that
 backbone + memory has the raw GPT's parameters. SiLU gating follows STEM's SwiGLU FFN (the
 backbone's MLP is relu^2 without a gate). W_down is zero-initialised (flag), so the memory starts
 as a no-op, as Engram's value projection; U is N(0, 1) as an nn.Embedding. U trains as a lookup
