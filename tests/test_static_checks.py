@@ -1,5 +1,6 @@
-"""Static checks `make test` runs over tngram/: the linter (ruff: pyflakes' rules F and the line
-length E501, configured in pyproject.toml [tool.ruff]) and the type checker (mypy,
+"""Static checks `make test` runs over tngram/: the linter (ruff: pyflakes' rules F, the line
+length E501 and the function size PLR0915, at most 50 statements a function; configured in
+pyproject.toml [tool.ruff]) and the type checker (mypy,
 [tool.mypy]). A finding fails the test with the tool's own report. Each test skips, saying so,
 only where its tool is not installed (both are in the `dev` extra that `make test` installs)."""
 
@@ -83,7 +84,8 @@ def test_the_static_checks_are_configured_as_documented():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert conf["tool"]["ruff"]["line-length"] == 100
-    assert {"F", "E501"} <= set(conf["tool"]["ruff"]["lint"]["select"])
+    assert {"F", "E501", "PLR0915"} <= set(conf["tool"]["ruff"]["lint"]["select"])
+    assert conf["tool"]["ruff"]["lint"]["pylint"]["max-statements"] == 50
     assert conf["tool"]["mypy"]["files"] == ["tngram", "research"]
     dev = " ".join(conf["project"]["optional-dependencies"]["dev"])
     assert "ruff" in dev and "mypy" in dev
