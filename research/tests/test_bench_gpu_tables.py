@@ -10,7 +10,7 @@ import torch
 
 from research.bench import gpu_parts, gpu_tables
 from research.bench.gpu import shapes_for
-from tngram.cli.main import main
+from research.cli import main
 
 from test_train_support import one_thread  # noqa: F401
 

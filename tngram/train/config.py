@@ -62,7 +62,9 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         check_finite(self)
         check_field(self.steps >= 1, "schedule.steps", ">= 1", self.steps)
-        check_field(self.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", self.warmdown_steps)
+        check_field(
+            self.warmdown_steps >= 0, "schedule.warmdown_steps", ">= 0", self.warmdown_steps
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

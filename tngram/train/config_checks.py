@@ -151,7 +151,9 @@ def check_optim(o: Any) -> None:
 
 
 def check_data(d: Any) -> None:
-    check_field(d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens)
+    check_field(
+        d.global_batch_tokens >= 1, "data.global_batch_tokens", ">= 1", d.global_batch_tokens
+    )
     check_field(d.micro_batch_seqs >= 1, "data.micro_batch_seqs", ">= 1", d.micro_batch_seqs)
     check_field(
         d.val_tokens is None or d.val_tokens >= 1, "data.val_tokens", ">= 1 or none", d.val_tokens
@@ -181,7 +183,9 @@ def check_run(r: Any) -> None:
     for k in ("val_every", "checkpoint_every"):
         check_field(getattr(r, k) >= 0, f"run.{k}", ">= 0 (0: only at the end)", getattr(r, k))
     check_field(r.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1", r.keep_checkpoints)
-    check_field(0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads)
+    check_field(
+        0 <= r.threads <= 4096, "run.threads", "in [0, 4096] (0: torch's default)", r.threads
+    )
 
 
 def check_train(cfg: Any) -> None:

@@ -57,7 +57,14 @@ from tngram.train.checkpoint import (
     remove_torn_temps,
     save_checkpoint,
 )
-from tngram.train.ckpt_files import cpu_copy, file_sha256, load_checkpoint_json, load_tensors, sha256_hex, short_error
+from tngram.train.ckpt_files import (
+    cpu_copy,
+    file_sha256,
+    load_checkpoint_json,
+    load_tensors,
+    sha256_hex,
+    short_error,
+)
 from tngram.train.fsdp import FullStateModel, checkpoint_views
 from tngram.train.optim_check import check_checkpoint_meta
 from tngram.train.optim_state import load_optimizer_checked, restore_rng_checked, rng_tensors
@@ -348,7 +355,9 @@ def load_sharded_checkpoint(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(template, storage_reader=reader, no_dist=single)
     except Exception as e:
-        raise TngramError(f"{where}: cannot read the sharded checkpoint ({short_error(e)})") from None
+        raise TngramError(
+            f"{where}: cannot read the sharded checkpoint ({short_error(e)})"
+        ) from None
     for k, v in template.items():
         local = v.to_local() if hasattr(v, "to_local") else v
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
