@@ -224,6 +224,27 @@ def test_transformers_adapter_loading_keeps_the_memory_or_refuses(tmp_path):
         peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter-base")
 
 
+def test_saving_an_adapter_prints_no_model_type_warning(tmp_path, capfd, caplog):
+    """peft reads its base's config.json on every save through the model's config class; the
+    memory config class reads a family folder as its own (the same network) where transformers
+    warned "You are using a model of type `llama` to instantiate a model of type `tngram_llama`"."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import MEMORIES, tiny_model
+    from tngram.hf import add_memory
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    model = add_memory(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), MEMORIES["engram"])
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                    modules_to_save=["ngram_memory"]))
+    capfd.readouterr()
+    pm.save_pretrained(tmp_path / "adapter")
+    type(model.config).from_pretrained(tmp_path / "base")  # what peft calls
+    out = capfd.readouterr()
+    said = out.err + out.out + " ".join(r.getMessage() for r in caplog.records)
+    assert "You are using a model of type" not in said
+
+
 def shared_memory(kind: str):
     """Memories whose layers share one table (the first layer's module owns it)."""
     from tngram.memory.product_key import ProductKeyConfig

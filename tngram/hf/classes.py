@@ -46,6 +46,17 @@ class TngramConfigMixin:
 
     base_model_type: str = ""
 
+    @classmethod
+    def get_config_dict(cls, *args: Any, **kwargs: Any) -> Any:
+        """The family's; a config.json of the family itself (a base without a memory: peft reads
+        its base's config on every save) reads as this class's model type, the same network,
+        where transformers would warn that it makes a `tngram_<family>` from a `<family>`."""
+        family: Any = super(TngramConfigMixin, cls)  # the family config class after this mixin
+        config_dict, rest = family.get_config_dict(*args, **kwargs)
+        if isinstance(config_dict, dict) and config_dict.get("model_type") == cls.base_model_type:
+            config_dict = {**config_dict, "model_type": getattr(cls, "model_type")}
+        return config_dict, rest
+
 
 class TngramModelMixin(_ModelBase):
     """Builds the memory of `config.tngram_memory` after the family's __init__; checks loads.
