@@ -155,6 +155,47 @@ def test_load_memory_refuses_edited_weights_and_a_model_with_memory(tmp_path):
     assert type(base) is LlamaForCausalLM and not memory_modules(base)  # left as it was
 
 
+def _step(model):
+    """One SGD step on every parameter that requires grad."""
+    x = prompt(2, 9)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_save_memory_refuses_a_backbone_that_changed(tmp_path):
+    """add_memory's default trainable="all" trains the backbone too, and save_memory writes the
+    memory alone: on the base it then gave other logits, silently. A backbone an optimiser
+    changed since the memory was added is refused, naming a parameter; a frozen backbone, a
+    PeftModel's, a deepcopy and a model from from_pretrained save as before."""
+    import copy
+
+    model = with_memory("llama", "engram")
+    save_memory(copy.deepcopy(model), tmp_path / "copy")
+    model.save_pretrained(tmp_path / "full")
+    save_memory(AutoModelForCausalLM.from_pretrained(tmp_path / "full"), tmp_path / "loaded")
+    _step(model)
+    with pytest.raises(TngramError, match=r"backbone changed since the memory was added \(model\."
+                                          r".*trainable='all'.*save_pretrained"):
+        save_memory(model, tmp_path / "trained")
+    with pytest.raises(TngramError, match="backbone changed"):
+        save_memory(copy.deepcopy(model), tmp_path / "trained")
+    frozen = add_memory(tiny_model("llama"), MEMORIES["engram"], layers=(0, 2), memory_seed=1,
+                        trainable="memory")
+    _step(frozen)
+    save_memory(frozen, tmp_path / "memory-only")
+    x = prompt(2, 9)
+    with torch.no_grad():
+        again = load_memory(tiny_model("llama"), tmp_path / "memory-only")
+        assert torch.equal(again(x).logits, frozen(x).logits)
+    peft = pytest.importorskip("peft", reason="peft is not installed (the hf extra has it)")
+    pm = peft.get_peft_model(with_memory("llama", "engram"), peft.LoraConfig(
+        r=2, target_modules=["q_proj"], modules_to_save=["ngram_memory"], init_lora_weights=False))
+    _step(pm)
+    save_memory(pm, tmp_path / "peft")  # the LoRA stays apart (documented), the base unchanged
+
+
 def test_trainable_memory_and_the_report(capsys):
     model = add_memory(tiny_model("llama"), MEMORIES["tngram"], layers=(0, 2), trainable="memory")
     mem = {id(p): p for m in memory_modules(model).values() for p in m.parameters()}

@@ -170,7 +170,9 @@ def save_memory(model: nn.Module, directory: str | Path, *, overwrite: bool = Fa
     """Write the memory of `model` (a model with add_memory, or a PeftModel around one) to
     `directory`: its weights and spec with the base's identity, nothing of the base. Each file is
     written whole under a temporary name and renamed into place; an existing file is refused
-    unless overwrite=True. Returns the directory."""
+    unless overwrite=True. Refused when an in-place change reached the backbone since the memory
+    was added or loaded (an optimiser step with add_memory's default trainable="all"): the files
+    would not give this model back. Returns the directory."""
     from safetensors.torch import save as save_tensors
 
     from tngram import safefs
@@ -179,6 +181,16 @@ def save_memory(model: nn.Module, directory: str | Path, *, overwrite: bool = Fa
     spec = memory_spec(inner)
     if spec is None:
         raise TngramError("save_memory: the model has no n-gram memory (tngram.hf.add_memory)")
+    seen = getattr(_base(inner), "_tngram_state").backbone
+    changed = None if seen is None else seen.changed(inner)
+    if changed is not None:
+        raise TngramError(
+            f"save_memory: the backbone changed since the memory was added ({changed}: trained "
+            "with add_memory's default trainable='all'?), and "
+            "save_memory writes the memory alone, so loading it onto the base would not give "
+            "this model: save the whole model (save_pretrained), or train with "
+            "trainable='memory'"
+        )
     directory = Path(directory)
     for name in (WEIGHTS_FILE, SPEC_FILE):
         if (directory / name).exists() and not overwrite:

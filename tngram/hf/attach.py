@@ -43,6 +43,7 @@ from tngram.hf.classes import (
 from tngram.hf.families import find_decoder_layers, refuse_non_attention_cache
 from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     CACHE_NAMES,
+    BackboneVersions,
     _embedding_hook,
     _install_call_hooks,
     _layer_pre_hook,
@@ -167,6 +168,14 @@ def add_memory(
     return set_trainable(model, trainable)
 
 
+def record_backbone(model: nn.Module) -> None:
+    """Note the backbone's parameters as they are now (hooks.BackboneVersions): save_memory
+    refuses a backbone changed after this, whose changes it would drop."""
+    state = getattr(_base(model), "_tngram_state", None)
+    if state is not None:
+        state.backbone = BackboneVersions(model)
+
+
 def set_trainable(model: nn.Module, trainable: str) -> nn.Module:
     """trainable="memory": only the memory's parameters require grad; "all": every parameter
     keeps its requires_grad. Returns the model."""
@@ -271,6 +280,7 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     if base is not model:
         _install_call_hooks(model, state)
         _wrap_prepare_inputs(model)
+    state.backbone = BackboneVersions(model)  # again after from_pretrained loads the weights
 
 
 def memory_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -363,6 +373,7 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
     check_finite_module(model, where)  # NaN in the weights never loads silently
     place_tables(model, spec.get("table_device"))  # device_map placed them without _apply
     check_digest(spec, f"{where}/config.json {CONFIG_KEY}" if path is not None else where)
+    record_backbone(model)  # the weights as loaded
 
 
 def install_transformers_patches() -> None:

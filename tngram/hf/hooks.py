@@ -55,6 +55,45 @@ class _State:
         # layer key -> the layer whose memory owns the tables this layer's memory reads
         # (TN-gram variant share_factors, product keys shared_values; see relink)
         self.links: dict[str, nn.Module] = {}
+        self.backbone: BackboneVersions | None = None  # set when the memory is added or loaded
+
+
+class BackboneVersions:
+    """The version counters of a model's parameters outside the memory when the memory was
+    added or loaded (torch bumps a tensor's counter at each in-place change of the parameter,
+    as an optimiser step makes). save_memory writes the memory alone, so it refuses a model
+    whose backbone changed since: loaded onto the base, the memory would not give this model.
+    Not seen: changes through `.data` (peft's merge_and_unload writes so), a parameter replaced
+    by another object (a move to the meta device). A deepcopy starts from its source's state
+    (its tensors' counters restart)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.changed_before: str | None = None  # a change made before a deepcopy
+        self.params = {
+            id(p): (n, p, p._version)
+            for n, p in model.named_parameters()
+            if MEMORY_ATTR not in n.split(".")
+        }
+
+    def changed(self, model: nn.Module) -> str | None:
+        """The name of a parameter that changed since (None if none did)."""
+        if self.changed_before is not None:
+            return self.changed_before
+        for name, p in model.named_parameters():
+            seen = self.params.get(id(p))
+            if seen is not None and seen[1] is p and p._version != seen[2]:
+                return name
+        return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BackboneVersions:
+        import copy
+
+        new = object.__new__(BackboneVersions)
+        first = next((n for n, p, v in self.params.values() if p._version != v), None)
+        new.changed_before = self.changed_before or first
+        copies = [(n, copy.deepcopy(p, memo)) for n, p, _ in self.params.values()]
+        new.params = {id(c): (n, c, c._version) for n, c in copies}
+        return new
 
 
 @functools.lru_cache(maxsize=64)
