@@ -85,6 +85,26 @@ def test_default_zero_init_memory_is_a_no_op_at_start():
         assert torch.equal(plain(x).logits, model(x).logits)
 
 
+def test_which_memories_change_the_outputs_at_start():
+    """docs/HF.md: every memory kind with its defaults leaves the logits exactly as they were,
+    but product keys (values N(0, 1/D), as in their paper) and Over-Encoding's average=True."""
+    from tngram.memory import memory_config_classes
+
+    x = prompt(2, 8)
+    with torch.no_grad():
+        ref = tiny_model("llama")(x).logits
+        moved = {}
+        for kind, cls in memory_config_classes().items():
+            fields = cls.__dataclass_fields__
+            cfg = cls(**({"pad_id": 0} if "pad_id" in fields else {}),
+                      **({"n_head_per_ngram": 2, "n_embed_per_ngram": 16} if kind == "engram"
+                         else {}))
+            out = add_memory(tiny_model("llama"), cfg, layers=(1,))(x).logits
+            moved[kind] = float((out - ref).abs().max())
+    assert {k for k, d in moved.items() if d > 0} == {"pkm", "oe"}, moved
+    assert moved["pkm"] > 0.05
+
+
 def test_over_encoding_initial_effect():
     """docs/HF.md: with average=True (default) Over-Encoding changes the outputs from the start;
     with average=False and the zero-init projection it starts as an exact no-op."""
