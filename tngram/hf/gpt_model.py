@@ -213,6 +213,49 @@ def _attention(
     return attn.proj(y.transpose(1, 2).reshape(B, T, D)), weights
 
 
+def padding_positions(
+    ids: Tensor, cache: dict | None, mask: Tensor | None, past: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(new_valid (B, T), keys_valid (B, past + T), rowpos (B,), positions (B, T)) of a padded
+    batch: which new tokens are real, which keys are, tokens seen per row before this call, and
+    each new token's position counting its row's real tokens only."""
+    B, T = ids.shape
+    dev = ids.device
+    if mask is None:
+        new_valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    else:
+        if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] not in (T, past + T):
+            raise TngramError(
+                f"attention_mask of shape {tuple(mask.shape)} does not match "
+                f"input_ids {(B, T)} after {past} cached tokens"
+            )
+        new_valid = mask[:, -T:].to(device=dev, dtype=torch.bool)
+    old_valid = (
+        torch.ones(B, past, dtype=torch.bool, device=dev)
+        if cache is None or "valid" not in cache
+        else cache["valid"]
+    )
+    keys_valid = torch.cat([old_valid, new_valid], dim=1)  # (B, past + T)
+    rowpos = (
+        torch.full((B,), past, dtype=torch.long, device=dev)
+        if cache is None or "rowpos" not in cache
+        else cache["rowpos"]
+    )
+    positions = (rowpos[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)
+    return new_valid, keys_valid, rowpos, positions
+
+
+def padded_causal_mask(keys_valid: Tensor, past: int, T: int) -> Tensor:
+    """(B, 1, T, past + T): a query sees the earlier real keys and itself (so a pad query's
+    softmax row is never empty)."""
+    dev = keys_valid.device
+    q_abs = past + torch.arange(T, device=dev)
+    k_abs = torch.arange(past + T, device=dev)
+    causal = k_abs[None, :] <= q_abs[:, None]  # (T, past + T)
+    mask = (causal[None] & keys_valid[:, None, :]) | (k_abs[None, None, :] == q_abs[None, :, None])
+    return mask[:, None]
+
+
 def padded_hidden(
     gpt: GPT,
     ids: Tensor,
@@ -235,27 +278,7 @@ def padded_hidden(
     dev = ids.device
     past = 0 if cache is None else cache.get("pos", 0)
     check_ids_in_forward(ids, cfg.vocab_size)
-    if mask is None:
-        new_valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    else:
-        if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] not in (T, past + T):
-            raise TngramError(
-                f"attention_mask of shape {tuple(mask.shape)} does not match "
-                f"input_ids {(B, T)} after {past} cached tokens"
-            )
-        new_valid = mask[:, -T:].to(device=dev, dtype=torch.bool)
-    old_valid = (
-        torch.ones(B, past, dtype=torch.bool, device=dev)
-        if cache is None or "valid" not in cache
-        else cache["valid"]
-    )
-    keys_valid = torch.cat([old_valid, new_valid], dim=1)  # (B, past + T)
-    rowpos = (
-        torch.full((B,), past, dtype=torch.long, device=dev)
-        if cache is None or "rowpos" not in cache
-        else cache["rowpos"]
-    )
-    positions = (rowpos[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)  # (B, T)
+    new_valid, keys_valid, rowpos, positions = padding_positions(ids, cache, mask, past)
     top = int(positions.max()) + 1 if T else 0
     if top > cfg.sequence_len:
         raise TngramError(
@@ -263,13 +286,7 @@ def padded_hidden(
         )
     cos, sin = rope_tables(max(top, 1), cfg.n_embd // cfg.n_head, cfg.rope_base, dev)
     cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, T, E/2)
-    q_abs = past + torch.arange(T, device=dev)
-    k_abs = torch.arange(past + T, device=dev)
-    causal = k_abs[None, :] <= q_abs[:, None]  # (T, past + T)
-    attn_mask = (causal[None] & keys_valid[:, None, :]) | (
-        k_abs[None, None, :] == q_abs[None, :, None]
-    )
-    attn_mask = attn_mask[:, None]  # (B, 1, T, past + T)
+    attn_mask = padded_causal_mask(keys_valid, past, T)  # (B, 1, T, past + T)
     valid = None if bool(new_valid.all()) else new_valid
     caches = (
         [None] * cfg.n_layer
