@@ -296,5 +296,7 @@ class Engram(RowSparse, MemoryModule, nn.Module):
                 f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
             )
         ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
-        e = self.memory_vector(ids)[:, P:]  # (B, T, d_mem)
+        # contiguous: a matmul on the sliced view (decoding's history ids dropped) rounds
+        # otherwise than on the uncached call's tensor (prefill off by ~6e-7 at width 256)
+        e = self.memory_vector(ids)[:, P:].contiguous()  # (B, T, d_mem)
         return self.fusion(h, e, cache, valid)  # same shape as h
