@@ -168,10 +168,12 @@ def test_save_memory_refuses_a_backbone_that_changed(tmp_path):
     """add_memory's default trainable="all" trains the backbone too, and save_memory writes the
     memory alone: on the base it then gave other logits, silently. A backbone an optimiser
     changed since the memory was added is refused, naming a parameter; a frozen backbone, a
-    PeftModel's, a deepcopy and a model from from_pretrained save as before."""
+    PeftModel's, the same weights loaded again, a deepcopy and a model from from_pretrained
+    save as before."""
     import copy
 
     model = with_memory("llama", "engram")
+    model.load_state_dict(copy.deepcopy(model.state_dict()))  # written in place, the same values
     save_memory(copy.deepcopy(model), tmp_path / "copy")
     model.save_pretrained(tmp_path / "full")
     save_memory(AutoModelForCausalLM.from_pretrained(tmp_path / "full"), tmp_path / "loaded")

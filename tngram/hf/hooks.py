@@ -59,21 +59,36 @@ class _State:
 
 
 class BackboneVersions:
-    """The version counters of a model's parameters outside the memory when the memory was
-    added or loaded (torch bumps a tensor's counter at each in-place change of the parameter,
-    as an optimiser step makes). save_memory writes the memory alone, so it refuses a model
-    whose backbone changed since: loaded onto the base, the memory would not give this model.
-    Not seen: changes through `.data` (peft's merge_and_unload writes so), a parameter replaced
-    by another object (a move to the meta device). A deepcopy starts from its source's state
-    (its tensors' counters restart)."""
+    """A model's parameters outside the memory as they were when the memory was added or loaded:
+    each one's version counter (torch bumps it at each in-place change, as an optimiser step
+    makes) and up to SAMPLE of its values. save_memory writes the memory alone, so it refuses a
+    model whose backbone changed since (a counter moved and the values with it; a
+    load_state_dict of the same weights is no change): loaded onto the base, the memory would
+    not give this model. Not seen: changes through `.data` (peft's merge_and_unload writes so),
+    a parameter replaced by another object (a move to the meta device). A deepcopy starts from
+    its source's state."""
+
+    SAMPLE = 256
 
     def __init__(self, model: nn.Module) -> None:
         self.changed_before: str | None = None  # a change made before a deepcopy
         self.params = {
-            id(p): (n, p, p._version)
+            id(p): (n, p, p._version, self._values(p))
             for n, p in model.named_parameters()
-            if MEMORY_ATTR not in n.split(".")
+            if MEMORY_ATTR not in n.split(".") and p.device.type != "meta"
         }
+
+    @classmethod
+    def _values(cls, p: Tensor) -> Tensor:
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // cls.SAMPLE)
+        return flat[::step][: cls.SAMPLE].clone()
+
+    def _moved(self, p: Tensor, version: int, values: Tensor) -> bool:
+        if p._version == version or p.device.type == "meta":
+            return False
+        now = self._values(p)
+        return now.shape != values.shape or not torch.equal(now, values.to(now))
 
     def changed(self, model: nn.Module) -> str | None:
         """The name of a parameter that changed since (None if none did)."""
@@ -81,7 +96,7 @@ class BackboneVersions:
             return self.changed_before
         for name, p in model.named_parameters():
             seen = self.params.get(id(p))
-            if seen is not None and seen[1] is p and p._version != seen[2]:
+            if seen is not None and seen[1] is p and self._moved(p, seen[2], seen[3]):
                 return name
         return None
 
@@ -89,10 +104,10 @@ class BackboneVersions:
         import copy
 
         new = object.__new__(BackboneVersions)
-        first = next((n for n, p, v in self.params.values() if p._version != v), None)
+        first = next((n for n, p, v, s in self.params.values() if self._moved(p, v, s)), None)
         new.changed_before = self.changed_before or first
-        copies = [(n, copy.deepcopy(p, memo)) for n, p, _ in self.params.values()]
-        new.params = {id(c): (n, c, c._version) for n, c in copies}
+        copies = [(n, copy.deepcopy(p, memo), s) for n, p, _, s in self.params.values()]
+        new.params = {id(c): (n, c, c._version, s.clone()) for n, c, s in copies}
         return new
 
 
