@@ -37,8 +37,8 @@ from torch import nn
 from tngram.common import TngramError
 from tngram.hf.attach import (  # noqa: F401  (set_trainable re-exported)
     TRAINABLE,
-    _check_constants,
-    _convert,
+    check_constants,
+    convert_to_memory_class,
     attach_from_spec,
     memory_modules,
     remove_memory,
@@ -47,9 +47,9 @@ from tngram.hf.attach import (  # noqa: F401  (set_trainable re-exported)
 from tngram.hf.classes import CONFIG_KEY, MEMORY_ATTR, TngramConfigMixin, base_class
 from tngram.hf.peft_compat import memory_copies, running_memory
 from tngram.hf.spec import (
-    _base,
-    _embedding_rows,
-    _family,
+    base_model,
+    embedding_rows,
+    family_of,
     check_digest,
     check_spec,
     memory_spec,
@@ -145,9 +145,9 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
     config = model.config
     return {
         "name_or_path": str(getattr(config, "_name_or_path", "") or ""),
-        "model_type": _family(config),
+        "model_type": family_of(config),
         "config_hash": config_hash(config),
-        "vocab_size": _embedding_rows(_base(model)),
+        "vocab_size": embedding_rows(base_model(model)),
         "config": network_fields(config),
     }
 
@@ -181,7 +181,7 @@ def save_memory(model: nn.Module, directory: str | Path, *, overwrite: bool = Fa
     spec = memory_spec(inner)
     if spec is None:
         raise TngramError("save_memory: the model has no n-gram memory (tngram.hf.add_memory)")
-    seen = getattr(_base(inner), "_tngram_state").backbone
+    seen = getattr(base_model(inner), "_tngram_state").backbone
     changed = None if seen is None else seen.changed(inner)
     if changed is not None:
         raise TngramError(
@@ -313,11 +313,11 @@ def load_memory(
         )
     check_base(model, meta["base"], where, ignore_base_fields)
     spec = meta["spec"]
-    check_spec(spec, _base(model), where=f"{where} spec")
+    check_spec(spec, base_model(model), where=f"{where} spec")
     # a tokenizer the memory reads (Engram's compression): a plain name inside the folder
     saved_tok = pin_memory_tokenizer(spec["memory"], directory, where, {}, "spec.memory")
     weights = directory / WEIGHTS_FILE
-    _convert(model, spec)
+    convert_to_memory_class(model, spec)
     try:
         attach_from_spec(model, spec)
         if saved_tok is not None:
@@ -331,7 +331,7 @@ def load_memory(
             digest=meta.get(DIGEST_KEY),
         )
         model.load_state_dict(tensors, strict=False)
-        _check_constants(model, str(weights))
+        check_constants(model, str(weights))
         check_digest(spec, f"{where} spec")
     except BaseException:
         remove_memory(model)
@@ -389,7 +389,7 @@ def disable_memory(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model computes as if it had no memory (its hooks pass every call
     through). A cache filled inside the block holds no memory state, so the memory refuses it
     afterwards; start a new cache."""
-    state = getattr(_base(_unwrap(model)), "_tngram_state", None)
+    state = getattr(base_model(_unwrap(model)), "_tngram_state", None)
     if state is None:
         raise TngramError("disable_memory: the model has no n-gram memory (tngram.hf.add_memory)")
     before = state.disabled

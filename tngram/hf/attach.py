@@ -44,11 +44,11 @@ from tngram.hf.families import find_decoder_layers, refuse_non_attention_cache
 from tngram.hf.hooks import (  # noqa: F401  (re-exported)
     CACHE_NAMES,
     BackboneVersions,
-    _embedding_hook,
-    _install_call_hooks,
-    _layer_pre_hook,
-    _State,
-    _wrap_prepare_inputs,
+    embedding_hook,
+    install_call_hooks,
+    layer_pre_hook,
+    MemoryState,
+    wrap_prepare_inputs,
     owner_refs,
 )
 from tngram.hf.peft_compat import memory_copies, refuse_peft
@@ -57,12 +57,12 @@ from tngram.hf.size_check import warn_if_large
 from tngram.hf.spec import (  # noqa: F401  (re-exported)
     DIGEST_KEY,
     SPEC_KEYS,
-    _base,
-    _embedding_rows,
-    _family,
-    _hidden_size,
-    _is_int,
-    _layer_ids,
+    base_model,
+    embedding_rows,
+    family_of,
+    hidden_size_of,
+    is_int,
+    layer_ids,
     check_digest,
     check_spec,
     memory_spec,
@@ -119,7 +119,7 @@ def add_memory(
     check_table_device(table_device)
     if trainable not in TRAINABLE:
         raise TngramError(f"trainable must be one of {list(TRAINABLE)}, got {trainable!r}")
-    base = _base(model)
+    base = base_model(model)
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise TngramError("add_memory supports decoder-only models; this one is encoder-decoder")
@@ -131,27 +131,27 @@ def add_memory(
             "memory_config must be a memory config (TNGramConfig, EngramConfig, "
             f"OverEncodingConfig, ...), got {type(memory_config).__name__}"
         )
-    if not _is_int(memory_seed) or not 0 <= memory_seed < 2**63:
+    if not is_int(memory_seed) or not 0 <= memory_seed < 2**63:
         raise TngramError(f"memory_seed must be an int in [0, 2^63), got {memory_seed!r}")
     if layers_attr is not None and not isinstance(layers_attr, str):
         raise TngramError(f"layers_attr must be a dotted path (str), got {layers_attr!r}")
-    rows = _embedding_rows(base)
+    rows = embedding_rows(base)
     if vocab_size is not None and vocab_size != rows:
         raise TngramError(
             f"vocab mismatch: vocab_size={vocab_size} but the model's input "
             f"embedding has {rows} rows; build the memory for the model's vocabulary"
         )
-    path, layer_list = find_decoder_layers(base, _family(config), layers_attr)
+    path, layer_list = find_decoder_layers(base, family_of(config), layers_attr)
     if memory_config.injection == "embedding":
         ids: tuple[int, ...] = ()
     else:
         n = len(layer_list)
-        ids = _layer_ids(
+        ids = layer_ids(
             [1 if n > 1 else 0] if layers is None else layers,
             n,
             f"layers (decoder layers at base_model.{path})",
         )
-    warn_if_large(model, memory_config, _hidden_size(base.config), rows, ids)
+    warn_if_large(model, memory_config, hidden_size_of(base.config), rows, ids)
     spec = {
         "memory": memory_config_to_dict(memory_config),
         "layers": list(ids),
@@ -163,7 +163,7 @@ def add_memory(
         check_memory_config(memory_config)
         spec["table_device"] = table_device
     spec[DIGEST_KEY] = spec_digest(spec)  # checked when the saved spec is loaded again
-    _convert(model, spec)
+    convert_to_memory_class(model, spec)
     attach_from_spec(model, spec)
     return set_trainable(model, trainable)
 
@@ -171,7 +171,7 @@ def add_memory(
 def record_backbone(model: nn.Module) -> None:
     """Note the backbone's parameters as they are now (hooks.BackboneVersions): save_memory
     refuses a backbone changed after this, whose changes it would drop."""
-    state = getattr(_base(model), "_tngram_state", None)
+    state = getattr(base_model(model), "_tngram_state", None)
     if state is not None:
         state.backbone = BackboneVersions(model)
 
@@ -194,7 +194,7 @@ def _swap_config(model: nn.Module, new: Any) -> None:
             m.config = new
 
 
-def _convert(model: nn.Module, spec: dict[str, Any]) -> None:
+def convert_to_memory_class(model: nn.Module, spec: dict[str, Any]) -> None:
     """Make `model` a memory class with a memory config (a copy) carrying `spec`."""
     from tngram.hf.classes import config_class_for, model_class_for
 
@@ -243,15 +243,15 @@ def _memory_layers(
 
 def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     """Build the memories of `spec` into `model` (the outermost model) and install the hooks."""
-    base = _base(model)
+    base = base_model(model)
     cfg, ids, layer_list = check_spec(spec, base)
     d_model, seed, vocab = (
-        _hidden_size(base.config),
+        hidden_size_of(base.config),
         int(spec["memory_seed"]),
         int(spec["vocab_size"]),
     )
     ref = next(base.parameters())
-    state = _State(spec)
+    state = MemoryState(spec)
     for i, owner in _memory_layers(base, cfg, ids, layer_list):
         owner.add_module(MEMORY_ATTR, _build(cfg, d_model, vocab, i, ids or (0,), seed, ref))
     # e.g. TN-gram share_factors: one A_1..A_N (tngram.memory.base.MemoryConfig.link_layers)
@@ -265,21 +265,21 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
         emb: nn.Module = cast("PreTrainedModel", base).get_input_embeddings()  # transformers'
         # nn.Module.__setattr__ is annotated Tensor | Module; it stores any other value as is
         emb._tngram_state = state  # type: ignore[assignment]
-        state.handles.append(emb.register_forward_hook(_embedding_hook))
+        state.handles.append(emb.register_forward_hook(embedding_hook))
     else:
         for i in ids:
             layer = layer_list[i]
             layer._tngram_state = state  # type: ignore[assignment]  # (as emb's above)
             state.handles.append(
                 layer.register_forward_pre_hook(
-                    functools.partial(_layer_pre_hook, f"layer{i}"), with_kwargs=True
+                    functools.partial(layer_pre_hook, f"layer{i}"), with_kwargs=True
                 )
             )
     place_tables(model, spec.get("table_device"))
-    _install_call_hooks(base, state)
+    install_call_hooks(base, state)
     if base is not model:
-        _install_call_hooks(model, state)
-        _wrap_prepare_inputs(model)
+        install_call_hooks(model, state)
+        wrap_prepare_inputs(model)
     state.backbone = BackboneVersions(model)  # again after from_pretrained loads the weights
 
 
@@ -291,7 +291,7 @@ def memory_modules(model: nn.Module) -> dict[str, nn.Module]:
 def remove_memory(model: nn.Module) -> nn.Module:
     """Undo add_memory: hooks, memory modules and the spec go; the model and its config are of
     the family's own classes again. Returns the model."""
-    base = _base(model)
+    base = base_model(model)
     state = getattr(base, "_tngram_state", None)
     if state is None:
         return model
@@ -315,16 +315,16 @@ def remove_memory(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_constants(model: nn.Module, where: str) -> None:
+def check_constants(model: nn.Module, where: str) -> None:
     """Every memory buffer (hash multipliers, primes, moduli, offsets) equals what the spec
     builds: a spec edited after training (e.g. Engram's memory.seed) would hash differently."""
     spec = memory_spec(model)
     if spec is None:  # check_loaded calls this only for a model with a memory
         raise TngramError(f"{where}: config.json has no {CONFIG_KEY}")
-    base = _base(model)
+    base = base_model(model)
     cfg, ids, layer_list = check_spec(spec, base)
     d_model, seed, vocab = (
-        _hidden_size(base.config),
+        hidden_size_of(base.config),
         int(spec["memory_seed"]),
         int(spec["vocab_size"]),
     )
@@ -369,7 +369,7 @@ def check_loaded(model: nn.Module, info: dict[str, Any], path: Any) -> None:
             f"(layers {spec['layers']}): {bad}; the spec was edited or "
             "the weights belong to another memory"
         )
-    _check_constants(model, where)
+    check_constants(model, where)
     check_finite_module(model, where)  # NaN in the weights never loads silently
     place_tables(model, spec.get("table_device"))  # device_map placed them without _apply
     check_digest(spec, f"{where}/config.json {CONFIG_KEY}" if path is not None else where)

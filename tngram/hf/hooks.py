@@ -1,7 +1,7 @@
 """The hooks that hand each call's token ids, padding mask and cache state to the memories.
 
     token ids:        a forward pre-hook on `base` (and on the top model) reads input_ids,
-                      attention_mask and past_key_values of each call into `_State.ctx`
+                      attention_mask and past_key_values of each call into `MemoryState.ctx`
     block memory:     a forward pre-hook on layers[i] makes its input h + memory(h, ids)
     embedding memory: a forward hook on the input embedding replaces its output by OE(emb, ids)
     generate():       prepare_inputs_for_generation keeps the 2-D mask before it becomes 4-D
@@ -31,14 +31,14 @@ from tngram.hf.cache_state import (
 )
 from tngram.hf.classes import MEMORY_ATTR
 from tngram.hf.peft_compat import running_memory
-from tngram.hf.spec import _embedding_rows
+from tngram.hf.spec import embedding_rows
 from tngram.memory.ngrams import check_ids_in_forward
 
 _CALL_ARGS = ("input_ids", "attention_mask", "past_key_values", "cache", "use_cache")
 CACHE_NAMES = ("cache", "past_key_values")  # transformers >= 5.24 calls it `cache`
 
 
-class _State:
+class MemoryState:
     """Shared by a base model, its memory layers and its embedding (a plain object, so deepcopy
     keeps the sharing); `ctx` is the current call's ids / padding mask / cache state;
     `disabled` (tngram.hf.adapter.disable_memory): every hook passes its call through."""
@@ -125,7 +125,7 @@ def _call_positions(cls: type) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _install_call_hooks(module: nn.Module, state: _State) -> None:
+def install_call_hooks(module: nn.Module, state: MemoryState) -> None:
     """Hooks reading input_ids / attention_mask / cache of each call of `module` (the base
     model, and the top model too: some heads, e.g. OPT's, call an inner decoder directly)."""
     from transformers import DynamicCache
@@ -152,7 +152,7 @@ def _attr(module: nn.Module, name: str) -> Any:
     return getattr(module, name)
 
 
-def _state(module: nn.Module) -> _State:
+def _state(module: nn.Module) -> MemoryState:
     return _attr(module, "_tngram_state")
 
 
@@ -163,7 +163,7 @@ def _call_arg(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
     return args[i] if i is not None and i < len(args) else None
 
 
-def _valid_mask(mask: Any, ids: Tensor, state: _State, past: int = 0) -> Tensor | None:
+def _valid_mask(mask: Any, ids: Tensor, state: MemoryState, past: int = 0) -> Tensor | None:
     """(B, T) bool mask of real tokens from the call's attention mask, or None (no padding).
 
     The 2-D mask's columns are absolute positions: the call's tokens are columns
@@ -206,7 +206,7 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     if ids.dim() != 2:
         raise TngramError(f"input_ids must have shape (batch, seq), got {tuple(ids.shape)}")
     vocab = int(state.spec["vocab_size"])
-    rows = _embedding_rows(base)
+    rows = embedding_rows(base)
     if rows != vocab:
         raise TngramError(
             f"vocab mismatch: the memory was built for {vocab} tokens but the input "
@@ -275,7 +275,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _layer_pre_hook(
+def layer_pre_hook(
     key: str, layer: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict] | None:
     if _state(layer).disabled:
@@ -289,7 +289,7 @@ def _layer_pre_hook(
         ctx = _context(layer)
         if layer.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             replay = {"ids": ctx["ids"], "valid": ctx["valid"], "states": None}
-            layer._tngram_replay = replay  # type: ignore[assignment]  # (see _install_call_hooks)
+            layer._tngram_replay = replay  # type: ignore[assignment]  # (see install_call_hooks)
     h = args[0] if args else kwargs["hidden_states"]
     ids = ctx["ids"]
     if h.shape[:2] != ids.shape:
@@ -333,7 +333,7 @@ def relink(mem: nn.Module, owner: nn.Module) -> None:
             run.__dict__[k] = [own]
 
 
-def _embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
+def embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
     ctx = _state(emb).ctx
     if ctx is None or _state(emb).disabled or output.shape[:2] != ctx["ids"].shape:
         return output  # a call outside the model's forward (e.g. computing inputs_embeds)
@@ -348,7 +348,7 @@ def _embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
 # ---- generate(): keep the 2-D mask before it becomes 4-D; refuse inputs_embeds --------------
 
 
-def _wrap_prepare_inputs(model: nn.Module) -> None:
+def wrap_prepare_inputs(model: nn.Module) -> None:
     orig = getattr(type(model), "prepare_inputs_for_generation", None)
     if orig is None:
         return

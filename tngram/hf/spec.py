@@ -74,7 +74,7 @@ def check_digest(spec: dict[str, Any], where: str) -> None:
             )
 
 
-def _hidden_size(config: Any) -> int:
+def hidden_size_of(config: Any) -> int:
     for name in ("hidden_size", "n_embd", "d_model"):
         v = getattr(config, name, None)
         if isinstance(v, int):
@@ -84,7 +84,7 @@ def _hidden_size(config: Any) -> int:
     )
 
 
-def _base(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> nn.Module:
     if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
         raise TngramError(
             f"add_memory expects a transformers PreTrainedModel, got {type(model).__name__}"
@@ -92,7 +92,7 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, "base_model", model)
 
 
-def _embedding_rows(base: nn.Module) -> int:
+def embedding_rows(base: nn.Module) -> int:
     emb = cast("PreTrainedModel", base).get_input_embeddings()  # a transformers base model
     rows = getattr(emb, "num_embeddings", None)
     if not isinstance(rows, int):
@@ -100,22 +100,22 @@ def _embedding_rows(base: nn.Module) -> int:
     return rows
 
 
-def _family(config: Any) -> str | None:
+def family_of(config: Any) -> str | None:
     cls = type(config)
     if issubclass(cls, TngramConfigMixin):
         return cls.base_model_type
     return getattr(config, "model_type", None)
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _layer_ids(layers: Any, n: int, what: str) -> tuple[int, ...]:
+def layer_ids(layers: Any, n: int, what: str) -> tuple[int, ...]:
     """Distinct decoder-layer indices in [0, n) from ints in [-n, n); one error otherwise."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, list, tuple)):
         raise TngramError(f"{what} must be a list of decoder-layer indices (ints), got {layers!r}")
-    if not all(_is_int(i) for i in layers):
+    if not all(is_int(i) for i in layers):
         raise TngramError(f"{what} must hold ints, got {list(layers)!r}")
     ids = tuple(i + n if i < 0 else i for i in layers)
     if not ids or any(not 0 <= i < n for i in ids) or len(set(ids)) != len(ids):
@@ -148,13 +148,13 @@ def _check_memory_fields(memory: Any, where: str) -> Any:
         if isinstance(default, bool):
             ok = isinstance(v, bool)
         elif isinstance(default, int):
-            ok = _is_int(v)
+            ok = is_int(v)
         elif isinstance(default, float):
-            ok = (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+            ok = (is_int(v) or isinstance(v, float)) and math.isfinite(v)
         elif isinstance(default, str):
             ok = isinstance(v, str)
         elif isinstance(default, tuple):
-            ok = isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)
+            ok = isinstance(v, (list, tuple)) and all(is_int(x) for x in v)
         else:
             ok = True
         if not ok:
@@ -188,19 +188,19 @@ def check_spec(
         check_table_device(spec["table_device"], f"{where}.table_device")
         check_memory_config(cfg)
     seed, vocab, attr = spec["memory_seed"], spec["vocab_size"], spec["layers_attr"]
-    if not _is_int(seed) or not 0 <= seed < 2**63:
+    if not is_int(seed) or not 0 <= seed < 2**63:
         raise TngramError(f"{where}.memory_seed must be an int in [0, 2^63), got {seed!r}")
-    if not _is_int(vocab) or vocab < 1:
+    if not is_int(vocab) or vocab < 1:
         raise TngramError(f"{where}.vocab_size must be a positive int, got {vocab!r}")
     if not isinstance(attr, str) or not attr:
         raise TngramError(f"{where}.layers_attr must be a dotted path (str), got {attr!r}")
-    rows = _embedding_rows(base)
+    rows = embedding_rows(base)
     if rows != vocab:
         raise TngramError(
             f"vocab mismatch: {where}.vocab_size is {vocab} but the input embedding has {rows} rows"
         )
     try:
-        _, layer_list = find_decoder_layers(base, _family(base.config), attr)
+        _, layer_list = find_decoder_layers(base, family_of(base.config), attr)
     except TngramError as e:
         raise TngramError(f"{where}.layers_attr {attr!r}: {e}") from None
     if cfg.injection == "embedding":
@@ -210,7 +210,7 @@ def check_spec(
                 f"({cfg.kind}), got {spec['layers']!r}"
             )
         return cfg, (), layer_list
-    ids = _layer_ids(spec["layers"], len(layer_list), f"{where}.layers")
+    ids = layer_ids(spec["layers"], len(layer_list), f"{where}.layers")
     if list(ids) != list(spec["layers"]):
         raise TngramError(f"{where}.layers must be non-negative, got {spec['layers']!r}")
     return cfg, ids, layer_list
