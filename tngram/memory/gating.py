@@ -151,7 +151,8 @@ class GatedFusion(nn.Module):
         the backward forms dL/de with one matmul instead of two plus an add. Same parameters,
         same numbers up to summation order. Only from `fuse_kv_min_rows` (64) rows of e: the
         concatenation copies both weights on every call, which at decode time (1 row per step)
-        cost more than the saved matmul (python -m research bench decode, research/PERFORMANCE.md "Decode").
+        cost more than the saved matmul (python -m research bench decode,
+        research/PERFORMANCE.md "Decode").
         Only when both projections are plain nn.Linear: a wrapped one (a PEFT LoRA layer, a
         subclass) is called, so its own forward (adapter included) holds at every length.
         """
