@@ -96,7 +96,7 @@ static void forward_token(const float *table, const int64_t *id, const float *W,
         float f = s ? s[j] : 1.0f;
         if (use_norm) {
             float r = 1.0f / sqrtf(ss / (float)R + eps);
-            rstd_m[j] = r;
+            if (rstd_m) rstd_m[j] = r;
             f *= r;
         }
         if (f != 1.0f) {
@@ -331,4 +331,158 @@ void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx
         free(gwide);
     }
     free(DOT);
+}
+
+/* ---- one decoding step of a memory: lookup, K/V, gate and short conv in one call ---------------
+ * For the few new positions of a cached call (generation), the ~50 torch ops of a memory layer
+ * cost far more in dispatch than in arithmetic; these entries do the same equations in one call
+ * (fp32, one hyper-connection branch, no autograd). Per position, from its hidden state h and
+ * memory vector e (TN-gram: forward_token above; Engram: its hashed table rows):
+ *   k = wk e + bk,  v = wv e + bv                              (bk, bv NULL: no bias)
+ *   alpha = <RMSNorm(k) nk, RMSNorm(h) nh> / sqrt(D)          (RMSNorm eps: eps_gate)
+ *   g = sigmoid(sign(alpha) sqrt(max(|alpha|, 1e-6))),  x = g v
+ *   u = RMSNorm(x) cn (eps eps_conv), 0 at padding            (the conv input, kept by the caller)
+ *   c = u cw[:, w-1] + sum_{j < w-1} cw[:, j] u_{t-(w-1-j) dil} (in this order, as torch's)
+ *   y = x + silu(c), 0 at padding
+ * tngram/memory/gating.py's equations; sums over D (and exp) in another order than torch's, so
+ * equal to its ops up to fp32 rounding. Layouts (contiguous): ids (B, S) raw token ids whose last
+ * T = S - start are the new positions (the first `start` are history); h, u, y (B, T, D);
+ * wk, wv (D, E); win (B, L, D), L = (w-1) dil: the conv inputs of the L positions before the
+ * first new one (zeros before the sequence start); cw (D, w); valid (B, T) 0/1 or NULL. The K/V
+ * matvecs split the D outputs between threads (one writer each: any thread count, same result).
+ * Both entries return the number of ids outside [0, V) and compute nothing when it is not 0. */
+typedef struct {
+    const float *h, *wk, *bk, *wv, *bv, *nh, *nk, *cn, *cw, *win;
+    const uint8_t *valid;
+    int64_t T, D, E, w, dil;
+    float eps_gate, eps_conv;
+    float *u, *y;
+    int nthreads;
+} fusion_t;
+
+static void fusion_position(const fusion_t *f, int64_t b, int64_t t, const float *restrict em,
+                            float *restrict k) {
+    const int64_t D = f->D, E = f->E, w = f->w, L = (w - 1) * f->dil, m = b * f->T + t;
+    const float *restrict hm = f->h + m * D;
+    float *restrict um = f->u + m * D, *restrict ym = f->y + m * D;
+    const int keep = f->valid ? f->valid[m] != 0 : 1;
+#pragma omp parallel for num_threads(f->nthreads) schedule(static) if (f->nthreads > 1 && D * E >= 262144)
+    for (int64_t i = 0; i < D; i++) {
+        const float *restrict ki = f->wk + i * E, *restrict vi = f->wv + i * E;
+        float sk = 0.0f, sv = 0.0f;
+#pragma omp simd reduction(+:sk, sv)
+        for (int64_t j = 0; j < E; j++) {
+            sk += ki[j] * em[j];
+            sv += vi[j] * em[j];
+        }
+        k[i] = f->bk ? sk + f->bk[i] : sk;
+        ym[i] = f->bv ? sv + f->bv[i] : sv;          /* y holds v, then x = g v */
+    }
+    float sh = 0.0f, skk = 0.0f, dot = 0.0f, sx = 0.0f;
+#pragma omp simd reduction(+:sh, skk)
+    for (int64_t i = 0; i < D; i++) {
+        sh += hm[i] * hm[i];
+        skk += k[i] * k[i];
+    }
+    const float rh = 1.0f / sqrtf(sh / (float)D + f->eps_gate);
+    const float rk = 1.0f / sqrtf(skk / (float)D + f->eps_gate);
+#pragma omp simd reduction(+:dot)
+    for (int64_t i = 0; i < D; i++) dot += (k[i] * rk * f->nk[i]) * (hm[i] * rh * f->nh[i]);
+    const float alpha = dot / sqrtf((float)D);
+    const float mag = sqrtf(fmaxf(fabsf(alpha), 1e-6f));
+    const float g = 1.0f / (1.0f + expf(alpha > 0.0f ? -mag : (alpha < 0.0f ? mag : 0.0f)));
+#pragma omp simd reduction(+:sx)
+    for (int64_t i = 0; i < D; i++) {
+        float x = g * ym[i];
+        ym[i] = x;
+        sx += x * x;
+    }
+    const float rx = 1.0f / sqrtf(sx / (float)D + f->eps_conv);
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) um[i] = keep ? ym[i] * rx * f->cn[i] : 0.0f;
+    for (int64_t i = 0; i < D; i++) {
+        float c = um[i] * f->cw[i * w + w - 1];
+        for (int64_t j = 0; j < w - 1; j++) {
+            int64_t sh_ = (w - 1 - j) * f->dil;
+            float src = t >= sh_ ? f->u[(m - sh_) * D + i] : f->win[(b * L + L + t - sh_) * D + i];
+            c += src * f->cw[i * w + j];
+        }
+        ym[i] = keep ? ym[i] + c / (1.0f + expf(-c)) : 0.0f;
+    }
+}
+
+static int64_t count_outside(const int64_t *ids, int64_t n, int64_t V) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad += (ids[i] < 0) | (ids[i] >= V);
+    return bad;
+}
+
+/* the id x_{t-k} of new position t in row b, pad before the row's start */
+static inline int64_t window_id(const int64_t *ids, int64_t S, int64_t start, int64_t b, int64_t t,
+                                int64_t k, int64_t pad) {
+    int64_t i = start + t - k;
+    return i >= 0 ? ids[b * S + i] : pad;
+}
+
+/* TN-gram: e = forward_token over factors (N*V, R) with absorption absorb (N-2, R) or NULL and
+ * log-scales ls (N-1) or NULL; W and exp(ls) built as tngram_lookup.absorption_weights does */
+int64_t tn_tngram_step(const int64_t *ids, int64_t B, int64_t S, int64_t start, int64_t pad,
+                       int64_t V, const float *table, const float *absorb, const float *ls,
+                       int64_t N, int64_t R, int use_norm, float eps, fusion_t f) {
+    int64_t bad = count_outside(ids, B * S, V);
+    if (bad) return bad;
+    float *W = malloc((size_t)((N - 1) * R + N - 1 + R + (N - 1) * R + f.D) * sizeof(float));
+    float *s = W + (N - 1) * R, *P = s + (N - 1), *e = P + R, *k = e + (N - 1) * R;
+    for (int64_t i = 0; i < R; i++) W[(N - 2) * R + i] = 1.0f;
+    if (absorb && N > 2) {      /* W_j = w_1 ... w_{N-2-j}: cum_0 = w_1, cum_i = cum_{i-1} w_{i+1} */
+        for (int64_t i = 0; i < R; i++) W[(N - 3) * R + i] = absorb[i];
+        for (int64_t c = 1; c < N - 2; c++)
+            for (int64_t i = 0; i < R; i++)
+                W[(N - 3 - c) * R + i] = W[(N - 2 - c) * R + i] * absorb[c * R + i];
+    } else {
+        for (int64_t j = 0; j < N - 2; j++)
+            for (int64_t i = 0; i < R; i++) W[j * R + i] = 1.0f;
+    }
+    for (int64_t j = 0; j < N - 1; j++) s[j] = ls ? expf(ls[j]) : 1.0f;
+    int64_t id[64];                       /* N <= 32 (TNGramConfig) */
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < f.T; t++) {
+            for (int64_t c = 0; c < N; c++)
+                id[c] = (N - 1 - c) * V + window_id(ids, S, start, b, t, c, pad);
+            forward_token(table, id, W, ls ? s : NULL, N, R, use_norm, eps, e, NULL, P);
+            fusion_position(&f, b, t, e, k);
+        }
+    }
+    free(W);
+    return 0;
+}
+
+/* Engram: ids compressed by `compress` (V,) or not (NULL), padded with pad (already compressed),
+ * hashed per order n and head j as tngram/memory/hashing.ngram_hash (XOR of c_{t-i} m_i, i < n,
+ * modulo the head's prime), rows z + offset of table (rows, Dh) concatenated (n, head)-major */
+int64_t tn_engram_step(const int64_t *ids, int64_t B, int64_t S, int64_t start, int64_t pad,
+                       int64_t V, const int64_t *compress, const int64_t *mult,
+                       const int64_t *primes, const int64_t *offsets, const float *table,
+                       int64_t N, int64_t H, int64_t Dh, fusion_t f) {
+    int64_t bad = count_outside(ids, B * S, V);
+    if (bad) return bad;
+    float *e = malloc((size_t)((N - 1) * H * Dh + f.D) * sizeof(float)), *k = e + (N - 1) * H * Dh;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < f.T; t++) {
+            int64_t mix = 0;
+            for (int64_t i = 0; i < N; i++) {
+                int64_t x = start + t - i >= 0 ? window_id(ids, S, start, b, t, i, 0) : -1;
+                int64_t c = x < 0 ? pad : (compress ? compress[x] : x);
+                mix ^= c * mult[i];
+                if (i == 0) continue;
+                for (int64_t j = 0; j < H; j++) {
+                    int64_t o = (i - 1) * H + j, row = mix % primes[o] + offsets[o];
+                    memcpy(e + o * Dh, table + row * Dh, (size_t)Dh * sizeof(float));
+                }
+            }
+            fusion_position(&f, b, t, e, k);
+        }
+    }
+    free(e);
+    return 0;
 }
