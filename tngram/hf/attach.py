@@ -241,11 +241,8 @@ def _memory_layers(
     return [(i, layer_list[i]) for i in ids]
 
 
-def attach_from_spec(
-    model: nn.Module, spec: dict[str, Any], built: dict[int, nn.Module] | None = None
-) -> None:
-    """Build the memories of `spec` into `model` (the outermost model) and install the hooks;
-    `built`: the memory modules by layer id, already built (tngram.hf.named: a kept memory)."""
+def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
+    """Build the memories of `spec` into `model` (the outermost model) and install the hooks."""
     base = base_model(model)
     cfg, ids, layer_list = check_spec(spec, base)
     d_model, seed, vocab = (
@@ -256,10 +253,7 @@ def attach_from_spec(
     ref = next(base.parameters())
     state = MemoryState(spec)
     for i, owner in _memory_layers(base, cfg, ids, layer_list):
-        mod = built[i] if built is not None else None
-        if mod is None:
-            mod = _build(cfg, d_model, vocab, i, ids or (0,), seed, ref)
-        owner.add_module(MEMORY_ATTR, mod)
+        owner.add_module(MEMORY_ATTR, _build(cfg, d_model, vocab, i, ids or (0,), seed, ref))
     # e.g. TN-gram share_factors: one A_1..A_N (tngram.memory.base.MemoryConfig.link_layers)
     owners = dict(_memory_layers(base, cfg, ids, layer_list))
     cfg.link_layers([getattr(owner, MEMORY_ATTR) for owner in owners.values()])
@@ -287,17 +281,6 @@ def attach_from_spec(
         install_call_hooks(model, state)
         wrap_prepare_inputs(model)
     state.backbone = BackboneVersions(model)  # again after from_pretrained loads the weights
-
-
-def memory_owners(model: nn.Module) -> dict[int, nn.Module]:
-    """{layer id: module holding the memory} of a model with add_memory (the embedding memory:
-    {0: base})."""
-    spec = memory_spec(model)
-    if spec is None:
-        return {}
-    base = base_model(model)
-    cfg, ids, layer_list = check_spec(spec, base)
-    return dict(_memory_layers(base, cfg, ids, layer_list))
 
 
 def memory_modules(model: nn.Module) -> dict[str, nn.Module]:
