@@ -29,12 +29,6 @@ by setting attributes on modules.
                          [W_K; W_V] (tngram.memory.gating.GatedFusion.keys_values) ...
     fuse_kv_min_rows     ... from this many rows of e on (default 64; below it, as at decode time,
                          the weight concatenation costs more than the saved matmul).
-    c_step               an eager call without autograd of up to `c_step_max_rows` (64) positions
-                         (a decoded token, a short prompt; cached or not) runs a TN-gram's or
-                         Engram's lookup, K/V, gate and conv in one C call
-                         (tngram.memory.gating.GatedFusion.c_step; fp32 CPU, one branch) instead
-                         of ~50 torch ops; equal to them up to fp32 summation order (compiled
-                         graphs run the torch ops). Default True.
 
 Environment variables read elsewhere that change what runs: TNGRAM_CHECK_IDS
 (tngram.memory.ngrams.check_ids_in_forward: whether the forward checks ids against the
@@ -52,7 +46,6 @@ import torch
 from torch import Tensor
 
 FUSE_KV_MIN_ROWS = 64
-C_STEP_MAX_ROWS = 64
 LOOKUP_IMPLS = ("auto", "torch", "c", "triton")
 TRITON_BACKWARDS = ("fused", "split", "sorted")
 
@@ -65,8 +58,6 @@ class KernelPolicy:
     triton_backward_warps: int = 0
     fuse_kv: bool = True
     fuse_kv_min_rows: int = FUSE_KV_MIN_ROWS
-    c_step: bool = True
-    c_step_max_rows: int = C_STEP_MAX_ROWS
 
 
 _current = KernelPolicy()

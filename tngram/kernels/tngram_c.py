@@ -15,9 +15,6 @@ Without OpenMP support the build falls back to a single-threaded library.
 Id bounds: the C loops do not check ids; `tn_count_bad_ids` (one pass over the (M, N) ids, no
 device sync: the tensors are on the CPU) runs first and the forward raises if any is out of range.
 
-The same library holds one decoding step of a TN-gram or Engram layer (`c_memory_step`: lookup,
-K/V, gate and conv in one call; tngram.memory.gating.GatedFusion.c_step decides when it runs).
-
 Used by `fused_lookup` for fp32 CPU tensors when the build works (`impl="auto"`); if there is no
 C compiler or the build fails, the torch path runs instead and `c_unavailable_reason()` says why.
 `TNGRAM_LOOKUP_IMPL=c` forces it (and errors if it cannot be built). `CC` picks the compiler.
@@ -149,10 +146,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tn_lookup_forward.restype = None
     lib.tn_lookup_backward.argtypes = [p, p, p, p, p, p, i64, i64, i64, p, p, p, i32, i32]
     lib.tn_lookup_backward.restype = None
-    lib.tn_tngram_step.argtypes = [p, *[i64] * 5, p, p, p, i64, i64, i32, f32, Fusion]
-    lib.tn_tngram_step.restype = i64
-    lib.tn_engram_step.argtypes = [p, *[i64] * 5, p, p, p, p, p, i64, i64, i64, Fusion]
-    lib.tn_engram_step.restype = i64
     return lib
 
 
@@ -363,96 +356,3 @@ def c_lookup(
 # dtypes it writes directly (fused_lookup's out_dtype); a function attribute, which mypy
 # cannot see on a def
 c_lookup.out_dtypes = (torch.bfloat16,)  # type: ignore[attr-defined]
-
-
-class Fusion(ctypes.Structure):
-    """`fusion_t` of tngram_lookup.c: a memory's gate and conv weights and one step's buffers."""
-
-    _fields_ = [
-        *((n, ctypes.c_void_p) for n in ("h", "wk", "bk", "wv", "bv", "nh", "nk", "cn", "cw")),
-        ("win", ctypes.c_void_p),
-        ("valid", ctypes.c_void_p),
-        *((n, ctypes.c_int64) for n in ("T", "D", "E", "w", "dil")),
-        ("eps_gate", ctypes.c_float),
-        ("eps_conv", ctypes.c_float),
-        ("u", ctypes.c_void_p),
-        ("y", ctypes.c_void_p),
-        ("nthreads", ctypes.c_int),
-    ]
-
-
-_EPS32 = torch.finfo(torch.float32).eps  # F.rms_norm's eps=None for fp32
-
-
-def c_memory_step(
-    kind: str,
-    ids: Tensor,
-    start: int,
-    tables: list[Optional[Tensor]],
-    ints: list[int],
-    floats: list[float],
-    h: Tensor,
-    weights: list[Optional[Tensor]],
-    dilation: int,
-    conv_eps: float,
-    window: Tensor,
-    valid: Optional[Tensor],
-) -> Optional[tuple[Tensor, Tensor]]:
-    """One step of a memory in one C call (`tn_tngram_step` / `tn_engram_step` in
-    tngram_lookup.c; fp32 CPU, one branch, no autograd). ids (B, S): the last T are the new
-    positions. The lookup's tables, ints and floats, in the C entry's order: TN-gram
-    [factors, absorb, log-scales], [pad, V, N, R, use_norm], [eps]; Engram [compression or None,
-    multipliers, primes, offsets, table], [pad', V, N, H, Dh], []. h (B, T, D); weights: W_K,
-    b_K, W_V, b_V (biases may be None), the gate's and conv's gains, the conv kernel (D, w);
-    window (B, (w-1) dilation, D): the conv inputs before the first new position; valid (B, T)
-    bool or None. Weights and tables contiguous fp32 / int64 (GatedFusion.c_step checks) ->
-    (y, u), both (B, T, D): the memory output and the new positions' conv inputs; None when an
-    id is outside [0, V)."""
-    B, T, D = h.shape
-    y, u = h.new_empty(B, T, D), h.new_empty(B, T, D)
-    h, ids, window = h.contiguous(), ids.long().contiguous(), window.contiguous()  # kept alive
-    ok = None if valid is None else valid.to(torch.uint8).contiguous()
-    ptr = [None if t is None else t.data_ptr() for t in (h, *weights, window, ok)]
-    f = Fusion(*ptr, T, D, weights[0].shape[1], weights[-1].shape[1], dilation, _EPS32, conv_eps)
-    f.u, f.y, f.nthreads = u.data_ptr(), y.data_ptr(), torch.get_num_threads()
-    tabs = [None if t is None else t.data_ptr() for t in tables]
-    if kind == "tngram":
-        bad = _lib().tn_tngram_step(
-            ids.data_ptr(), B, ids.shape[1], start, *ints[:2], *tabs, *ints[2:], *floats, f
-        )
-    else:
-        bad = _lib().tn_engram_step(
-            ids.data_ptr(), B, ids.shape[1], start, *ints[:2], *tabs, *ints[2:], f
-        )
-    return None if bad else (y, u)
-
-
-@torch.library.custom_op("tngram::memory_step", mutates_args=())
-def memory_step(
-    kind: str,
-    ids: Tensor,
-    start: int,
-    tables: list[Optional[Tensor]],
-    ints: list[int],
-    floats: list[float],
-    h: Tensor,
-    weights: list[Optional[Tensor]],
-    dilation: int,
-    conv_eps: float,
-    window: Tensor,
-    valid: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
-    """c_memory_step as an op, for compiled graphs (opaque to dynamo: a graph runs the same C
-    step as eager code). An id outside the vocabulary raises ValueError (compiled code does not
-    read the ids beforehand)."""
-    out = c_memory_step(
-        kind, ids, start, tables, ints, floats, h, weights, dilation, conv_eps, window, valid
-    )
-    if out is None:
-        raise ValueError(f"token ids must be in [0, {ints[1]})")
-    return out
-
-
-@memory_step.register_fake
-def _(kind, ids, start, tables, ints, floats, h, weights, dilation, conv_eps, window, valid):  # noqa: ANN001, ANN202
-    return h.new_empty(h.shape), h.new_empty(h.shape)

@@ -98,10 +98,7 @@ class EngramConfig(MemoryConfig):
             if any(int(b) < 1 for b in self.table_budget):
                 raise TngramError(f"table_budget values must be >= 1, got {self.table_budget}")
         if self.compress and not self.tokenizer_path:
-            raise TngramError(
-                "Engram compress=True needs tokenizer_path (a SentencePiece model, a Hugging Face "
-                "tokenizer.json or a folder holding one)"
-            )
+            raise TngramError("Engram compress=True needs tokenizer_path (a SentencePiece model)")
         if self.kernel_size < 1:
             raise TngramError(f"kernel_size must be >= 1, got {self.kernel_size}")
         if self.dilation is not None and self.dilation < 1:
@@ -266,21 +263,20 @@ class Engram(RowSparse, MemoryModule, nn.Module):
         ids = input_ids.long()
         return ids if self.compress_lookup is None else self.compress_lookup[ids]
 
-    def hash_ids(self, input_ids: Tensor, start: int = 0) -> Tensor:
-        """Per-head bucket ids z in [0, p): (B, T) -> (B, T, (N-1)*H), ordered (n=2, heads), ...
-        start: the first `start` ids are context only (decoding's history): (B, T - start, .)."""
+    def hash_ids(self, input_ids: Tensor) -> Tensor:
+        """Per-head bucket ids z in [0, p): (B, T) -> (B, T, (N-1)*H), ordered (n=2, heads), ..."""
         c = self.compress(input_ids)
-        ngrams = suffix_ngrams(c, self.max_ngram, self.pad_id_compressed, start)  # (B, T', N)
+        ngrams = suffix_ngrams(c, self.max_ngram, self.pad_id_compressed)  # (B, T, N)
         return ngram_hash(ngrams, self.multipliers, self.primes, self.n_head)
 
-    def row_ids(self, input_ids: Tensor, start: int = 0) -> Tensor:
-        """Table rows z + offsets: (B, T) -> (B, T - start, (N-1)*H)."""
-        return self.hash_ids(input_ids, start) + self.offsets
+    def row_ids(self, input_ids: Tensor) -> Tensor:
+        """Table rows z + offsets: (B, T) -> (B, T, (N-1)*H)."""
+        return self.hash_ids(input_ids) + self.offsets
 
-    def memory_vector(self, input_ids: Tensor, start: int = 0) -> Tensor:
-        """The lookup stage alone: (B, T) -> e (B, T - start, d_mem) = concat over (n, head) of
-        table rows."""
-        rows = self.row_ids(input_ids, start)  # (B, T, (N-1)*H)
+    def memory_vector(self, input_ids: Tensor) -> Tensor:
+        """The lookup stage alone: (B, T) -> e (B, T, d_mem) = concat over (n, head) of table
+        rows."""
+        rows = self.row_ids(input_ids)  # (B, T, (N-1)*H)
         B, T, _ = rows.shape
         # index_select instead of nn.Embedding's gather: same values, ~2x faster on CPU
         # (PERFORMANCE.md); row-sparse table gradient with sparse_grad, and a table on another
@@ -300,12 +296,7 @@ class Engram(RowSparse, MemoryModule, nn.Module):
                 f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
             )
         ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
-        # a few positions without autograd (decoding): one C call (GatedFusion.c_step)
-        tables = [self.compress_lookup, self.multipliers, self.primes, self.offsets]
-        ints = [self.pad_id_compressed, self.vocab_size, self.max_ngram, self.n_head]
-        lookup = (tables + [self.table.weight], ints + [self.head_dim], [])
-        y = self.fusion.c_step("engram", ids, P, lookup, h, cache, valid)
-        if y is not None:
-            return y
-        e = self.memory_vector(ids, P)  # (B, T, d_mem)
+        # contiguous: a matmul on the sliced view (decoding's history ids dropped) rounds
+        # otherwise than on the uncached call's tensor (prefill off by ~6e-7 at width 256)
+        e = self.memory_vector(ids)[:, P:].contiguous()  # (B, T, d_mem)
         return self.fusion(h, e, cache, valid)  # same shape as h

@@ -59,40 +59,31 @@ def check_ids_in_forward(ids: Tensor, vocab_size: int, what: str = "input_ids") 
         check_token_ids(ids, vocab_size, what)
 
 
-def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int, start: int = 0) -> Tensor:
-    """Shifted copies of the sequence: out[b, t, k] = ids[b, start+t-k], or pad_id when
-    start+t-k < 0.
+def suffix_ngrams(ids: Tensor, n_max: int, pad_id: int) -> Tensor:
+    """Shifted copies of the sequence: out[b, t, k] = ids[b, t-k], or pad_id when t-k < 0.
 
-    ids: (B, T) integer -> (B, T - start, n_max) int64. Column k = 0 is the current token
-    (newest), column k = n_max-1 the oldest; the order-n context at t is out[b, t, :n] read right
-    to left. start: the first `start` positions are context only (the history ids that
-    `extend_with_history` prepends), so only the new positions' n-grams are built.
+    ids: (B, T) integer -> (B, T, n_max) int64. Column k = 0 is the current token (newest),
+    column k = n_max-1 the oldest; the order-n context at t is out[b, t, :n] read right to left.
     """
     if n_max < 1:
         raise TngramError(f"n_max must be >= 1, got {n_max}")
     B, T = ids.shape
     ids = ids.long()
-    if T <= start:
-        return ids.new_zeros((B, 0, n_max))
-    lead = n_max - 1 - start  # pad_id columns needed before ids
-    if lead > 0:
-        ids = torch.cat([ids.new_full((B, lead), pad_id), ids], dim=1)
-    elif lead < 0:
-        ids = ids[:, -lead:]
-    # windows [t, t + n_max) of the padded row, newest last -> column k = shift by k
-    return ids.unfold(1, n_max, 1).flip(-1)  # (B, T - start, n_max)
+    padded = torch.cat([ids.new_full((B, n_max - 1), pad_id), ids], dim=1)  # (B, T + n_max - 1)
+    # column k = shift by k: padded[:, n_max-1-k : n_max-1-k+T]
+    cols = [padded[:, n_max - 1 - k : n_max - 1 - k + T] for k in range(n_max)]
+    return torch.stack(cols, dim=-1)  # (B, T, n_max)
 
 
 def extend_with_history(
     ids: Tensor, cache: dict | None, n_max: int, pad_id: int, valid: Tensor | None = None
 ) -> tuple[Tensor, int]:
-    """Incremental decoding: prepend the previous (up to) n_max-1 token ids kept in
-    `cache["ids"]` and store the new tail there.
+    """Incremental decoding: prepend the previous n_max-1 token ids kept in `cache["ids"]`
+    (pad_id before the sequence start) and store the new tail there.
 
     Returns (ids_ext, P): ids_ext (B, P + T); the outputs of the first P positions are dropped
-    by the caller (`suffix_ngrams(ids_ext, n_max, pad_id, start=P)`). P <= n_max - 1: before the
-    sequence start the history is pad_id (suffix_ngrams pads it), so the n-grams of the new
-    positions equal those of a full forward over the whole sequence. cache None: (ids, 0).
+    by the caller. Because the history is pad_id at the start, the n-grams of the new positions
+    equal those of a full forward over the whole sequence. cache None: (ids, 0) unchanged.
 
     valid: optional (B, T) bool mask (False = a padding position, e.g. left padding in a batch):
     those ids are replaced by pad_id, so a left-padded row sees exactly the windows it would see
@@ -103,13 +94,16 @@ def extend_with_history(
         ids = ids.long().masked_fill(~valid.bool(), pad_id)
     if cache is None:
         return ids, 0
-    P, T = n_max - 1, ids.shape[1]
+    P = n_max - 1
     hist = cache.get("ids")
     if cache.get("keep_history"):
-        seen = ids if hist is None else torch.cat([hist, ids.to(hist.dtype)], dim=1)
-        cache["ids"] = seen  # (B, T_seen + T)
-        ext = seen[:, max(0, seen.shape[1] - P - T) :]  # at most P ids of history
-        return ext, ext.shape[1] - T
+        B = ids.shape[0]
+        seen = ids.new_zeros((B, 0)) if hist is None else hist  # (B, T_seen)
+        window = seen[:, max(0, seen.shape[1] - P) :]
+        if window.shape[1] < P:  # pad_id before the start
+            window = torch.cat([window.new_full((B, P - window.shape[1]), pad_id), window], dim=1)
+        cache["ids"] = torch.cat([seen, ids.to(seen.dtype)], dim=1)
+        return torch.cat([window.to(ids.dtype), ids], dim=1), P
     if hist is None:
         hist = ids.new_full((ids.shape[0], P), pad_id)
     ext = torch.cat([hist, ids], dim=1)  # (B, P + T)

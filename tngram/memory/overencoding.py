@@ -179,12 +179,11 @@ class OverEncoding(RowSparse, MemoryModule, nn.Module):
     def table_parameters(self) -> list[nn.Parameter]:
         return [cast(nn.Parameter, self.table.weight)]
 
-    def ngram_ids(self, input_ids: Tensor, start: int = 0) -> Tensor:
-        """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T - start, S) int64 (the first
-        `start` ids are context only: decoding's history)."""
+    def ngram_ids(self, input_ids: Tensor) -> Tensor:
+        """Per-table n-gram ids r_s in [0, m_s): (B, T) -> (B, T, S) int64."""
         check_ids_in_forward(input_ids, self.vocab_size)
         grams = suffix_ngrams(
-            input_ids, self.max_ngram, self.config.pad_id, start
+            input_ids, self.max_ngram, self.config.pad_id
         )  # (B, T, N), col l = x_{t-l}
         B, T, N = grams.shape
         r = torch.zeros(B, T, self.n_tables, dtype=torch.int64, device=grams.device)
@@ -195,10 +194,9 @@ class OverEncoding(RowSparse, MemoryModule, nn.Module):
             r = torch.remainder(r + term, self.moduli)
         return r
 
-    def memory_vector(self, input_ids: Tensor, start: int = 0) -> Tensor:
-        """Concatenated slice embeddings (B, T) -> (B, T - start, S*Ds), before the
-        projections."""
-        rows = self.ngram_ids(input_ids, start) + self.offsets  # (B, T, S)
+    def memory_vector(self, input_ids: Tensor) -> Tensor:
+        """Concatenated slice embeddings (B, T) -> (B, T, S*Ds), before the projections."""
+        rows = self.ngram_ids(input_ids) + self.offsets  # (B, T, S)
         B, T, _ = rows.shape
         # row-sparse table gradient with sparse_grad, and a table on another device read through
         # its touched rows (tngram.kernels.sparse_rows), same values
@@ -226,7 +224,7 @@ class OverEncoding(RowSparse, MemoryModule, nn.Module):
                 f"{tuple(input_ids.shape)}"
             )
         ids, P = extend_with_history(input_ids, cache, self.max_ngram, self.config.pad_id, valid)
-        mem = self.proj(self.memory_vector(ids, P))  # (B, T, D)
+        mem = self.proj(self.memory_vector(ids)[:, P:])  # (B, T, D)
         if valid is not None:
             mem = mem.masked_fill(~valid.bool().unsqueeze(-1), 0.0)
         out = tok_emb + mem

@@ -236,17 +236,12 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
                 sign * torch.exp(c.factor_init_std * torch.randn(self.factors.shape))
             )
 
-    def ngrams(self, input_ids: Tensor, start: int = 0) -> Tensor:
+    def ngrams(self, input_ids: Tensor) -> Tensor:
         check_ids_in_forward(input_ids, self.vocab_size)
-        c = self.config
-        return suffix_ngrams(input_ids, c.max_ngram, c.pad_id, start)  # (B, T - start, N)
+        return suffix_ngrams(input_ids, self.config.max_ngram, self.config.pad_id)  # (B, T, N)
 
     def memory_vector(
-        self,
-        input_ids: Tensor,
-        out_dtype: torch.dtype | None = None,
-        sum_orders: bool = False,
-        start: int = 0,
+        self, input_ids: Tensor, out_dtype: torch.dtype | None = None, sum_orders: bool = False
     ) -> Tensor:
         """The lookup stage: ids (B, T) -> e_concat (B, T, (N-1) R), everything before K/V.
 
@@ -256,7 +251,6 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
         sum_orders: sum_n e_n (B, T, R) instead (the variant order_combine="sum",
         tngram.memory.tngram_variants; the Triton kernel sums in its epilogue, see
         `fused_lookup`).
-        start: the first `start` ids are context only (decoding's history): e (B, T - start, .).
         """
         c = self.config
         if c.fused:
@@ -264,7 +258,7 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
                 self.factors,
                 self.absorb,
                 self.log_scales,
-                self.ngrams(input_ids, start),
+                self.ngrams(input_ids),
                 use_norm=c.use_norm,
                 eps=c.norm_eps,
                 out_dtype=out_dtype,
@@ -273,7 +267,7 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
             )
         if self.sparse_grad:
             raise TngramError(FUSED_NEEDED)
-        b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids, start))  # (B,T,N-1,R)
+        b = order_vectors(self.factors, self.absorb, self.ngrams(input_ids))  # (B, T, N-1, R)
         e = order_embeddings(b, self.log_scales, self.config.use_norm, self.config.norm_eps)
         return e.unflatten(-1, (c.max_ngram - 1, c.cp_rank)).sum(-2) if sum_orders else e
 
@@ -292,27 +286,16 @@ class TNGram(RowSparse, MemoryModule, nn.Module):
                 f"{self.d_model}) matching input_ids (B, T); got h "
                 f"{tuple(h.shape)} and input_ids {tuple(input_ids.shape)}"
             )
-        c = self.config
-        ids, P = extend_with_history(input_ids, cache, c.max_ngram, c.pad_id, valid)
-        if c.fused and self.kv_input_is_lookup():  # a few positions without autograd: one C call
-            tables = [self.factors, self.absorb, self.log_scales]
-            ints = [c.pad_id, self.vocab_size, c.max_ngram, c.cp_rank, int(c.use_norm)]
-            lookup = (tables, ints, [c.norm_eps])
-            y = self.fusion.c_step("tngram", ids, P, lookup, h, cache, valid)
-            if y is not None:
-                return y
+        ids, P = extend_with_history(
+            input_ids, cache, self.config.max_ngram, self.config.pad_id, valid
+        )
         return self.fusion(h, self.kv_input(ids, P, h), cache, valid)
-
-    def kv_input_is_lookup(self) -> bool:
-        """Whether kv_input is the lookup's e_concat alone (then a call of a few positions
-        without autograd runs lookup, K/V, gate and conv in one C call: GatedFusion.c_step)."""
-        return True
 
     def kv_input(self, ids: Tensor, P: int, h: Tensor) -> Tensor:
         """e_concat (B, T, (N-1) R) of the positions after the P history ids of `ids` (Eqs.
         10-11), in the dtype the kernel policy (tngram.kernels.policy) picks for h."""
         lowp = lookup_out_dtype(h)
-        return lookup_output_for(self.memory_vector(ids, lowp, start=P), h, lowp)
+        return lookup_output_for(self.memory_vector(ids, lowp)[:, P:], h, lowp)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -151,10 +151,6 @@ class TNGramVariant(TNGram):
             d_mem = c.kv_rank
         return d_mem
 
-    def kv_input_is_lookup(self) -> bool:
-        c = self.config
-        return c.order_combine == "concat" and self.hashed is None and self.kv_down is None
-
     def kv_input(self, ids: Tensor, P: int, h: Tensor) -> Tensor:
         """The K/V input (B, T, d_mem) of the positions after the P history ids of `ids`: the
         lookup (already summed over the orders for "sum": in the Triton kernel's epilogue on
