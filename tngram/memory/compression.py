@@ -1,5 +1,6 @@
 """Engram tokenizer compression P: V -> V' (as in DeepSeek's engram_demo_v1.py), built from a
-SentencePiece model.
+SentencePiece model or a Hugging Face tokenizer (`tokenizer.json`, a `tokenizers.Tokenizer` or a
+transformers `PreTrainedTokenizerFast`), as the reference builds it.
 
 Every raw id gets a canonical key; ids with equal keys share one compressed id. New compressed ids
 are handed out in first-seen order while scanning tid = 0, 1, 2, ...
@@ -31,6 +32,11 @@ the raw piece and every such byte keeps its own id), and ordinary pieces replace
 word-boundary mark U+2581 by a space (so the lone `▁` piece is whitespace-only and maps to " ").
 An ASCII byte piece has the same text as the ordinary piece for that character and therefore
 shares its compressed id, as in the reference's byte-level BPE where they are one token.
+
+Token text for a Hugging Face tokenizer is the reference's own: `decode([tid],
+skip_special_tokens=False)` and, for the U+FFFD rule, `id_to_token(tid)`, over
+`len(tokenizer)` ids (added tokens included). For the same vocabulary (tngram.hf.tokenizer's
+conversion of a SentencePiece model) both give the same table (tests/test_hf_compression.py).
 
 Dimension letters: V raw vocab size.
 """
@@ -116,17 +122,29 @@ def build_compression_from_keys(keys: list[str]) -> Tensor:
 
 
 def build_compression(sp: Any, vocab_size: int | None = None) -> Tensor:
-    """Compression lookup table (V,) int64 from a `sentencepiece.SentencePieceProcessor`.
+    """Compression lookup table (V,) int64 from a `sentencepiece.SentencePieceProcessor`, or from
+    a Hugging Face tokenizer (a `tokenizers.Tokenizer` or a transformers tokenizer with one).
 
     vocab_size: the model's vocabulary (defaults to the tokenizer's size). It may exceed the
     tokenizer's size (padded embedding tables); each extra id then gets its own new compressed
     id, after all tokenizer ids. It may not be smaller.
     """
-    n = sp.get_piece_size()
+    tok = getattr(sp, "backend_tokenizer", sp)  # a transformers fast tokenizer: its Tokenizer
+    if hasattr(tok, "get_piece_size"):  # SentencePiece
+        n = tok.get_piece_size()
+        keys = [token_key(token_text(tok, tid), tok.id_to_piece(tid)) for tid in range(n)]
+    elif hasattr(tok, "id_to_token"):  # tokenizers.Tokenizer: the reference's decode
+        n = tok.get_vocab_size(with_added_tokens=True)
+        texts = [tok.decode([tid], skip_special_tokens=False) for tid in range(n)]
+        keys = [token_key(t, tok.id_to_token(tid) or "") for tid, t in enumerate(texts)]
+    else:
+        raise TngramError(
+            f"cannot build Engram's compression from a {type(sp).__name__}: pass a "
+            "SentencePieceProcessor, a tokenizers.Tokenizer or a fast transformers tokenizer"
+        )
     V = n if vocab_size is None else int(vocab_size)
     if V < n:
         raise TngramError(f"the tokenizer has {n} pieces but the model vocabulary is only {V}")
-    keys = [token_key(token_text(sp, tid), sp.id_to_piece(tid)) for tid in range(n)]
     # extra ids beyond the tokenizer: unique keys that no piece can produce
     keys += [f"\x00<extra id {tid}>\x00" for tid in range(n, V)]
     return build_compression_from_keys(keys)
@@ -145,18 +163,27 @@ def lookup_fingerprint(lookup: Tensor) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _cached_compression(path: str, size: int, mtime_ns: int, vocab_size: int | None) -> Tensor:
-    import sentencepiece as spm
+    if path.endswith(".json"):  # a Hugging Face tokenizer.json (needs the tokenizers package)
+        from tokenizers import Tokenizer
 
-    sp = spm.SentencePieceProcessor(model_file=path)
+        tok: Any = Tokenizer.from_file(path)
+    else:
+        import sentencepiece as spm
+
+        tok = spm.SentencePieceProcessor(model_file=path)
     # real values even while a model is built on the meta device (from_pretrained): the table
     # sizes depend on them
     with torch.device("cpu"):
-        return build_compression(sp, vocab_size)
+        return build_compression(tok, vocab_size)
 
 
 def build_compression_from_file(path: str | os.PathLike, vocab_size: int | None = None) -> Tensor:
-    """`build_compression` for a SentencePiece model file, cached per (file, size, mtime, V)."""
+    """`build_compression` for a tokenizer file: a SentencePiece model, a Hugging Face
+    `tokenizer.json`, or a folder holding one (a tokenizer's `save_pretrained` folder); cached per
+    (file, size, mtime, V)."""
     path = os.path.realpath(os.fspath(path))
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise TngramError(f"tokenizer model not found: {path}")
     st = os.stat(path)
