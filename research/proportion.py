@@ -21,8 +21,10 @@ CORE = ("memory", "model", "kernels", "optim")
 SKIP = {".git", ".venv", "node_modules", "runs"}
 
 
-def py_lines(folder: Path) -> int:
-    return sum(len(p.read_text(encoding="utf-8").splitlines()) for p in folder.rglob("*.py"))
+def source_lines(folder: Path) -> int:
+    """Lines of Python and C source under `folder` (the C kernel is part of the package)."""
+    files = [p for ext in ("*.py", "*.c") for p in folder.rglob(ext)]
+    return sum(len(p.read_text(encoding="utf-8").splitlines()) for p in files)
 
 
 def markdown_lines(root: Path) -> int:
@@ -75,13 +77,13 @@ def figures() -> dict[str, object]:
     from tngram.memory.tngram import TNGramConfig
 
     package = ROOT / "tngram"
-    total = py_lines(package)
-    core = sum(py_lines(package / name) for name in CORE)
+    total = source_lines(package)
+    core = sum(source_lines(package / name) for name in CORE)
     return {
         "package_lines": total,
         "core_lines": core,
         "core_share": round(core / total, 4),
-        "research_lines": py_lines(ROOT / "research"),
+        "research_lines": source_lines(ROOT / "research"),
         "markdown_lines": markdown_lines(ROOT),
         "private_imports": private_imports(package, ROOT),
         "tngram_config_fields": len(dataclasses.fields(TNGramConfig)),
