@@ -41,6 +41,12 @@ def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX, as oneDNN sees it).
+    Without it torch runs CPU bf16 matmuls through a reference kernel, many times slower than fp32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def live_sizes(model: GPT, sizes: dict[str, int]) -> dict[str, int]:
     """`sizes` (from model.gpt.param_counts) updated to the model's actual shapes (after CP-rank
     pruning)."""
@@ -369,4 +375,9 @@ class TrainerSetup:
             f"{cfg.schedule.steps}; device {self.device}{threads}; "
             f"autocast {self.amp or 'off (fp32)'}"
         )
+        if self.device.type == "cpu" and self.amp is torch.bfloat16 and not cpu_has_native_bf16():
+            self.say(
+                "note: this CPU has no native bf16 matmul, so bf16 autocast runs many times slower "
+                "than fp32 here; --set run.dtype=fp32 trains faster (and changes the numbers)"
+            )
         self.say(format_param_table(self.groups))
