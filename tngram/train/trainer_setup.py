@@ -42,8 +42,8 @@ def autocast_dtype(run_dtype: str, device: torch.device) -> torch.dtype | None:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX, as oneDNN sees it).
-    Without it torch runs CPU bf16 matmuls through a reference kernel, many times slower than fp32."""
+    """Whether oneDNN multiplies bf16 matrices on this CPU (it needs AVX-512). Without it torch
+    runs CPU bf16 matmuls through a reference kernel, many times slower than fp32."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
