@@ -25,13 +25,17 @@ from tngram.train.checkpoint import save_final_weights, save_run_config  # noqa:
 RECIPES = ("mini-raw", "mini-engram", "mini-tngram", "mini-oe")
 
 
-def tiny_run(root: Path, recipe: str, data_dir: Path, seed: int = 0) -> tuple[Path, GPT]:
-    """A run folder with random, non-zero memory weights (so every memory path affects logits)."""
+def tiny_run(root: Path, recipe: str, data_dir: Path, seed: int = 0,
+             memory=None) -> tuple[Path, GPT]:
+    """A run folder with random, non-zero memory weights (so every memory path affects logits);
+    `memory` replaces the recipe's memory config."""
     cfg = get_recipe(recipe)
     m = cfg.model
     kw = dict(vocab_size=TINY_VOCAB, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, sequence_len=64,
               memory_layers=(0, 1))
-    if m.memory is not None:
+    if memory is not None:
+        kw["memory"] = memory
+    elif m.memory is not None:
         mem = {"tngram": dict(cp_rank=8, max_ngram=3, zero_init_value=False, zero_init_conv=False),
                "engram": dict(max_ngram=3, zero_init_value=False, zero_init_conv=False),
                "oe": dict(max_ngram=3, table_rows=300, zero_init_proj=False)}[m.memory.kind]
@@ -110,6 +114,23 @@ def greedy_by_recomputation(model: GPT, prompt: torch.Tensor, n: int) -> torch.T
             nxt = model(seq)[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
     return seq
+
+
+def assert_export_round_trip(tmp_path: Path, data_dir: Path, memory) -> None:
+    """`tngram export RUN --hf DIR` of a tiny mini-tngram run with `memory`: same tensors, same
+    logits, cached greedy generation equals our full forward recomputed token by token."""
+    run, model = tiny_run(tmp_path / "runs", "mini-tngram", data_dir, memory=memory)
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    hf = load(tmp_path / "hf")
+    for k, v in model.state_dict().items():
+        assert torch.equal(hf.state_dict()["model." + k], v), k
+    ids = torch.randint(0, TINY_VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-6)
+    prompt = torch.randint(3, TINY_VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    ref = greedy_by_recomputation(model, prompt, 8)
+    assert torch.equal(hf.generate(prompt, do_sample=False, use_cache=True, **kw), ref)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

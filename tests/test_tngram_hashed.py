@@ -262,37 +262,8 @@ def test_export_to_hf(tmp_path, tiny_data):  # noqa: F811
     full forward recomputed token by token."""
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from test_hf_export import greedy_by_recomputation, load
-    from tngram.cli import main
-    from tngram.train.checkpoint import save_final_weights, save_run_config
-    from tngram.train.recipes import get_recipe
+    from test_hf_export import assert_export_round_trip
 
-    base = get_recipe("mini-tngram")
-    mem = TNGramHashedConfig(max_ngram=3, cp_rank=8, factor_rows=8, n_hashes=2, combine="sum",
-                             zero_init_value=False, zero_init_conv=False)
-    cfg = replace(base, model=replace(base.model, vocab_size=TINY_VOCAB, n_layer=2, n_embd=32,
-                                      n_head=2, n_kv_head=1, sequence_len=64, memory_layers=(0, 1),
-                                      memory=mem),
-                  data=replace(base.data, dir=str(tiny_data)))
-    torch.manual_seed(0)
-    model = GPT(cfg.model).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("proj.weight") and p.abs().sum() == 0:
-                p.normal_(0, 0.05)
-    run = tmp_path / "run"
-    run.mkdir()
-    save_run_config(run, cfg.to_dict())
-    save_final_weights(run, model, 1)
-    (run / "tokenizer.model").write_bytes((tiny_data / "tokenizer.model").read_bytes())
-    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
-    hf = load(tmp_path / "hf")
-    for k, v in model.state_dict().items():
-        assert torch.equal(hf.state_dict()["model." + k], v), k
-    ids = torch.randint(0, TINY_VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-6)
-    prompt = torch.randint(3, TINY_VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
-    kw = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0)
-    ref = greedy_by_recomputation(model, prompt, 8)
-    assert torch.equal(hf.generate(prompt, do_sample=False, use_cache=True, **kw), ref)
+    assert_export_round_trip(tmp_path, tiny_data, TNGramHashedConfig(
+        max_ngram=3, cp_rank=8, factor_rows=8, n_hashes=2, combine="sum", zero_init_value=False,
+        zero_init_conv=False))

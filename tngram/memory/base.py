@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -195,3 +195,26 @@ class MemoryModule:
 
     def control_parameters(self) -> list[nn.Parameter]:
         return []
+
+
+class SharesParameters(nn.Module):
+    """Mixin of a memory module that can read another layer's parameter in place of its own
+    (Memory+'s shared value table, TN-gram's shared factors): the tensor stays a parameter of
+    the owner only, so it is counted, optimised and saved once."""
+
+    def share_parameter(self, name: str, owner: nn.Module, option: str) -> None:
+        """Drop this module's parameter `name` and read `owner`'s (same shape)."""
+        own, theirs = self._parameters[name], getattr(owner, name)
+        assert own is not None  # registered as an nn.Parameter in __init__
+        if theirs.shape != own.shape:
+            raise TngramError(
+                f"{option}: {name} shapes differ {tuple(theirs.shape)} vs {tuple(own.shape)}"
+            )
+        del self._parameters[name]
+        self.__dict__.setdefault("_shared_from", {})[name] = owner  # not a registered submodule
+
+    def __getattr__(self, name: str) -> Any:
+        owner = self.__dict__.get("_shared_from", {}).get(name)
+        if owner is not None:
+            return getattr(owner, name)
+        return super().__getattr__(name)

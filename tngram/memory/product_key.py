@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tngram.common import TngramError
-from tngram.memory.base import MemoryConfig, MemoryModule, RowSparse
+from tngram.memory.base import MemoryConfig, MemoryModule, RowSparse, SharesParameters
 from tngram.memory.token_tables import check_inputs, gather_rows
 
 
@@ -74,7 +74,7 @@ class ProductKeyConfig(MemoryConfig):
         if self.shared_values:
             pk = [cast("ProductKeyMemory", m) for m in modules]  # what this config builds
             for m in pk[1:]:
-                m.use_values_of(pk[0])
+                m.share_parameter("values", pk[0], "shared_values")
 
     def param_count(
         self,
@@ -97,7 +97,7 @@ class ProductKeyConfig(MemoryConfig):
         return ProductKeyMemory(self, d_model=d_model, vocab_size=vocab_size)
 
 
-class ProductKeyMemory(RowSparse, MemoryModule, nn.Module):
+class ProductKeyMemory(RowSparse, MemoryModule, SharesParameters):
     """forward(h (B, T, D), input_ids (B, T)) -> (B, T, D)."""
 
     def __init__(self, config: ProductKeyConfig, *, d_model: int, vocab_size: int) -> None:
@@ -114,29 +114,8 @@ class ProductKeyMemory(RowSparse, MemoryModule, nn.Module):
     def extra_repr(self) -> str:
         return f"n_keys={self.n_keys}, topk={self.topk}, heads={self.n_heads}, Kd={self.key_dim}"
 
-    # ---- shared values (Memory+) -----------------------------------------------------------
-    def use_values_of(self, owner: "ProductKeyMemory") -> None:
-        """Drop this module's value table and read `owner`'s (same shape); the table stays a
-        parameter of the owner only, so it is counted, optimised and saved once."""
-        own = self._parameters["values"]
-        assert own is not None  # registered as an nn.Parameter in __init__
-        if owner.values.shape != own.shape:
-            raise TngramError(
-                f"shared_values: value shapes differ {tuple(owner.values.shape)} "
-                f"vs {tuple(own.shape)}"
-            )
-        del self._parameters["values"]
-        self.__dict__["_value_owner"] = [owner]  # a list: not registered as a submodule
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "values":
-            owner = self.__dict__.get("_value_owner")
-            if owner is not None:
-                return owner[0].values
-        return super().__getattr__(name)
-
     def table_parameters(self) -> list[nn.Parameter]:
-        return [] if "_value_owner" in self.__dict__ else [self.values]
+        return [self.values] if "values" in self._parameters else []
 
     def control_parameters(self) -> list[nn.Parameter]:
         return [self.keys]

@@ -27,7 +27,7 @@ the pareto family tngram-hsum (recipes mini-tngram-hsum, paper-l9-tngram-hsum).
 
 Shared factors: the model builds one module per layer, then calls the config's
 `link_layers(modules)`, which makes the first layer's module the owner of the factors and points
-the others at it (`TNGramVariant.use_factors_of`). The shared tensor is then one parameter:
+the others at it (`SharesParameters.share_parameter`). The shared tensor is then one parameter:
 counted once in Δparams (`param_count` counts it for the first layer only), in one optimiser
 group (memory_table) and saved once in state dicts (under the owner's name).
 
@@ -42,14 +42,14 @@ Dimension letters: B batch, T time, N max order, R CP rank, H hash heads, E hash
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from tngram.common import TngramError
 from tngram.kernels import lookup_out_dtype, lookup_output_for
-from tngram.memory.base import INT_MAX, RowSparse
+from tngram.memory.base import INT_MAX, RowSparse, SharesParameters
 from tngram.memory.hashing import allocate_primes, hash_multipliers, ngram_hash
 from tngram.memory.ngrams import suffix_ngrams
 from tngram.memory.token_tables import gather_rows
@@ -131,7 +131,7 @@ class TNGramVariantConfig(TNGramConfig):
         return n + extra + self.fusion_param_count(d_model, d_mem)  # + hash table, W_down
 
 
-class TNGramVariant(TNGram):
+class TNGramVariant(SharesParameters, TNGram):
     """The paper's module (TNGram) with the variant stages of its config between the lookup and
     K/V (module doc); parameter names as the paper's, plus hashed.table.weight, kv_down.weight."""
 
@@ -169,27 +169,6 @@ class TNGramVariant(TNGram):
     def table_parameters(self) -> list[nn.Parameter]:
         hashed = [] if self.hashed is None else [cast(nn.Parameter, self.hashed.table.weight)]
         return super().table_parameters() + hashed  # the CP factors, then the hybrid's table
-
-    def use_factors_of(self, owner: TNGram) -> None:
-        """share_factors: drop this module's own A_1..A_N and read `owner`'s (same shape). The
-        shared tensor stays a parameter of the owner only, so it is counted, optimised and saved
-        once; `self.factors` returns it."""
-        own = self._parameters["factors"]
-        assert own is not None  # registered as an nn.Parameter in __init__
-        if owner.factors.shape != own.shape:
-            raise TngramError(
-                f"share_factors: factor shapes differ {tuple(owner.factors.shape)} "
-                f"vs {tuple(own.shape)}"
-            )
-        del self._parameters["factors"]
-        self.__dict__["_factor_owner"] = [owner]  # a list: not registered as a submodule
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "factors":
-            owner = self.__dict__.get("_factor_owner")
-            if owner is not None:
-                return owner[0].factors
-        return super().__getattr__(name)
 
 
 def hash_primes(
@@ -282,4 +261,4 @@ def link_shared_factors(modules: list[nn.Module]) -> None:
     """share_factors: the first TN-gram module owns A_1..A_N; every other one uses them."""
     shared = [m for m in modules if isinstance(m, TNGramVariant) and m.config.share_factors]
     for m in shared[1:]:
-        m.use_factors_of(shared[0])
+        m.share_parameter("factors", shared[0], "share_factors")
