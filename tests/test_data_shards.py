@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tngram.common import TngramError
-from tngram.data.loader import TokenLoader, bench_read, load_val_tokens, shard_order
+from tngram.data.loader import TokenLoader, load_val_tokens, shard_order
 from tngram.data.shards import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, list_shards, read_shard, write_shard
 
 
@@ -245,8 +245,3 @@ def test_load_val_tokens(shards):
     assert load_val_tokens(shards, T, dtype=torch.int32).dtype == torch.int32
     with pytest.raises(TngramError, match="too short"):
         load_val_tokens(shards[:2], 1001)  # 1,001 tokens: (1000 // 1001) * 1001 = 0 usable
-
-
-def test_bench_read_runs(shards):
-    rate = bench_read(shards, 2, 64, 0.05)
-    assert rate > 0

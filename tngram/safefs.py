@@ -221,14 +221,6 @@ def write_json(path: StrPath, obj: Any, root: StrPath | None = None) -> None:
     write_bytes(path, (json_text(obj, indent=2) + "\n").encode("utf-8"), root)
 
 
-def copy_file(
-    src: StrPath, dst: StrPath, root: StrPath | None = None, src_root: StrPath | None = None
-) -> None:
-    """Copy the regular file `src` to `dst` as a new file renamed into place."""
-    with open_read(src, src_root) as fin, atomic_output(dst, root) as fout:
-        shutil.copyfileobj(fin, fout, 1 << 20)
-
-
 def replace_for_append(path: StrPath, keep: bytes, root: StrPath | None = None) -> IO[bytes]:
     """Write `keep` into a new file, rename it over `path`, and return that new file open for
     appending: later rows go to the new file only, so a hard-linked copy's original (or a link's

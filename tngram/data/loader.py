@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,7 +29,7 @@ from tngram.data.shards import check_vocab, read_shard, read_shard_header
 
 STATE_VERSION = 1
 
-__all__ = ["DeviceBatches", "TokenLoader", "bench_read", "load_val_tokens", "shard_order"]
+__all__ = ["DeviceBatches", "TokenLoader", "load_val_tokens", "shard_order"]
 
 
 def _hash_int(text: str) -> int:
@@ -268,24 +267,3 @@ def load_val_tokens(
             break
     t = torch.from_numpy(out)
     return t if dtype == torch.int64 else t.to(dtype)
-
-
-def bench_read(
-    files: Sequence[str | os.PathLike], batch_size: int, seq_len: int, seconds: float
-) -> float:
-    """Tokens/s that `TokenLoader.next_batch` delivers (x tokens, int64) after one warm-up pass
-    over the files (so they are in the page cache)."""
-    for f in files:  # warm the page cache
-        tok = read_shard(f)
-        if tok.size:
-            np.asarray(tok).sum(dtype=np.int64)  # reads every page
-    loader = TokenLoader(files, batch_size, seq_len)
-    loader.next_batch()
-    n = 0
-    t0 = time.perf_counter()
-    while True:
-        loader.next_batch()
-        n += batch_size * seq_len
-        dt = time.perf_counter() - t0
-        if dt >= seconds:
-            return n / dt

@@ -43,6 +43,7 @@ from tngram.common import (
     cache_dir,
     print0,
 )
+from tngram.data.corpus import sha256_file
 from tngram.eval.bundle_read import STAMP_FILE
 from tngram.eval.tasks import (
     BIGBENCH_SOURCES,
@@ -93,14 +94,6 @@ def default_bundle_dir() -> Path:
 
 def default_package_dir() -> Path:
     return cache_dir() / "eval" / "packages"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def index_url() -> str:
