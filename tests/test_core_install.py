@@ -37,7 +37,7 @@ s = train(tiny_config(Path({data!r}), extra=["schedule.steps=3", "run.val_every=
 from tngram.common import MissingExtraError
 from tngram.report.compare import write_compare_report
 msgs = []
-for fn in (lambda: __import__("tngram.report.plots", fromlist=["x"])._plt(),
+for fn in (lambda: __import__("tngram.report.plots", fromlist=["x"]).pyplot(),
            lambda: __import__("tngram.report.stats", fromlist=["x"]).paired_stats([0.1, -0.2, 0.3])):
     try:
         fn()

@@ -13,7 +13,7 @@ import pytest
 from test_hostile import cli, one_line_exit_2  # noqa: F401
 from test_train_support import tiny_data  # noqa: F401  (session fixture)
 from tngram.common import TngramError
-from tngram.experiments.common import check_corpora, corpus_data, corpus_name
+from research.experiments.common import check_corpora, corpus_data, corpus_name
 
 
 def _link(tmp_path: Path, target: Path, *parts: str) -> Path:

@@ -223,7 +223,8 @@ def test_fifo_in_place_of_a_run_file_is_refused_not_waited_on(name, full_run, tm
     """A FIFO never blocks a reader: load_run (sample), report's readers and the metrics reader
     refuse it at once (the test would hang otherwise)."""
     import tngram
-    from tngram.report.runs import read_metrics, read_summary
+    from tngram.readback import read_summary_file
+    from tngram.report.runs import read_metrics
     run = copy_run(full_run, tmp_path / "run")
     (run / name).unlink()
     os.mkfifo(run / name)
@@ -232,7 +233,7 @@ def test_fifo_in_place_of_a_run_file_is_refused_not_waited_on(name, full_run, tm
         if name == "metrics.jsonl":
             read_metrics(run)
         elif name == "summary.json":
-            read_summary(run)
+            read_summary_file(run / name, run)
         else:
             tngram.load_run(str(run))
     assert time.monotonic() - t0 < 30

@@ -48,12 +48,12 @@ def test_read_core_prefers_the_full_evaluation(tmp_path):
 def test_compare_table_pairs_tngram_and_engram_by_seed():
     """Per-seed differences 3.30 - 3.35 = -0.05 and 3.41 - 3.40 = +0.01 (seed order), mean -0.02,
     std sqrt(((-0.03)^2 + 0.03^2) / 1) = 0.0424; a seed without Engram is not paired."""
-    from tngram.report.compare import compare_table, paired_val_loss
+    from tngram.report.compare import compare_table, paired_metric
     rows = [{"method": m, "seed": s, "val_loss": v, "train_loss": v, "val_bpb": v / 2, "delta_params": 1,
              "tokens_per_s": 1.0}
             for m, s, v in [("raw", 2, 3.9), ("engram", 2, 3.40), ("tngram", 2, 3.41),
                             ("raw", 1, 3.8), ("engram", 1, 3.35), ("tngram", 1, 3.30), ("tngram", 3, 1.0)]]
-    assert paired_val_loss(rows, "tngram", "engram") == pytest.approx([-0.05, 0.01])
+    assert paired_metric(rows, "tngram", "engram") == pytest.approx([-0.05, 0.01])
     table = compare_table({"rows": rows, "preset": "cpu"})
     assert "paired by seed" in table and "-0.0500, +0.0100 (mean -0.0200 ± 0.0424" in table
 

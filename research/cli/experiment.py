@@ -103,7 +103,7 @@ def add_commands(sub: Any) -> None:
 
 
 def _cmd_experiment(args: Any) -> int:
-    from tngram.experiments.common import SCALES
+    from research.experiments.common import SCALES
     from tngram.experiments.runner import config_overrides, run_jobs
     from research.experiments.sweeps import run_experiment
     from tngram.common import require_extra
@@ -116,7 +116,7 @@ def _cmd_experiment(args: Any) -> int:
     budgets = _int_list("--budgets", args.budgets)
     corpora = None
     if args.corpora is not None:
-        from tngram.experiments.common import check_corpora
+        from research.experiments.common import check_corpora
 
         corpora = check_corpora([c.strip() for c in args.corpora.split(",") if c.strip()])
     with config_overrides(args.overrides), run_jobs(args.jobs):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError, atomic_write_text, print0
-from tngram.experiments.common import (
+from research.experiments.common import (
     SCALES,
     base_recipe,
     default_nproc,
@@ -41,7 +41,8 @@ from tngram.experiments.common import (
     with_steps,
 )
 from tngram.experiments.runner import RunSpec, run_all
-from tngram.report.runs import fmt_pm, mean_std
+from research.report.plots import fmt_pm
+from tngram.report.runs import mean_std
 from tngram.train.config import TrainConfig
 
 FIXED_RANKS = (32, 64, 128, 256, 352, 512, 704)
@@ -381,7 +382,7 @@ def _csv(rows: list[dict[str, Any]]) -> str:
 
 
 def write_report(out: Path, rows: list[dict[str, Any]], data_dir: str, timing: str = "") -> Path:
-    from tngram.report.plots import xy_plot
+    from research.report.plots import xy_plot
 
     body, series = report_body(rows)
     if timing:

@@ -113,7 +113,7 @@ def unseen_split(out: Path, rows: list[dict[str, Any]], data_dir: str) -> Path:
     paired = paired_differences(rows, results["runs"], list(seen_by_order))
     if paired:
         results["tngram_minus_engram"] = paired
-        from tngram.report.runs import fmt_pm
+        from research.report.plots import fmt_pm
 
         npairs = len(
             {r.get("seed") for r in rows if r["method"] == "tngram"}

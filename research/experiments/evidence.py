@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tngram.common import atomic_write_json, atomic_write_text, print0
-from tngram.experiments.common import (
+from research.experiments.common import (
     SCALES,
     base_recipe,
     corpus_data,
@@ -88,7 +88,7 @@ def corpora(
     from tngram.data.corpus import EVIDENCE_CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
-    from tngram.report.plots import xy_plot
+    from research.report.plots import xy_plot
 
     names = list(corpora or EVIDENCE_CORPORA)  # built-in names or dataset folders
     prefix = SCALES[scale]
@@ -219,10 +219,10 @@ def data_scaling(
     """`python -m research experiment data-scaling`: the recipes at steps × {1, 4, 16} on one corpus
     (`--corpora NAME`, default `code-large`, the largest built-in corpus; or `--data DIR`); with
     `tuned`, each memory at that tuned setting (see `read_best`)."""
-    from tngram.experiments.common import resolve_data
+    from research.experiments.common import resolve_data
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
-    from tngram.report.plots import xy_plot
+    from research.report.plots import xy_plot
 
     prefix = SCALES[scale]
     best = read_best(tuned) if tuned is not None else None  # before any data or training work
@@ -358,10 +358,10 @@ def dense(
     corpus;
     val loss against total parameters and training FLOPs (Pareto figure)."""
     from dataclasses import replace
-    from tngram.experiments.common import resolve_data, with_seed
+    from research.experiments.common import resolve_data, with_seed
     from tngram.experiments.runner import RunSpec, run_all
     from tngram.train.recipes import param_summary
-    from tngram.report.plots import xy_plot
+    from research.report.plots import xy_plot
     from tngram.report.runs import mean_std
 
     prefix = SCALES[scale]
@@ -393,7 +393,7 @@ def dense(
     for k, c in variants.items():
         loss = mean_std([r["val_loss"] for r in rows if r["method"] == k])
         p, f = param_summary(c)["total_params"], train_flops_per_token(c)
-        from tngram.report.runs import fmt_pm
+        from research.report.plots import fmt_pm
 
         lines.append(
             f"| {k} | {c.model.n_embd} | {c.model.n_layer} | {c.model.mlp_mult} | {p / 1e6:.2f}M | "
@@ -457,7 +457,7 @@ def tuning_variants(cfgs: dict[str, Any]) -> dict[str, Any]:
     """Engram and TN-gram at each table-lr factor; TN-gram also at each factor_init_std other than
     the recipe's (at the recipe's table lr: the recipe's own std is tngram-lr1, not trained twice).
     Names: <method>-lr<factor>, tngram-init<std>."""
-    from tngram.experiments.common import with_memory
+    from research.experiments.common import with_memory
 
     out = {
         f"{m}-lr{f:g}": lr_variant(cfgs[m], f)
@@ -505,7 +505,7 @@ def read_best(tuned: Path | str) -> dict[str, str]:
 def tuned_configs(cfgs: dict[str, Any], best: dict[str, str]) -> dict[str, Any]:
     """cfgs with each method in `best` at its setting: "<m>-lr<f>" (table lr x f) or
     "tngram-init<std>" (factor_init_std)."""
-    from tngram.experiments.common import with_memory
+    from research.experiments.common import with_memory
 
     out = dict(cfgs)
     for m, key in best.items():
@@ -568,7 +568,7 @@ def tuning(
     """`python -m research experiment tuning`: the tuning sweep on one corpus (default
     `literature`, so that
     settings are never chosen on the default corpus); prints each method's best setting."""
-    from tngram.experiments.common import resolve_data, with_seed
+    from research.experiments.common import resolve_data, with_seed
     from tngram.experiments.runner import RunSpec, run_all
     from tngram.report.runs import mean_std
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError, atomic_write_text, print0
-from tngram.experiments.common import (
+from research.experiments.common import (
     SCALES,
     base_recipe,
     resolve_data,
@@ -32,7 +32,8 @@ from tngram.experiments.common import (
     with_steps,
 )
 from tngram.experiments.runner import RunSpec, run_all, run_dir_of
-from tngram.report.runs import fmt_pm, mean_std
+from research.report.plots import fmt_pm
+from tngram.report.runs import mean_std
 
 MEMORIES = ("tngram", "engram")
 

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, TypedDict
 
 from tngram.common import TngramError, atomic_write_json, print0
-from tngram.experiments.common import (
+from research.experiments.common import (
     SCALES,
     base_recipe,
     corpus_data,

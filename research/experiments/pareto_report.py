@@ -400,7 +400,7 @@ def cross_corpus(
 
 def write_figures(points: list[dict[str, Any]], corpus: str, png: Path) -> Path | None:
     try:
-        from tngram.report.plots import xy_plot
+        from research.report.plots import xy_plot
     except ImportError:  # matplotlib is an optional extra
         return None
     from tngram.report.runs import mean_std

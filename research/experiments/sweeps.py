@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import TngramError, atomic_write_text, print0
-from tngram.experiments.common import (
+from research.experiments.common import (
     SCALES,
     base_recipe,
     default_nproc,
@@ -41,8 +41,9 @@ from tngram.experiments.common import (
     with_steps,
 )
 from tngram.experiments.runner import RunSpec, run_all
-from tngram.report.plots import bar_plot, xy_plot
-from tngram.report.runs import fmt_pm, mean_std
+from research.report.plots import bar_plot, xy_plot
+from research.report.plots import fmt_pm
+from tngram.report.runs import mean_std
 from tngram.train.recipes import param_summary
 
 

@@ -125,7 +125,7 @@ def table_update(
     """Train (reusing finished runs) and write OUT/table-update.json, OUT/report.md and
     OUT/results/table-update.json (a research/results "table" file)."""
     import sys
-    from tngram.experiments.common import SCALES, default_nproc
+    from research.experiments.common import SCALES, default_nproc
     from research.experiments.pareto import TUNED_DEFAULT, TUNING_CORPUS
     from tngram.experiments.runner import run_all, run_dir_of
     from tngram.readback import read_summary_file

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tngram.common import atomic_write_json
-from tngram.experiments.common import base_recipe, corpus_data, with_data, with_memory, with_seed
+from research.experiments.common import base_recipe, corpus_data, with_data, with_memory, with_seed
 
 HASHED_DELTA = 1_183_240  # Δparams of tngram-hashed R 256, V' 256, k 2 at V 4096 (mini)
 

@@ -56,7 +56,7 @@ def _tiny(cfg):
 def test_optimizer_state_bytes_equal_what_the_trainer_optimisers_hold(recipe, mem):
     """Count by the rule (Adam 8 B, Muon 4 B per parameter) = bytes of the state tensors the
     trainer's own optimisers allocate after one step."""
-    from tngram.experiments.common import base_recipe
+    from research.experiments.common import base_recipe
     from tngram.model.gpt import GPT
     from tngram.optim.groups import build_param_groups
     from tngram.optim.muon import Muon
@@ -89,7 +89,7 @@ def test_optimizer_state_bytes_equal_what_the_trainer_optimisers_hold(recipe, me
 def test_sizes_span_one_common_delta_params_range():
     """At `mini`, every family's sizes land within 12% of the common targets 1.1, 2.2, 4.3, 8.7, 12 M
     (Δparams from the meta-device count; dense Δ = its total − the raw GPT's total)."""
-    from tngram.experiments.common import base_recipe
+    from research.experiments.common import base_recipe
     from tngram.train.recipes import param_summary
     bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
     raw_total = param_summary(bases["raw"])["total_params"]
@@ -108,7 +108,7 @@ def test_hsum_sizes_are_the_largest_budgets_within_engrams_delta():
     """Each `tngram-hsum` size pairs with the Engram size at the same index: its Δparams is <= Engram's,
     and one more hash row per head (budget + 1) would exceed it, so no size leaves parameters unused;
     at vocabulary 1024 (SIZES) and 8192 (VOCAB_SIZES)."""
-    from tngram.experiments.common import base_recipe, with_data, with_memory
+    from research.experiments.common import base_recipe, with_data, with_memory
     from tngram.train.recipes import param_summary
     for vocab, sizes in ((1024, {f: v[2] for f, v in P.SIZES.items()}), (8192, P.VOCAB_SIZES)):
         bases = {m: with_data(base_recipe("mini", m), "/nonexistent", vocab) for m in ("raw", "engram", "tngram", "oe")}
@@ -124,7 +124,7 @@ def test_vocabulary_variant_sizes_are_the_largest_within_their_reference():
     """At vocabulary 8192 each variant's size, index by index: lean takes TN-gram's R; sum and shared
     the largest R whose Δparams is <= TN-gram's (R + 1 would exceed it); the hybrid the largest
     hash_budget whose Δparams is <= Engram's (budget + 1 would exceed it)."""
-    from tngram.experiments.common import base_recipe, with_data, with_memory
+    from research.experiments.common import base_recipe, with_data, with_memory
     from tngram.train.recipes import param_summary
     bases = {m: with_data(base_recipe("mini", m), "/nonexistent", 8192) for m in ("raw", "engram", "tngram", "oe")}
     raw_total = param_summary(bases["raw"])["total_params"]
@@ -141,7 +141,7 @@ def test_vocabulary_variant_sizes_are_the_largest_within_their_reference():
 
 
 def test_longcat_preset_and_tuned_factors_reach_the_configs(monkeypatch):
-    from tngram.experiments.common import base_recipe
+    from research.experiments.common import base_recipe
     from research.experiments.evidence import table_lr
     bases = {m: base_recipe("mini", m) for m in ("raw", "engram", "tngram", "oe")}
     lc = P.family_config("longcat", 36000, bases).model.memory
@@ -447,7 +447,7 @@ def test_step_ratio_of_a_config_with_itself_is_near_one():
     must pass on a busy machine (with two training processes on both cores, the median of 21 rounds
     ranged 0.80-1.24 over six tries, and 7 rounds reached 1.3), yet it still fails a ratio that
     halves (a / (a + b)) or doubles (a counted twice)."""
-    from tngram.experiments.common import base_recipe, with_memory
+    from research.experiments.common import base_recipe, with_memory
     from research.experiments.pareto import step_ratio
     cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
     cfg = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))
@@ -462,7 +462,7 @@ def test_step_ratio_across_processes_keeps_a_over_b_whichever_is_built_first():
     step against b's 1 (same model), so every process must see a ratio well above 1 (a swapped
     order would show below 1), and the reported ratio is the median of the per-process medians."""
     import statistics
-    from tngram.experiments.common import base_recipe, with_memory
+    from research.experiments.common import base_recipe, with_memory
     from research.experiments.pareto import step_ratio
     cfg = with_memory(base_recipe("mini", "engram"), table_budget=(64,) * 4)
     b = replace(cfg, data=replace(cfg.data, global_batch_tokens=2 * 256, micro_batch_seqs=2))

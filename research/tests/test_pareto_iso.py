@@ -64,7 +64,7 @@ def test_iso_backbone_by_hand():
 def test_iso_points_keep_the_raw_total_and_use_the_largest_width(family):
     """Every ISO_SIZES point (meta-device counts): total <= the raw mini GPT's, and one more step
     of width (16) would exceed it; the memory is the family's at that size."""
-    from tngram.experiments.common import base_recipe
+    from research.experiments.common import base_recipe
 
     bases = {m: base_recipe("mini", m) for m in P.METHODS}
     raw = total(bases["raw"].model)
@@ -86,7 +86,7 @@ def test_iso_backbone_refuses_a_memory_the_mlps_cannot_pay_for():
 
 def test_token_family_sizes_span_the_common_range():
     """At mini, the token-indexed families land within 12% of the map's Δparams targets."""
-    from tngram.experiments.common import base_recipe
+    from research.experiments.common import base_recipe
 
     targets = (1.1e6, 2.2e6, 4.3e6, 8.7e6, 12.0e6)
     for fam, (method, knob, sizes) in P.TOKEN_SIZES.items():

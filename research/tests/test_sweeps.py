@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tngram.experiments.common import with_data, with_memory
+from research.experiments.common import with_data, with_memory
 from research.experiments.sweeps import _ablation, _capacity, _ngram_order, _specs
 from tngram.train.recipes import get_recipe, param_summary
 

@@ -148,16 +148,6 @@ def _dist_group(device: str) -> Iterator[Any]:
             dist.destroy_process_group()
 
 
-def _load_run(run_dir: str, device: str) -> tuple[Any, dict[str, Any]]:
-    try:
-        from tngram.train.checkpoint import load_run_model
-    except ImportError as e:
-        raise TngramError(f"cannot load runs: tngram.train.checkpoint is unavailable ({e})") from e
-    if not Path(run_dir).is_dir():
-        raise MissingFileError(f"run folder {run_dir} does not exist")
-    return load_run_model(run_dir, device=device, say=print0)
-
-
 def _claim_output(path: Path, run_dir: str, what: str) -> Any:
     """Before any work (tngram.train.rundir.claim_output_file): the result's folder is writable
     and, when the result goes into the run folder, that run is locked until the end."""
@@ -170,14 +160,6 @@ def _claim_output(path: Path, run_dir: str, what: str) -> Any:
     if not get_dist_info().is_main:
         return nullcontext()
     return claim_output_file(path, Path(run_dir), what) or nullcontext()
-
-
-def _dataset(run_dir: str, cfg: dict[str, Any], override: str | None = None) -> Any:
-    """The run's dataset (or `override`), found even when the run folder was moved
-    (`tngram.train.portable.run_dataset`)."""
-    from tngram.train.portable import run_dataset
-
-    return run_dataset(run_dir, cfg, override)
 
 
 def _show(args: argparse.Namespace, res: dict[str, Any], table: str, path: Path) -> None:
@@ -217,6 +199,8 @@ def cmd_core(args: argparse.Namespace) -> int:
     from tngram.eval.bundle import default_bundle_dir
     from tngram.eval.core import SentencePieceTokenizer, evaluate_core, format_core_table
     from tngram.cli.common import apply_threads, show_progress, use_threads
+    from tngram.train.checkpoint import load_run_model
+    from tngram.train.portable import run_tokenizer_path
 
     device = _device(args.device)
     apply_threads(args.threads)  # an explicit count checked now; said when the work starts
@@ -232,8 +216,7 @@ def cmd_core(args: argparse.Namespace) -> int:
     )
     lock = _claim_output(path, args.run_dir, "eval core")  # writable + run locked, before any work
     with lock, _dist_group(device) as info:
-        model, cfg = _load_run(args.run_dir, device)
-        from tngram.train.portable import run_tokenizer_path
+        model, cfg = load_run_model(args.run_dir, device=device, say=print0)
 
         tok = SentencePieceTokenizer(run_tokenizer_path(args.run_dir, cfg, args.tokenizer))
         max_len = int(cfg["model"]["sequence_len"])
@@ -279,15 +262,16 @@ def cmd_bpb(args: argparse.Namespace) -> int:
     from tngram.data.tokenizer import load_tokenizer
     from tngram.eval.bpb import evaluate_bpb
     from tngram.cli.common import apply_threads, use_threads
+    from tngram.train.checkpoint import load_run_model
+    from tngram.train.portable import run_dataset
 
     device = _device(args.device)
     apply_threads(args.threads)  # an explicit count checked now; said when the work starts
     path = Path(args.out) if args.out else Path(args.run_dir) / "eval" / "bpb.json"
     lock = _claim_output(path, args.run_dir, "eval bpb")  # writable + run locked, before any work
     with lock, _dist_group(device) as info:
-        model, cfg = _load_run(args.run_dir, device)
-        ds = _dataset(args.run_dir, cfg, args.data)
-        data = ds.dir
+        model, cfg = load_run_model(args.run_dir, device=device, say=print0)
+        ds = run_dataset(args.run_dir, cfg, args.data)  # found even when the run was moved
         seq_len, vocab = int(cfg["model"]["sequence_len"]), int(cfg["model"]["vocab_size"])
         val = load_val_tokens(ds.val_files, seq_len, vocab)
         luts = token_byte_luts(load_tokenizer(ds.tokenizer_path), vocab)
@@ -317,7 +301,7 @@ def cmd_bpb(args: argparse.Namespace) -> int:
         )
         res.update(
             run_dir=str(args.run_dir),
-            data_dir=str(data),
+            data_dir=str(ds.dir),
             seconds=round(time.perf_counter() - t0, 2),
         )
         if info.is_main:

@@ -94,7 +94,7 @@ def compare_table(results: dict[str, Any], conditions: dict[str, str] | None = N
             if m != "raw":
                 d = mean_std([r["val_bpb"] for r in rows if r["method"] == m])[0] - raw_bpb
                 lines.append(f"- {NAMES.get(m, m)}: val BPB {d:+.4f} vs raw GPT")
-    paired = paired_val_loss(rows, "tngram", "engram")
+    paired = paired_metric(rows, "tngram", "engram")
     if paired:
         m, s = mean_std(paired)
         spread = f"mean {m:+.4f} ± {s:.4f}; " if len(paired) > 1 else ""
@@ -112,14 +112,6 @@ def compare_table(results: dict[str, Any], conditions: dict[str, str] | None = N
                 'settings?")'
             )
     return "\n".join(lines)
-
-
-def paired_val_loss(rows: list[dict[str, Any]], a: str, b: str) -> list[float]:
-    """val_loss(a) − val_loss(b) for every seed that has both methods, in seed order."""
-    by_seed: dict[Any, dict[str, float]] = {}
-    for r in rows:
-        by_seed.setdefault(r["seed"], {})[r["method"]] = r["val_loss"]
-    return [d[a] - d[b] for _, d in sorted(by_seed.items()) if a in d and b in d]
 
 
 def paired_metric(

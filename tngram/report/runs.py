@@ -40,26 +40,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    from tngram.readback import read_summary_file
-
-    path = Path(run_dir) / "summary.json"
-    if not os.path.lexists(path):
-        raise MissingFileError(f"{path} not found: the run in {run_dir} has not finished")
-    return read_summary_file(path, run_dir)
-
-
 def mean_std(values: list[float]) -> tuple[float, float]:
     vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not vals:
         return float("nan"), float("nan")
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
-
-
-def fmt_pm(mean: float, std: float, n: int, spec: str = ".4f") -> str:
-    """ "mean ± std", or the mean alone when it is of one value (n < 2: there is no spread to
-    show, and "± 0.0000" would read as a measured one)."""
-    return f"{mean:{spec}}" if n < 2 else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
 
 
 def fmt_mean_std(values: list[float], digits: int = 4) -> str:
