@@ -242,5 +242,39 @@ def test_non_finite_weights_never_load_from_either_folder_kind(folders, tmp_path
     family = tmp_path / "llama"
     with_memory("llama", "tngram").save_pretrained(str(family))
     k = _poison_file(family / "model.safetensors")
+    record_weights_digest(family)
     with pytest.raises(TngramError, match=f"non-finite values in {k}"):
         AutoModelForCausalLM.from_pretrained(str(family))
+
+
+def test_family_weights_must_match_their_payload_digest(tmp_path):
+    """A family model saved with its memory: one payload byte flipped under the valid header
+    (shapes kept) is refused in one line naming the weights file, before a model is built."""
+    from hf_tiny import with_memory
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "llama"
+    with_memory("llama", "tngram").save_pretrained(str(folder))
+    w = folder / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 5] ^= 0x01
+    w.write_bytes(bytes(data))
+    with pytest.raises(BadRecordError, match=r"^\S*model.safetensors: the payload does not match"):
+        AutoModelForCausalLM.from_pretrained(str(folder))
+
+
+def test_family_folder_from_before_the_digest_loads_with_a_warning(tmp_path):
+    """A family model saved before weights_sha256 existed loads with the same logits, bit for
+    bit, and one warning to save it again."""
+    from hf_tiny import prompt, with_memory
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "llama"
+    model = with_memory("llama", "engram").eval()
+    model.save_pretrained(str(folder))
+    old = edit(folder, tmp_path / "old", lambda c: c.pop("weights_sha256"))
+    with pytest.warns(UserWarning, match="no weights_sha256 in config.json") as seen:
+        loaded = AutoModelForCausalLM.from_pretrained(str(old)).eval()
+    assert sum("weights_sha256" in str(w.message) for w in seen) == 1
+    with torch.no_grad():
+        assert torch.equal(loaded(prompt()).logits, model(prompt()).logits)

@@ -100,11 +100,12 @@ class TngramModelMixin(_ModelBase):
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
         """transformers' from_pretrained; a memory's tokenizer_path must name a file inside the
-        folder (tngram.hf.gpt_folder.pin_memory_tokenizer) before the memory is built, and the
-        loaded weights must match the spec (tngram.hf.attach.check_loaded)."""
+        folder (tngram.hf.gpt_folder.pin_memory_tokenizer) and each weights file must match its
+        payload sha256 (verify_weights_digest) before the memory is built, and the loaded
+        weights must match the spec (tngram.hf.attach.check_loaded)."""
         import os
 
-        from tngram.hf.gpt_folder import HUB_KWARGS, pin_memory_tokenizer
+        from tngram.hf.gpt_folder import HUB_KWARGS, pin_memory_tokenizer, verify_weights_digest
 
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         config = kwargs.pop("config", None)
@@ -118,6 +119,8 @@ class TngramModelMixin(_ModelBase):
         mem = spec.get("memory") if isinstance(spec, dict) else None
         where = f"{source}/config.json" if isinstance(source, (str, os.PathLike)) else "config"
         saved = pin_memory_tokenizer(mem, source, where, kwargs, f"{CONFIG_KEY}.memory")
+        if spec is not None:
+            verify_weights_digest(config, source, where, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         # with output_loading_info=True transformers returns (model, info), not the model its
         # annotation says
@@ -129,6 +132,18 @@ class TngramModelMixin(_ModelBase):
             getattr(model.config, CONFIG_KEY)["memory"]["tokenizer_path"] = saved
         model._tngram_check(info, source)
         return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' save_pretrained; config.json then records each weights file's payload
+        sha256 (tngram.hf.gpt_folder.record_weights_digest), which from_pretrained checks."""
+        from tngram.hf.gpt_folder import record_weights_digest
+
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if getattr(self.config, CONFIG_KEY, None) is not None and kwargs.get(
+            "is_main_process", True
+        ):
+            record_weights_digest(save_directory)
+        return out
 
 
 def base_class(cls: type) -> type:

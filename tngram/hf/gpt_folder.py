@@ -197,9 +197,9 @@ def verify_weights_digest(config: Any, source: Any, where: str, kwargs: dict) ->
     from tngram.readback.tensors import payload_digest
 
     digests = getattr(config, WEIGHTS_DIGEST, None)
-    if digests is None:  # exported by an older tngram: shapes and finiteness are still checked
+    if digests is None:  # saved by an older tngram: shapes and finiteness are still checked
         warnings.warn(
-            f"{where}: no {WEIGHTS_DIGEST} in config.json (exported by an older tngram): its "
+            f"{where}: no {WEIGHTS_DIGEST} in config.json (saved by an older tngram): its "
             "weights are checked for shape and finiteness only; save_pretrained it again to "
             "record their digest",
             stacklevel=3,
