@@ -27,6 +27,8 @@ from typing import Any
 _LAZY = {
     "add_memory": "tngram.hf.attach",
     "remove_memory": "tngram.hf.attach",
+    "set_memory": "tngram.hf.attach",
+    "memory_names": "tngram.hf.attach",
     "memory_modules": "tngram.hf.attach",
     "memory_spec": "tngram.hf.attach",
     "set_trainable": "tngram.hf.attach",

@@ -40,8 +40,11 @@ from tngram.hf.attach import (  # noqa: F401  (set_trainable re-exported)
     check_constants,
     convert_to_memory_class,
     attach_from_spec,
+    check_memory_name,
     memory_modules,
+    memory_names,
     remove_memory,
+    set_memory,
     set_trainable,
 )
 from tngram.hf.classes import CONFIG_KEY, MEMORY_ATTR, TngramConfigMixin, base_class
@@ -292,21 +295,24 @@ def load_memory(
     *,
     trainable: str = "all",
     ignore_base_fields: Iterable[str] = (),
+    name: str = "default",
 ) -> nn.Module:
     """Attach the memory saved in `directory` (save_memory) to `model`, a plain transformers
     model of the same base; returns the model. Refused with one line: a different base (model
     type, vocabulary size, or a config field that shapes the network, named; special token ids
     such as pad / eos never count, and `ignore_base_fields` lists config fields you vouch for),
-    a model that already has a memory, weights that do not match the spec. On refusal the model
-    is left as it was."""
+    a name the model's memories have, weights that do not match the spec. A memory running under
+    another name is set aside (set_memory). On refusal the model is left as it was."""
     from tngram.hf.gpt_folder import pin_memory_tokenizer
     from tngram.readback.tensors import read_safetensors
 
     directory = Path(directory)
     where = str(directory / SPEC_FILE)
     meta = read_memory_meta(directory)
-    if memory_spec(model) is not None or memory_modules(model):
-        raise TngramError(f"{where}: the model already has an n-gram memory (remove_memory first)")
+    try:
+        check_memory_name(model, name)
+    except TngramError as e:
+        raise TngramError(f"{where}: {e}") from None
     if isinstance(ignore_base_fields, str):
         raise TngramError(
             f"ignore_base_fields must be a list of config field names, got {ignore_base_fields!r}"
@@ -317,9 +323,11 @@ def load_memory(
     # a tokenizer the memory reads (Engram's compression): a plain name inside the folder
     saved_tok = pin_memory_tokenizer(spec["memory"], directory, where, {}, "spec.memory")
     weights = directory / WEIGHTS_FILE
+    before = memory_names(model)["active"]
+    set_memory(model, None)
     convert_to_memory_class(model, spec)
     try:
-        attach_from_spec(model, spec)
+        attach_from_spec(model, spec, name)
         if saved_tok is not None:
             spec["memory"]["tokenizer_path"] = saved_tok
         want = {k: tuple(t.shape) for k, t in memory_state_dict(model).items()}
@@ -335,6 +343,7 @@ def load_memory(
         check_digest(spec, f"{where} spec")
     except BaseException:
         remove_memory(model)
+        set_memory(model, before)
         raise
     set_trainable(model, trainable)
     return model

@@ -88,6 +88,7 @@ def add_memory(
     vocab_size: int | None = None,
     trainable: str = "all",
     table_device: str | None = None,
+    name: str = "default",
 ) -> nn.Module:
     """Add an n-gram memory to a decoder-only transformers model, in place; returns the model.
 
@@ -105,6 +106,8 @@ def add_memory(
     table_device: None (the memory's tables follow the model) or "cpu": the lookup tables
         stay in host memory when the model is moved, and a call moves only the rows it reads
         to the model's device (tngram.hf.placement); kept in the spec, so save/load keep it.
+    name: the memory's name: a model keeps several, one running (set_memory switches); adding
+        one under a new name sets the running one aside, an existing name is refused.
 
     A PeftModel, or a model already holding PEFT adapter layers, is refused (tngram.hf.peft_compat
     says which order works); a memory larger than the model gets a MemorySizeWarning with a
@@ -124,8 +127,7 @@ def add_memory(
     if getattr(config, "is_encoder_decoder", False):
         raise TngramError("add_memory supports decoder-only models; this one is encoder-decoder")
     refuse_non_attention_cache(config)
-    if memory_spec(model) is not None or getattr(base, "_tngram_state", None) is not None:
-        raise TngramError("this model already has an n-gram memory (tngram.hf.remove_memory first)")
+    check_memory_name(model, name)
     if type(memory_config) not in memory_config_classes().values():
         raise TngramError(
             "memory_config must be a memory config (TNGramConfig, EngramConfig, "
@@ -163,8 +165,9 @@ def add_memory(
         check_memory_config(memory_config)
         spec["table_device"] = table_device
     spec[DIGEST_KEY] = spec_digest(spec)  # checked when the saved spec is loaded again
+    set_memory(model, None)
     convert_to_memory_class(model, spec)
-    attach_from_spec(model, spec)
+    attach_from_spec(model, spec, name=name)
     return set_trainable(model, trainable)
 
 
@@ -210,6 +213,10 @@ def convert_to_memory_class(model: nn.Module, spec: dict[str, Any]) -> None:
 # ---- building the memories and installing the hooks ---------------------------------------
 
 
+def _float_or_none(ref: Tensor) -> torch.dtype | None:
+    return ref.dtype if ref.is_floating_point() else None
+
+
 def _build(
     cfg: Any,
     d_model: int,
@@ -223,7 +230,7 @@ def _build(
         torch.manual_seed(_memory_seed(seed, layer_id))
         mod = cfg.build(d_model=d_model, vocab_size=vocab, layer_id=layer_id, layer_ids=layer_ids)
     if ref is not None:
-        mod.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+        mod.to(ref.device, _float_or_none(ref))
     for m in mod.modules():
         # hash constants are saved with the weights (and checked against the spec on load):
         # from_pretrained re-creates non-persistent buffers empty, so they would be garbage
@@ -241,8 +248,14 @@ def _memory_layers(
     return [(i, layer_list[i]) for i in ids]
 
 
-def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
-    """Build the memories of `spec` into `model` (the outermost model) and install the hooks."""
+def attach_from_spec(
+    model: nn.Module,
+    spec: dict[str, Any],
+    name: str = "default",
+    built: dict[int, nn.Module] | None = None,
+) -> None:
+    """Build the memories of `spec` into `model` (the outermost model), or attach `built` (a
+    memory set_memory set aside: {layer id: module}), and install the hooks."""
     base = base_model(model)
     cfg, ids, layer_list = check_spec(spec, base)
     d_model, seed, vocab = (
@@ -252,8 +265,12 @@ def attach_from_spec(model: nn.Module, spec: dict[str, Any]) -> None:
     )
     ref = next(base.parameters())
     state = MemoryState(spec)
+    state.name = name
     for i, owner in _memory_layers(base, cfg, ids, layer_list):
-        owner.add_module(MEMORY_ATTR, _build(cfg, d_model, vocab, i, ids or (0,), seed, ref))
+        if built is None:
+            owner.add_module(MEMORY_ATTR, _build(cfg, d_model, vocab, i, ids or (0,), seed, ref))
+        else:
+            owner.add_module(MEMORY_ATTR, built[i].to(ref.device, _float_or_none(ref)))
     # e.g. TN-gram share_factors: one A_1..A_N (tngram.memory.base.MemoryConfig.link_layers)
     owners = dict(_memory_layers(base, cfg, ids, layer_list))
     cfg.link_layers([getattr(owner, MEMORY_ATTR) for owner in owners.values()])
@@ -288,9 +305,70 @@ def memory_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if n.endswith(MEMORY_ATTR)}
 
 
-def remove_memory(model: nn.Module) -> nn.Module:
+# ---- several named memories: one runs, the others are kept aside ---------------------------
+# A kept memory is its spec, modules and backbone record (hooks.BackboneVersions), held in the
+# outermost model's __dict__: outside forward, parameters(), state_dict and save_pretrained.
+
+KEPT = "_tngram_kept"
+
+
+def _kept(model: nn.Module) -> dict[str, tuple[dict[str, Any], dict[int, nn.Module], Any]]:
+    return model.__dict__.setdefault(KEPT, {})
+
+
+def memory_names(model: nn.Module) -> dict[str, Any]:
+    """{"active": the running memory's name (None: none runs), "kept": the others, sorted}."""
+    state = getattr(base_model(model), "_tngram_state", None)
+    return {"active": None if state is None else state.name, "kept": sorted(_kept(model))}
+
+
+def check_memory_name(model: nn.Module, name: Any) -> str:
+    """`name` must be a non-empty str that no memory of `model` has."""
+    if not isinstance(name, str) or not name:
+        raise TngramError(f"name must be a non-empty str, got {name!r}")
+    if name == memory_names(model)["active"] or name in _kept(model):
+        raise TngramError(
+            f"this model already has an n-gram memory named {name!r} "
+            f"(tngram.hf.remove_memory(model, {name!r}) first, or pass another name=)"
+        )
+    return name
+
+
+def set_memory(model: nn.Module, name: str | None) -> nn.Module:
+    """Run the memory named `name` (None: none, the plain base); the running one is set aside
+    with its weights and optimiser-visible state unchanged, to run again when set. Only the
+    running memory is in forward, parameters() (so in an optimiser), save_memory and
+    disable_memory. A cache filled while another memory ran is refused. Returns the model."""
+    refuse_peft(model)
+    names = memory_names(model)
+    if name == names["active"]:
+        return model
+    if name is not None and name not in names["kept"]:
+        raise TngramError(f"set_memory: no memory named {name!r} (memories: {names})")
+    state = getattr(base_model(model), "_tngram_state", None)
+    spec = memory_spec(model)
+    if state is not None and spec is not None:
+        cfg, ids, layer_list = check_spec(spec, base_model(model))
+        owners = _memory_layers(base_model(model), cfg, ids, layer_list)
+        modules = {i: getattr(owner, MEMORY_ATTR) for i, owner in owners}
+        remove_memory(model)
+        _kept(model)[state.name] = (spec, modules, state.backbone)
+    if name is not None:
+        spec, modules, backbone = _kept(model).pop(name)
+        convert_to_memory_class(model, spec)
+        attach_from_spec(model, spec, name, modules)
+        getattr(base_model(model), "_tngram_state").backbone = backbone
+    return model
+
+
+def remove_memory(model: nn.Module, name: str | None = None) -> nn.Module:
     """Undo add_memory: hooks, memory modules and the spec go; the model and its config are of
-    the family's own classes again. Returns the model."""
+    the family's own classes again. `name`: the memory of that name, running or kept (None: the
+    running one). Returns the model."""
+    if name is not None and name != memory_names(model)["active"]:
+        if _kept(model).pop(name, None) is None:
+            raise TngramError(f"remove_memory: no memory named {name!r} ({memory_names(model)})")
+        return model
     base = base_model(model)
     state = getattr(base, "_tngram_state", None)
     if state is None:

@@ -141,9 +141,11 @@ def _install_state(cache: Any) -> None:
     cache._tngram_seen = 0
 
 
-def check_and_advance(cache: Any, n_new: int) -> None:
+def check_and_advance(cache: Any, n_new: int, token: str = "") -> None:
     """Before a forward of n_new tokens: the memories must have seen exactly what the attention
-    cache holds (a cache filled without them would give wrong windows); then count the new ones."""
+    cache holds (a cache filled without them would give wrong windows), and be the memory that
+    `token` names (hooks.MemoryState.token: another memory's state is not theirs); then count
+    the new ones."""
     have = int(cache.get_seq_length())
     if have != cache._tngram_seen:
         raise TngramError(
@@ -151,4 +153,10 @@ def check_and_advance(cache: Any, n_new: int) -> None:
             f"{cache._tngram_seen}: the cache was filled or edited outside this model's forward "
             "(use cache.crop / reorder_cache, or start from a new cache)"
         )
+    if cache._tngram_seen and getattr(cache, "_tngram_token", token) != token:
+        raise TngramError(
+            "the cache was filled while another n-gram memory ran (set_memory, add_memory or "
+            "load_memory since): start from a new cache"
+        )
+    cache._tngram_token = token
     cache._tngram_seen += n_new

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import secrets
 import types
 from typing import Any
 
@@ -56,6 +57,10 @@ class MemoryState:
         # (TN-gram variant share_factors, product keys shared_values; see relink)
         self.links: dict[str, nn.Module] = {}
         self.backbone: BackboneVersions | None = None  # set when the memory is added or loaded
+        self.name = "default"  # attach.set_memory: the running one of several named memories
+        # the memory a cache's state belongs to (a str: a deepcopy keeps it); a new one at each
+        # attach, so a cache filled before set_memory / add_memory is refused
+        self.token = secrets.token_hex(8)
 
 
 class BackboneVersions:
@@ -243,7 +248,7 @@ def _base_pre_hook(base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     if cache is not None:
         states = memory_states(cache)
         past = int(cache._tngram_seen)
-        check_and_advance(cache, ids.shape[1])
+        check_and_advance(cache, ids.shape[1], state.token)
     state.ctx = {
         "ids": ids,
         "valid": _valid_mask(_call_arg(base, args, kwargs, "attention_mask"), ids, state, past),
