@@ -106,6 +106,15 @@ def hashed(corpus: str, cp_rank: int, rows: int, k: int) -> Any:
     return _lr(replace(b, model=replace(b.model, memory=mem)), "tngram")
 
 
+def hsum(corpus: str, hash_budget: int) -> Any:
+    """mini-tngram-hsum's memory (R 64, orders summed, hashed orders 2..5 at 104 wide) at
+    `hash_budget` per head, at its tuned table lr (Engram's)."""
+    from research.experiments.pareto import VARIANTS
+
+    cfg = with_memory(_base(corpus, "tngram"), **VARIANTS["tngram-hsum"], hash_budget=hash_budget)
+    return _lr(cfg, "tngram-hsum")
+
+
 def pair(corpus: str, fam: str, size: Any, cfg: Any, seed: int, target: int = 0) -> list[Any]:
     """[the family's run, Engram's run at >= its Δparams (and >= target)], both at `seed`."""
     from tngram.experiments.runner import RunSpec
@@ -134,7 +143,8 @@ def pair(corpus: str, fam: str, size: Any, cfg: Any, seed: int, target: int = 0)
     ]
 
 
-QUEUES = ("q1", "q2")
+QUEUES = ("q1", "q2", "q3")
+HSUM_BUDGET = 3929  # mini-tngram-hsum's hash_budget (its V 1024 recipe), kept at V 32768
 
 
 def raw_queue(name: str) -> list[Any]:
@@ -154,6 +164,12 @@ def raw_queue(name: str) -> list[Any]:
             *pair(d4, "tngram", 27, tngram(d4, 27), 1, HASHED_DELTA),
             *pair(l4, "tngram-hashed", h, hashed(l4, 256, 256, 2), 0),
             *pair(l4, "tngram", 27, tngram(l4, 27), 0, HASHED_DELTA),
+        ]
+    if name == "q3":
+        d32 = "default@32768"
+        return [
+            *pair(d32, "tngram-hsum", HSUM_BUDGET, hsum(d32, HSUM_BUDGET), 0),
+            *pair(d32, "tngram-hashed", h, hashed(d32, 256, 256, 2), 0),
         ]
     raise SystemExit(f"unknown queue {name!r}; valid: {', '.join(QUEUES)}")
 
@@ -222,7 +238,7 @@ def pairs_table(out: Path) -> list[list[Any]]:
                 corpus,
                 _family_name(fam),
                 size,
-                round(_rank_over_vocab(fam, size, 4096), 4),
+                round(_rank_over_vocab(fam, size, vocab_of(corpus)), 4),
                 f"Engram {et['size']}",
                 len(runs),
                 a0["delta_params"],
@@ -236,16 +252,40 @@ def pairs_table(out: Path) -> list[list[Any]]:
     return rows
 
 
+def vocab_of(corpus: str) -> int:
+    """V of a "NAME@V" corpus."""
+    return int(corpus.split("@")[1])
+
+
+FAMILY_NAMES = {
+    "tngram": "TN-gram (paper)",
+    "tngram-hashed": "TN-gram hashed rows",
+    "tngram-hsum": "TN-gram sum + hashed",
+}
+
+
 def _family_name(fam: str) -> str:
-    return {"tngram": "TN-gram (paper)", "tngram-hashed": "TN-gram hashed rows"}.get(fam, fam)
+    return FAMILY_NAMES.get(fam, fam)
+
+
+def cp_rank_of(fam: str, size: str) -> int:
+    """The CP rank of a pair's family point: its size (paper), the r of "rR-vV'-kK" (hashed rows),
+    or the hsum variant's fixed R."""
+    if fam == "tngram-hashed":
+        return int(size.split("-")[0][1:])
+    if fam == "tngram-hsum":
+        from research.experiments.pareto import VARIANTS
+
+        return int(VARIANTS["tngram-hsum"]["cp_rank"])
+    return int(size)
 
 
 def _rank_over_vocab(fam: str, size: str, vocab: int) -> float:
-    """R/V (paper TN-gram) or R/V' (hashed rows: R over the pool rows)."""
+    """R/V (paper TN-gram, hsum) or R/V' (hashed rows: R over the pool rows)."""
     if fam == "tngram-hashed":
         r, v, _ = (int(x[1:]) for x in size.split("-"))
         return r / v
-    return int(size) / vocab
+    return cp_rank_of(fam, size) / vocab
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -312,16 +352,16 @@ def map_rows() -> list[list[Any]]:
 
 
 def new_rows(out: Path) -> list[list[Any]]:
-    """The V 4096 pairs of this experiment (pairs_table), in the table's columns."""
+    """The pairs of this experiment (pairs_table), in the table's columns."""
     rows = []
+    fams = {v: k for k, v in FAMILY_NAMES.items()}
     for corpus, memory, size, rv, _, n, dp, _, ml, cil, mb, cib in pairs_table(out):
-        cp_rank = int(size.split("-")[0][1:]) if size.startswith("r") else int(size)
         rows.append(
             [
                 "this run (mini, fp32)",
-                4096,
+                vocab_of(corpus),
                 memory,
-                cp_rank,
+                cp_rank_of(fams.get(memory, memory), size),
                 rv,
                 corpus.split("@")[0],
                 n,

@@ -52,3 +52,31 @@ def test_committed_tables_are_the_generators_output():
     default_976 = next(r for r in pairs if r[:3] == ["default", "TN-gram", "976 vs 11300"])
     row = next(r for r in table if r[0] == "map (mini)" and r[3] == 976 and r[5] == "default")
     assert row[8] == default_976[7] and row[9] == default_976[8]
+
+
+def test_v32768_hsum_is_the_recipes_memory_at_its_budget(no_data):
+    from tngram.train.recipes import get_recipe
+
+    cfg = VR.hsum("default@32768", VR.HSUM_BUDGET)
+    recipe = get_recipe("mini-tngram-hsum")
+    assert cfg.model.memory == recipe.model.memory             # R 64, summed, hashed 2..5, 3929
+    assert cfg.model.vocab_size == 32768
+    assert cfg.optim.memory_table_lr == recipe.optim.memory_table_lr == 0.2
+    assert (cfg.run.dtype, cfg.optim.memory_update) == ("fp32", "sparse")
+
+
+def test_pairs_table_reads_v32768_pairs_by_seed(no_data, tmp_path):
+    """Two finished runs of queue q3 make one row: R/V from the hsum variant's R 64 over V 32768
+    (the table's 4 decimals), and the difference of the two summaries' val losses."""
+    hs, eng = VR.raw_queue("q3")[:2]
+    for spec, loss, dp in ((hs, 6.25, 111), (eng, 6.5, 222)):
+        d = tmp_path / "runs" / spec.label
+        d.mkdir(parents=True)
+        summary = {"val_loss": loss, "val_bpb": loss / 2, "delta_params": dp}
+        (d / "summary.json").write_text(json.dumps(summary))
+    (row,) = VR.pairs_table(tmp_path)
+    assert row[:6] == ["default@32768", "TN-gram sum + hashed", "3929", round(64 / 32768, 4),
+                       f"Engram {eng.tags['size']}", 1]
+    assert row[6:9] == [111, 222, 6.25 - 6.5]
+    (new,) = VR.new_rows(tmp_path)
+    assert new[1:4] == [32768, "TN-gram sum + hashed", 64]

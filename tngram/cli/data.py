@@ -94,7 +94,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--vocab-size",
         type=int_range(2, 65536),
         default=None,
-        help="tokenizer vocabulary (default 1024; 8192 supported)",
+        help="tokenizer vocabulary (default 1024; up to 65536, the uint16 shards' limit)",
     )
     b.add_argument(
         "--out",
