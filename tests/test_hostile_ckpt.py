@@ -21,7 +21,7 @@ from test_train_support import cli_args, tiny_config, tiny_data  # noqa: F401
 from tngram.common import TngramError
 from tngram.train import checkpoint as ckpt
 from tngram.train.loop import train
-from tngram.train.weights import SUSPECT_STEPS
+from tngram.train.checkpoint import SUSPECT_STEPS
 
 # the memory table on RowwiseAdam with the catch-up state (step, exp_avg, exp_avg_sq_row,
 # last_step, lr_history); the other groups on torch's Adam (step tensor) and Muon

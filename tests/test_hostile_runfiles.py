@@ -103,7 +103,7 @@ def test_init_from_never_starts_from_non_finite_weights(tiny_data, tmp_path):
     from safetensors.torch import load_file
 
     from tngram.common import TngramError
-    from tngram.train.weights import recorded_config, weights_with_digest
+    from tngram.train.checkpoint import recorded_config, weights_with_digest
 
     src = tmp_path / "raw"
     train(tiny_config(tiny_data, "mini-raw", ["schedule.steps=1", "run.val_every=0"]), src)

@@ -29,9 +29,12 @@ a corrupt, truncated or mismatched file is one TngramError naming the file.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
+import math
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,35 +45,29 @@ from torch import nn
 from tngram.common import MissingFileError, TngramError, json_text
 from tngram.memory import memory_dict_now
 from tngram.model.gpt import GPT
-from tngram.readback import load_json, plain_name
+from tngram.readback import BadRecordError, get, load_json, plain_name
+from tngram.readback.tensors import (
+    SafetensorsHeader,
+    check_finite_module,
+    check_number,
+    check_tensor,
+    payload_digest,
+    read_safetensors,
+    read_safetensors_header,
+)
 from tngram.safefs import (
     is_link,
     make_dirs,
     open_fd,
+    open_read,
     real_dir,
     remove_tree,
     write_bytes,
     write_json,
 )
-from tngram.train.ckpt_files import (
-    file_sha256,
-    load_checkpoint_json,
-    load_tensors,
-    safetensors_shapes,
-    sha256_hex,
-    short_error,
-    model_tensors,
-)
-from tngram.train.optim_check import check_checkpoint_meta
-from tngram.train.optim_state import (
-    load_optimizer_checked,
-    optimizer_to_flat,
-    restore_rng_checked,
-    rng_tensors,
-)
 
-# the run folder's names and the checkpoint listing live in runfiles (below config), the weights
-# files in weights: their names are kept importable from here
+# the run folder's names and the checkpoint listing live in runfiles (below config): their names
+# are kept importable from here
 from tngram.train.runfiles import (  # noqa: F401
     CKPT_DIR,
     FINAL_WEIGHTS,
@@ -80,18 +77,553 @@ from tngram.train.runfiles import (  # noqa: F401
     list_checkpoints,
 )
 from tngram.train.saved import config_from_saved
-from tngram.train.weights import (  # noqa: F401  (final_problem .. resume_suspect: the trainer's)
-    weights_step,
-    check_final,
-    check_finite_model,
-    final_problem,
-    load_weights,
-    recorded_config,
-    refuse_final,
-    resume_suspect,
-    verify_weights_file,
-    weights_with_digest,
-)
+
+
+# ---- reading files back: safetensors tensors and JSON records (a failure names the file)
+
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: cpu_copy(v) for k, v in model.state_dict().items()}
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def short_error(e: BaseException) -> str:
+    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+
+
+def safetensors_shapes(file: Path) -> dict[str, Any]:
+    """{tensor name: shape} of a safetensors file, read and checked by tngram.readback.tensors
+    (missing, truncated, oversized or not safetensors: one TngramError naming it)."""
+    return dict(read_safetensors_header(file).shapes)
+
+
+def load_tensors(file: Path, finite: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (tngram.readback.tensors.read_safetensors: header and
+    size checked first, float tensors finite)."""
+    return read_safetensors(file, finite=finite)[0]
+
+
+def load_checkpoint_json(file: Path) -> Any:
+    try:
+        return load_json(file, want_dict=False)
+    except FileNotFoundError:
+        raise MissingFileError(f"{file}: missing") from None
+    except BadRecordError as e:
+        if "JSON" in str(e) or "UTF-8" in str(e):
+            raise TngramError(
+                f"{file}: corrupt or truncated JSON ({str(e).split(': ', 1)[-1]})"
+            ) from None
+        raise
+    except OSError as e:
+        raise TngramError(f"{file}: corrupt or truncated JSON ({short_error(e)})") from None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open_read(path) as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- the optimiser state checked field by field before anything is restored (docs/RELIABILITY.md,
+# "Files read back"): every state tensor present, of its parameter's shape, dtype kind, finite and
+# in range; the step counts in [0, the checkpoint's step]; the catch-up lr history finite and at
+# most the group's base lr; the param groups' hyperparameters in range. A failure is one
+# BadRecordError naming the file and the field (exit 2), so a forged or damaged state never
+# reaches the first step (where it would show as a non-finite loss).
+
+# the state keys each optimiser class keeps for a parameter it has stepped ("+catchup": also
+# last_step and lr_history when its group has catchup on); others' keys are checked if present
+EXPECTED = {
+    "RowwiseAdam": ("step", "exp_avg", "exp_avg_sq_row"),
+    "LazyAdam": ("step", "exp_avg", "exp_avg_sq"),
+    "Adam": ("step", "exp_avg", "exp_avg_sq"),
+    "AdamW": ("step", "exp_avg", "exp_avg_sq"),
+    "Muon": ("momentum_buffer",),
+}
+PLAIN_STEP = ("RowwiseAdam", "LazyAdam")  # their step is a plain int in meta.json
+CATCHUP = ("last_step", "lr_history")
+LIKE_PARAM = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "exp_avg_sq_row")
+LR_SLACK = 1.0 + 1e-6  # lr = base_lr * multiplier (<= 1), stored in float64
+
+
+def check_optimizer_state(
+    where: Path | str,
+    name: str,
+    opt: torch.optim.Optimizer,
+    tensors: dict[str, Any],
+    layout: Any,
+    step: Any,
+) -> None:
+    """Check optimiser `name`'s saved state (tensors "optim/NAME/IDX/KEY" read from `where`, and
+    the JSON `layout` of meta.json next to it) against `opt` built for this model, at the
+    checkpoint's `step`. Raises BadRecordError naming the file and the field."""
+    where = Path(where)
+    meta = str(where.parent / "meta.json")
+    cur = int(check_number(step, meta, "step", lo=0, integral=True))
+    if not isinstance(layout, dict):
+        raise BadRecordError(f"{meta}: optimizers.{name} must be an object")
+    groups = _check_groups(meta, name, opt, get(layout, "param_groups", "list", meta))
+    plain = get(layout, "plain_state", "dict", meta)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state: dict[int, dict[str, tuple[Any, str]]] = {}
+    prefix = f"optim/{name}/"
+    for key, v in tensors.items():
+        if key.startswith(prefix):
+            idx, _, k = key[len(prefix) :].partition("/")
+            state.setdefault(_index(idx, len(params), str(where), key), {})[k] = (v, str(where))
+    for idx, rest in plain.items():
+        field = f"optimizers.{name}.plain_state.{idx}"
+        if not isinstance(rest, dict):
+            raise BadRecordError(f"{meta}: {field} must be an object")
+        i = _index(idx, len(params), meta, field)
+        for k, v in rest.items():
+            state.setdefault(i, {})[k] = (v, meta)
+    base_lr = max((g.get("base_lr", g.get("lr", 0.0)) for g in groups), default=0.0)
+    group_of = {i: g for g in groups for i in g["params"]}
+    want = EXPECTED.get(type(opt).__name__)
+    for i, st in sorted(state.items()):
+        g = group_of.get(i, {})
+        expected = (*want, *(CATCHUP if g.get("catchup") else ())) if want else ()
+        for k in expected:
+            if k not in st:
+                file = meta if k == "step" and type(opt).__name__ in PLAIN_STEP else str(where)
+                raise BadRecordError(
+                    f"{file}: optimiser {name!r} state {prefix}{i}/{k} is missing (truncated)"
+                )
+        table_step = cur
+        if "step" in st:
+            v, file = st["step"]
+            table_step = int(
+                check_number(v, file, f"{prefix}{i}/step", lo=0, hi=cur, integral=True)
+            )
+        for k, (v, file) in st.items():
+            if k != "step":
+                _check_one(k, v, file, f"{prefix}{i}/{k}", params[i], table_step, base_lr, want)
+
+
+def _check_one(
+    k: str,
+    v: Any,
+    file: str,
+    field: str,
+    p: torch.Tensor,
+    table_step: int,
+    base_lr: float,
+    known: tuple[str, ...] | None,
+) -> None:
+    lo = 0.0 if k in NON_NEGATIVE else None
+    if k in LIKE_PARAM:
+        check_tensor(v, file, field, shape=tuple(p.shape), kind="float", lo=lo)
+    elif k == "exp_avg_sq_row":
+        check_tensor(v, file, field, shape=(p.numel() // p.shape[-1],), kind="float", lo=0.0)
+    elif k == "last_step":
+        rows = p.numel() // p.shape[-1]
+        check_tensor(v, file, field, shape=(rows,), kind="int", lo=0, hi=table_step)
+    elif k == "lr_history":
+        check_tensor(v, file, field, dtype=torch.float64, lo=0.0, hi=base_lr * LR_SLACK)
+        if v.dim() != 1 or v.numel() < table_step:
+            raise BadRecordError(
+                f"{file}: {field} must be a list of at least {table_step} lrs "
+                f"(one per step), has shape {tuple(v.shape)}"
+            )
+    elif known is not None:
+        raise BadRecordError(f"{file}: {field} is not state tngram writes for this optimiser")
+    elif torch.is_tensor(v):
+        check_tensor(v, file, field)
+    else:
+        check_number(v, file, field)
+
+
+def _index(idx: str, n: int, file: str, field: str) -> int:
+    if not idx.isdigit() or int(idx) >= n:
+        raise BadRecordError(
+            f"{file}: {field} names parameter {idx!r}; this optimiser has {n} parameters "
+            f"(written for another model?)"
+        )
+    return int(idx)
+
+
+def _check_groups(
+    meta: str, name: str, opt: torch.optim.Optimizer, groups: list[Any]
+) -> list[dict[str, Any]]:
+    """The saved param groups: as many as the optimiser's, each with as many parameters, its
+    numeric hyperparameters finite and in range."""
+    if len(groups) != len(opt.param_groups):
+        raise BadRecordError(
+            f"{meta}: optimizers.{name}.param_groups has {len(groups)} groups, this optimiser "
+            f"{len(opt.param_groups)} (written for another model?)"
+        )
+    seen = 0
+    for j, (g, own) in enumerate(zip(groups, opt.param_groups)):
+        field = f"optimizers.{name}.param_groups[{j}]"
+        if not isinstance(g, dict):
+            raise BadRecordError(f"{meta}: {field} must be an object")
+        ids = get(g, "params", "list", f"{meta}: {field}")
+        if len(ids) != len(own["params"]) or ids != list(range(seen, seen + len(ids))):
+            raise BadRecordError(
+                f"{meta}: {field}.params must be the {len(own['params'])} parameter indices "
+                f"{seen}..{seen + len(own['params']) - 1}"
+            )
+        seen += len(ids)
+        for k, lo, hi in (
+            ("lr", 0.0, None),
+            ("base_lr", 0.0, None),
+            ("eps", 0.0, None),
+            ("weight_decay", 0.0, None),
+            ("momentum", 0.0, 1.0),
+        ):
+            if k in g:
+                check_number(g[k], meta, f"{field}.{k}", lo=lo, hi=hi)
+        if "betas" in g:
+            b = g["betas"]
+            if not isinstance(b, (list, tuple)) or len(b) != 2:
+                raise BadRecordError(f"{meta}: {field}.betas must be a pair, got {b!r:.60}")
+            for x in b:
+                check_number(x, meta, f"{field}.betas", lo=0.0, hi=1.0 - 1e-12)
+        for k, want in own.items():  # the settings the config gives, never the saved ones
+            if k in SCHEDULED or _same(g.get(k, "(missing)"), want):
+                continue
+            raise BadRecordError(
+                f"{meta}: field {field}.{k} is {g.get(k, '(missing)')!r:.40} but the run's config "
+                f"gives {want!r:.40}; the checkpoint's optimiser settings were edited: move it "
+                f"away to resume from an older one"
+            )
+    return groups
+
+
+# param-group fields not compared with the config: those the trainer sets every step from the
+# schedule (a checkpoint holds the last), and how torch runs the update on this device
+SCHEDULED = ("params", "lr", "momentum", "fused", "foreach", "capturable", "differentiable")
+
+
+def _same(saved: Any, own: Any) -> bool:
+    """A saved param-group value (JSON: tuples became lists) equals the optimiser's own."""
+    if isinstance(own, tuple):
+        return isinstance(saved, list) and _same(list(saved), list(own))
+    if isinstance(own, list):
+        return (
+            isinstance(saved, list)
+            and len(saved) == len(own)
+            and all(_same(a, b) for a, b in zip(saved, own))
+        )
+    if isinstance(own, bool) or own is None or isinstance(own, str):
+        return saved == own and type(saved) is type(own)
+    if isinstance(own, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and saved == own
+    return saved == own
+
+
+OPTIONAL = ("seed", "batches")  # loader fields older checkpoints lack (the loader's defaults)
+
+
+def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
+    """A checkpoint's meta.json: an object whose counters the trainer resumes from are in range
+    (step, tokens: whole numbers >= 0; train_time_s, wall_s: finite >= 0; world_size >= 1;
+    train_loss a number or null), loader and config objects (each config section one)."""
+    file = str(file)
+    if not isinstance(meta, dict):
+        raise BadRecordError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    get(meta, "step", "int", file, lo=0)
+    get(meta, "tokens", "int", file, lo=0)
+    for k in ("train_time_s", "wall_s"):
+        get(meta, k, "float", file, lo=0)
+    loader = get(meta, "loader", "dict", file)
+    for k in ("version", "shard", "pos", "seed", "batches"):  # TokenLoader.state_dict
+        get(loader, k, "int", f"{file} loader", lo=0, **({"default": 0} if k in OPTIONAL else {}))
+    for k in ("counts", "order"):
+        v = get(loader, k, "list", f"{file} loader")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            raise BadRecordError(f"{file}: field loader.{k} must be a list of ints >= 0")
+    get(meta, "optimizers", "dict", file, default={})
+    get(meta, "world_size", "int", file, lo=1, default=1)
+    get(meta, "train_loss", "any-number?", file, default=None)
+    config = get(meta, "config", "dict", file, default={})
+    for sec, v in config.items():  # compared with the run's config on --resume
+        if sec != "name" and not isinstance(v, dict):
+            raise BadRecordError(f"{file}: field config.{sec} must be an object")
+    # every step adds data.global_batch_tokens (fixed for a run: --resume refuses a change)
+    batch = config.get("data", {}).get("global_batch_tokens")
+    if isinstance(batch, int) and not isinstance(batch, bool) and "tokens" in meta:
+        if meta["tokens"] != meta["step"] * batch:
+            raise BadRecordError(
+                f"{file}: field 'tokens' must be step x data.global_batch_tokens = "
+                f"{meta['step']} x {batch}, got {meta['tokens']}"
+            )
+    return meta
+
+
+# ---- optimiser and RNG state: flattened to safetensors tensors plus a JSON layout
+
+def optimizer_to_flat(
+    name: str, opt: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split opt.state_dict() into tensors ("optim/NAME/IDX/KEY") and a JSON-able rest."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, dict[str, Any]] = {}
+    for idx, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"optim/{name}/{idx}/{k}"] = cpu_copy(v)
+            else:
+                plain.setdefault(str(idx), {})[k] = v
+    return tensors, {"param_groups": sd["param_groups"], "plain_state": plain}
+
+
+def optimizer_from_flat(
+    name: str, opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], info: dict
+) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    prefix = f"optim/{name}/"
+    for key, v in tensors.items():
+        if key.startswith(prefix):
+            idx, k = key[len(prefix) :].split("/", 1)
+            state.setdefault(int(idx), {})[k] = v
+    for idx, rest in info["plain_state"].items():
+        state.setdefault(int(idx), {}).update(rest)
+    groups = []
+    for g in info["param_groups"]:
+        g = dict(g)
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng/torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng/cuda_{i}"] = s
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng/torch_cpu"])
+    cuda = sorted(
+        (int(k.rsplit("_", 1)[1]), v) for k, v in tensors.items() if k.startswith("rng/cuda_")
+    )
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([v for _, v in cuda][: torch.cuda.device_count()])
+
+
+def load_optimizer_checked(
+    where: Path | str,
+    name: str,
+    opt: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    layout: Any,
+    step: Any,
+) -> None:
+    """`optimizer_from_flat` after every field was checked (check_optimizer_state, at the
+    checkpoint's `step`); any failure one line naming `where` (state that does not fit)."""
+    check_optimizer_state(where, name, opt, tensors, layout, step)
+    try:
+        optimizer_from_flat(name, opt, tensors, layout)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise TngramError(
+            f"{where}: optimiser {name!r} state does not fit this model ({short_error(e)})"
+        ) from None
+
+
+def restore_rng_checked(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """`restore_rng` from checkpoint folder `path`'s state.safetensors tensors, one line if absent
+    or corrupt."""
+    if "rng/torch_cpu" not in state:
+        raise TngramError(f"{path / 'state.safetensors'}: no RNG state")
+    try:
+        restore_rng(state)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise TngramError(
+            f"{path / 'state.safetensors'}: the RNG state is corrupt ({short_error(e)}); move "
+            f"{path.name} away to resume from an older checkpoint"
+        ) from None
+
+
+# ---- model weights files: loaded by name and shape, the final weights' digest, finiteness
+
+def load_weights(
+    model: nn.Module, file: str | os.PathLike, optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> None:
+    """Load a safetensors state dict into `model`; names and shapes are checked first, so a file
+    that does not fit raises one TngramError naming it (and loads nothing)."""
+    file = Path(file)
+    tensors = load_tensors(file)
+    # weights saved after adaptive CP-rank pruning have smaller TN-gram shapes than the config's
+    # starting rank: shrink those modules first (the loaded values then overwrite them; the
+    # optimisers are pointed at the new, smaller parameters)
+    from tngram.memory.cp_rank import shrink_to_state
+
+    shrink_to_state(model, tensors, optimizers)
+    own = model.state_dict()
+    missing = [k for k in own if k not in tensors]
+    unexpected = [k for k in tensors if k not in own]
+    if missing or unexpected:
+        raise TngramError(
+            f"weights in {file} do not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    bad = [
+        (k, tuple(tensors[k].shape), tuple(v.shape))
+        for k, v in own.items()
+        if tensors[k].shape != v.shape
+    ]
+    if bad:
+        k, got, want = bad[0]
+        raise TngramError(
+            f"weights in {file} do not fit the model: {k} has shape {got}, the model "
+            f"needs {want} ({len(bad)} mismatched tensor(s)); was it written by another config?"
+        )
+    model.load_state_dict(tensors, strict=True)
+
+
+def weights_with_digest(
+    tensors: dict[str, torch.Tensor], step: int, config: dict[str, Any] | None = None
+) -> bytes:
+    """A safetensors file whose header records its payload's size and sha256 (the final weights'
+    manifest, inside the file so a copied model.safetensors carries it: `verify_weights_file`)
+    and the run config it was trained with (`recorded_config`)."""
+    data = save(tensors, metadata={"step": str(step)})
+    payload = memoryview(data)[8 + int.from_bytes(data[:8], "little") :]
+    meta = {
+        "step": str(step),
+        "payload_bytes": str(len(payload)),
+        "payload_sha256": sha256_hex(payload),
+    }
+    if config is not None:
+        meta["config"] = json_text(config, sort_keys=True, separators=(",", ":"))
+    return save(tensors, metadata=meta)  # the payload does not depend on the metadata
+
+
+def _final_header(file: Path) -> SafetensorsHeader:
+    try:
+        return read_safetensors_header(file)
+    except MissingFileError:
+        raise
+    except TngramError as e:
+        raise TngramError(
+            f"{file}: corrupt or truncated final weights ({str(e).split(': ', 1)[-1]}); delete "
+            f"it to use the newest checkpoint, or re-run the last step with --resume"
+        ) from None
+
+
+def verify_weights_file(file: Path) -> None:
+    """A weights file whose header records a payload digest must match it (size and sha256);
+    files without one (checkpoints, verified by their manifest; older runs) pass."""
+    want = _final_header(file).metadata.get("payload_sha256")
+    if want is None:
+        return
+    size, got, head = payload_digest(file)
+    if str(size) != head.metadata.get("payload_bytes") or got != want:
+        raise TngramError(
+            f"{file}: the weights do not match the size and sha256 recorded in their header "
+            f"(corrupt or replaced); delete it to use the newest checkpoint"
+        )
+
+
+def check_finite_model(model: nn.Module, file: Path) -> None:
+    """Loaded weights must be finite and give finite logits on a first probe (8 tokens)."""
+    check_finite_module(model, str(file))
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    T = min(8, int(cfg.sequence_len))
+    ids = (
+        torch.arange(T, device=next(model.parameters()).device)
+        .remainder(int(cfg.vocab_size))
+        .view(1, T)
+    )
+    with torch.no_grad():
+        out = model(ids)
+    logits = out[0] if isinstance(out, tuple) else out
+    if not bool(torch.isfinite(logits).all()):
+        raise TngramError(
+            f"{file}: the weights give non-finite logits on a first probe; they are corrupt "
+            f"or diverged"
+        )
+
+
+def weights_step(file: Path) -> int:
+    try:
+        return int(_final_header(file).metadata.get("step", -1))
+    except ValueError as e:
+        if isinstance(e, TngramError):
+            raise
+        raise TngramError(f"{file}: field __metadata__.step must be an int") from None
+
+
+def recorded_config(file: Path) -> dict[str, Any] | None:
+    """The run config final weights were written with (their header's `config`), or None for
+    weights written before tngram recorded it."""
+    from tngram.readback import parse_json
+
+    text = _final_header(file).metadata.get("config")
+    if text is None:
+        return None
+    cfg = parse_json(text, f"{file} (header field config)")
+    if not isinstance(cfg, dict):
+        raise TngramError(f"{file}: header field config must be a JSON object")
+    return cfg
+
+
+def final_problem(params: Iterable[torch.Tensor], val_loss: Any) -> str | None:
+    """What makes a run's end unfit to be written as "done", or None: a non-finite parameter (of
+    this process: call on every process and combine) or a non-finite validation loss."""
+    flags = [torch.isfinite(p.detach()).all() for p in params if p.is_floating_point()]
+    if flags and not bool(torch.stack(flags).all()):
+        return "non-finite final weights"
+    if not isinstance(val_loss, (int, float)) or not math.isfinite(val_loss):
+        return f"non-finite validation loss ({val_loss})"
+    return None
+
+
+def refuse_final(run_dir: str | os.PathLike, problem: str, step: int) -> None:
+    """Raise the one line that stops a run whose end is `problem` before its final weights and
+    summary are written, naming the last good checkpoint to resume or inspect."""
+    last = latest_checkpoint(run_dir)
+    raise TngramError(
+        f"{problem} at step {step}; not writing the final weights or summary.json. Last good "
+        f"checkpoint: {last if last else 'none'} (resume from an older one by moving newer ones "
+        f"away, or lower the learning rates)"
+    )
+
+
+SUSPECT_STEPS = 10  # a non-finite loss this soon after a resume points at the checkpoint
+
+
+def resume_suspect(resumed_from: Path | None, resumed_step: int, step: int) -> str:
+    """The sentence naming the checkpoint a run resumed from as a suspect when a non-finite loss
+    comes within SUSPECT_STEPS steps of the resume (damaged or edited state shows there first),
+    else ""."""
+    if resumed_from is None or step - resumed_step > SUSPECT_STEPS:
+        return ""
+    return (
+        f"The run resumed from {resumed_from} {step - resumed_step} step(s) earlier: that "
+        f"checkpoint is a suspect (damaged or edited weights or optimiser state); move it away "
+        f"to resume from an older one. "
+    )
+
+
+def check_final(
+    run_dir: str | os.PathLike, params: Iterable[torch.Tensor], val_loss: Any, step: int, ctx: Any
+) -> None:
+    """`final_problem` on every process (this one's parameters; `ctx` a DistContext), then
+    `refuse_final` everywhere if any process found one: before anything final is written."""
+    from tngram.train.dist import all_true
+
+    bad = final_problem(params, val_loss)
+    if not all_true(bad is None, ctx):
+        refuse_final(run_dir, bad or "non-finite final weights on another process", step)
+
 
 MANIFEST = "manifest.json"
 CKPT_FILES = ("model.safetensors", "state.safetensors", "meta.json")

@@ -49,25 +49,25 @@ from tngram.train.checkpoint import (
     DCP_DIR,
     MANIFEST,
     DiskFull,
-    fsync_dir,
-    write_file,
+    check_checkpoint_meta,
     check_free_space,
-    list_checkpoints,
-    load_checkpoint,
-    remove_torn_temps,
-    save_checkpoint,
-)
-from tngram.train.ckpt_files import (
     cpu_copy,
     file_sha256,
+    fsync_dir,
+    list_checkpoints,
+    load_checkpoint,
     load_checkpoint_json,
+    load_optimizer_checked,
     load_tensors,
+    remove_torn_temps,
+    restore_rng_checked,
+    rng_tensors,
+    save_checkpoint,
     sha256_hex,
     short_error,
+    write_file,
 )
 from tngram.train.fsdp import FullStateModel, checkpoint_views
-from tngram.train.optim_check import check_checkpoint_meta
-from tngram.train.optim_state import load_optimizer_checked, restore_rng_checked, rng_tensors
 
 
 def save_step_checkpoint(
