@@ -413,7 +413,8 @@ def test_hostile_results_tuning_core_json_are_one_line(reader, content, needle, 
     from tngram import readback
     p = tmp_path / f"{reader}.json"
     p.write_text(content)
-    fn = {"results": readback.read_results_file, "tuning": readback.read_tuning_file,
+    from research.experiments.common import read_tuning_file
+    fn = {"results": readback.read_results_file, "tuning": read_tuning_file,
           "core": readback.read_core_file}[reader]
     with pytest.raises(readback.BadRecordError, match=needle):
         fn(p)
@@ -734,7 +735,10 @@ def test_report_tables_with_a_malformed_core_json_is_one_line(content, needle, f
     run = copy_run(full_run, tmp_path / "run")
     (run / "eval").mkdir()
     (run / "eval" / "core.json").write_text(content)
-    rc, err = cli(["report", "tables", str(run), "--out", str(tmp_path / "t")], capsys)
+    from research.cli import main as research_main
+
+    rc = research_main(["report", "tables", str(run), "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err
     one_line_exit_2(rc, err)
     assert "core.json" in err and needle in err
 

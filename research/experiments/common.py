@@ -3,6 +3,7 @@ re-exported here): the scales, corpora named by --corpora, and memory edits of a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from tngram.memory import with_memory_fields
 from tngram.train.config import TrainConfig
 
 __all__ = [
+    "EVIDENCE_CORPORA",
     "PRESETS",
     "SCALES",
     "base_recipe",
@@ -30,6 +32,7 @@ __all__ = [
     "corpus_name",
     "default_nproc",
     "is_builtin_corpus",
+    "read_tuning_file",
     "resolve_data",
     "with_data",
     "with_memory",
@@ -38,6 +41,27 @@ __all__ = [
 ]
 
 SCALES = {"cpu": "mini", "paper": "paper-l9"}
+# one corpus of each kind: what `python -m research experiment corpora` runs by default
+# (code-large is code again, larger)
+EVIDENCE_CORPORA: tuple[str, ...] = ("default", "literature", "code")
+
+
+def read_tuning_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A tuning.json read back: {"best": {family: setting name or number}, "rows": [...]}; a bad
+    field is one BadRecordError naming the file and the field."""
+    from tngram.readback import BadRecordError, get, load_json
+
+    where = str(path)
+    d = load_json(path)
+    for k, v in get(d, "best", "dict", where).items():
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not (isinstance(v, str) or number):
+            raise BadRecordError(
+                f"{where}: field best.{k} must be a setting name or a finite number, got {v!r:.60}"
+            )
+    if "rows" in d:
+        get(d, "rows", "list", where)
+    return d
 
 
 # a dataset folder's name becomes part of run labels, folder names and results files

@@ -23,11 +23,13 @@ import numpy as np
 
 from tngram.common import atomic_write_json, atomic_write_text, print0
 from research.experiments.common import (
+    EVIDENCE_CORPORA,
     SCALES,
     base_recipe,
     corpus_data,
     corpus_name,
     default_nproc,
+    read_tuning_file,
     with_data,
     with_steps,
 )
@@ -85,7 +87,6 @@ def corpora(
     significance;
     with `tuned` (a tuning folder or setting names, see `read_best`), each memory at that
     setting."""
-    from tngram.data.corpus import EVIDENCE_CORPORA
     from tngram.experiments.compare import compare_configs
     from tngram.report.compare import significance_table
     from research.report.plots import xy_plot
@@ -488,8 +489,6 @@ def read_best(tuned: Path | str) -> dict[str, str]:
                 "like engram-lr4,tngram-lr2; run `python -m research experiment tuning --out "
                 f"{tuned}` first"
             )
-        from tngram.readback import read_tuning_file
-
         return read_tuning_file(path / "tuning.json")["best"]
     best: dict[str, str] = {}
     for key in (k.strip() for k in str(tuned).split(",")):

@@ -89,6 +89,7 @@ from research.experiments.common import (
     corpus_data,
     corpus_name,
     default_nproc,
+    read_tuning_file,
     with_data,
     with_memory,
     with_seed,
@@ -403,7 +404,7 @@ def read_factors(out: Path, tuned: str | None) -> dict[str, float] | None:
                 )
     path = out / "tuning" / "tuning.json"
     if "oe" not in factors and path.is_file():
-        from tngram.readback import get, read_tuning_file
+        from tngram.readback import get
 
         best = read_tuning_file(path)["best"]
         factors["oe"] = float(get(best, "oe", "float", f"{path}: best", lo=1e-12, hi=MAX_LR_FACTOR))

@@ -334,10 +334,6 @@ CORPORA: dict[str, tuple[PackageSource, ...]] = {
     "code": CODE_SOURCES,
     "code-large": CODE_LARGE_SOURCES,
 }
-# one corpus of each kind: what `python -m research experiment corpora` runs by default (code-large
-# is code
-# again, larger)
-EVIDENCE_CORPORA: tuple[str, ...] = ("default", "literature", "code")
 
 
 def corpus_sources(name: str) -> tuple[PackageSource, ...]:

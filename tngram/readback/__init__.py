@@ -273,28 +273,6 @@ def read_results_file(
     return d
 
 
-def read_tuning_file(
-    path: str | os.PathLike, root: str | os.PathLike | None = None
-) -> dict[str, Any]:
-    """A tuning.json read back: {"best": {family: setting name or number}, "rows": [...]}."""
-    where = str(path)
-    d = load_json(path, root)
-    best = get(d, "best", "dict", where)
-    for k, v in best.items():
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (str, int, float))
-            or (isinstance(v, float) and not math.isfinite(v))
-        ):
-            raise BadRecordError(
-                f"{where}: field best.{k} must be a setting name or a finite number, "
-                f"got {_short(v)}"
-            )
-    if "rows" in d:
-        get(d, "rows", "list", where)
-    return d
-
-
 def read_core_file(
     path: str | os.PathLike, root: str | os.PathLike | None = None
 ) -> dict[str, Any]:
