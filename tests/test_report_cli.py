@@ -1,4 +1,4 @@
-"""`tngram report tables` and `report compare` read only run folders."""
+"""`python -m research report tables` and `report compare` read only run folders."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tngram.cli import main
+from research.cli import main
+from research.cli.report import read_core
 from tngram.common import TngramError
-from tngram.report.runs import read_core
 
 
 def fake_run(root, name, core, tasks):
@@ -33,7 +33,7 @@ def test_tables_from_run_folders(tmp_path):
 def test_tables_needs_an_evaluated_run(tmp_path):
     (tmp_path / "r").mkdir()
     with pytest.raises(TngramError, match="tngram eval core"):
-        from tngram.cli.report import _cmd_tables
+        from research.cli.report import _cmd_tables
         import argparse
         _cmd_tables(argparse.Namespace(run_dirs=[str(tmp_path / "r")], metric="accuracy", out=tmp_path))
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from tngram.common import MissingFileError
 
-# names kept importable from here (tngram.cli.report and tests import them from this module)
+# names kept importable from here (research.cli.report and tests import them from this module)
 from research.report.markdown import (  # noqa: F401
     begin_marker,
     block_names,

@@ -25,7 +25,6 @@ _AREAS = (
     "tngram.cli.eval",
     "tngram.cli.sample",
     "tngram.cli.compare",
-    "tngram.cli.report",
     "tngram.cli.export",
     "tngram.cli.doctor",
     "tngram.cli.plan",

@@ -182,33 +182,6 @@ def _stats_row(pair: str, corpus: str, s: Any) -> str:
     )
 
 
-# the fields of a results row the compare report reads
-COMPARE_ROW = ("method", "seed", "run_dir", "train_loss", "val_loss", "val_bpb", "tokens_per_s")
-
-
-def rows_from_folder(folder: Path) -> list[dict[str, Any]]:
-    """Rows (method, seed, losses, run_dir) of a compare-style folder: every finished run in
-    folder/runs/<method>-s<i>/ (summary.json + config.json), so a half-finished `tngram compare`
-    or one with seeds added later is reported in full; results.json only when runs/ is gone."""
-    from tngram.readback import get, load_json, read_results_file, read_summary_file
-
-    path = folder / "results.json"
-    if not (folder / "runs").is_dir() and path.exists():
-        return read_results_file(path, require=COMPARE_ROW)["rows"]
-    rows = []
-    for run in sorted((folder / "runs").glob("*-s*")):
-        summary, config = run / "summary.json", run / "config.json"
-        if not (summary.exists() and config.exists()):
-            continue
-        s, c = read_summary_file(summary, run), load_json(config, run)
-        for k in COMPARE_ROW:
-            if k not in ("method", "seed", "run_dir"):
-                get(s, k, "any-number?", str(summary))  # present (NaN: a diverged run)
-        seed = get(get(c, "run", "dict", str(config)), "seed", "int", f"{config}: run", lo=0)
-        rows.append({**s, "method": run.name.rsplit("-s", 1)[0], "seed": seed, "run_dir": str(run)})
-    return rows
-
-
 def write_compare_report(out: Path, results: dict[str, Any]) -> dict[str, Any]:
     """report.md (and loss_curves.png) in `out`. Without the `report` extra (scipy, matplotlib)
     the table is still written; the significance table and the figure are replaced by a line

@@ -58,30 +58,3 @@ def fmt_params(n: float | None) -> str:
     if n is None or n == 0:
         return "–"
     return f"{n / 1e6:.2f}M"
-
-
-def read_core(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's CORE result written by `tngram eval core`: eval/core.json, else the newest
-    eval/core-max*.json; None when the run has not been evaluated."""
-    from tngram.readback import read_core_file
-    from tngram.safefs import check_chain, real_dir
-
-    ev = Path(run_dir) / "eval"
-    check_chain(run_dir, ev, include_self=True)
-    if not real_dir(ev):
-        return None
-    full = ev / "core.json"
-    if os.path.lexists(full):
-        return read_core_file(full, run_dir)
-    partial = sorted(ev.glob("core-max*.json"), key=lambda p: p.lstat().st_mtime)
-    return read_core_file(partial[-1], run_dir) if partial else None
-
-
-def run_name(run_dir: str | Path) -> str:
-    from tngram.readback import load_json
-
-    cfg = Path(run_dir) / "config.json"
-    if os.path.lexists(cfg):
-        name = load_json(cfg, run_dir).get("name", Path(run_dir).name)
-        return name if isinstance(name, str) else Path(run_dir).name
-    return Path(run_dir).name
