@@ -502,12 +502,13 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
             "tuned Engram 81,920, default corpus",
         ],
     ]
+    v4k = ["this run (mini, fp32)", 4096, FAMILY_NAMES["tngram-hashed"]]
     for r in big:  # the V 4096 pair decides the row: the better of the two, against the other
-        if r[0].startswith("this run") and "hashed" in r[2] and r[5] == "default":
+        if r[:3] == v4k and r[5] == "default":
             ahead = r[8] < 0
             rows.append(
                 [
-                    "32k+ (measured at 4,096)",
+                    "32k+ (untrained at 32,768; this is V 4,096)",
                     "extra parameters",
                     "TN-gram, hashed factor rows" if ahead else "Engram",
                     "`runs/hashed-4096`" if ahead else "`runs/engram-4096`",
