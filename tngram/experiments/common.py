@@ -43,11 +43,6 @@ def base_recipe(prefix: str, method: str) -> TrainConfig:
 
 
 def default_nproc(preset: str) -> int:
-    if preset == "cpu":
-        return 1
-    try:
-        import torch
+    import torch
 
-        return max(1, torch.cuda.device_count())
-    except Exception:  # pragma: no cover
-        return 1
+    return 1 if preset == "cpu" else max(1, torch.cuda.device_count())

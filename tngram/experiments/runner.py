@@ -170,17 +170,8 @@ def _normalized(saved: dict) -> dict:
 
 
 def launch_command(nproc: int) -> list[str]:
-    if nproc <= 1:
-        return [sys.executable, "-m", "tngram.experiments.worker"]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "tngram.experiments.worker",
-    ]
+    dist = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [sys.executable, *(dist if nproc > 1 else []), "-m", "tngram.experiments.worker"]
 
 
 def run_all(specs: list[RunSpec], out: Path, nproc: int = 1) -> list[dict[str, Any]]:
@@ -341,36 +332,25 @@ def _train_one(
     rdir.mkdir(parents=True, exist_ok=True)
     cfg_path = rdir / "requested_config.json"
     atomic_write_json(cfg_path, spec.config.to_dict())
+    command = launch_command(nproc) + [str(cfg_path), str(rdir)]
     t0 = time.time()
     if jobs > 1:
         log = rdir / "worker.log"
         print0(f"[{i}/{total}] {spec.label}: training ({rdir}; output in {log.name})")
-        env = child_env(jobs)
-        fd = os.open(
-            log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
-        with os.fdopen(
-            fd, "ab"
-        ) as f:  # O_NOFOLLOW: a linked worker.log is refused, never appended to
-            code = run_child(
-                launch_command(nproc) + [str(cfg_path), str(rdir)],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+        # O_NOFOLLOW: a linked worker.log is refused, never appended to
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(log, flags, 0o644), "ab") as f:
+            code = run_child(command, stdout=f, stderr=subprocess.STDOUT, env=child_env(jobs))
         where = f"its output is in {log}"
     else:
         print0(f"[{i}/{total}] {spec.label}: training ({rdir})")
-        code = run_child(launch_command(nproc) + [str(cfg_path), str(rdir)], env=child_env(1))
+        code = run_child(command, env=child_env(1))
         where = f"its folder is {rdir}"
     if code != 0:
         return f"run {spec.label} failed (exit {code}); {where}"
     run_s = time.time() - t0
-    took = f"done in {run_s:.0f} s"
-    print0(
-        f"[{i}/{total}] {spec.label}: {took}"
-        + (f" ({clock.finished(label=spec.label, run_s=run_s)})" if clock is not None else "")
-    )
+    done = f" ({clock.finished(label=spec.label, run_s=run_s)})" if clock is not None else ""
+    print0(f"[{i}/{total}] {spec.label}: done in {run_s:.0f} s{done}")
     return None
 
 

@@ -14,10 +14,8 @@ from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 from tngram.common import TngramError
 from tngram.memory import memory_config_as, with_memory_fields
 from tngram.model.gpt import GPTConfig
-from tngram.train.config_checks import (  # noqa: F401  (_validate_*: used by train.saved)
+from tngram.train.config_checks import (
     check_field,
-    validate_memory,
-    validate_model,
     check_data,
     check_finite,
     check_optim,

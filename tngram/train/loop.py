@@ -13,11 +13,6 @@ RNG, so backbone init is identical across methods). bf16 autocast on CUDA (run.d
 fp32 on CPU unless run.dtype=bf16; parameters stay fp32 (parameter-golf keeps the tied
 embedding itself in bf16; we keep fp32 master weights everywhere).
 
-Read it top to bottom: `train()` checks, locks the run folder and hands over to `Trainer`, whose
-`__init__` sets up (resume checks, data, model, optimisers, records), `train_step()` is one
-optimiser step and `run()` the loop, where logging, validation and checkpoints each happen when
-one predicate (`should_log`, `should_validate`, `should_save`) says so; `StepClock` keeps the times.
-
 A run is resumable from its latest checkpoint and bit-identical on CPU to an uninterrupted run:
 weights, optimiser moments, loader position and RNG are restored, and the schedules depend only
 on the step. A non-finite training loss stops the run (TngramError), leaving the checkpoints
@@ -74,15 +69,7 @@ from tngram.train.step_reads import (
     reads_every_step,
     stop_check_due,
 )
-from tngram.train.trainer_setup import (  # noqa: F401  (re-exported: the trainer's public names)
-    RESUMABLE_RUN_FIELDS,
-    StepClock,
-    TrainerSetup,
-    autocast_dtype,
-    claim,
-    live_sizes,
-    prune_at_step,
-)
+from tngram.train.trainer_setup import StepClock, TrainerSetup, claim, live_sizes, prune_at_step
 
 
 def train(

@@ -136,7 +136,7 @@ def model_config_from_saved(d: Any, where: str, prefix: str = "gpt.") -> Any:
     from tngram.model.gpt import GPTConfig
 
     # the model checks validate_config runs on a run's config (private there: one list of rules)
-    from tngram.train.config import validate_memory, validate_model
+    from tngram.train.config_checks import validate_memory, validate_model
 
     if not isinstance(d, dict):
         raise BadRecordError(f"{where}: field {prefix.rstrip('.')} must be an object")
