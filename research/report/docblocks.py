@@ -19,6 +19,7 @@ the renderer:
   "targets");
 - "bench-contention": the output of `python -m research bench contention --json` (view "table");
 - "bench-vocab": the output of `python -m research bench vocab --json` (views "table", "goals");
+- "hf-peer": `python -m research.experiments.hf_peer` (research.report.peer_blocks);
 - "gpu-index" (research/results/gpu.json): every `python -m research bench gpu` results file beside
 it and the
   numbers still open (research.report.gpu_blocks), view "goals": the GPU goal point by point
@@ -66,6 +67,7 @@ from research.report.markdown import (
     results_name,
     snapshot_path,
 )
+from research.report.peer_blocks import render_peer
 from research.report.readme import render_block
 from research.report.summary import render_summary
 from research.report.summary import resolve as resolve_summary
@@ -120,9 +122,11 @@ def _render(snap: dict[str, Any], name: str, source: str) -> str:
         return views.get(view, render_index)(snap)
     if kind == "gpu-check":
         return render_check(snap) + "\n\n" + provenance(snap, source)
+    if kind == "hf-peer":
+        return render_peer(snap) + "\n\n" + provenance(snap, source)
     raise TngramError(
         f"{source}: unknown kind {kind!r} (expected compare, table, bench-threads, "
-        "bench-contention, bench-vocab, summary, gpu-index or gpu-check)"
+        "bench-contention, bench-vocab, summary, gpu-index, gpu-check or hf-peer)"
     )
 
 

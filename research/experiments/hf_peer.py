@@ -1,0 +1,539 @@
+"""engram-peft beside tngram.hf on one tiny offline Llama: the same base, data, steps and lr.
+
+    pip install --target /tmp/peer --no-deps engram-peft==1.2.7 jaxtyping wadler-lindig \\
+        typeguard python-dotenv
+    PYTHONPATH=/tmp/peer OMP_NUM_THREADS=1 python -m research.experiments.hf_peer \\
+        --out research/results/hf-peer.json
+    python -m research report doc docs/HF.md        # the table in docs/HF.md
+
+engram-peft is the PyPI package of a PEFT-style DeepSeek Engram; it is never a dependency of
+tngram (install it apart, as above; on Python 3.11 `typing.override` is taken from
+typing_extensions for it, since it imports the 3.12 name). Each side trains with its own
+Trainer (engram-peft's EngramTrainer, tngram's MemoryTrainer) at the same learning rate, tables
+at 5x (engram-peft's default `learning_rate_multiplier`), backbone frozen; tngram's Engram both
+with its default table update (Trainer's AdamW) and with memory_update="sparse" (LazyAdam, as
+engram-peft's SparseAdam), and again with its tables drawn N(0, 0.02^2) as engram-peft's (tngram
+keeps the reference's N(0, 1)). Measured:
+
+- hash agreement: the fraction of (position, head) bucket ids equal to DeepSeek's reference
+  hashing (engram_demo_v1.py's NgramHashMapping, re-derived in `reference_hashes`) on the same
+  ids, both sides given the reference's per-head prime budget (engram-peft takes a budget per
+  order and divides it by the heads: it is given budget x heads, so its primes equal the
+  reference's, `primes_equal`);
+- cached vs uncached: after training (the conv kernels are no longer zero), greedy decoding with
+  the KV cache against one forward over the same tokens without it (max |diff| of the logits);
+- resume: N steps straight against N/2, save, a fresh model resumed from the checkpoint for the
+  rest (max |diff| of the trainable weights and of the last logged loss);
+- eval loss after N steps on held-out sequences of the same synthetic source, and the trainable
+  parameter count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+# the tiny base: a random Llama built offline (no hub download)
+BASE: dict[str, Any] = dict(
+    vocab_size=257,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+LAYERS = (1, 3)
+MAX_NGRAM = 3
+HEADS = 4
+BUDGET = 499  # per-head prime budget of each order (the reference's engram_vocab_size)
+EMBED = 32  # per order (tngram n_embed_per_ngram; engram-peft embedding_dim = (N-1) x this)
+SEQ = 64
+RULE_IDS = 32  # the ids the trigram rule of the synthetic data emits
+TN_CP_RANK = 40  # TN-gram's rank: a few % fewer trainable parameters than the Engrams
+TABLE_LR_MULT = 5.0  # engram-peft's default learning_rate_multiplier for its tables
+
+
+# ---- DeepSeek's reference hashing (engram_demo_v1.py), re-derived -----------------------------
+def reference_primes(budgets: tuple[int, ...], n_head: int, layer_ids: tuple[int, ...]):
+    """{layer: [[prime per head] per order]}: per layer (in the given order), per order, each head
+    takes the next prime above the previous one (the first above budget - 1) not yet taken by any
+    layer (sympy.nextprime, as the reference)."""
+    from sympy import nextprime
+
+    seen: set[int] = set()
+    out: dict[int, list[list[int]]] = {}
+    for layer in layer_ids:
+        out[layer] = []
+        for budget in budgets:
+            heads, p = [], budget - 1
+            for _ in range(n_head):
+                p = int(nextprime(p))
+                while p in seen:
+                    p = int(nextprime(p))
+                seen.add(p)
+                heads.append(p)
+            out[layer].append(heads)
+    return out
+
+
+def reference_multipliers(vocab_size: int, max_ngram: int, layer_id: int, seed: int) -> np.ndarray:
+    """Odd multipliers 2r+1, r ~ numpy default_rng(seed + 10007 * layer) below the no-overflow
+    bound half of int64 max // vocab."""
+    half = max(1, (np.iinfo(np.int64).max // vocab_size) // 2)
+    r = np.random.default_rng(int(seed + 10007 * layer_id)).integers(
+        0, half, size=(max_ngram,), dtype=np.int64
+    )
+    return r * 2 + 1
+
+
+def reference_hashes(
+    ids: np.ndarray,
+    *,
+    vocab_size: int,
+    max_ngram: int,
+    n_head: int,
+    budgets: tuple[int, ...],
+    layer_ids: tuple[int, ...],
+    pad_id: int,
+    seed: int = 0,
+) -> dict[int, np.ndarray]:
+    """{layer: (B, T, (N-1) * H)} bucket ids: for order n, (XOR_{k<n} c_{t-k} * m_k) mod p, c
+    shifted right by k with pad_id before the start, heads of order 2 first."""
+    x = np.asarray(ids, dtype=np.int64)
+    T = x.shape[1]
+    shifts = [x] + [
+        np.pad(x, ((0, 0), (k, 0)), constant_values=pad_id)[:, :T] for k in range(1, max_ngram)
+    ]
+    primes = reference_primes(budgets, n_head, layer_ids)
+    out = {}
+    for layer in layer_ids:
+        m = reference_multipliers(vocab_size, max_ngram, layer, seed)
+        cols = []
+        for n in range(2, max_ngram + 1):
+            mix = shifts[0] * m[0]
+            for k in range(1, n):
+                mix = np.bitwise_xor(mix, shifts[k] * m[k])
+            cols += [mix % p for p in primes[layer][n - 2]]
+        out[layer] = np.stack(cols, axis=-1)
+    return out
+
+
+def agreement(got: dict[int, np.ndarray], want: dict[int, np.ndarray]) -> float:
+    """The fraction of bucket ids equal to the reference's, over every layer, position and head."""
+    if sorted(got) != sorted(want):
+        raise ValueError(f"layers {sorted(got)} differ from the reference's {sorted(want)}")
+    same = sum(int((np.asarray(got[k]) == want[k]).sum()) for k in want)
+    return same / sum(want[k].size for k in want)
+
+
+# ---- data: a synthetic source an n-gram memory can learn --------------------------------------
+def synthetic_tokens(n_seq: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    """(n_seq, seq) ids in [1, vocab): each token follows the two before it by a fixed random
+    trigram rule over ids 1..RULE_IDS (seed 1234, shared by every split) 80% of the time, and is
+    uniform over the whole vocabulary otherwise."""
+    rule = np.random.default_rng(1234).integers(1, RULE_IDS + 1, size=(vocab, vocab))
+    g = np.random.default_rng(seed)
+    x = g.integers(1, vocab, size=(n_seq, seq))
+    follow = g.random((n_seq, seq)) < 0.8
+    for t in range(2, seq):
+        x[:, t] = np.where(follow[:, t], rule[x[:, t - 2], x[:, t - 1]], x[:, t])
+    return torch.from_numpy(x).long()
+
+
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_base(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**BASE)).eval()
+
+
+# ---- the measures (any side) ------------------------------------------------------------------
+def cached_gap(model: Any, prompt: torch.Tensor, new_tokens: int) -> float:
+    """max |diff| between the logits of greedy decoding with the KV cache and those of one forward
+    without a cache over the same tokens (prompt + generated)."""
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=BASE["pad_token_id"],
+        )
+        cached = torch.stack(out.logits, dim=1)  # (B, new, V)
+        full = model(input_ids=out.sequences, use_cache=False).logits
+    P = prompt.shape[1]
+    uncached = full[:, P - 1 : P - 1 + new_tokens]
+    return float((cached.float() - uncached.float()).abs().max())
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def n_trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def eval_loss(model: nn.Module, ids: torch.Tensor, batch: int = 8) -> float:
+    """Mean next-token cross-entropy over the held-out sequences."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(ids), batch):
+            x = ids[i : i + batch]
+            logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
+            total += float(
+                nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+                )
+            )
+            count += x[:, 1:].numel()
+    return total / count
+
+
+@dataclass
+class Side:
+    """One implementation: `build()` a fresh model (memory on the tiny base, backbone frozen),
+    `trainer(model, args, data)` its Trainer, `hashes(model, ids)` its bucket ids per layer."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    trainer: Callable[[nn.Module, Any, Any], Any]
+    hashes: Callable[[nn.Module, torch.Tensor], dict[int, np.ndarray]] | None = None
+    primes: Callable[[nn.Module], dict[int, list[int]]] | None = None
+
+
+def train_args(out_dir: str, steps: int, lr: float, save_steps: int | None = None) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir,
+        max_steps=steps,
+        learning_rate=lr,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def last_loss(trainer: Any) -> float:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
+
+
+def resume_gap(side: Side, data: Any, steps: int, lr: float, work: str) -> dict[str, float]:
+    """Train `steps` straight (saving at steps/2) against a fresh model resumed from the checkpoint
+    at steps/2: max |diff| of the trainable weights and of the last logged loss."""
+    half = steps // 2
+    a = side.build()
+    ta = side.trainer(a, train_args(f"{work}/a", steps, lr, save_steps=half), data)
+    ta.train()
+    b = side.build()
+    tb = side.trainer(b, train_args(f"{work}/a", steps, lr, save_steps=half), data)
+    tb.train(resume_from_checkpoint=f"{work}/a/checkpoint-{half}")
+    wa, wb = trainable_state(a), trainable_state(b)
+    if sorted(wa) != sorted(wb):
+        raise RuntimeError(f"{side.name}: trainable parameters differ after resume")
+    return {
+        "weights_max_abs_diff": max(float((wa[k] - wb[k]).abs().max()) for k in wa),
+        "loss_abs_diff": abs(last_loss(ta) - last_loss(tb)),
+    }
+
+
+def measure(side: Side, *, steps: int, lr: float, work: str) -> dict[str, Any]:
+    """Every measure of one side (module docstring)."""
+    train = Sequences(synthetic_tokens(64, SEQ, BASE["vocab_size"], seed=1))
+    held = synthetic_tokens(32, SEQ, BASE["vocab_size"], seed=2)
+    row: dict[str, Any] = {"name": side.name}
+    model = side.build()
+    row["trainable_params"] = n_trainable(model)
+    if side.hashes is not None:
+        ids = synthetic_tokens(4, SEQ, BASE["vocab_size"], seed=3)
+        want = reference_hashes(
+            ids.numpy(),
+            vocab_size=BASE["vocab_size"],
+            max_ngram=MAX_NGRAM,
+            n_head=HEADS,
+            budgets=(BUDGET,) * (MAX_NGRAM - 1),
+            layer_ids=LAYERS,
+            pad_id=BASE["pad_token_id"],
+        )
+        row["hash_agreement"] = agreement(side.hashes(model, ids), want)
+    if side.primes is not None:
+        ref = reference_primes((BUDGET,) * (MAX_NGRAM - 1), HEADS, LAYERS)
+        flat = {k: [p for order in v for p in order] for k, v in ref.items()}
+        row["primes_equal"] = side.primes(model) == flat
+    row["eval_loss_start"] = eval_loss(model, held)
+    trainer = side.trainer(model, train_args(f"{work}/train", steps, lr), train)
+    trainer.train()
+    row["train_loss_last"] = last_loss(trainer)
+    row["eval_loss"] = eval_loss(model, held)
+    row["conv_max_abs"] = max(
+        (
+            float(p.detach().abs().max())
+            for n, p in model.named_parameters()
+            if n.endswith("conv.weight")
+        ),
+        default=0.0,
+    )
+    prompt = synthetic_tokens(2, 12, BASE["vocab_size"], seed=4)
+    row["cached_vs_uncached_max_abs_diff"] = cached_gap(model, prompt, new_tokens=16)
+    row["resume"] = resume_gap(side, train, steps, lr, f"{work}/resume")
+    return row
+
+
+# ---- tngram.hf --------------------------------------------------------------------------------
+def tngram_engram_config() -> Any:
+    from tngram.memory.engram import EngramConfig
+
+    return EngramConfig(
+        max_ngram=MAX_NGRAM,
+        n_head_per_ngram=HEADS,
+        n_embed_per_ngram=EMBED,
+        table_budget=(BUDGET,) * (MAX_NGRAM - 1),
+        pad_id=BASE["pad_token_id"],
+    )
+
+
+def tngram_side(
+    name: str,
+    config_fn: Callable[[], Any],
+    lr: float,
+    memory_update: str = "dense",
+    table_std: float | None = None,
+) -> Side:
+    """tngram.hf's side; `table_std` re-draws the memory tables N(0, table_std^2) after add_memory
+    (engram-peft's table init, 0.02, where tngram keeps the reference's N(0, 1))."""
+    from tngram.hf import MemoryTrainer, add_memory, memory_modules
+
+    def build() -> nn.Module:
+        model = add_memory(tiny_base(), config_fn(), layers=LAYERS, trainable="memory")
+        if table_std is not None:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                for m in memory_modules(model).values():
+                    for t in m.table_parameters():
+                        t.normal_(0.0, table_std)
+        return model
+
+    def trainer(model: nn.Module, args: Any, data: Any) -> Any:
+        return MemoryTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            memory_table_lr=lr * TABLE_LR_MULT,
+            memory_update=memory_update,
+        )
+
+    def by_layer(model: nn.Module) -> dict[int, Any]:
+        return {m.layer_id: m for m in memory_modules(model).values()}
+
+    def hashes(model: Any, ids: torch.Tensor) -> dict[int, np.ndarray]:
+        return {k: m.hash_ids(ids).numpy() for k, m in by_layer(model).items()}
+
+    def primes(model: Any) -> dict[int, list[int]]:
+        return {k: m.primes.tolist() for k, m in by_layer(model).items()}
+
+    engram = config_fn().kind == "engram"
+    return Side(name, build, trainer, hashes if engram else None, primes if engram else None)
+
+
+# ---- engram-peft ------------------------------------------------------------------------------
+def import_peer() -> Any:
+    """engram_peft, importable on Python 3.11 (it imports typing.override, a 3.12 name)."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+    try:
+        import engram_peft
+    except ImportError as e:
+        raise SystemExit(
+            f"engram-peft is not importable ({e}); install it apart from tngram: pip install "
+            "--target /tmp/peer --no-deps engram-peft==1.2.7 jaxtyping wadler-lindig typeguard "
+            "python-dotenv, then run with PYTHONPATH=/tmp/peer"
+        ) from None
+    return engram_peft
+
+
+def peer_side(lr: float) -> Side:
+    ep = import_peer()
+
+    def build() -> nn.Module:
+        cfg = ep.EngramConfig(
+            ngram_sizes=list(range(2, MAX_NGRAM + 1)),
+            max_ngram_size=MAX_NGRAM,
+            n_head_per_ngram=HEADS,
+            engram_vocab_size_per_ngram=[BUDGET * HEADS] * (MAX_NGRAM - 1),
+            embedding_dim=EMBED * (MAX_NGRAM - 1),
+            target_layers=list(LAYERS),
+            hc_mult=1,
+            enable_tokenizer_compression=False,
+            learning_rate_multiplier=TABLE_LR_MULT,
+        )
+        torch.manual_seed(0)
+        return ep.get_engram_model(tiny_base(), cfg, train_mode="engram_only")
+
+    def trainer(model: nn.Module, args: Any, data: Any) -> Any:
+        return ep.EngramTrainer(model=model, args=args, train_dataset=data)
+
+    def hashes(model: Any, ids: torch.Tensor) -> dict[int, np.ndarray]:
+        return {int(k): v for k, v in model.hash_mapping.hash(ids.numpy()).items()}
+
+    def primes(model: Any) -> dict[int, list[int]]:
+        return {
+            int(k): [p for order in v for p in order]
+            for k, v in model.hash_mapping.prime_tables.items()
+        }
+
+    return Side("engram-peft", build, trainer, hashes, primes)
+
+
+# ---- the results file -------------------------------------------------------------------------
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("engram-peft", "transformers", "peft", "torch", "tngram"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    import os
+
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} CPU, {platform.system()}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+    )
+
+
+def run(steps: int, lr: float, peer: bool = True) -> dict[str, Any]:
+    from tngram.memory.tngram import TNGramConfig
+
+    sides = [tngram_side("tngram Engram", tngram_engram_config, lr)]
+    # the tables' optimiser of engram-peft (SparseAdam: Adam on the rows a batch reads)
+    sides.append(tngram_side("tngram Engram, sparse", tngram_engram_config, lr, "sparse"))
+    # engram-peft's table init, N(0, 0.02^2)
+    sides.append(
+        tngram_side("tngram Engram, tables N(0, 0.02²)", tngram_engram_config, lr, table_std=0.02)
+    )
+    tn_config = functools.partial(TNGramConfig, max_ngram=MAX_NGRAM, cp_rank=TN_CP_RANK)
+    sides.append(tngram_side("tngram TN-gram", tn_config, lr))
+    if peer:
+        sides.insert(0, peer_side(lr))
+    prompt = synthetic_tokens(2, 12, BASE["vocab_size"], seed=4)
+    base_gap = cached_gap(tiny_base(), prompt, new_tokens=16)  # the base alone, for scale
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for i, side in enumerate(sides):
+            print(f"[hf-peer] {side.name} ...", file=sys.stderr, flush=True)
+            rows.append(measure(side, steps=steps, lr=lr, work=f"{work}/{i}"))
+    return {
+        "kind": "hf-peer",
+        "base": {**BASE, "layers": list(LAYERS), "seq": SEQ},
+        "memory": {
+            "max_ngram": MAX_NGRAM,
+            "heads": HEADS,
+            "budget": BUDGET,
+            "embed": EMBED,
+            "tn_cp_rank": TN_CP_RANK,
+        },
+        "steps": steps,
+        "learning_rate": lr,
+        "table_lr_multiplier": TABLE_LR_MULT,
+        "base_cached_vs_uncached_max_abs_diff": base_gap,
+        "versions": versions(),
+        "sides": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tngram.common import atomic_write_text
+
+    p = argparse.ArgumentParser(prog="python -m research.experiments.hf_peer", description=__doc__)
+    p.add_argument("--steps", type=int, default=60, help="training steps (even; default 60)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (tables: 5x)")
+    p.add_argument("--out", type=Path, default=None, help="write the results file here")
+    args = p.parse_args(argv)
+    if args.steps < 2 or args.steps % 2:
+        p.error(f"--steps must be an even number >= 2, got {args.steps}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        p.error(f"--lr must be a positive number, got {args.lr}")
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} exists; remove it or name another file")
+    res = run(args.steps, args.lr)
+    cmd = "python -m research.experiments.hf_peer " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    res = {
+        "kind": res.pop("kind"),
+        "command": "PYTHONPATH=/tmp/peer OMP_NUM_THREADS=1 " + cmd.strip(),
+        "commit": commit(),
+        "machine": machine(),
+        **res,
+    }
+    text = json.dumps(res, indent=2) + "\n"
+    if args.out is None:
+        print(text, end="")
+    else:
+        atomic_write_text(args.out, text)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
