@@ -1,5 +1,4 @@
-"""Experiments: `tngram compare` (Table 1) and one command per figure of the paper.
-
-Runs are launched as subprocesses (python or torchrun) on a resolved config JSON, so each run
-has clean process/distributed state; finished runs are reused, unfinished ones resumed.
+"""`tngram compare` (Table 1): runs launched as subprocesses (python or torchrun) on a resolved
+config JSON, so each has clean process/distributed state; finished runs are reused, unfinished
+ones resumed. The lab's experiments (research/experiments) build on the same runner.
 """
