@@ -222,3 +222,53 @@ def test_sigterm_to_the_compare_runner_reaches_its_worker_and_rerun_is_identical
     again = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr[-2000:]
     same_as_reference(reference, run)
+
+
+def test_closing_the_terminal_checkpoints_the_last_step_and_resume_is_identical(
+        reference, tiny_data, tmp_path):
+    """A run in a pseudo-terminal (its session's controlling terminal, progress shown) whose
+    terminal is closed while step 2 is in progress: the kernel's hangup SIGHUP checkpoints step
+    2, exit 129 with the terminal gone, and the resume is identical."""
+    import pty
+    import select
+    import time
+
+    run, go = tmp_path / "run", tmp_path / "go"
+    args = cli_args(tiny_data, "mini-tngram", run, EXTRA)
+    code = PAUSED_TRAIN.format(step=2, go=str(go))
+    env = {k: v for k, v in ENV.items() if k != "TNGRAM_NO_PROGRESS"}
+    pid, master = pty.fork()  # the child: a new session, the terminal's slave side its tty
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-c", code, *args], env)
+    seen, deadline = b"", time.monotonic() + 120
+    try:
+        # the whole line (the terminal writes \r\n): a write cut by the hangup is not the test
+        while b"holding after step 2\r\n" not in seen and time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # the child ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        assert b"holding after step 2\r\n" in seen, seen[-2000:]
+        os.close(master)  # the terminal closes: the kernel hangs up its session
+        master = -1
+        go.touch()
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
+        assert done[0] == pid, "the run did not stop after its terminal closed"
+    finally:
+        if master >= 0:
+            os.close(master)
+        if "done" not in locals() or done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(done[1]) == 128 + signal.SIGHUP
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run)] == [2]
+    assert not (run / "model.safetensors").exists()
+    again = resume(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed {run} from step_000002" in again.stdout
+    same_as_reference(reference, run)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -47,8 +48,8 @@ def _leave_closed_terminal() -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     try:
         for fd in (1, 2):
-            try:
-                if os.isatty(fd):
+            try:  # a hung-up terminal is no longer a tty (isatty fails), still a device
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
                     os.dup2(null, fd)
             except OSError:
                 pass
