@@ -430,10 +430,10 @@ def test_module_under_torch_compile_matches_eager(impl, monkeypatch):
 
 @pytest.mark.skipif(c_unavailable_reason() is not None, reason="C kernel unavailable")
 def test_c_kernel_is_bit_identical_for_any_thread_count():
-    """Tokens split between threads for the per-token dots, columns for the rest of the backward
-    and the gradient adds, in token order: the same bits at 1, 2, 3 and 5 threads (R = 24 is two
-    column blocks of 16, so at 3 and 5 threads some threads add nothing), M = 300 tokens, with
-    repeated rows (V = 13)."""
+    """Tokens split between threads for their terms, the gradient adds owned by rows (id %
+    threads) and dW columns, in token order: the same bits at 1, 2, 3 and 5 threads (R = 24 is
+    two dW column blocks of 16, so at 3 and 5 threads some threads add no dW; M = 300 tokens are
+    3 steps of 128 at 2 threads, 2 of 192 at 3), with repeated rows (V = 13)."""
     before = torch.get_num_threads()
     f, a, l = params(5)
     ng = suffix_ngrams(torch.randint(0, V, (3, 100), generator=torch.Generator().manual_seed(5)), 5, 0)

@@ -7,18 +7,15 @@
  * loaded, so both share one thread pool); `nthreads` is the caller's torch.get_num_threads().
  *
  * Threads and determinism: the forward splits tokens between threads (each output row has one
- * writer). The backward has two passes and one barrier between them:
- *   1. tokens split between threads: per token the full-R dot products (N-1 of them) that the
- *      RMSNorm backward and ds need, into a small (M, N-1) buffer (with one thread, pass 2
- *      computes them from its own prefix products instead, by the same loops);
- *   2. the R columns split between threads (blocks of 16 floats, 64-byte lines, so no false
- *      sharing): each thread takes every token in order and, for its columns only, recomputes
- *      the prefix products, does the norm/scale backward with the token's dots, the reverse
- *      sweep and the dW terms, and adds them straight into its columns of the table gradient
- *      (rows k = N-1..0) and of dW: nothing is handed from one thread to another but the dots.
- * Every gradient element therefore receives its terms in the same order whatever the thread
- * count, each computed by the same statements: results are bit-identical for 1, 2 or 64 threads
- * (no atomics, no per-thread partial sums). ds is summed by one thread in token order.
+ * writer). The backward goes through the tokens in steps of a few per thread: in a step the
+ * threads split the tokens, and each computes its tokens' whole-row terms (dots, dW terms, row
+ * gradients) into a step buffer; after one barrier each thread adds every token of the step, in
+ * token order, into the gradient elements it owns: the table-gradient rows with id % threads ==
+ * its number (whole rows) and its columns of dW (blocks of 16 floats, 64-byte lines). A token's
+ * rows are read once, by one thread, whole; only its terms move between threads. Every gradient
+ * element therefore receives its terms in the same order whatever the thread count, each
+ * computed by the same statements: results are bit-identical for 1, 2 or 64 threads (no atomics,
+ * no per-thread partial sums). ds is summed by one thread in token order.
  *
  * Layouts (row-major, contiguous):
  *   table (N*V, R)    factors A_N..A_1 viewed as rows; idx (M, N) row ids, column k = x_{t-k}
@@ -45,7 +42,8 @@ static int omp_get_num_threads(void) { return 1; }
 static int omp_get_thread_num(void) { return 0; }
 #endif
 
-#define COL_ALIGN 16       /* column blocks start on 64-byte lines (no false sharing) */
+#define COL_ALIGN 16       /* dW column blocks start on 64-byte lines (no false sharing) */
+#define STEP_BYTES (256 * 1024) /* one thread's token terms in a backward step (in its L2) */
 
 /* fp32 -> bf16 bits, round to nearest even; bit-identical to torch's CPU cast */
 static inline uint16_t f32_to_bf16(float x) {
@@ -129,12 +127,16 @@ void tn_lookup_forward(const float *table, const int64_t *idx, const float *W, c
     }
 }
 
-/* pass 1 for one token: the full-R dot products of its backward, dot (N-1): with the norm
- * dot_j = r_j sum_R g y-term (the RMSNorm backward needs it; it is also the ds term), without it
- * dot_j = sum_R g b_j (the ds term). P: scratch (N-1, R) for P_2..P_N. */
-static void token_dots(const float *g_m, const float *table, const int64_t *id, const float *W,
-                       const float *rstd_m, int64_t N, int64_t R, float *dot, float *P) {
-    /* prefix products, recomputed from the factors (cheaper than keeping them) */
+/* one token's backward, rows R apart: its dots into dot (N-1) when need_dot (with the norm
+ * dot_j = r_j sum_R g P_{j+2} W_j, the RMSNorm backward's and ds's term; without it
+ * sum_R g b_j, ds's term), its dW terms D_j P_{j+2} into dp (N-1, R) when dp, its row gradients
+ * into GR (N, R) (row k of GR belongs to table row id[k]) when GR. scratch: (2N - 1) R floats. */
+static void token_grads(const float *g_m, const float *table, const int64_t *id, const float *W,
+                        const float *s, const float *rstd_m, int need_dot, int64_t N, int64_t R,
+                        float *dot, float *dp, float *GR, float *scratch) {
+    float *P = scratch;                    /* (N-1, R): P[j] = P_{j+2} */
+    float *D = P + (N - 1) * R;            /* (N-1, R): gradient w.r.t. P_{j+2} */
+    float *G = D + (N - 1) * R;            /* (R) */
     const float *r0 = table + id[0] * R, *r1 = table + id[1] * R;
 #pragma omp simd
     for (int64_t i = 0; i < R; i++) P[i] = r0[i] * r1[i];
@@ -145,190 +147,133 @@ static void token_dots(const float *g_m, const float *table, const int64_t *id, 
 #pragma omp simd
         for (int64_t i = 0; i < R; i++) cur[i] = prev[i] * rk[i];
     }
+    for (int64_t j = 0; j < N - 1 && need_dot; j++) {
+        const float *restrict g = g_m + j * R;
+        const float *restrict Pj = P + j * R;
+        const float *restrict Wj = W + j * R;
+        float gb = 0.0f;                       /* sum_R g b */
+#pragma omp simd reduction(+:gb)
+        for (int64_t i = 0; i < R; i++) gb += g[i] * Pj[i] * Wj[i];
+        dot[j] = rstd_m ? gb * rstd_m[j] : gb;
+    }
+    if (!dp && !GR) return;
+    /* per order: RMSNorm + scale backward -> db, then the dW term and D = db W */
     for (int64_t j = 0; j < N - 1; j++) {
         const float *restrict g = g_m + j * R;
         const float *restrict Pj = P + j * R;
         const float *restrict Wj = W + j * R;
-        if (rstd_m) {
-            float gdot = 0.0f;                 /* sum_R g y, y = r b */
-#pragma omp simd reduction(+:gdot)
-            for (int64_t i = 0; i < R; i++) gdot += g[i] * Pj[i] * Wj[i];
-            gdot *= rstd_m[j];
-            dot[j] = gdot;
-        } else {
-            float gb = 0.0f;                   /* sum_R g b */
-#pragma omp simd reduction(+:gb)
-            for (int64_t i = 0; i < R; i++) gb += g[i] * Pj[i] * Wj[i];
-            dot[j] = gb;
-        }
-    }
-}
-
-/* pass 2 for one token, columns [0, n) of a column block: every pointer (g_m, table, W,
- * dtable, dW) already points at the block's first column, rows R apart. Computes D (the
- * gradient w.r.t. P), the dW terms and the row gradients of the block and adds them into dW
- * (order j = 0..N-2) and dtable (rows k = N-1..0); dtable and dW may be NULL (not needed).
- * Every element is computed by the same statements as one whole-row token pass, so its bits do
- * not depend on the block. dot: the token's dots from pass 1; or NULL and dot_out non-NULL when
- * one thread has all R columns: the dots are computed here from P and written to dot_out.
- * scratch: 3 N n floats. */
-static void token_cols(const float *g_m, const float *table, const int64_t *id, const float *W,
-                       const float *s, const float *rstd_m, const float *dot, float *dot_out,
-                       int64_t N, int64_t R, int64_t n, float *dtable, float *dW,
-                       float *scratch) {
-    float *P = scratch;                    /* (N-1, n): P[j] = P_{j+2} */
-    float *D = P + (N - 1) * n;            /* (N-1, n): gradient w.r.t. P_{j+2} */
-    float *G = D + (N - 1) * n;            /* (n) */
-    float *GR = G + n;                     /* (N, n): the row gradients, column k = row id[k] */
-    float *dp = GR + N * n;                /* (n): one dW term */
-    const float *r0 = table + id[0] * R, *r1 = table + id[1] * R;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) P[i] = r0[i] * r1[i];
-    for (int64_t j = 1; j < N - 1; j++) {
-        const float *restrict rk = table + id[j + 1] * R;
-        const float *prev = P + (j - 1) * n;
-        float *cur = P + j * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) cur[i] = prev[i] * rk[i];
-    }
-    if (dot_out) {    /* one thread holds every column (n == R): the dots from these P, by the
-                       * loops of token_dots, instead of a pass of their own */
-        for (int64_t j = 0; j < N - 1; j++) {
-            const float *restrict g = g_m + j * R;
-            const float *restrict Pj = P + j * n;
-            const float *restrict Wj = W + j * R;
-            if (rstd_m) {
-                float gdot = 0.0f;
-#pragma omp simd reduction(+:gdot)
-                for (int64_t i = 0; i < n; i++) gdot += g[i] * Pj[i] * Wj[i];
-                gdot *= rstd_m[j];
-                dot_out[j] = gdot;
-            } else {
-                float gb = 0.0f;
-#pragma omp simd reduction(+:gb)
-                for (int64_t i = 0; i < n; i++) gb += g[i] * Pj[i] * Wj[i];
-                dot_out[j] = gb;
-            }
-        }
-        dot = dot_out;
-    }
-    /* per order: RMSNorm + scale backward -> db, then the dW term and D = db W */
-    for (int64_t j = 0; j < N - 1; j++) {
-        const float *restrict g = g_m + j * R;
-        const float *restrict Pj = P + j * n;
-        const float *restrict Wj = W + j * R;
-        float *restrict Dj = D + j * n;
+        float *restrict Dj = D + j * R;
         float sj = s ? s[j] : 1.0f;
         if (rstd_m) {
             float r = rstd_m[j], gdot = dot[j];
             /* db = r s g - (r s gdot / R) y = r s g - (r^2 s gdot / R) b */
             float a = r * sj, c = r * r * sj * gdot / (float)R;
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) Dj[i] = a * g[i] - c * Pj[i] * Wj[i];
+            for (int64_t i = 0; i < R; i++) Dj[i] = a * g[i] - c * Pj[i] * Wj[i];
         } else {
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) Dj[i] = sj * g[i];
+            for (int64_t i = 0; i < R; i++) Dj[i] = sj * g[i];
         }
-        if (dW) {     /* the term is rounded to fp32 before it is added, as it always was */
+        if (dp) {     /* the term is rounded to fp32 before it is added */
+            float *restrict d = dp + j * R;
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) dp[i] = Dj[i] * Pj[i];
-            float *restrict d = dW + j * R;
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) d[i] += dp[i];
+            for (int64_t i = 0; i < R; i++) d[i] = Dj[i] * Pj[i];
         }
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) Dj[i] *= Wj[i];
+        for (int64_t i = 0; i < R; i++) Dj[i] *= Wj[i];
     }
-    if (!dtable) return;
+    if (!GR) return;
     /* reverse sweep over P_m = P_{m-1} rows_{m-1}: G = dL/dP_m */
-    memcpy(G, D + (N - 2) * n, (size_t)n * sizeof(float));
+    memcpy(G, D + (N - 2) * R, (size_t)R * sizeof(float));
     for (int64_t m = N; m > 2; m--) {
         const float *restrict rk = table + id[m - 1] * R;
-        const float *Pprev = P + (m - 3) * n;  /* P_{m-1} */
-        const float *Dprev = D + (m - 3) * n;  /* direct gradient of P_{m-1} */
-        float *restrict gk = GR + (m - 1) * n;
+        const float *Pprev = P + (m - 3) * R;  /* P_{m-1} */
+        const float *Dprev = D + (m - 3) * R;  /* direct gradient of P_{m-1} */
+        float *restrict gk = GR + (m - 1) * R;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = 0; i < R; i++) {
             float gi = G[i];
             gk[i] = gi * Pprev[i];
             G[i] = Dprev[i] + gi * rk[i];
         }
     }
-    float *g1 = GR + n, *g0 = GR;
+    float *g1 = GR + R, *g0 = GR;
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < R; i++) {
         g1[i] = G[i] * r0[i];
         g0[i] = G[i] * r1[i];
     }
-    for (int64_t k = N - 1; k >= 0; k--) {
-        float *restrict d = dtable + id[k] * R;
-        const float *restrict gr = GR + k * n;
+}
+
+static inline void add_into(float *restrict d, const float *restrict x, int64_t n) {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] += gr[i];
-    }
+    for (int64_t i = 0; i < n; i++) d[i] += x[i];
+}
+
+/* adds one token's terms (tok: GR (N, R), dp (N-1, R), dot (N-1), see token_grads) into the
+ * gradients this thread owns: the dtable rows with row % nt == t, the dW columns [c0, c1), ds
+ * on thread 0 */
+static void add_token(const float *tok, const int64_t *id, int64_t N, int64_t R, int nt, int t,
+                      int64_t c0, int64_t c1, float *dtable, float *dW, float *ds) {
+    const float *dp = tok + N * R, *dot = dp + (N - 1) * R;
+    for (int64_t k = N - 1; k >= 0 && dtable; k--)
+        if (id[k] % nt == t) add_into(dtable + id[k] * R, tok + k * R, R);
+    for (int64_t j = 0; j < N - 1 && dW; j++) add_into(dW + j * R + c0, dp + j * R + c0, c1 - c0);
+    for (int64_t j = 0; j < N - 1 && ds && t == 0; j++) ds[j] += dot[j];
 }
 
 /* backward; any of dtable (N*V, R), dW (N-1, R), ds (N-1) may be NULL (not needed); the
- * non-NULL ones are accumulated into (the caller zeroes them). */
+ * non-NULL ones are accumulated into (the caller zeroes them). Tokens go in steps of S; in a
+ * step the threads split the tokens and write each token's terms (token_grads) to a buffer,
+ * then, after one barrier, each adds every token's terms, in token order, to the gradient
+ * elements it owns (add_token): a dtable row to one thread, whole, and the dW columns in blocks
+ * of 16 floats (64-byte lines). A step's buffer is kept until the next step's barrier, so one
+ * barrier per step suffices; with one thread each token's terms are added as they come. */
 void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx,
                         const float *W, const float *s, const float *rstd,
                         int64_t M, int64_t N, int64_t R,
                         float *dtable, float *dW, float *ds, int nthreads, int grad_bf16) {
     if (M <= 0) return;
-    int need_dot = rstd != NULL || ds != NULL;
-    float *DOT = need_dot ? malloc((size_t)(M * (N - 1)) * sizeof(float)) : NULL;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && M >= 32)
+    int need_dot = rstd != NULL || ds != NULL, par = nthreads > 1 && M >= 32;
+    int64_t per = (2 * N - 1) * R + N;     /* floats per token: GR, dp, dot */
+    int64_t S = STEP_BYTES / (per * (int64_t)sizeof(float));
+    S = (S < 1 ? 1 : S > 64 ? 64 : S) * (par ? nthreads : 1);
+    float *buf = malloc((size_t)(2 * S * per) * sizeof(float));
+#pragma omp parallel num_threads(nthreads) if (par)
     {
         int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        /* this thread's columns [c0, c1) of R in pass 2 */
         int64_t blocks = (R + COL_ALIGN - 1) / COL_ALIGN;
         int64_t c0 = (blocks * t / nt) * COL_ALIGN, c1 = (blocks * (t + 1) / nt) * COL_ALIGN;
         if (c0 > R) c0 = R;
         if (c1 > R) c1 = R;
-        float *scratch = malloc((size_t)(3 * N * R) * sizeof(float));
+        float *scratch = malloc((size_t)((2 * N - 1) * R) * sizeof(float));
         float *gwide = grad_bf16 ? malloc((size_t)((N - 1) * R) * sizeof(float)) : NULL;
-        /* one thread with gradients to add: the dots come out of pass 2's own prefix products */
-        int fused = nt == 1 && (dtable || dW);
-        if (need_dot && !fused) {   /* pass 1: tokens split between threads */
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) {
+        for (int64_t s0 = 0; s0 < M; s0 += S) {
+            int64_t len = M - s0 < S ? M - s0 : S;
+            float *step = buf + ((s0 / S) & 1) * S * per;
+            for (int64_t m = s0 + len * t / nt; m < s0 + len * (t + 1) / nt; m++) {
                 const float *g_m = (const float *)grad + m * (N - 1) * R;
-                if (grad_bf16) {     /* widen the token's bf16 gradient row (exact) */
+                if (grad_bf16) {     /* widen the token's bf16 gradient rows (exact) */
                     const uint16_t *gb = (const uint16_t *)grad + m * (N - 1) * R;
 #pragma omp simd
                     for (int64_t i = 0; i < (N - 1) * R; i++) gwide[i] = bf16_to_f32(gb[i]);
                     g_m = gwide;
                 }
-                token_dots(g_m, table, idx + m * N, W, rstd ? rstd + m * (N - 1) : NULL, N, R,
-                           DOT + m * (N - 1), scratch);
-            }   /* implicit barrier: every dot is complete */
-        }
-        if (c1 > c0 && (dtable || dW)) {   /* pass 2: columns split, every token in order */
-            int64_t n = c1 - c0;
-            for (int64_t m = 0; m < M; m++) {
-                const float *g_m = (const float *)grad + m * (N - 1) * R;
-                if (grad_bf16) {     /* widen this block of the token's gradient rows */
-                    const uint16_t *gb = (const uint16_t *)grad + m * (N - 1) * R;
-                    for (int64_t j = 0; j < N - 1; j++) {
-#pragma omp simd
-                        for (int64_t i = c0; i < c1; i++)
-                            gwide[j * R + i] = bf16_to_f32(gb[j * R + i]);
-                    }
-                    g_m = gwide;
-                }
-                float *dots = need_dot ? DOT + m * (N - 1) : NULL;
-                token_cols(g_m + c0, table + c0, idx + m * N, W + c0, s,
-                           rstd ? rstd + m * (N - 1) : NULL, fused ? NULL : dots,
-                           fused ? dots : NULL, N, R, n, dtable ? dtable + c0 : NULL,
-                           dW ? dW + c0 : NULL, scratch);
+                float *tok = step + (m - s0) * per;
+                token_grads(g_m, table, idx + m * N, W, s, rstd ? rstd + m * (N - 1) : NULL,
+                            need_dot, N, R, tok + (2 * N - 1) * R, dW ? tok + N * R : NULL,
+                            dtable ? tok : NULL, scratch);
+                if (nt == 1) add_token(tok, idx + m * N, N, R, 1, 0, 0, R, dtable, dW, ds);
             }
-        }
-        if (ds && t == 0) {     /* one thread, token order */
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t j = 0; j < N - 1; j++) ds[j] += DOT[m * (N - 1) + j];
+            if (nt > 1) {
+#pragma omp barrier
+                for (int64_t m = s0; m < s0 + len; m++)
+                    add_token(step + (m - s0) * per, idx + m * N, N, R, nt, t, c0, c1, dtable, dW,
+                              ds);
+            }
         }
         free(scratch);
         free(gwide);
     }
-    free(DOT);
+    free(buf);
 }
