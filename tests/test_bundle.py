@@ -20,8 +20,7 @@ import pytest
 
 from test_core_fixtures import uniform_logits
 from tngram.common import TngramError
-from tngram.eval.bundle import (STAMP_NAME, arrow_rows, build_bundle, format_build_report,
-                                read_arrow_stream)
+from tngram.eval.bundle import STAMP_NAME, arrow_rows, build_bundle, format_build_report
 from tngram.eval.core import evaluate_core
 from tngram.eval.bundle_read import load_bundle, load_task_data
 
@@ -129,8 +128,8 @@ def built(tmp_path: Path) -> tuple[Path, dict]:
 
 
 def test_arrow_reader_reads_the_copa_fixture() -> None:
-    cols = read_arrow_stream(base64.b64decode("".join(COPA_ARROW_B64)))
-    assert cols == {"premise": ["The man turned on the faucet.", "My body cast a shadow over the grass."],
+    rows = arrow_rows(base64.b64decode("".join(COPA_ARROW_B64)))
+    assert {k: [r[k] for r in rows] for k in rows[0]} == {"premise": ["The man turned on the faucet.", "My body cast a shadow over the grass."],
                     "choice1": ["The toilet filled with water.", "The sun was rising."],
                     "choice2": ["Water flowed from the spout.", "The grass was cut."],
                     "question": ["effect", "cause"], "idx": [0, 1], "label": [1, 0]}

@@ -81,7 +81,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual file mode
+        os.chmod(tmp, new_file_mode())  # mkstemp creates 0600; give the usual file mode
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -93,10 +93,11 @@ def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
         raise
 
 
-def _umask() -> int:
+def new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0o666 & ~umask)."""
     mask = os.umask(0o022)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -125,9 +126,10 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 raise TngramError(f"{path}: line {lineno}: malformed JSON ({e.msg})") from None
 
 
-def read_text_utf8(path: str | os.PathLike) -> str:
-    """A text file's content; a file that is not UTF-8 is one TngramError naming it and the byte."""
-    data = Path(path).read_bytes()
+def read_text_utf8(path: str | os.PathLike, data: bytes | None = None) -> str:
+    """A text file's content (`data`: its bytes, already read); a file that is not UTF-8 is one
+    TngramError naming it and the line."""
+    data = Path(path).read_bytes() if data is None else data
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from tngram.common import MissingFileError, TngramError, json_text
+from tngram.common import MissingFileError, TngramError, json_text, new_file_mode, read_text_utf8
 from tngram.common import atomic_output as common_atomic_output
 
 StrPath = str | os.PathLike
@@ -185,12 +185,7 @@ def read_bytes(path: StrPath, root: StrPath | None = None, limit: int | None = N
 
 def read_text(path: StrPath, root: StrPath | None = None, limit: int | None = None) -> str:
     """A UTF-8 text file; a file that is not UTF-8 is one TngramError naming it and the line."""
-    data = read_bytes(path, root, limit)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise TngramError(f"{path}: line {line}: not UTF-8 text (byte offset {e.start})") from None
+    return read_text_utf8(path, read_bytes(path, root, limit))
 
 
 @contextlib.contextmanager
@@ -204,12 +199,6 @@ def atomic_output(path: StrPath, root: StrPath | None = None) -> Iterator[IO[byt
         make_dirs(root, path.parent)
     with common_atomic_output(path) as f:  # temp file + fsync + rename (tngram.common)
         yield f
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def write_bytes(path: StrPath, data: bytes, root: StrPath | None = None) -> None:
@@ -230,7 +219,7 @@ def replace_for_append(path: StrPath, keep: bytes, root: StrPath | None = None) 
         make_dirs(root, path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, new_file_mode())
         f = os.fdopen(fd, "ab")
         try:
             f.write(keep)

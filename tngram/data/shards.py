@@ -152,27 +152,21 @@ def read_shard(path: str | os.PathLike, vocab_size: int | None = None) -> np.nda
     return tokens
 
 
-_SHARD_RE: dict[str, re.Pattern[str]] = {}
-
-
 def list_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     """Sorted shard files of `split` in `data_dir`: ours (``{split}_NNNNNN.bin``) and
     parameter-golf's (``fineweb_{split}_NNNNNN.bin``)."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise TngramError(f"data dir {data_dir} does not exist or is not a directory")
-    pat = _SHARD_RE.get(split)
-    if pat is None:
-        pat = _SHARD_RE[split] = re.compile(rf"^(?:fineweb_)?{re.escape(split)}_\d+\.bin$")
+    pat = re.compile(rf"^(?:fineweb_)?{re.escape(split)}_\d+\.bin$")
     return sorted(p for p in data_dir.iterdir() if pat.match(p.name) and p.is_file())
 
 
 # ---- whole-dataset validation (before training), cached by file size and mtime
 
 SCAN_CHUNK = 1 << 24  # tokens per vectorised max() (32 MiB of uint16)
-VALIDATED_KEY = (
-    "validated"  # manifest.json key: {file name: {"size", "mtime_ns", "count", "max_id"}}
-)
+# manifest.json key: {file name: {"size", "mtime_ns", "count", "max_id"}}
+VALIDATED_KEY = "validated"
 
 
 def scan_shard(path: Path) -> dict[str, int]:
@@ -232,10 +226,8 @@ def validate_shards(
             i = first_bad_token(path, vocab_size)
             raise TngramError(
                 f"shard {path}: token id {rec['max_id']} is out of range for vocab_size "
-                f"{vocab_size}; first "
-                f"bad id at token {i} (byte offset {HEADER_BYTES + 2 * i}); was the shard written "
-                f"with a "
-                f"different tokenizer?"
+                f"{vocab_size}; first bad id at token {i} (byte offset {HEADER_BYTES + 2 * i}); "
+                f"was the shard written with a different tokenizer?"
             )
         out[path.name] = rec
     return out

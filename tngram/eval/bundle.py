@@ -156,33 +156,20 @@ def fetch_package(name: str, package_dir: Path, download: bool = True) -> Path:
 
 
 # ------------------------------------------------------------------ Arrow (pyarrow)
-def _pyarrow_ipc() -> Any:
+def arrow_rows(data: bytes, name: str = "arrow") -> list[dict[str, Any]]:
+    """The rows of an Arrow IPC stream (a Hugging Face `datasets` .arrow file) as dicts."""
     try:
+        import pyarrow as pa
         import pyarrow.ipc
     except ImportError:
         raise TngramError(
             "building the CORE bundle reads COPA's Arrow file with pyarrow: "
             "pip install 'tngram[eval]' (or pip install pyarrow)"
         ) from None
-    return pyarrow.ipc
-
-
-def read_arrow_stream(data: bytes, name: str = "arrow") -> dict[str, list[Any]]:
-    """Columns of an Arrow IPC stream (a Hugging Face `datasets` .arrow file) as Python lists."""
-    ipc = _pyarrow_ipc()
-    import pyarrow as pa
-
     try:
-        table = ipc.open_stream(pa.BufferReader(data)).read_all()
+        return pyarrow.ipc.open_stream(pa.BufferReader(data)).read_all().to_pylist()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
         raise TngramError(f"{name}: not a readable Arrow IPC stream ({e})") from None
-    return table.to_pydict()
-
-
-def arrow_rows(data: bytes, name: str = "arrow") -> list[dict[str, Any]]:
-    cols = read_arrow_stream(data, name)
-    keys = list(cols)
-    return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
 
 
 # ------------------------------------------------------------------ reading the packages
