@@ -200,8 +200,7 @@ def _lib() -> ctypes.CDLL:
 # in the op signatures: torch's schema inference parses these annotations.
 
 
-@torch.library.custom_op("tngram::c_lookup_fwd", mutates_args=())
-def c_lookup_fwd(
+def lookup_forward(
     factors: Tensor,
     idx: Tensor,
     W: Tensor,
@@ -240,6 +239,9 @@ def c_lookup_fwd(
         int(out_bf16),
     )
     return out, rstd
+
+
+c_lookup_fwd = torch.library.custom_op("tngram::c_lookup_fwd", mutates_args=())(lookup_forward)
 
 
 @c_lookup_fwd.register_fake
@@ -350,7 +352,13 @@ def c_lookup(
         W = factors.new_ones(N - 1, R)
     if out_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"c_lookup out_dtype must be None, float32 or bfloat16, got {out_dtype}")
-    return c_lookup_fwd(factors, idx, W, scales, use_norm, eps, out_dtype == torch.bfloat16)[0]
+    # the op's dispatch costs more than a decoded token's lookup: an eager call without
+    # autograd calls the function itself
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (factors, W, scales)
+    )
+    fwd = c_lookup_fwd if grad or torch.compiler.is_compiling() else lookup_forward
+    return fwd(factors, idx, W, scales, use_norm, eps, out_dtype == torch.bfloat16)[0]
 
 
 # dtypes it writes directly (fused_lookup's out_dtype); a function attribute, which mypy

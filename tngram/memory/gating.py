@@ -35,20 +35,24 @@ def signed_sqrt_gate(alpha: Tensor) -> Tensor:
     return torch.sigmoid(torch.sign(alpha) * torch.sqrt(alpha.abs().clamp_min(GATE_CLAMP)))
 
 
-def causal_depthwise_conv(x: Tensor, weight: Tensor, dilation: int) -> Tensor:
-    """Depthwise causal conv as shifted multiply-adds.
+def causal_depthwise_conv(x: Tensor, weight: Tensor, dilation: int, start: int = 0) -> Tensor:
+    """Depthwise causal conv as shifted multiply-adds, outputs from position `start` on.
 
-    x: (B, T, C), weight: (C, w). out_t = sum_j weight[:, j] * x_{t - (w-1-j)*dilation}
-    (zero before the start), identical to nn.Conv1d(groups=C, padding=(w-1)*dilation) cut to T.
+    x: (B, T, C), weight: (C, w) -> (B, T - start, C).
+    out_t = sum_j weight[:, j] * x_{t - (w-1-j)*dilation} (zero before the start), identical to
+    nn.Conv1d(groups=C, padding=(w-1)*dilation) cut to T. Each output is computed by the same
+    operations whatever `start` is (a decoded token's equals the full call's).
     """
-    B, T, C = x.shape
-    w = weight.shape[1]
-    out = x * weight[:, w - 1]  # shift 0
+    T, w = x.shape[1], weight.shape[1]
+    out = x[:, start:] * weight[:, w - 1]  # shift 0
     for j in range(w - 1):
         shift = (w - 1 - j) * dilation
         if shift >= T:
             continue
-        out = out + F.pad(x[:, : T - shift], (0, 0, shift, 0)) * weight[:, j]
+        past = x[:, max(0, start - shift) : T - shift]
+        if shift > start:
+            past = F.pad(past, (0, 0, shift - start, 0))
+        out = out + past * weight[:, j]
     return out
 
 
@@ -80,30 +84,20 @@ class ShortConv(nn.Module):
 
     def forward(self, x: Tensor, cache: dict | None = None, valid: Tensor | None = None) -> Tensor:
         """x: (B, T, M, D) -> (B, T, M, D). With `cache` (incremental decoding) the conv input of
-        the previous (w-1)*dilation positions is kept in cache["conv"] (zeros before the start;
-        every position when cache["keep_history"] is set). valid: optional (B, T) bool mask; the
-        conv input is 0 at invalid (padding) positions, as before the start of an unpadded row."""
+        the previous (w-1)*dilation positions is kept in cache["conv"] (every position when
+        cache["keep_history"] is set) and only the new positions' outputs are computed, each as
+        the uncached call computes it. valid: optional (B, T) bool mask; the conv input is 0 at
+        invalid (padding) positions, as before the start of an unpadded row."""
         B, T, M, D = x.shape
         u = (F.rms_norm(x, (D,), eps=self.norm_eps) * self.norm_weight).reshape(B, T, M * D)
         if valid is not None:
             u = u.masked_fill(~valid.bool().unsqueeze(-1), 0.0)
-        if cache is None:
-            return F.silu(causal_depthwise_conv(u, self.weight, self.dilation)).view(B, T, M, D)
-        L = (self.kernel_size - 1) * self.dilation
-        prev = cache.get("conv")
-        if cache.get("keep_history"):
-            seen = u.new_zeros(B, 0, M * D) if prev is None else prev  # (B, T_seen, M*D)
-            window = seen[:, max(0, seen.shape[1] - L) :]
-            if window.shape[1] < L:
-                window = torch.cat([window.new_zeros(B, L - window.shape[1], M * D), window], 1)
-            cache["conv"] = torch.cat([seen, u], dim=1)
-            ext = torch.cat([window, u], dim=1)  # (B, L + T, M*D)
-        else:
-            if prev is None:
-                prev = u.new_zeros(B, L, M * D)
-            ext = torch.cat([prev, u], dim=1)  # (B, L + T, M*D)
-            cache["conv"] = ext[:, ext.shape[1] - L :]
-        out = causal_depthwise_conv(ext, self.weight, self.dilation)[:, L:]
+        prev = None if cache is None else cache.get("conv")
+        ext = u if prev is None else torch.cat([prev, u], dim=1)  # (B, T_kept + T, M*D)
+        if cache is not None:  # every position, or the last (w-1)*dilation
+            keep = 0 if cache.get("keep_history") else (self.kernel_size - 1) * self.dilation
+            cache["conv"] = ext[:, max(0, ext.shape[1] - keep) :] if keep else ext
+        out = causal_depthwise_conv(ext, self.weight, self.dilation, start=ext.shape[1] - T)
         return F.silu(out).reshape(B, T, M, D)
 
 
@@ -169,7 +163,11 @@ class GatedFusion(nn.Module):
             b = None if kp.bias is None else torch.cat([kp.bias, vp.bias])  # (2D,)
             k, v = F.linear(e, w, b).split(self.d_model, dim=-1)  # (B, T, D) each
             return k.unsqueeze(2), v.unsqueeze(2)
-        keys = torch.stack([proj(e) for proj in self.key_proj], dim=2)  # (B, T, M, D)
+        keys = (
+            kp(e).unsqueeze(2)
+            if self.hc_mult == 1
+            else torch.stack([p(e) for p in self.key_proj], 2)
+        )
         return keys, self.value_proj(e).unsqueeze(2)  # (B, T, 1, D)
 
     def gate_from_keys(self, h: Tensor, keys: Tensor) -> Tensor:
