@@ -82,27 +82,13 @@ class SentencePieceTokenizer:
 
 
 # ------------------------------------------------------------------ few-shot sampling and rendering
-class _AllBut(Sequence[int]):
-    """range(n) without `skip`, lazily (random.sample only indexes it), so sampling is O(k)."""
-
-    def __init__(self, n: int, skip: int):
-        self.n, self.skip = n, skip
-
-    def __len__(self) -> int:
-        return self.n - 1
-
-    def __getitem__(self, i: int) -> int:  # type: ignore[override]
-        if not 0 <= i < self.n - 1:
-            raise IndexError(i)
-        return i if i < self.skip else i + 1
-
-
 def fewshot_indices(n: int, idx: int, k: int) -> list[int]:
-    """nanochat's draw: Random(1234 + idx).sample([j for j in range(n) if j != idx], k)."""
+    """nanochat's draw: Random(1234 + idx).sample([j for j in range(n) if j != idx], k). sample
+    draws positions alone, so sampling range(n - 1) and skipping idx draws the same, in O(k)."""
     k = min(k, n - 1)
     if k <= 0:
         return []
-    return random.Random(FEWSHOT_SEED_BASE + idx).sample(_AllBut(n, idx), k)
+    return [j + (j >= idx) for j in random.Random(FEWSHOT_SEED_BASE + idx).sample(range(n - 1), k)]
 
 
 def render_mc(item: dict, delim: str, shots: list[dict]) -> list[str]:
