@@ -127,13 +127,19 @@ void tn_lookup_forward(const float *table, const int64_t *idx, const float *W, c
     }
 }
 
+static inline void add_into(float *restrict d, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) d[i] += x[i];
+}
+
 /* one token's backward, rows R apart: its dots into dot (N-1) when need_dot (with the norm
  * dot_j = r_j sum_R g P_{j+2} W_j, the RMSNorm backward's and ds's term; without it
- * sum_R g b_j, ds's term), its dW terms D_j P_{j+2} into dp (N-1, R) when dp, its row gradients
- * into GR (N, R) (row k of GR belongs to table row id[k]) when GR. scratch: (2N - 1) R floats. */
+ * sum_R g b_j, ds's term), its dW terms D_j P_{j+2} into dp (N-1, R) when dp (with dW_now: each
+ * added to dW_now as it is made, in row 0 of dp), its row gradients into GR (N, R) (row k of GR
+ * belongs to table row id[k]) when GR. scratch: (2N - 1) R floats. */
 static void token_grads(const float *g_m, const float *table, const int64_t *id, const float *W,
                         const float *s, const float *rstd_m, int need_dot, int64_t N, int64_t R,
-                        float *dot, float *dp, float *GR, float *scratch) {
+                        float *dot, float *dp, float *dW_now, float *GR, float *scratch) {
     float *P = scratch;                    /* (N-1, R): P[j] = P_{j+2} */
     float *D = P + (N - 1) * R;            /* (N-1, R): gradient w.r.t. P_{j+2} */
     float *G = D + (N - 1) * R;            /* (R) */
@@ -175,9 +181,10 @@ static void token_grads(const float *g_m, const float *table, const int64_t *id,
             for (int64_t i = 0; i < R; i++) Dj[i] = sj * g[i];
         }
         if (dp) {     /* the term is rounded to fp32 before it is added */
-            float *restrict d = dp + j * R;
+            float *restrict d = dW_now ? dp : dp + j * R;
 #pragma omp simd
             for (int64_t i = 0; i < R; i++) d[i] = Dj[i] * Pj[i];
+            if (dW_now) add_into(dW_now + j * R, d, R);
         }
 #pragma omp simd
         for (int64_t i = 0; i < R; i++) Dj[i] *= Wj[i];
@@ -203,11 +210,6 @@ static void token_grads(const float *g_m, const float *table, const int64_t *id,
         g1[i] = G[i] * r0[i];
         g0[i] = G[i] * r1[i];
     }
-}
-
-static inline void add_into(float *restrict d, const float *restrict x, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) d[i] += x[i];
 }
 
 /* adds one token's terms (tok: GR (N, R), dp (N-1, R), dot (N-1), see token_grads) into the
@@ -259,11 +261,11 @@ void tn_lookup_backward(const void *grad, const float *table, const int64_t *idx
                     for (int64_t i = 0; i < (N - 1) * R; i++) gwide[i] = bf16_to_f32(gb[i]);
                     g_m = gwide;
                 }
-                float *tok = step + (m - s0) * per;
+                float *tok = step + (nt == 1 ? 0 : (m - s0) * per);   /* one thread: one slot */
                 token_grads(g_m, table, idx + m * N, W, s, rstd ? rstd + m * (N - 1) : NULL,
                             need_dot, N, R, tok + (2 * N - 1) * R, dW ? tok + N * R : NULL,
-                            dtable ? tok : NULL, scratch);
-                if (nt == 1) add_token(tok, idx + m * N, N, R, 1, 0, 0, R, dtable, dW, ds);
+                            nt == 1 ? dW : NULL, dtable ? tok : NULL, scratch);
+                if (nt == 1) add_token(tok, idx + m * N, N, R, 1, 0, 0, R, dtable, NULL, ds);
             }
             if (nt > 1) {
 #pragma omp barrier
