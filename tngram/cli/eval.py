@@ -135,17 +135,13 @@ def _device(name: str) -> str:
 @contextmanager
 def _dist_group(device: str) -> Iterator[Any]:
     """Under torchrun: a process group for the evaluation (torn down after, if we made it)."""
-    import torch.distributed as dist
+    from tngram.train.dist import init_distributed, shutdown
 
-    info = get_dist_info()
-    created = info.world_size > 1 and not dist.is_initialized()
-    if created:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    ctx = init_distributed(device)
     try:
-        yield info
+        yield ctx
     finally:
-        if created:
-            dist.destroy_process_group()
+        shutdown(ctx)
 
 
 def _claim_output(path: Path, run_dir: str, what: str) -> Any:

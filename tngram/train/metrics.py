@@ -233,18 +233,16 @@ def _wandb_id(run_dir: Path) -> str:
 
 def check_logger(logger: str) -> None:
     """Fail before any work when the chosen logger is not installed."""
+    import importlib.util
+
     from tngram.common import TngramError
 
-    need = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}.get(logger)
     if logger not in ("none", "tensorboard", "wandb"):
         raise TngramError(f"--logger must be none, tensorboard or wandb, got {logger!r}")
-    if need is not None:
-        import importlib.util
-
-        if importlib.util.find_spec(need[0]) is None:
-            raise TngramError(
-                f"--logger {logger} needs the {need[1]} package: pip install 'tngram[{need[1]}]'"
-            )
+    if logger != "none" and importlib.util.find_spec(logger) is None:  # the extra's own name
+        raise TngramError(
+            f"--logger {logger} needs the {logger} package: pip install 'tngram[{logger}]'"
+        )
 
 
 def progress_line(
