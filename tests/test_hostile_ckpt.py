@@ -250,7 +250,7 @@ def test_sharded_checkpoint_disk_full_is_one_line_and_keeps_the_previous(
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(sh, "write_file", full)
+    monkeypatch.setattr(ckpt, "write_file", full)
     with pytest.raises(ckpt.DiskFull, match=r"disk full while writing checkpoint step_000004"):
         sh.finish_sharded_checkpoint(run, 4, {"w": torch.ones(2)}, {}, {}, keep=10)
     assert not tmp.exists()

@@ -81,6 +81,7 @@ from tngram.train.saved import config_from_saved
 
 # ---- reading files back: safetensors tensors and JSON records (a failure names the file)
 
+
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
@@ -363,6 +364,7 @@ def check_checkpoint_meta(meta: Any, file: Path | str) -> dict[str, Any]:
 
 # ---- optimiser and RNG state: flattened to safetensors tensors plus a JSON layout
 
+
 def optimizer_to_flat(
     name: str, opt: torch.optim.Optimizer
 ) -> tuple[dict[str, torch.Tensor], dict]:
@@ -450,6 +452,7 @@ def restore_rng_checked(path: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 # ---- model weights files: loaded by name and shape, the final weights' digest, finiteness
+
 
 def load_weights(
     model: nn.Module, file: str | os.PathLike, optimizers: Iterable[torch.optim.Optimizer] = ()
@@ -674,15 +677,10 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write DIR/checkpoints/step_NNNNNN atomically, then delete all but the newest `keep`.
-
-    The files are serialised in memory first, so their exact size is known: the free space is
-    checked before anything is written, and a write that still fails (disk full, I/O error)
-    removes the temporary folder and raises one TngramError saying how much space is needed.
-    """
+    """Write DIR/checkpoints/step_NNNNNN atomically (commit_checkpoint), then delete all but the
+    newest `keep`. The files are serialised in memory first: the free space they need is known
+    exactly before anything is written."""
     root = make_dirs(run_dir, Path(run_dir) / CKPT_DIR)  # a linked checkpoints/ is refused
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     state: dict[str, torch.Tensor] = rng_tensors()
     opt_info = {}
     for name, opt in optimizers.items():
@@ -696,32 +694,59 @@ def save_checkpoint(
             json_text({**meta, "step": step, "optimizers": opt_info}, indent=1) + "\n"
         ).encode(),
     }
-    manifest = {
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    return commit_checkpoint(run_dir, tmp, step, blobs, keep)
+
+
+def commit_checkpoint(
+    run_dir: str | os.PathLike,
+    tmp: Path,
+    step: int,
+    blobs: dict[str, bytes],
+    keep: int,
+    sharded: bool = False,
+) -> Path:
+    """Write `blobs` into the temporary folder `tmp` (made here; with `sharded` it exists and
+    its dcp/ holds every process's shards), then manifest.json last (sizes and sha256 of the
+    files, and of the shards), every file fsync'ed; rename it to step_NNNNNN and delete all but
+    the newest `keep` checkpoints. The free space is checked first. On a failure `tmp` is
+    removed and one TngramError says why (DiskFull: the size a checkpoint needs); the previous
+    checkpoints stay intact."""
+    root = tmp.parent
+    needed = shard_bytes = sum(len(b) for b in blobs.values()) + 4096
+    manifest: dict[str, Any] = {
         "step": step,
         "files": {n: {"size": len(b), "sha256": sha256_hex(b)} for n, b in blobs.items()},
     }
-    needed = sum(len(b) for b in blobs.values()) + 4096
-    check_free_space(root, needed, f"checkpoint step_{step:06d}")
     try:
-        if os.path.lexists(tmp):
-            if not remove_tree(tmp):  # a file or a link in its place
-                os.unlink(tmp)
-        tmp.mkdir()
+        if sharded:
+            files = sorted((tmp / DCP_DIR).iterdir())
+            manifest["shards"] = {
+                f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)} for f in files
+            }
+            shard_bytes += sum(r["size"] for r in manifest["shards"].values())
+        check_free_space(root, needed, f"checkpoint step_{step:06d}")
+        if not sharded:
+            clear_path(tmp)
+            tmp.mkdir()
         for name, data in blobs.items():
             write_file(tmp / name, data)
         write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
+        if sharded:
+            fsync_dir(tmp / DCP_DIR)
         fsync_dir(tmp)
-        if os.path.lexists(final):  # re-saving the same step (a resumed run that was complete)
-            if not remove_tree(final):  # a file or a link in its place
-                os.unlink(final)
+        final = root / f"step_{step:06d}"
+        clear_path(final)  # re-saving the same step (a resumed run that was complete)
         os.replace(tmp, final)
         fsync_dir(root)
-    except OSError as e:
+    except (OSError, TngramError) as e:
         remove_tree(tmp)
+        if isinstance(e, TngramError):
+            raise
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(
                 f"disk full while writing checkpoint step_{step:06d} to {root}: a checkpoint "
-                f"needs {_mib(needed)}; the torn copy was removed and the previous "
+                f"needs {_mib(shard_bytes)}; the torn copy was removed and the previous "
                 f"checkpoints are intact; free some space and --resume"
             ) from None
         raise TngramError(
@@ -731,6 +756,12 @@ def save_checkpoint(
         remove_tree(old, run_dir)
     remove_torn_temps(run_dir)
     return final
+
+
+def clear_path(path: Path) -> None:
+    """Remove what is at `path`: a folder tree, or a file or a link in its place."""
+    if os.path.lexists(path) and not remove_tree(path):
+        os.unlink(path)
 
 
 def remove_torn_temps(run_dir: str | os.PathLike) -> list[Path]:

@@ -31,8 +31,6 @@ checkpoint; the optimiser state, 2/3, is never gathered).
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import warnings
 from pathlib import Path
@@ -47,25 +45,20 @@ from tngram.safefs import make_dirs, real_dir, remove_tree
 from tngram.train.checkpoint import (
     CKPT_DIR,
     DCP_DIR,
-    MANIFEST,
     DiskFull,
     check_checkpoint_meta,
+    clear_path,
+    commit_checkpoint,
     check_free_space,
     cpu_copy,
-    file_sha256,
-    fsync_dir,
-    list_checkpoints,
     load_checkpoint,
     load_checkpoint_json,
     load_optimizer_checked,
     load_tensors,
-    remove_torn_temps,
     restore_rng_checked,
     rng_tensors,
     save_checkpoint,
-    sha256_hex,
     short_error,
-    write_file,
 )
 from tngram.train.fsdp import FullStateModel, checkpoint_views
 
@@ -175,9 +168,7 @@ def begin_sharded_checkpoint(run_dir: str | os.PathLike, step: int, needed: int)
     check_free_space(root, needed, f"checkpoint step_{step:06d}")
     tmp = sharded_temp(run_dir, step)
     try:
-        if os.path.lexists(tmp):
-            if not remove_tree(tmp):  # a file or a link in its place
-                os.unlink(tmp)
+        clear_path(tmp)
         tmp.mkdir()
         (tmp / DCP_DIR).mkdir()
     except OSError as e:
@@ -223,9 +214,8 @@ def finish_sharded_checkpoint(
     """(Main process, after every process wrote its shards) add the gathered weights (for
     `tngram eval/export` and every other reader of model.safetensors), the RNG state and
     meta.json, then the manifest (sizes and sha256 of these and of every file in dcp/) last;
-    rename the folder into place and delete all but the newest `keep` checkpoints."""
-    root = Path(run_dir) / CKPT_DIR
-    final, tmp = root / f"step_{step:06d}", sharded_temp(run_dir, step)
+    rename the folder into place and delete all but the newest `keep` checkpoints
+    (commit_checkpoint)."""
     blobs = {
         "model.safetensors": save(
             {k: cpu_copy(v) for k, v in full_model.items()}, metadata={"step": str(step)}
@@ -238,46 +228,7 @@ def finish_sharded_checkpoint(
             + "\n"
         ).encode(),
     }
-    try:
-        shards = {
-            f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
-            for f in sorted((tmp / DCP_DIR).iterdir())
-        }
-        check_free_space(
-            root, sum(len(b) for b in blobs.values()) + 4096, f"checkpoint step_{step:06d}"
-        )
-        manifest = {
-            "step": step,
-            "files": {n: {"size": len(b), "sha256": sha256_hex(b)} for n, b in blobs.items()},
-            "shards": shards,
-        }
-        for name, data in blobs.items():
-            write_file(tmp / name, data)
-        write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # last
-        fsync_dir(tmp / DCP_DIR)
-        fsync_dir(tmp)
-        if os.path.lexists(final):
-            if not remove_tree(final):  # a file or a link in its place
-                os.unlink(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-    except (OSError, TngramError) as e:
-        remove_tree(tmp)
-        if isinstance(e, TngramError):
-            raise
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(
-                f"disk full while writing checkpoint step_{step:06d} to {root}; the torn copy "
-                f"was removed and the previous checkpoints are intact; free some space and "
-                f"--resume"
-            ) from None
-        raise TngramError(
-            f"cannot write checkpoint step_{step:06d} to {root}: {e.strerror or e}"
-        ) from None
-    for old in list_checkpoints(run_dir)[:-keep]:
-        remove_tree(old, run_dir)
-    remove_torn_temps(run_dir)
-    return final
+    return commit_checkpoint(run_dir, sharded_temp(run_dir, step), step, blobs, keep, sharded=True)
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
