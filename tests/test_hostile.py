@@ -28,7 +28,7 @@ EXTRA = ["schedule.steps=4", "schedule.warmdown_steps=2", "run.checkpoint_every=
          "run.keep_checkpoints=10", "run.val_every=0"]
 
 
-LAB_COMMANDS = ("bench", "experiment", "report doc", "report readme")
+LAB_COMMANDS = ("bench", "experiment", "report")
 
 
 def main(argv):
@@ -735,10 +735,7 @@ def test_report_tables_with_a_malformed_core_json_is_one_line(content, needle, f
     run = copy_run(full_run, tmp_path / "run")
     (run / "eval").mkdir()
     (run / "eval" / "core.json").write_text(content)
-    from research.cli import main as research_main
-
-    rc = research_main(["report", "tables", str(run), "--out", str(tmp_path / "t")])
-    err = capsys.readouterr().err
+    rc, err = cli(["report", "tables", str(run), "--out", str(tmp_path / "t")], capsys)
     one_line_exit_2(rc, err)
     assert "core.json" in err and needle in err
 

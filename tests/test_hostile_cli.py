@@ -74,9 +74,7 @@ ROW = {
 def test_report_compare_row_lacking_a_field_is_one_line(missing, tmp_path, capsys):
     d = _compare_folder(tmp_path, {k: v for k, v in ROW.items() if k != missing})
     before = (d / "results.json").read_bytes()
-    from research.cli import main as research_main
-
-    rc, err = research_main(["report", "compare", str(d)]), capsys.readouterr().err
+    rc, err = cli(["report", "compare", str(d)], capsys)
     one_line_exit_2(rc, err)
     assert f"rows[0]: field {missing!r} is missing" in err
     assert (d / "results.json").read_bytes() == before and not (d / "report.md").exists()

@@ -61,7 +61,7 @@ def test_significance_table_per_corpus_and_pooled():
 
 
 def test_report_compare_several_folders(tmp_path, capsys):
-    from tngram.cli import main
+    from research.cli import main
 
     for corpus, d in (("c1", 0.01), ("c2", -0.02)):
         for seed in (0, 1):
