@@ -32,8 +32,9 @@ demo: $(STAMP)
 	$(BIN)/tngram compare --preset cpu --out runs/compare-cpu
 	@echo "  (first put tngram on your PATH in this shell:  . $(BIN)/activate)"
 
-# ... and the `hf` and `lmeval` extras (transformers, lm-eval) so the tngram.hf tests,
-# lm-evaluation-harness on an exported run included, run in CI. The hf extra is a transformers
+# ... and the `hf`, `lmeval`, `quantized` and `trl` extras (transformers, lm-eval, bitsandbytes,
+# trl) so the tngram.hf tests, lm-evaluation-harness on an exported run, a quantized base and
+# TRL's SFTTrainer included, run in CI. The hf extra is a transformers
 # range: the suite runs at its newest release, then the tngram.hf tests run again at its lowest
 # (installed alone into $(TFLOW) and put first on PYTHONPATH; both share their other deps).
 TF_NEWEST ?= 5.24.0
@@ -43,7 +44,7 @@ LSTAMP  := $(TFLOW)/.installed
 HF_TESTS = $(wildcard tests/test_hf_*.py)
 
 $(HSTAMP): $(STAMP) pyproject.toml
-	$(BIN)/pip install -q -e ".[dev,hf,lmeval]" "transformers==$(TF_NEWEST)"
+	$(BIN)/pip install -q -e ".[dev,hf,lmeval,quantized,trl]" "transformers==$(TF_NEWEST)"
 	touch $(HSTAMP)
 
 $(LSTAMP): $(HSTAMP)

@@ -102,7 +102,7 @@ def add_memory(
     memory_seed: memory init seed (the model's own RNG stream is not touched).
     vocab_size: optional check: must equal the model's embedding rows.
     trainable: "all" (parameters keep their requires_grad) or "memory" (only the memory's
-        parameters train: the backbone is frozen).
+        parameters train: the backbone is frozen; the one choice on a quantized base).
     table_device: None (the memory's tables follow the model) or "cpu": the lookup tables
         stay in host memory when the model is moved, and a call moves only the rows it reads
         to the model's device (tngram.hf.placement); kept in the spec, so save/load keep it.
@@ -122,6 +122,11 @@ def add_memory(
     check_table_device(table_device)
     if trainable not in TRAINABLE:
         raise TngramError(f"trainable must be one of {list(TRAINABLE)}, got {trainable!r}")
+    if trainable == "all" and getattr(model, "is_quantized", False):
+        raise TngramError(
+            "trainable='all' on a quantized base: its quantized weights cannot train; pass "
+            "trainable='memory' (the memory trains, the backbone stays frozen)"
+        )
     base = base_model(model)
     config = model.config
     if getattr(config, "is_encoder_decoder", False):

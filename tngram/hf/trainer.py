@@ -34,14 +34,17 @@ backward (Trainer's `sync_gradients` step) and before clipping, the norm and the
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import trainer as hf_trainer
 
 from tngram.common import TngramError
 from tngram.hf.attach import memory_modules
+from tngram.hf.classes import MEMORY_ATTR
 from tngram.hf.table_update import (
     check_memory_update,
     has_sparse_grads,
@@ -155,6 +158,23 @@ def _memory_optimizer(
     return split_tables(model, groups, memory_update, betas, eps, make_main, memory_catchup)
 
 
+@contextlib.contextmanager
+def _memory_as_adapter(model: Any) -> Any:
+    """Within the block, Trainer's check that a quantized model has trainable (peft) adapters
+    passes a model whose memory is its only trainable part."""
+    if not getattr(model, "is_quantized", False) or not memory_modules(model):
+        yield
+        return
+    for name, p in model.named_parameters():
+        if p.requires_grad and MEMORY_ATTR not in name.split("."):
+            raise TngramError(
+                f"MemoryTrainer: {name} would train, but the base is quantized: only its memory "
+                "can (add_memory / load_memory with trainable='memory')"
+            )
+    with mock.patch.object(hf_trainer, "validate_quantization_for_training", lambda m: None):
+        yield
+
+
 class MemoryTrainer(Trainer):
     """`Trainer` whose default optimiser follows the recipe (memory tables and factors without
     weight decay, at `memory_table_lr`, default the args' learning rate), with the tables'
@@ -162,7 +182,9 @@ class MemoryTrainer(Trainer):
     `memory_catchup`; its gradient clipping takes row-sparse gradients. With catch-up, rows owed
     moves are settled for evaluate() / predict() (weights restored after) and at the end of
     train(), as our trainer does. Row-sparse gradients of accumulated micro-steps are added up
-    once per optimiser step (module docstring)."""
+    once per optimiser step (module docstring). On a quantized base (bitsandbytes), which
+    Trainer refuses without peft adapters, the memory is the adapter: it trains with the
+    backbone frozen (add_memory trainable="memory"); a trainable backbone is refused."""
 
     def __init__(
         self,
@@ -177,7 +199,8 @@ class MemoryTrainer(Trainer):
         self.memory_update = memory_update
         self.memory_catchup = memory_catchup
         self._window: contextlib.ExitStack | None = None  # open accumulate_at_exit()
-        super().__init__(*args, **kwargs)
+        with _memory_as_adapter(kwargs.get("model", args[0] if args else None)):
+            super().__init__(*args, **kwargs)
         self.optimizer: torch.optim.Optimizer | None  # Trainer's (built by create_optimizer)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
