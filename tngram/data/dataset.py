@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tngram.common import MissingFileError, TngramError, json_text
-from tngram.data.shards import atomic_output, read_shard_header
+from tngram.common import MissingFileError, TngramError, atomic_write_json
+from tngram.data.shards import read_shard_header
 
 FORMAT = "tngram-dataset"
 FORMAT_VERSION = 1
@@ -39,8 +39,7 @@ class DatasetInfo:
 
 def write_manifest(dir: Path, manifest: dict[str, Any]) -> None:
     """Write dir/manifest.json atomically (temp file + rename)."""
-    with atomic_output(dir / "manifest.json") as f:
-        f.write((json_text(manifest, indent=2) + "\n").encode("utf-8"))
+    atomic_write_json(dir / "manifest.json", manifest)
 
 
 def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
@@ -52,8 +51,7 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     if not mpath.is_file():
         raise TngramError(
             f"{d} is not a tngram dataset: manifest.json is missing (build one with `tngram data "
-            f"build "
-            "--from-text ... --out DIR` or download FineWeb with `tngram data fineweb`)"
+            "build --from-text ... --out DIR` or download FineWeb with `tngram data fineweb`)"
         )
     from tngram.readback import get, load_json, plain_name
     from tngram.safefs import check_regular

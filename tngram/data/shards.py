@@ -38,7 +38,6 @@ __all__ = [
     "check_vocab",
     "list_shards",
     "shard_name",
-    "atomic_output",
 ]
 
 

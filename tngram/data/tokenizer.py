@@ -19,8 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from tngram.common import MissingFileError, TngramError
-from tngram.data.shards import atomic_output
+from tngram.common import MissingFileError, TngramError, atomic_output
 
 PAD_ID = 0
 BOS_ID = 1
