@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,6 +28,15 @@ from typing import Any
 import torch
 
 from research.bench.common import loadavg, machine_info
+
+
+def git_head() -> str:
+    """HEAD's short hash, "+dirty" when the code a decoded token runs (tngram's memory, kernels
+    and hf packages) has uncommitted changes."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
+    run = lambda *a: subprocess.run([*git, *a], capture_output=True, text=True).stdout.strip()
+    dirty = run("status", "--porcelain", "tngram/memory", "tngram/kernels", "tngram/hf")
+    return run("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
 
 
 def build(kind: str, layers: tuple[int, ...]) -> Any:
@@ -66,7 +76,7 @@ def build(kind: str, layers: tuple[int, ...]) -> Any:
 def run(
     tokens: int = 64,
     prompt_len: int = 16,
-    reps: int = 15,
+    reps: int = 30,
     layers: tuple[int, ...] = (1,),
     threads: int = 1,
 ) -> dict[str, Any]:
@@ -106,6 +116,7 @@ def run(
         "benchmark": "hf_decode",
         "command": f"python -m research.bench.hf_decode --tokens {tokens} --prompt {prompt_len} "
         f"--reps {reps} --layers {','.join(map(str, layers))} --threads {threads}",
+        "commit": git_head(),
         "machine": machine_info(),
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
@@ -138,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m research.bench.hf_decode", description=__doc__)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, default=30)
     p.add_argument("--layers", default="1", help="memory layers, comma-separated (default 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, help="write the JSON here")
