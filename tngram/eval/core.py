@@ -187,15 +187,9 @@ def prepare_examples(
         pos += len(ps)
         seqs, starts, ends = continuation_spans(task.task_type, toks)
         cropped = [crop_left(s, a, b, max_seq_len) for s, a, b in zip(seqs, starts, ends)]
-        out.append(
-            Example(
-                i,
-                [c[0] for c in cropped],
-                [c[1] for c in cropped],
-                [c[2] for c in cropped],
-                None if task.task_type == LM else int(data[i]["gold"]),
-            )
-        )
+        seqs, starts, ends = map(list, zip(*cropped))
+        gold = None if task.task_type == LM else int(data[i]["gold"])
+        out.append(Example(i, seqs, starts, ends, gold))
     return out
 
 
