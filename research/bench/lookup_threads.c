@@ -1,6 +1,6 @@
 /* The C lookup at 1 and 2 threads, two builds of tngram_lookup.c side by side
- * (research/PERFORMANCE.md, "The C lookup on two threads", has the commands). Link the current kernel and an older one
- * compiled with -Dtn_lookup_backward=old_bwd -Dtn_lookup_forward=old_fwd
+ * (research/PERFORMANCE.md, "The C lookup on two threads", has the commands). Link the current
+ * kernel and an older one compiled with -Dtn_lookup_backward=old_bwd -Dtn_lookup_forward=old_fwd
  * -Dtn_count_bad_ids=old_cnt.
  *
  *   ./lookup_threads REPS [M R V]   interleaved: per rep, for 1 then 2 threads, the forward, then
