@@ -13,9 +13,10 @@ import torch
 
 from tngram.memory.tngram import TNGramConfig
 from tngram.memory.tngram_hashed import TNGramHashedConfig, hash_rows
-from tngram.model.gpt import GPT, GPTConfig
+from tngram.model.gpt import GPT
 
 from test_train_support import TINY_VOCAB, one_thread, tiny_data  # noqa: F401,E402  (fixtures)
+from test_tngram_variants import assert_causal, tiny_gpt as variants_tiny_gpt  # noqa: E402
 
 V, R, D, N, VP = 29, 6, 8, 4, 7   # V' = 7: 7^2 >= 29, so (h_1, h_2) is distinct per token
 PAD = 0
@@ -148,27 +149,11 @@ def test_param_count_equals_module(name):
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_module_causality(name):
-    m = make(**SETTINGS[name])
-    ids, h = torch.randint(0, V, (2, 12)), torch.randn(2, 12, D)
-    ids2, h2 = ids.clone(), h.clone()
-    ids2[:, 7:] = (ids2[:, 7:] + 1) % V
-    h2[:, 7:] = torch.randn(2, 5, D)
-    with torch.no_grad():
-        y, y2 = m(h, ids), m(h2, ids2)
-    torch.testing.assert_close(y[:, :7], y2[:, :7], rtol=0, atol=0)
-    assert not torch.allclose(y[:, 7:], y2[:, 7:])
+    assert_causal(make(**SETTINGS[name]), V, D)
 
 
 def tiny_gpt(memory, layers=(0, 1)) -> GPT:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=V, n_layer=2, n_embd=16, n_head=2, n_kv_head=1, sequence_len=32,
-                    memory=memory, memory_layers=layers)
-    model = GPT(cfg).eval()
-    with torch.no_grad():   # zero-init projections would hide the memory
-        for n, p in model.named_parameters():
-            if n.endswith("proj.weight") and p.abs().sum() == 0:
-                p.normal_(0, 0.05)
-    return model
+    return variants_tiny_gpt(memory, layers, vocab_size=V)
 
 
 def mem_cfg(name: str) -> TNGramHashedConfig:

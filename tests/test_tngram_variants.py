@@ -166,21 +166,24 @@ def test_param_count_equals_module(name):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_module_causality(name):
-    m = make(fused=True, **VARIANTS[name])
-    ids = torch.randint(0, V, (2, 12))
-    h = torch.randn(2, 12, D)
+    assert_causal(make(fused=True, **VARIANTS[name]))
+
+
+def assert_causal(m, vocab_size: int = V, d_model: int = D) -> None:
+    """Other ids and inputs from position 7 on: outputs before 7 are unchanged, those after not."""
+    ids, h = torch.randint(0, vocab_size, (2, 12)), torch.randn(2, 12, d_model)
     ids2, h2 = ids.clone(), h.clone()
-    ids2[:, 7:] = (ids2[:, 7:] + 1) % V
-    h2[:, 7:] = torch.randn(2, 5, D)
+    ids2[:, 7:] = (ids2[:, 7:] + 1) % vocab_size
+    h2[:, 7:] = torch.randn(2, 5, d_model)
     with torch.no_grad():
         y, y2 = m(h, ids), m(h2, ids2)
     torch.testing.assert_close(y[:, :7], y2[:, :7], rtol=0, atol=0)
     assert not torch.allclose(y[:, 7:], y2[:, 7:])
 
 
-def tiny_gpt(memory: TNGramConfig, layers=(0, 1)) -> GPT:
+def tiny_gpt(memory: TNGramConfig, layers=(0, 1), vocab_size: int = V) -> GPT:
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=V, n_layer=2, n_embd=16, n_head=2, n_kv_head=1, sequence_len=32,
+    cfg = GPTConfig(vocab_size=vocab_size, n_layer=2, n_embd=16, n_head=2, n_kv_head=1, sequence_len=32,
                     memory=memory, memory_layers=layers)
     model = GPT(cfg).eval()
     with torch.no_grad():   # zero-init projections would hide the memory
