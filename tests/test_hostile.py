@@ -353,6 +353,10 @@ def test_hostile_config_json_is_one_line_before_any_allocation(key, value, needl
     ("tokenizer", "tokenizer.model", "tokenizer"),
     ("tokenizer", {"model": "../../etc/passwd"}, "tokenizer.model"),
     ("tokenizer", {}, "model"),
+    ("bos_id", True, "bos_id"),
+    ("bos_id", 600, "bos_id"),                                  # outside the vocabulary (512)
+    ("tokens", {"train": "75239", "val": 8809}, "tokens"),
+    ("sources", [{"name": "text", "tokens": {"train": "x"}}], "sources[0].tokens"),
 ])
 def test_hostile_dataset_manifest_is_one_line(key, value, needle, tiny_data, tmp_path):
     from tngram.data.build import open_dataset

@@ -60,7 +60,15 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
     if m.get("format") != FORMAT:
         raise TngramError(f'{mpath}: not a tngram dataset manifest (no "format": "{FORMAT}")')
     where = str(mpath)
-    get(m, "vocab_size", "int", where, lo=2, hi=65536)
+    vocab = get(m, "vocab_size", "int", where, lo=2, hi=65536)
+    get(m, "bos_id", "int", where, lo=0, hi=vocab - 1, default=None)
+    for part, rec in [("", m)] + [
+        (f"sources[{i}].", s) for i, s in enumerate(get(m, "sources", "list", where, default=[]))
+    ]:  # the counts `data info` prints, each a dict of ints per split
+        for key in ("docs", "bytes", "tokens"):
+            counts = get(rec, key, "dict", f"{where}: {part[:-1] or 'top level'}", default={})
+            for split in ("train", "val"):
+                get(counts, split, "int", f"{where}: {part}{key}", lo=0, default=0)
     tokinfo = get(m, "tokenizer", "dict", where)
     plain_name(get(tokinfo, "model", "str", f"{where}: tokenizer"), where, "tokenizer.model")
     file_lists = get(m, "files", "dict", where)
