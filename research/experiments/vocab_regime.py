@@ -3,6 +3,8 @@
     python -m research.experiments.vocab_regime run OUT QUEUE     (finished runs are reused)
     python -m research.experiments.vocab_regime report OUT research/results/vocab-regime.json
     python -m research.experiments.vocab_regime which-memory research/results/which-memory.json
+    python -m research.experiments.vocab_regime time OUT LABEL    (a q3 run cut to 10 steps)
+    python -m research.experiments.vocab_regime cost OUT research/results/vocab-32768-cost.json
 
 Every run is `mini` (4 layers, d 128, 256 steps of 4,096 tokens) at V 4096 on a built-in corpus
 (`default@4096`, `literature@4096`: SentencePiece-4096 trained on the corpus, as the default
@@ -25,9 +27,13 @@ cells are missing and what they would cost):
          <= its Δparams (R 27, R/V = 0.007), Engram at >= both (budget 788; one Engram run
          serves both pairs); paper TN-gram R 256 (R/V = 1/16) against Engram 10334
     q2   the first two pairs again at seed 1, then on literature@4096 at seed 0
+    q3   default@32768, seed 0: mini-tngram-hsum's memory (R 64, R/V 0.002; hash_budget 3929)
+         and tngram-hashed R 256 / V' 256 / k 2, each against Engram at >= its Δparams
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1); the R 256 pair and the literature runs did not fit the CPU time and are not in it.
+Queue q3 was timed (`time`, research/results/vocab-32768-cost.json), not trained: at the rate the
+shared CPU gave, one run would outlast the time there was.
 """
 
 from __future__ import annotations
@@ -261,6 +267,7 @@ FAMILY_NAMES = {
     "tngram": "TN-gram (paper)",
     "tngram-hashed": "TN-gram hashed rows",
     "tngram-hsum": "TN-gram sum + hashed",
+    "engram": "Engram",
 }
 
 
@@ -543,12 +550,94 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
     }
 
 
+# ---- what a V 32768 run costs ------------------------------------------------------------------
+
+FULL_STEPS = 256  # the mini recipes' schedule
+TIMED_STEPS = 10
+
+
+def time_run(out: Path, label: str) -> None:
+    """Queue q3's run `label`, its schedule cut to TIMED_STEPS steps, into OUT/runs/LABEL."""
+    from tngram.experiments.common import with_steps
+    from tngram.experiments.runner import run_all
+
+    spec = {s.label: s for s in queue("q3")}[label]
+    run_all([replace(spec, config=with_steps(spec.config, TIMED_STEPS))], out)
+
+
+def cost(out: Path) -> dict[str, Any]:
+    """research/results/vocab-32768-cost.json: the V 32768 dataset's size, and per timed run of
+    queue q3 its rate and what a full run would take at that rate (FULL_STEPS steps at its
+    tokens/s, plus its wall time outside training: start-up and the final evaluation)."""
+    import numpy as np
+
+    from tngram.data.build import open_dataset
+    from tngram.data.shards import read_shard
+
+    info = open_dataset(corpus_data("default@32768")[0])
+    train = np.concatenate([read_shard(f) for f in info.train_files])
+    val_tokens = sum(len(read_shard(f)) for f in info.val_files)
+    rows = []
+    for s in queue("q3"):
+        m = _summary(out, s.label)
+        if m is None:
+            continue
+        outside = m["wall_s"] - m["train_time_s"]
+        step_tokens = m["tokens"] / m["steps"]
+        full_h = (FULL_STEPS * step_tokens / m["tokens_per_s"] + outside) / 3600
+        fam = _family_name(s.tags["family"])
+        rows.append(
+            [
+                fam,
+                str(s.tags["size"]),
+                m["delta_params"],
+                m["steps"],
+                m["tokens_per_s"],
+                m["train_time_s"],
+                outside,
+                full_h,
+            ]
+        )
+    return {
+        "kind": "table",
+        "command": "python -m research.experiments.vocab_regime time runs/v32768-cost LABEL (each "
+        "of queue q3's four labels, two at a time); python -m research.experiments.vocab_regime "
+        "cost runs/v32768-cost research/results/vocab-32768-cost.json",
+        "commit": "ec7485e (a detached worktree) with this module's q3 specs as in 58f422e, timed "
+        "by a script doing what `time` does",
+        "machine": "2-core AMD EPYC shared with other sessions' jobs (1-minute load average 10-17 "
+        "while timing); one torch thread per run, two runs side by side, fp32",
+        "source": "OUT/runs/*/summary.json; the dataset: tngram data build --vocab-size 32768",
+        "dataset": {
+            "vocab_size": info.vocab_size,
+            "train_tokens": int(train.size),
+            "val_tokens": int(val_tokens),
+            "pieces_in_train": int(np.count_nonzero(np.bincount(train, minlength=info.vocab_size))),
+        },
+        "columns": [
+            {"header": "memory"},
+            {"header": "size"},
+            {"header": "Δparams", "fmt": "params"},
+            {"header": "steps timed"},
+            {"header": "tokens/s", "fmt": ".0f"},
+            {"header": "train s", "fmt": ".0f"},
+            {"header": "start-up + eval s", "fmt": ".0f"},
+            {"header": f"{FULL_STEPS} steps at this rate (h)", "fmt": ".1f"},
+        ],
+        "rows": rows,
+    }
+
+
 if __name__ == "__main__":
     cmd, out = sys.argv[1], Path(sys.argv[2])
     if cmd == "run":
         run(out, sys.argv[3])
     elif cmd == "report":
         report(out, Path(sys.argv[3]))
+    elif cmd == "time":
+        time_run(out, sys.argv[3])
+    elif cmd == "cost":
+        atomic_write_json(Path(sys.argv[3]), cost(out))
     elif cmd == "which-memory":
         atomic_write_json(out, which_memory(RESULTS / "vocab-regime.json"))
     else:

@@ -80,3 +80,19 @@ def test_pairs_table_reads_v32768_pairs_by_seed(no_data, tmp_path):
     assert row[6:9] == [111, 222, 6.25 - 6.5]
     (new,) = VR.new_rows(tmp_path)
     assert new[1:4] == [32768, "TN-gram sum + hashed", 64]
+
+
+def test_v32768_cost_rows_are_their_rates_over_a_full_run():
+    """Each timed V 32768 run's full-run estimate is the recipe's schedule (256 steps of its
+    global_batch_tokens, 4,096) at the timed tokens/s, plus its start-up and evaluation time."""
+    from tngram.train.recipes import get_recipe
+
+    snap = json.loads((VR.RESULTS / "vocab-32768-cost.json").read_text())
+    cfg = get_recipe("mini-engram")
+    step_tokens = cfg.data.global_batch_tokens
+    assert (step_tokens, cfg.schedule.steps) == (4096, VR.FULL_STEPS)
+    assert {r[0] for r in snap["rows"]} == {"TN-gram sum + hashed", "TN-gram hashed rows", "Engram"}
+    for _, _, _, steps, rate, _, outside, hours in snap["rows"]:
+        assert steps == VR.TIMED_STEPS
+        assert hours == pytest.approx((256 * step_tokens / rate + outside) / 3600)
+    assert snap["dataset"]["vocab_size"] == 32768
