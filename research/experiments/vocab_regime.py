@@ -561,7 +561,10 @@ def time_run(out: Path, label: str) -> None:
     from tngram.experiments.common import with_steps
     from tngram.experiments.runner import run_all
 
-    spec = {s.label: s for s in queue("q3")}[label]
+    specs = {s.label: s for s in queue("q3")}
+    if label not in specs:
+        raise SystemExit(f"unknown label {label!r}; queue q3's: {', '.join(specs)}")
+    spec = specs[label]
     run_all([replace(spec, config=with_steps(spec.config, TIMED_STEPS))], out)
 
 
