@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tngram.common import TngramError
@@ -94,18 +95,8 @@ def extend_with_history(
         ids = ids.long().masked_fill(~valid.bool(), pad_id)
     if cache is None:
         return ids, 0
-    P = n_max - 1
-    hist = cache.get("ids")
-    if cache.get("keep_history"):
-        B = ids.shape[0]
-        seen = ids.new_zeros((B, 0)) if hist is None else hist  # (B, T_seen)
-        window = seen[:, max(0, seen.shape[1] - P) :]
-        if window.shape[1] < P:  # pad_id before the start
-            window = torch.cat([window.new_full((B, P - window.shape[1]), pad_id), window], dim=1)
-        cache["ids"] = torch.cat([seen, ids.to(seen.dtype)], dim=1)
-        return torch.cat([window.to(ids.dtype), ids], dim=1), P
-    if hist is None:
-        hist = ids.new_full((ids.shape[0], P), pad_id)
-    ext = torch.cat([hist, ids], dim=1)  # (B, P + T)
-    cache["ids"] = ext[:, ext.shape[1] - P :] if P > 0 else ext[:, :0]
-    return ext, P
+    P, T, hist = n_max - 1, ids.shape[1], cache.get("ids")
+    seen = ids if hist is None else torch.cat([hist.to(ids.dtype), ids], dim=1)
+    cache["ids"] = seen if cache.get("keep_history") else seen[:, max(0, seen.shape[1] - P) :]
+    ext = seen[:, max(0, seen.shape[1] - P - T) :]  # pad_id before the start
+    return F.pad(ext, (P + T - ext.shape[1], 0), value=pad_id), P
