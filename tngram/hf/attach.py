@@ -281,8 +281,8 @@ def attach_from_spec(
     cfg.link_layers([getattr(owner, MEMORY_ATTR) for owner in owners.values()])
     layer_of = {id(getattr(owner, MEMORY_ATTR)): owner for owner in owners.values()}
     for i, owner in owners.items():  # the hooks keep the links through peft's copies (relink)
-        for attr in owner_refs(getattr(owner, MEMORY_ATTR)):
-            state.links[f"layer{i}"] = layer_of[id(getattr(owner, MEMORY_ATTR).__dict__[attr][0])]
+        for src in owner_refs(getattr(owner, MEMORY_ATTR)).values():
+            state.links[f"layer{i}"] = layer_of[id(src)]
     if cfg.injection == "embedding":
         emb: nn.Module = cast("PreTrainedModel", base).get_input_embeddings()  # transformers'
         # nn.Module.__setattr__ is annotated Tensor | Module; it stores any other value as is

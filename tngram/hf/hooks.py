@@ -314,16 +314,11 @@ def layer_pre_hook(
     return args, {**kwargs, "hidden_states": h}
 
 
-def owner_refs(mem: nn.Module) -> list[str]:
-    """The attributes by which a memory module reads tables another layer's module owns: a
-    linked module keeps its owner as `__dict__["_<what>_owner"] = [owner]` (TNGramVariant's
-    share_factors, ProductKeyMemory's shared_values)."""
-    return [
-        k
-        for k, v in mem.__dict__.items()
-        if k.endswith("_owner") and isinstance(v, list) and len(v) == 1
-        and isinstance(v[0], nn.Module)
-    ]
+def owner_refs(mem: nn.Module) -> dict[str, nn.Module]:
+    """{parameter name: the module owning it} of the tables a memory module reads from another
+    layer's (tngram.memory.base.SharesParameters: TN-gram's share_factors, Memory+'s
+    shared_values); the dict itself, so relink can repoint it."""
+    return mem.__dict__.get("_shared_from", {})
 
 
 def relink(mem: nn.Module, owner: nn.Module) -> None:
@@ -333,9 +328,10 @@ def relink(mem: nn.Module, owner: nn.Module) -> None:
     which modules run. Called before each linked memory's call: the layers then share what the
     model trains and saves."""
     run, own = running_memory(mem), running_memory(owner)
-    for k in owner_refs(run):
-        if run.__dict__[k][0] is not own:
-            run.__dict__[k] = [own]
+    shared = owner_refs(run)
+    for k, was in shared.items():
+        if was is not own:
+            shared[k] = own
 
 
 def embedding_hook(emb: nn.Module, args: tuple, output: Tensor) -> Tensor:
