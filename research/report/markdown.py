@@ -148,7 +148,16 @@ _TIME = re.compile(r"(^|_)(ms|s|seconds|time|per_s|per_token)$")
 _DIFFERENCE = re.compile(r"overhead|delta|diff|gain|saved")
 
 
+# keys that hold a count (an int >= 0) or the run's provenance (a string) wherever they are
+_COUNT = re.compile(r"^(steps|reps|warmup|tokens_per_step)$")
+_TEXT = ("commit", "card", "command")
+
+
 def _time_kind(key: Any) -> str:
+    if isinstance(key, str) and _COUNT.search(key):
+        return "count"
+    if key in _TEXT:
+        return "text"
     if not isinstance(key, str) or not _TIME.search(key):
         return ""
     return "difference" if _DIFFERENCE.search(key) else "time"
@@ -157,21 +166,28 @@ def _time_kind(key: Any) -> str:
 def read_results(path: Path) -> Any:
     """A results file the docs are generated from: tngram.readback's checked JSON (size before
     reading, UTF-8, strict: no NaN / Infinity, depth), an object, and every time or rate field
-    (a key ending in _ms, _s, per_s, ...) a finite number >= 0 or null, named when not."""
+    (a key ending in _ms, _s, per_s, ...) a finite number >= 0 or null, every count (steps, reps,
+    warmup, tokens_per_step) an int >= 0 or null, commit / card / command strings; named when
+    not."""
     from tngram.readback import load_json
 
     snap = load_json(path, limit=MAX_RESULTS_BYTES)
     stack: list[tuple[Any, str, str]] = [(snap, "", "")]  # (value, field, its time key's kind)
     while stack:
         o, at, kind = stack.pop()
+        if kind == "text" and not isinstance(o, str):
+            raise TngramError(f"{path}: field {at} must be a string, got {o!r:.40}")
         if isinstance(o, (dict, list)):
             for k, v in o.items() if isinstance(o, dict) else enumerate(o):
                 field = f"{at}.{k}".lstrip(".") if isinstance(k, str) else f"{at}[{k}]"
-                stack.append((v, field, _time_kind(k) or kind))
-        elif kind and o is not None:
+                inherited = kind if kind in ("time", "difference") else ""  # not inside a count
+                stack.append((v, field, _time_kind(k) or inherited))
+        elif kind and kind != "text" and o is not None:
             number = isinstance(o, (int, float)) and not isinstance(o, bool)
-            if not number or (kind == "time" and o < 0):
-                what = "a time or rate >= 0" if kind == "time" else "a number"
+            if kind == "count":
+                number = number and isinstance(o, int)
+            if not number or (kind in ("time", "count") and o < 0):
+                what = {"time": "a time or rate >= 0", "count": "an int >= 0"}.get(kind, "a number")
                 raise TngramError(f"{path}: field {at} must be {what}, got {o!r:.40}")
     return snap
 

@@ -87,6 +87,9 @@ def test_a_results_file_missing_a_key_is_named_not_a_bug():
     ('{"kind": "table", "v": NaN}', "field v holds NaN"),
     ('{"kind": "bench-threads", "rows": [{"step_ms": -5}]}', "field rows[0].step_ms must be a time"),
     ('{"kind": "x", "tokens_per_s": "fast"}', "field tokens_per_s must be a time or rate"),
+    ('{"kind": "x", "runs": {"a": {"steps": 40.5}}}', "field runs.a.steps must be an int >= 0"),
+    ('{"kind": "x", "tokens_per_step": true}', "field tokens_per_step must be an int >= 0"),
+    ('{"kind": "x", "commit": ["abc"]}', "field commit must be a string"),
     ("[1, 2]", "expected a JSON object"),
     ("[" * 5000 + "]" * 5000, "nested more than"),
 ])
