@@ -138,6 +138,8 @@ def test_refusals(two):
         add_memory(model, MEMORIES["oe"], name="code")
     with pytest.raises(TngramError, match="non-empty str"):
         add_memory(model, MEMORIES["oe"], name="")
+    with disable_memory(model), pytest.raises(TngramError, match="inside a disable_memory"):
+        set_memory(model, "code")
     add_memory(model, MEMORIES["oe"], name="oe")
     assert memory_names(model) == {"active": "oe", "kept": ["code", "math"]}
     remove_memory(model, "code")  # a kept one

@@ -351,6 +351,8 @@ def set_memory(model: nn.Module, name: str | None) -> nn.Module:
     if name is not None and name not in names["kept"]:
         raise TngramError(f"set_memory: no memory named {name!r} (memories: {names})")
     state = getattr(base_model(model), "_tngram_state", None)
+    if state is not None and state.disabled:
+        raise TngramError("set_memory inside a disable_memory block: leave the block first")
     spec = memory_spec(model)
     if state is not None and spec is not None:
         cfg, ids, layer_list = check_spec(spec, base_model(model))
