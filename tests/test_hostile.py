@@ -357,6 +357,8 @@ def test_hostile_config_json_is_one_line_before_any_allocation(key, value, needl
     ("bos_id", 600, "bos_id"),                                  # outside the vocabulary (512)
     ("tokens", {"train": "75239", "val": 8809}, "tokens"),
     ("sources", [{"name": "text", "tokens": {"train": "x"}}], "sources[0].tokens"),
+    ("files", {"train": ["train_000000.bin"] * 2, "val": ["val_000000.bin"]}, "more than once"),
+    ("tokens", {"train": 1, "val": 1}, "field tokens.train is 1, but the train shards hold"),
 ])
 def test_hostile_dataset_manifest_is_one_line(key, value, needle, tiny_data, tmp_path):
     from tngram.data.build import open_dataset

@@ -99,9 +99,16 @@ def open_dataset(dir: str | os.PathLike) -> DatasetInfo:
             raise MissingFileError(
                 f"dataset {d}: {split} shard(s) missing: {', '.join(missing[:5])}"
             )
+        if len(set(paths)) < len(paths):
+            raise TngramError(f"{where}: field files.{split} lists a shard more than once")
         for p in paths:
             check_regular(p, d)
-            read_shard_header(p)
+        count = sum(read_shard_header(p) for p in paths)
+        if count != m.get("tokens", {}).get(split, count):
+            raise TngramError(
+                f"{where}: field tokens.{split} is {m['tokens'][split]:,}, but the {split} shards "
+                f"hold {count:,} tokens (a shard was added, replaced or removed)"
+            )
         split_files[split] = paths
     if not split_files["val"]:
         raise TngramError(f"dataset {d}: the manifest lists no val shards")
