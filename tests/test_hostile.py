@@ -347,6 +347,7 @@ def test_hostile_config_json_is_one_line_before_any_allocation(key, value, needl
 @pytest.mark.parametrize("key,value,needle", [
     ("vocab_size", "512", "vocab_size"),
     ("vocab_size", -1, "vocab_size"),
+    ("vocab_size", 512.0, "vocab_size"),
     ("files", ["train_000000.bin"], "files"),
     ("files", {"train": "train_000000.bin", "val": []}, "train"),
     ("files", {"train": [], "val": [7]}, "files.val"),
