@@ -400,7 +400,7 @@ def test_deeply_nested_json_record_is_one_line(tmp_path):
     ("config.json", '{"name": "mini-tngram", "model": {}, "run": "x"}', "config.json"),
 ])
 def test_hostile_run_records_in_report_are_one_line(name, content, needle, full_run, tmp_path):
-    from tngram.report.compare import rows_from_folder
+    from research.cli.report import rows_from_folder
     folder = tmp_path / "cmp"
     run = copy_run(full_run, folder / "runs" / "tngram-s0")
     (run / name).write_text(content)
