@@ -515,7 +515,7 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
             ahead = r[8] < 0
             rows.append(
                 [
-                    "32k+ (untrained at 32,768; this is V 4,096)",
+                    "32k+ (V 4,096 pair; one seed at 32,768 agrees)",
                     "extra parameters",
                     "TN-gram, hashed factor rows" if ahead else "Engram",
                     "`runs/hashed-4096`" if ahead else "`runs/engram-4096`",
