@@ -32,8 +32,8 @@ cells are missing and what they would cost):
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1); the R 256 pair and the literature runs did not fit the CPU time and are not in it.
-Queue q3 was timed (`time`, research/results/vocab-32768-cost.json), not trained: at the rate the
-shared CPU gave, one run would outlast the time there was.
+Queue q3 was timed (`time`, research/results/vocab-32768-cost.json); its first pair (hsum
+against Engram, seed 0) was trained, research/results/vocab-32768-pair-s0.json.
 """
 
 from __future__ import annotations
