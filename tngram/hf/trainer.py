@@ -34,7 +34,6 @@ backward (Trainer's `sync_gradients` step) and before clipping, the norm and the
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 from typing import Any, cast
 
 import torch
@@ -171,8 +170,12 @@ def _memory_as_adapter(model: Any) -> Any:
                 f"MemoryTrainer: {name} would train, but the base is quantized: only its memory "
                 "can (add_memory / load_memory with trainable='memory')"
             )
-    with mock.patch.object(hf_trainer, "validate_quantization_for_training", lambda m: None):
+    check = hf_trainer.validate_quantization_for_training
+    hf_trainer.validate_quantization_for_training = lambda m: None
+    try:
         yield
+    finally:
+        hf_trainer.validate_quantization_for_training = check
 
 
 class MemoryTrainer(Trainer):
