@@ -29,6 +29,7 @@ cells are missing and what they would cost):
     q2   the first two pairs again at seed 1, then on literature@4096 at seed 0
     q3   default@32768, seed 0: mini-tngram-hsum's memory (R 64, R/V 0.002; hash_budget 3929)
          and tngram-hashed R 256 / V' 256 / k 2, each against Engram at >= its Δparams
+    q4   q3's first pair (hsum against Engram) at seed 1
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1); the R 256 pair and the literature runs did not fit the CPU time and are not in it.
@@ -149,7 +150,7 @@ def pair(corpus: str, fam: str, size: Any, cfg: Any, seed: int, target: int = 0)
     ]
 
 
-QUEUES = ("q1", "q2", "q3")
+QUEUES = ("q1", "q2", "q3", "q4")
 HSUM_BUDGET = 3929  # mini-tngram-hsum's hash_budget (its V 1024 recipe), kept at V 32768
 
 
@@ -177,6 +178,9 @@ def raw_queue(name: str) -> list[Any]:
             *pair(d32, "tngram-hsum", HSUM_BUDGET, hsum(d32, HSUM_BUDGET), 0),
             *pair(d32, "tngram-hashed", h, hashed(d32, 256, 256, 2), 0),
         ]
+    if name == "q4":
+        d32 = "default@32768"
+        return pair(d32, "tngram-hsum", HSUM_BUDGET, hsum(d32, HSUM_BUDGET), 1)
     raise SystemExit(f"unknown queue {name!r}; valid: {', '.join(QUEUES)}")
 
 
