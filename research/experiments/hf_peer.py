@@ -25,13 +25,23 @@ keeps the reference's N(0, 1)). Measured:
 - resume: N steps straight against N/2, save, a fresh model resumed from the checkpoint for the
   rest (max |diff| of the trainable weights and of the last logged loss);
 - eval loss after N steps on held-out sequences of the same synthetic source, and the trainable
-  parameter count.
+  parameter count;
+- features, each run on both sides through its public API ("not offered" where a side has no
+  API for it; a check that raises is "no" with its error): two named memories on one base (add,
+  switch, disable, save and load each, logits compared exactly); a few memory-only steps on a
+  bitsandbytes 8-bit and 4-bit base on the CPU (the memory moves, the quantized backbone does
+  not); the compression table from a PreTrainedTokenizerFast / tokenizer.json against DeepSeek's
+  mapping re-derived from the tokenizer's decode; a few TRL SFTTrainer steps; the trainable
+  report's backbone and memory counts against the counted parameters.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import functools
+import io
 import json
 import math
 import platform
@@ -397,23 +407,29 @@ def import_peer() -> Any:
     return engram_peft
 
 
+def peer_model(base: nn.Module) -> Any:
+    """engram-peft's Engram at the comparison's shapes on `base`, backbone frozen."""
+    ep = import_peer()
+    cfg = ep.EngramConfig(
+        ngram_sizes=list(range(2, MAX_NGRAM + 1)),
+        max_ngram_size=MAX_NGRAM,
+        n_head_per_ngram=HEADS,
+        engram_vocab_size_per_ngram=[BUDGET * HEADS] * (MAX_NGRAM - 1),
+        embedding_dim=EMBED * (MAX_NGRAM - 1),
+        target_layers=list(LAYERS),
+        hc_mult=1,
+        enable_tokenizer_compression=False,
+        learning_rate_multiplier=TABLE_LR_MULT,
+    )
+    torch.manual_seed(0)
+    return ep.get_engram_model(base, cfg, train_mode="engram_only")
+
+
 def peer_side(lr: float) -> Side:
     ep = import_peer()
 
     def build() -> nn.Module:
-        cfg = ep.EngramConfig(
-            ngram_sizes=list(range(2, MAX_NGRAM + 1)),
-            max_ngram_size=MAX_NGRAM,
-            n_head_per_ngram=HEADS,
-            engram_vocab_size_per_ngram=[BUDGET * HEADS] * (MAX_NGRAM - 1),
-            embedding_dim=EMBED * (MAX_NGRAM - 1),
-            target_layers=list(LAYERS),
-            hc_mult=1,
-            enable_tokenizer_compression=False,
-            learning_rate_multiplier=TABLE_LR_MULT,
-        )
-        torch.manual_seed(0)
-        return ep.get_engram_model(tiny_base(), cfg, train_mode="engram_only")
+        return peer_model(tiny_base())
 
     def trainer(model: nn.Module, args: Any, data: Any) -> Any:
         return ep.EngramTrainer(model=model, args=args, train_dataset=data)
@@ -430,12 +446,429 @@ def peer_side(lr: float) -> Side:
     return Side("engram-peft", build, trainer, hashes, primes)
 
 
+# ---- features: each checked by running it on both sides -------------------------------------
+# A check returns {"result": "yes" | "no" | "not offered" | "skipped", "checked": what ran, ...
+# its numbers}; a check that raises is "no" with the error (`feature`).
+FEATURE_STEPS = 4  # training steps of the quantized-base and SFTTrainer checks
+TEXT = [
+    "The Café serves CAFÉ au lait; the cafe's naïve Naïve coffee costs 3.50 € today.",
+    "Über die Brücke, über DIE brücke!  Straße   and  STRASSE\tand\ttabs.",
+    "Ünïcödé ÀÉÎÕÜ àéîõü, 東京 と 大阪, emoji 🙂 and 🚀, déjà vu, résumé, RÉSUMÉ, ﬁle, file.",
+] * 40
+
+
+def feature(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one check; an exception is the answer "no", with its first line."""
+    try:
+        return check()
+    except Exception as e:  # noqa: BLE001 - any failure of the other side's API is a "no"
+        return {"result": "no", "error": f"{type(e).__name__}: {str(e).splitlines()[0]:.200}"}
+
+
+def yes_if(ok: bool, checked: str, **numbers: Any) -> dict[str, Any]:
+    return {"result": "yes" if ok else "no", "checked": checked, **numbers}
+
+
+def logits(model: Any, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=x, use_cache=False).logits.float()
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def randomize(params: Any, seed: int) -> None:
+    """Draw every memory parameter N(0, 0.1^2): a memory that changes the logits (both sides'
+    inits zero a projection, so a fresh memory is a no-op)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+NAMED_CHECK = (
+    "two memories added under two names on one base differ; switching back gives the first's "
+    "logits exactly; disabling gives the base's; each saved, then loaded onto a fresh base, gives "
+    "its logits exactly"
+)
+
+
+def named_result(la, lb, back, off, plain, re_a, re_b) -> dict[str, Any]:
+    ok = gap(la, lb) > 1e-3 and gap(back, la) == 0 and gap(off, plain) == 0
+    ok = ok and gap(re_a, la) == 0 and gap(re_b, lb) == 0
+    return yes_if(
+        ok,
+        NAMED_CHECK,
+        a_vs_b=gap(la, lb),
+        switch_back=gap(back, la),
+        disabled_vs_base=gap(off, plain),
+        reload_a=gap(re_a, la),
+        reload_b=gap(re_b, lb),
+    )
+
+
+def word_tokenizer() -> Any:
+    """A word-level PreTrainedTokenizerFast over the tiny base's ids: <pad> 0, <eos> 1, w2 .."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(2, BASE["vocab_size"])]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def sft_data() -> Any:
+    from datasets import Dataset
+
+    ids = synthetic_tokens(16, 24, BASE["vocab_size"], seed=5)
+    texts = [" ".join(f"w{int(i)}" if i > 1 else "w2" for i in row) for row in ids]
+    return Dataset.from_list([{"text": t} for t in texts])
+
+
+def sft_config(out_dir: str) -> Any:
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=out_dir,
+        max_steps=FEATURE_STEPS,
+        learning_rate=3e-3,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
+    )
+
+
+def moved(before: dict[str, torch.Tensor], model: nn.Module, memory: Callable[[str], bool]):
+    """(the memory tensors that changed / all of them, the backbone tensors that changed)."""
+    now = dict(model.named_parameters())
+    mem = [n for n in before if memory(n)]
+    changed = {n for n in before if not torch.equal(now[n], before[n])}
+    return len(changed & set(mem)), len(mem), sorted(changed - set(mem))
+
+
+def training_result(before, model, memory, losses, what: str) -> dict[str, Any]:
+    n_moved, n_mem, backbone = moved(before, model, memory)
+    ok = n_moved == n_mem > 0 and not backbone and all(math.isfinite(v) for v in losses)
+    return yes_if(
+        ok,
+        what,
+        memory_tensors_moved=f"{n_moved}/{n_mem}",
+        backbone_tensors_moved=len(backbone),
+        losses=losses,
+    )
+
+
+def quantized_base(work: str, bits: int) -> Any:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = f"{work}/base-{bits}"
+    if not Path(path).exists():
+        tiny_base().save_pretrained(path)
+    q = BitsAndBytesConfig(**{f"load_in_{bits}bit": True})
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu")
+
+
+SFT_CHECK = "every memory tensor changes, no backbone tensor does, the losses are finite"
+QUANT_CHECK = (
+    "{steps} steps of the memory alone on a bitsandbytes {bits}-bit base on the CPU: every "
+    "memory tensor changes, no backbone tensor (the quantized weights) does, the losses are finite"
+)
+
+
+def expected_compression(tok: Any) -> list[int]:
+    """DeepSeek's compression (engram_demo_v1.py's CompressedTokenizer), re-derived with
+    unicodedata: key = the decoded token under NFKC, NFD, accents stripped, lower case, runs of
+    whitespace as one space and stripped (a lone space kept); the raw token where decoding gives
+    U+FFFD, the decoded text where the key is empty; ids numbered by first key."""
+    import re
+    import unicodedata
+
+    keys: dict[str, int] = {}
+    out = []
+    for tid in range(len(tok)):
+        text = tok.decode([tid], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = str(tok.convert_ids_to_tokens(tid))
+        else:
+            s = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+            s = "".join(c for c in s if unicodedata.category(c) != "Mn").lower()
+            s = re.sub(r"[ \t\r\n]+", " ", s)
+            key = (s if s == " " else s.strip()) or text
+        out.append(keys.setdefault(key, len(keys)))
+    return out
+
+
+def compression_tokenizer(work: str) -> tuple[Any, Path, Path]:
+    """A SentencePiece model trained on TEXT (case, accents, ligatures, byte pieces), converted
+    to a PreTrainedTokenizerFast saved as a folder with tokenizer.json: (fast, sp model, folder)."""
+    from tngram.data.tokenizer import train_tokenizer
+    from tngram.hf.tokenizer import build_fast_tokenizer
+
+    sp_path = train_tokenizer(TEXT, f"{work}/sp", vocab_size=400)
+    fast = build_fast_tokenizer(sp_path)
+    fast.save_pretrained(f"{work}/hf-tokenizer")
+    return fast, Path(sp_path), Path(f"{work}/hf-tokenizer")
+
+
+COMPRESSION_CHECK = (
+    "the compression table built from a PreTrainedTokenizerFast (and from its tokenizer.json) "
+    "equals DeepSeek's mapping re-derived from the tokenizer's decode"
+)
+TRAINABLE_CHECK = (
+    "the printed report's backbone and memory counts equal the counted parameters, with the "
+    "memory and one backbone tensor (the final norm) trainable"
+)
+
+
+def report_numbers(line: str) -> list[int]:
+    import re
+
+    return [int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?![\d.]*%)", line)]
+
+
+class TngramFeatures:
+    """The feature checks on tngram.hf's side (its Engram at the comparison's shapes)."""
+
+    def __init__(self, work: str) -> None:
+        self.work = work
+        self.x = synthetic_tokens(2, 16, BASE["vocab_size"], seed=6)
+
+    @staticmethod
+    def mem_params(model: nn.Module) -> list[torch.Tensor]:
+        from tngram.hf import memory_modules
+
+        return [p for m in memory_modules(model).values() for p in m.parameters()]
+
+    @staticmethod
+    def is_mem(name: str) -> bool:
+        return "ngram_memory" in name.split(".")
+
+    def named(self) -> dict[str, Any]:
+        from tngram.hf import add_memory, disable_memory, load_memory, save_memory, set_memory
+
+        cfg = tngram_engram_config()
+        model = tiny_base()
+        plain = logits(model, self.x)
+        add_memory(model, cfg, layers=LAYERS, trainable="memory", name="a")
+        randomize(self.mem_params(model), 1)
+        la = logits(model, self.x)
+        add_memory(model, cfg, layers=LAYERS, trainable="memory", name="b")
+        randomize(self.mem_params(model), 2)
+        lb = logits(model, self.x)
+        save_memory(model, f"{self.work}/named-b")
+        set_memory(model, "a")
+        back = logits(model, self.x)
+        with disable_memory(model):
+            off = logits(model, self.x)
+        save_memory(model, f"{self.work}/named-a")
+        fresh = load_memory(tiny_base(), f"{self.work}/named-a", name="a")
+        re_a = logits(fresh, self.x)
+        load_memory(fresh, f"{self.work}/named-b", name="b")
+        return named_result(la, lb, back, off, plain, re_a, logits(fresh, self.x))
+
+    def quantized(self, bits: int) -> dict[str, Any]:
+        from tngram.hf import MemoryTrainer, add_memory
+
+        model = quantized_base(self.work, bits)
+        add_memory(model, tngram_engram_config(), layers=LAYERS, trainable="memory")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = train_args(f"{self.work}/q{bits}", FEATURE_STEPS, 3e-3)
+        trainer = MemoryTrainer(
+            model=model, args=args, train_dataset=Sequences(synthetic_tokens(8, 32, 257, 1))
+        )
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        what = QUANT_CHECK.format(steps=FEATURE_STEPS, bits=bits)
+        return training_result(before, model, self.is_mem, losses, what)
+
+    def compression(self) -> dict[str, Any]:
+        import sentencepiece as spm
+
+        from tngram.memory.compression import build_compression, build_compression_from_file
+
+        fast, sp_path, folder = compression_tokenizer(self.work)
+        want = torch.tensor(expected_compression(fast))
+        sp = build_compression(spm.SentencePieceProcessor(model_file=str(sp_path)))
+        got = [build_compression(fast), build_compression_from_file(folder / "tokenizer.json")]
+        return yes_if(
+            all(torch.equal(g, want) for g in got) and torch.equal(sp, got[0]),
+            COMPRESSION_CHECK + "; tngram's also equals its SentencePiece path on the same model",
+            vocab=len(fast),
+            compressed=int(want.max()) + 1,
+            ids_equal=float((got[0] == want).float().mean()),
+            equals_sentencepiece_path=bool(torch.equal(sp, got[0])),
+        )
+
+    def sft(self) -> dict[str, Any]:
+        from trl import SFTTrainer
+
+        from tngram.hf import add_memory, memory_optimizer
+
+        model = add_memory(tiny_base(), tngram_engram_config(), layers=LAYERS, trainable="memory")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = sft_config(f"{self.work}/sft")
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=sft_data(),
+            processing_class=word_tokenizer(),
+            optimizers=(memory_optimizer(model, args, table_lr=3e-3 * TABLE_LR_MULT), None),
+        )
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        what = f"TRL SFTTrainer, {FEATURE_STEPS} steps on text: " + SFT_CHECK
+        return training_result(before, model, self.is_mem, losses, what)
+
+    def trainable(self) -> dict[str, Any]:
+        from tngram.hf import add_memory, print_trainable_parameters
+
+        model = add_memory(tiny_base(), tngram_engram_config(), layers=LAYERS, trainable="memory")
+        model.model.norm.weight.requires_grad_(True)
+        with contextlib.redirect_stdout(io.StringIO()):
+            line = print_trainable_parameters(model)
+        mem = sum(p.numel() for p in self.mem_params(model))
+        total = sum(p.numel() for p in model.parameters())
+        norm = model.model.norm.weight.numel()
+        # "trainable params: T || memory params: M (trainable Mt) || all params: A || ..."
+        t, m, mt, a = report_numbers(line)[:4]
+        ok = (t - mt, mt, a - m, m) == (norm, mem, total - mem, mem)
+        return yes_if(ok, TRAINABLE_CHECK + " (backbone = all − memory)", report=line)
+
+
+def bnb_guard(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return {"result": "skipped", "checked": "bitsandbytes is not installed"}
+    return feature(check)
+
+
+def trl_guard(check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return {"result": "skipped", "checked": "trl is not installed"}
+    return feature(check)
+
+
+class PeerFeatures:
+    """The same checks through engram-peft's public API, where it offers the feature."""
+
+    def __init__(self, work: str) -> None:
+        self.work = work
+        self.x = synthetic_tokens(2, 16, BASE["vocab_size"], seed=6)
+        self.ep = import_peer()
+
+    @staticmethod
+    def is_mem(name: str) -> bool:
+        return name.startswith("adapters.")
+
+    def named(self) -> dict[str, Any]:
+        plain = logits(tiny_base(), self.x)
+        model = peer_model(tiny_base())
+        randomize(model.adapters["default"].parameters(), 1)
+        la = logits(model, self.x)
+        model.add_adapter("b", copy.deepcopy(model.peft_config["default"]))
+        model.set_adapter("b")
+        randomize(model.adapters["b"].parameters(), 2)
+        lb = logits(model, self.x)
+        model.save_pretrained_engram(f"{self.work}/named-b")
+        model.set_adapter("default")
+        back = logits(model, self.x)
+        model.unload_engram()  # its disable: the hooks go (load_engram puts them back)
+        off = logits(model, self.x)
+        model.load_engram()
+        model.save_pretrained_engram(f"{self.work}/named-a")
+        fresh = self.ep.EngramModel.from_pretrained(tiny_base(), f"{self.work}/named-a")
+        re_a = logits(fresh, self.x)
+        fresh.add_adapter("b", copy.deepcopy(fresh.peft_config["default"]))
+        fresh.set_adapter("b")
+        fresh.load_engram(f"{self.work}/named-b")
+        return named_result(la, lb, back, off, plain, re_a, logits(fresh, self.x))
+
+    def quantized(self, bits: int) -> dict[str, Any]:
+        model = peer_model(quantized_base(self.work, bits))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = train_args(f"{self.work}/q{bits}", FEATURE_STEPS, 3e-3)
+        trainer = self.ep.EngramTrainer(
+            model=model, args=args, train_dataset=Sequences(synthetic_tokens(8, 32, 257, 1))
+        )
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        what = QUANT_CHECK.format(steps=FEATURE_STEPS, bits=bits)
+        return training_result(before, model, self.is_mem, losses, what)
+
+    def compression(self) -> dict[str, Any]:
+        from engram_peft.compression import CompressedTokenizer
+
+        fast, _, folder = compression_tokenizer(self.work)
+        want = torch.tensor(expected_compression(fast))
+        got = [CompressedTokenizer(tokenizer=fast).lookup, CompressedTokenizer(str(folder)).lookup]
+        n = min(len(want), len(got[0]))
+        return yes_if(
+            all(torch.equal(g, want) for g in got),
+            COMPRESSION_CHECK,
+            vocab=len(fast),
+            table_length=len(got[0]),
+            compressed=int(want.max()) + 1,
+            ids_equal=float((got[0][:n] == want[:n]).float().mean()),
+        )
+
+    def sft(self) -> dict[str, Any]:
+        model = peer_model(tiny_base())
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer = self.ep.create_engram_sft_trainer(
+                model, word_tokenizer(), sft_data(), args=sft_config(f"{self.work}/sft")
+            )
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        what = f"TRL SFTTrainer (create_engram_sft_trainer), {FEATURE_STEPS} steps on text: "
+        return training_result(before, model, self.is_mem, losses, what + SFT_CHECK)
+
+    def trainable(self) -> dict[str, Any]:
+        model = peer_model(tiny_base())
+        model.base_model.model.norm.weight.requires_grad_(True)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            model.print_trainable_parameters()
+        line = out.getvalue().strip()
+        mem = sum(p.numel() for p in model.adapters.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        norm = model.base_model.model.norm.weight.numel()
+        # "trainable params: T (backbone: B, engram: E) || all params: A || trainable%: ..."
+        t, b, e, a = report_numbers(line)[:4]
+        ok = (t, b, e, a) == (norm + mem, norm, mem, total)
+        return yes_if(ok, TRAINABLE_CHECK, report=line)
+
+
+def features(checks: Any) -> dict[str, dict[str, Any]]:
+    """Every feature check of one side (TngramFeatures or PeerFeatures)."""
+    return {
+        "named": feature(checks.named),
+        "quantized_8bit": bnb_guard(lambda: checks.quantized(8)),
+        "quantized_4bit": bnb_guard(lambda: checks.quantized(4)),
+        "hf_tokenizer_compression": feature(checks.compression),
+        "trl_sft": trl_guard(checks.sft),
+        "trainable_split": feature(checks.trainable),
+    }
+
+
 # ---- the results file -------------------------------------------------------------------------
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ("engram-peft", "transformers", "peft", "torch", "tngram"):
+    pkgs = ("engram-peft", "transformers", "peft", "torch", "tngram", "trl", "bitsandbytes")
+    for pkg in pkgs:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -482,6 +915,10 @@ def run(steps: int, lr: float, peer: bool = True) -> dict[str, Any]:
         for i, side in enumerate(sides):
             print(f"[hf-peer] {side.name} ...", file=sys.stderr, flush=True)
             rows.append(measure(side, steps=steps, lr=lr, work=f"{work}/{i}"))
+        print("[hf-peer] features ...", file=sys.stderr, flush=True)
+        feats = {"tngram.hf": features(TngramFeatures(f"{work}/features-tngram"))}
+        if peer:
+            feats = {"engram-peft": features(PeerFeatures(f"{work}/features-peer")), **feats}
     return {
         "kind": "hf-peer",
         "base": {**BASE, "layers": list(LAYERS), "seq": SEQ},
@@ -495,9 +932,11 @@ def run(steps: int, lr: float, peer: bool = True) -> dict[str, Any]:
         "steps": steps,
         "learning_rate": lr,
         "table_lr_multiplier": TABLE_LR_MULT,
+        "feature_steps": FEATURE_STEPS,
         "base_cached_vs_uncached_max_abs_diff": base_gap,
         "versions": versions(),
         "sides": rows,
+        "features": feats,
     }
 
 

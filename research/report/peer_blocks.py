@@ -29,6 +29,57 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("trainable parameters", "trainable_params", ","),
 )
 
+# (row label, the key of a feature check in the file's "features"); {steps}: its feature_steps
+FEATURES: tuple[tuple[str, str], ...] = (
+    (
+        "two named memories on one base: they differ, switching back and disabling are exact, "
+        "each saved and loaded back is exact",
+        "named",
+    ),
+    (
+        "{steps} memory-only steps on a bitsandbytes 8-bit base (CPU): the memory moves, the "
+        "quantized backbone does not",
+        "quantized_8bit",
+    ),
+    ("the same on a 4-bit base", "quantized_4bit"),
+    (
+        "compression table from a PreTrainedTokenizerFast and its tokenizer.json equal to "
+        "DeepSeek's mapping",
+        "hf_tokenizer_compression",
+    ),
+    ("TRL SFTTrainer, {steps} steps: the memory alone moves", "trl_sft"),
+    ("trainable report: its backbone and memory counts right", "trainable_split"),
+)
+RESULTS = ("yes", "no", "not offered", "skipped")
+
+
+def _feature_cell(check: Any, key: str) -> str:
+    if not isinstance(check, dict) or check.get("result") not in RESULTS:
+        raise TngramError(
+            f"features.*.{key}.result must be one of {list(RESULTS)}, got {check!r:.60}"
+        )
+    error = check.get("error")
+    if check["result"] == "no" and isinstance(error, str):
+        return f"no ({error.split(':')[0]})"  # the exception's type; the file has its message
+    return str(check["result"])
+
+
+def render_features(snap: dict[str, Any]) -> list[str]:
+    """The feature table: one column per library, one row per check, each cell its result."""
+    feats = snap.get("features")
+    if feats is None:
+        return []
+    if not isinstance(feats, dict) or not feats:
+        raise TngramError("field 'features' must be an object {library: {check: result}}")
+    version = snap["versions"].get("engram-peft", "?")
+    heads = [f"{k} {version}" if k == "engram-peft" else k for k in feats]
+    lines = ["", "| feature, checked by running it | " + " | ".join(heads) + " |"]
+    lines.append("|" + "---|" * (len(feats) + 1))
+    for label, key in FEATURES:
+        cells = [_feature_cell(side.get(key), key) for side in feats.values()]
+        lines.append(md_row([label.format(steps=snap.get("feature_steps", "?"))] + cells))
+    return lines
+
 
 def _field(side: dict[str, Any], path: str) -> Any:
     v: Any = side
@@ -71,6 +122,7 @@ def render_peer(snap: dict[str, Any]) -> str:
     lines = ["| measure | " + " | ".join(heads) + " |", "|" + "---|" * (len(sides) + 1)]
     for label, path, fmt in ROWS:
         lines.append(md_row([label.format(**fill)] + [_cell(_field(s, path), fmt) for s in sides]))
+    lines += render_features(snap)
     lr = snap["learning_rate"]
     mult = snap["table_lr_multiplier"]
     lines.append("")
