@@ -571,7 +571,8 @@ def quantized_base(work: str, bits: int) -> Any:
 
     path = f"{work}/base-{bits}"
     if not Path(path).exists():
-        tiny_base().save_pretrained(path)
+        base: Any = tiny_base()
+        base.save_pretrained(path)
     q = BitsAndBytesConfig(**{f"load_in_{bits}bit": True})
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu")
 
@@ -631,7 +632,8 @@ TRAINABLE_CHECK = (
 def report_numbers(line: str) -> list[int]:
     import re
 
-    return [int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?![\d.]*%)", line)]
+    counts = line.split("trainable%")[0]  # the counts, before the percentage
+    return [int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*", counts)]
 
 
 class TngramFeatures:
@@ -738,7 +740,7 @@ class TngramFeatures:
         total = sum(p.numel() for p in model.parameters())
         norm = model.model.norm.weight.numel()
         # "trainable params: T || memory params: M (trainable Mt) || all params: A || ..."
-        t, m, mt, a = report_numbers(line)[:4]
+        t, m, mt, a = report_numbers(line)
         ok = (t - mt, mt, a - m, m) == (norm, mem, total - mem, mem)
         return yes_if(ok, TRAINABLE_CHECK + " (backbone = all − memory)", report=line)
 
@@ -845,7 +847,7 @@ class PeerFeatures:
         total = sum(p.numel() for p in model.parameters())
         norm = model.base_model.model.norm.weight.numel()
         # "trainable params: T (backbone: B, engram: E) || all params: A || trainable%: ..."
-        t, b, e, a = report_numbers(line)[:4]
+        t, b, e, a = report_numbers(line)
         ok = (t, b, e, a) == (norm + mem, norm, mem, total)
         return yes_if(ok, TRAINABLE_CHECK, report=line)
 

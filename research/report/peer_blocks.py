@@ -132,6 +132,7 @@ def render_peer(snap: dict[str, Any]) -> str:
         f"memories at layers {tuple(snap['base']['layers'])}, backbone frozen; {steps} steps of "
         f"batch 8 x {snap['base']['seq']} tokens, lr {lr:g} (tables {lr * mult:g}); transformers "
         f"{v.get('transformers', '?')}, peft {v.get('peft', '?')}, torch {v.get('torch', '?')}, "
-        f"Python {v.get('python', '?')}."
+        + (f"trl {v['trl']}, bitsandbytes {v.get('bitsandbytes', '?')}, " if "trl" in v else "")
+        + f"Python {v.get('python', '?')}."
     )
     return "\n".join(lines)

@@ -17,6 +17,7 @@ pytest.importorskip("sympy", reason="the reference hashing uses sympy.nextprime"
 
 from research.experiments import hf_peer as hp  # noqa: E402
 from research.report.docblocks import current_block, render  # noqa: E402
+from research.report.peer_blocks import FEATURES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_ARGS = dict(layers=hp.LAYERS, trainable="memory")
@@ -149,6 +150,90 @@ def test_peer_hashes_against_the_reference():
         assert np.array_equal(got[layer], want)
 
 
+# ---- the feature checks ----------------------------------------------------------------------
+def test_expected_compression_by_hand():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "Cat", "cat", "CAFÉ", "cafe", "\ufb01le", "file", "Naïve", "dog"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    # case folded, accents stripped, the ligature fi (NFKC) as "fi"; numbered by first key
+    assert hp.expected_compression(fast) == [0, 1, 1, 2, 2, 3, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    return hp.TngramFeatures(str(tmp_path_factory.mktemp("features")))
+
+
+def test_named_memories(ours):
+    r = hp.feature(ours.named)
+    assert r["result"] == "yes", r
+    assert r["a_vs_b"] > 0.01  # two live memories, two networks
+    assert r["switch_back"] == r["disabled_vs_base"] == r["reload_a"] == r["reload_b"] == 0
+
+
+def test_compression_from_a_hugging_face_tokenizer(ours):
+    pytest.importorskip("sentencepiece")
+    r = hp.feature(ours.compression)
+    assert r["result"] == "yes", r
+    assert r["equals_sentencepiece_path"] and r["ids_equal"] == 1.0
+    assert r["compressed"] < r["vocab"] == 400  # case and accents merged some ids
+
+
+def test_trainable_report(ours):
+    r = hp.feature(ours.trainable)
+    assert r["result"] == "yes", r
+    # the Engram of the comparison has 88,416 parameters (the table's row); the norm 64
+    assert "trainable params: 88,480 || memory params: 88,416 (trainable 88,416)" in r["report"]
+
+
+def test_memory_only_steps_on_an_8_bit_base(ours):
+    pytest.importorskip("bitsandbytes")
+    r = hp.bnb_guard(lambda: ours.quantized(8))
+    assert r["result"] == "yes", r
+    assert r["backbone_tensors_moved"] == 0 and r["losses"][-1] < r["losses"][0]
+
+
+def test_sft_trainer_steps(ours):
+    pytest.importorskip("trl")
+    r = hp.trl_guard(ours.sft)
+    assert r["result"] == "yes", r
+    assert r["backbone_tensors_moved"] == 0 and len(r["losses"]) == hp.FEATURE_STEPS
+
+
+def test_the_checks_can_say_no():
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    assert hp.named_result(a, b, a, a, a, a, b)["result"] == "yes"
+    assert hp.named_result(a, b, a + 1e-7, a, a, a, b)["result"] == "no"  # switch-back off
+    assert hp.named_result(a, a, a, a, a, a, a)["result"] == "no"  # the two do not differ
+    model = torch.nn.Linear(2, 2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    memory = lambda n: n == "weight"  # noqa: E731
+    assert hp.training_result(before, model, memory, [1.0], "")["result"] == "no"  # not moved
+    with torch.no_grad():
+        model.weight.add_(1)
+    assert hp.training_result(before, model, memory, [1.0], "")["result"] == "yes"
+    with torch.no_grad():
+        model.bias.add_(1)
+    r = hp.training_result(before, model, memory, [1.0], "")
+    assert r["result"] == "no" and r["backbone_tensors_moved"] == 1  # the bias moved too
+    r = hp.training_result(before, model, lambda n: True, [1.0, float("nan")], "")
+    assert r["result"] == "no"
+    r = hp.feature(lambda: {}["missing"])
+    assert r == {"result": "no", "error": "KeyError: 'missing'"}
+
+
+def test_report_numbers_of_both_reports():
+    ours = ("trainable params: 88,480 || memory params: 88,416 (trainable 88,416) || all params: "
+            "269,344 || trainable%: 32.8502")
+    peer = ("trainable params: 88,224 (backbone: 64, engram: 88,160) || all params: 269,088 || "
+            "trainable%: 32.7863")
+    assert hp.report_numbers(ours) == [88480, 88416, 88416, 269344]
+    assert hp.report_numbers(peer) == [88224, 64, 88160, 269088]
+
+
 # ---- the table --------------------------------------------------------------------------------
 def _snap() -> dict:
     side = {"name": "tngram Engram", "trainable_params": 88416, "hash_agreement": 1.0,
@@ -159,6 +244,7 @@ def _snap() -> dict:
             "cached_vs_uncached_max_abs_diff": 3.5e-3,
             "resume": {"weights_max_abs_diff": 6e-3, "loss_abs_diff": 5e-4}}
     tn = {k: v for k, v in side.items() if k not in ("hash_agreement", "primes_equal")}
+    yes = {k: {"result": "yes"} for _, k in FEATURES}
     return {"kind": "hf-peer", "command": "python -m research.experiments.hf_peer",
             "commit": "abc1234",
             "machine": "2-core CPU", "steps": 60, "learning_rate": 3e-3, "table_lr_multiplier": 5.0,
@@ -167,7 +253,10 @@ def _snap() -> dict:
             "base_cached_vs_uncached_max_abs_diff": 4.8e-7,
             "versions": {"engram-peft": "1.2.7", "transformers": "5.24.0", "peft": "0.21.2",
                          "torch": "2.13.0", "python": "3.11.7"},
-            "sides": [peer, side, {**tn, "name": "tngram TN-gram"}]}
+            "sides": [peer, side, {**tn, "name": "tngram TN-gram"}], "feature_steps": 4,
+            "features": {"engram-peft": {**yes, "trl_sft": {"result": "no",
+                                                             "error": "AttributeError: x"}},
+                         "tngram.hf": {**yes, "quantized_4bit": {"result": "skipped"}}}}
 
 
 def test_table_rows_from_the_file():
@@ -183,6 +272,19 @@ def test_table_rows_from_the_file():
     assert "| trainable parameters | 88,160 | 88,416 | 88,416 |" in text
     assert "lr 0.003 (tables 0.015)" in text
     assert text.endswith("at commit abc1234; 2-core CPU).")
+    assert "| feature, checked by running it | engram-peft 1.2.7 | tngram.hf |" in text
+    assert ("| two named memories on one base: they differ, switching back and disabling are "
+            "exact, each saved and loaded back is exact | yes | yes |") in text
+    assert "| TRL SFTTrainer, 4 steps: the memory alone moves | no (AttributeError) | yes |" in text
+    assert "| the same on a 4-bit base | yes | skipped |" in text
+    assert len([line for line in text.splitlines() if line.startswith("| ")]) == 1 + 7 + 1 + 6
+
+
+def test_table_refuses_an_unknown_feature_result():
+    snap = _snap()
+    snap["features"]["tngram.hf"]["named"] = {"result": "maybe"}
+    with pytest.raises(Exception, match=r"features\.\*\.named\.result must be one of"):
+        render(snap, "hf-peer")
 
 
 def test_table_refuses_sides_from_different_starts():
