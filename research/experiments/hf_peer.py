@@ -407,8 +407,9 @@ def import_peer() -> Any:
     return engram_peft
 
 
-def peer_model(base: nn.Module) -> Any:
-    """engram-peft's Engram at the comparison's shapes on `base`, backbone frozen."""
+def peer_model(base_fn: Callable[[], nn.Module]) -> Any:
+    """engram-peft's Engram at the comparison's shapes on the base `base_fn()` builds, backbone
+    frozen; its layers draw from torch's RNG as it stands after the base is built under seed 0."""
     ep = import_peer()
     cfg = ep.EngramConfig(
         ngram_sizes=list(range(2, MAX_NGRAM + 1)),
@@ -422,14 +423,14 @@ def peer_model(base: nn.Module) -> Any:
         learning_rate_multiplier=TABLE_LR_MULT,
     )
     torch.manual_seed(0)
-    return ep.get_engram_model(base, cfg, train_mode="engram_only")
+    return ep.get_engram_model(base_fn(), cfg, train_mode="engram_only")
 
 
 def peer_side(lr: float) -> Side:
     ep = import_peer()
 
     def build() -> nn.Module:
-        return peer_model(tiny_base())
+        return peer_model(tiny_base)
 
     def trainer(model: nn.Module, args: Any, data: Any) -> Any:
         return ep.EngramTrainer(model=model, args=args, train_dataset=data)
@@ -775,7 +776,7 @@ class PeerFeatures:
 
     def named(self) -> dict[str, Any]:
         plain = logits(tiny_base(), self.x)
-        model = peer_model(tiny_base())
+        model = peer_model(tiny_base)
         randomize(model.adapters["default"].parameters(), 1)
         la = logits(model, self.x)
         model.add_adapter("b", copy.deepcopy(model.peft_config["default"]))
@@ -797,7 +798,7 @@ class PeerFeatures:
         return named_result(la, lb, back, off, plain, re_a, logits(fresh, self.x))
 
     def quantized(self, bits: int) -> dict[str, Any]:
-        model = peer_model(quantized_base(self.work, bits))
+        model = peer_model(lambda: quantized_base(self.work, bits))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         args = train_args(f"{self.work}/q{bits}", FEATURE_STEPS, 3e-3)
         trainer = self.ep.EngramTrainer(
@@ -825,7 +826,7 @@ class PeerFeatures:
         )
 
     def sft(self) -> dict[str, Any]:
-        model = peer_model(tiny_base())
+        model = peer_model(tiny_base)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with contextlib.redirect_stdout(io.StringIO()):
             trainer = self.ep.create_engram_sft_trainer(
@@ -837,7 +838,7 @@ class PeerFeatures:
         return training_result(before, model, self.is_mem, losses, what + SFT_CHECK)
 
     def trainable(self) -> dict[str, Any]:
-        model = peer_model(tiny_base())
+        model = peer_model(tiny_base)
         model.base_model.model.norm.weight.requires_grad_(True)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
