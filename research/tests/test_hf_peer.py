@@ -234,6 +234,18 @@ def test_report_numbers_of_both_reports():
     assert hp.report_numbers(peer) == [88224, 64, 88160, 269088]
 
 
+def test_peer_feature_checks(tmp_path):
+    try:
+        hp.import_peer()
+    except SystemExit as e:
+        pytest.skip(f"engram-peft is not installed apart from tngram ({e})")
+    peer = hp.PeerFeatures(str(tmp_path))
+    named = hp.feature(peer.named)
+    assert named["result"] == "yes" and named["switch_back"] == named["reload_b"] == 0, named
+    r = hp.feature(peer.trainable)  # its Engram: 88,160 (the table's row); the norm 64
+    assert r["result"] == "yes" and "(backbone: 64, engram: 88,160)" in r["report"], r
+
+
 # ---- the table --------------------------------------------------------------------------------
 def _snap() -> dict:
     side = {"name": "tngram Engram", "trainable_params": 88416, "hash_agreement": 1.0,
