@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from tngram.cli.argtypes import int_range
 from tngram.common import TngramError
@@ -208,9 +207,3 @@ def add_logger_argument(p: argparse.ArgumentParser) -> None:
 def check_positive(name: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise TngramError(f"{name} must be >= 1, got {value}")
-
-
-def print_json(obj: Any) -> None:
-    import json
-
-    print(json.dumps(obj, indent=1))

@@ -182,7 +182,3 @@ def _save_tokenizer(sp_path: Path, folder: Path) -> None:
         raise TngramError(
             f"{sp_path}: not a SentencePiece tokenizer model ({str(e).splitlines()[0][:100]})"
         ) from None
-
-
-def export_summary(out: Path) -> dict[str, Any]:
-    return {"dir": str(out), "files": sorted(p.name for p in out.iterdir())}
