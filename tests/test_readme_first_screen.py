@@ -67,9 +67,8 @@ def test_which_memory_commands_train_the_points_the_answer_names(monkeypatch):
     parameters" view are, apart from the run's name, the map's `tngram-hsum` 3929 point, its
     Engram 3800 point and the iso view's Engram 400 point (MLP narrowed by
     pareto_iso.iso_backbone), each at its tuned table lr; the V 8192 command is the map's
-    `tngram-hsum` 94547 point there, and the V 4096 one the hashed-rows run of
-    research.experiments.vocab_regime (its dataset folder aside); the README names the recipe and
-    the tables' label of its family, and each command is the one its results file records."""
+    `tngram-hsum` 94547 point there, and the V 32768 one the pair of vocab_regime's queues q3/q4
+    that the row names (its dataset folder aside); the README names the recipe and the tables' label of its family, and each command is the one its results file records."""
     import json
 
     from research.experiments import pareto as P
@@ -93,8 +92,9 @@ def test_which_memory_commands_train_the_points_the_answer_names(monkeypatch):
             P.iso_config("engram", P.ISO_SIZES["engram"][2][-1], bases), P.TUNED_DEFAULT["engram"]),
         "runs/hsum-8192": P.with_table_lr(
             P.family_config("tngram-hsum", 94547, v8k), P.TUNED_DEFAULT["tngram-hsum"]),
-        "runs/hashed-4096": VR.hashed("default@4096", 256, 256, 2),
-        "runs/engram-4096": VR.engram_at("default@4096", VR.HASHED_DELTA)[0],
+        "runs/hsum-32768": VR.hsum("default@32768", VR.HSUM_BUDGET),
+        "runs/engram-32768": VR.engram_at(
+            "default@32768", VR.delta(VR.hsum("default@32768", VR.HSUM_BUDGET)))[0],
     }
     recorded = json.loads((ROOT / "research/results/which-memory.json").read_text())["commands"]
     assert set(by_out) == set(recorded) <= set(points)   # one command per row, each a known point

@@ -32,9 +32,9 @@ cells are missing and what they would cost):
     q4   q3's first pair (hsum against Engram) at seeds 1 and 2
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
-seeds 0 and 1); the R 256 pair and the literature runs did not fit the CPU time and are not in it.
-Queue q3 was timed (`time`, research/results/vocab-32768-cost.json); its first pair (hsum
-against Engram, seed 0) was trained, research/results/vocab-32768-pair-s0.json.
+seeds 0 and 1), q3 and q4 (V 32768: hsum against Engram at seeds 0-2, hashed rows at seed 0);
+the R 256 pair and the literature runs did not fit the CPU time and are not in it. Queue q3 was
+timed (`time`, research/results/vocab-32768-cost.json).
 """
 
 from __future__ import annotations
@@ -418,22 +418,24 @@ def report(out: Path, path: Path) -> None:
             "kind": "table",
             "command": (
                 "python -m research.experiments.vocab_regime run runs/vocab-regime q1 (and q2, "
-                "side by side); python -m research.experiments.vocab_regime report "
+                "q3, q4; runs side by side); python -m research.experiments.vocab_regime report "
                 "runs/vocab-regime research/results/vocab-regime.json"
             ),
             "commit": (
                 "V 4096 runs: a snapshot of 3afa763 with tngram/memory/tngram_hashed.py as in "
                 "584b4cf, trained by a script listing this module's specs (same labels and "
-                "configs); map rows: pareto-vs-engram.json's"
+                "configs); V 32768 runs: worktrees of b007945 (seed 0) and 5111bc4 (seeds 1, 2), "
+                "each run as run_all([spec], OUT); map rows: pareto-vs-engram.json's"
             ),
             "machine": (
-                "2-core AMD EPYC shared with other sessions' jobs (load 7-11); two to three "
-                "training runs side by side, one torch thread each"
+                "2-core AMD EPYC shared with other jobs (load 3-11); two to three training "
+                "runs side by side, one torch thread each, fp32"
             ),
             "source": (
-                "V 4096 rows: runs/vocab-regime/runs/*/summary.json (pairs by seed); map rows: "
-                "research/results/pareto-vs-engram.json (BPB = nats x the corpus's val BPB/loss "
-                "ratio, pareto-CORPUS.json); reproduction rows: its reported bpb, not our runs"
+                "V 4096/32768 rows: runs/vocab-regime/runs/*/summary.json (pairs by seed); "
+                "map rows: research/results/pareto-vs-engram.json (BPB = nats x the corpus's "
+                "val BPB/loss ratio, pareto-CORPUS.json); reproduction rows: its reported bpb, "
+                "not our runs"
             ),
             "columns": COLUMNS,
             "rows": rows,
@@ -456,13 +458,11 @@ README_COMMANDS = {  # the README's "Which memory" commands, by their --out
     "--set optim.memory_table_lr=0.2",
     "runs/hsum-8192": "tngram train mini-tngram-hsum --set model.vocab_size=8192 --set "
     "model.memory.hash_budget=94547",
-    "runs/hashed-4096": "tngram train mini-raw --set model.vocab_size=4096 --set "
-    "model.memory.kind=tngram-hashed --set model.memory.cp_rank=256 --set "
-    "model.memory.factor_rows=256 --set optim.memory_table_lr=0.1 --set run.dtype=fp32 --set "
-    "optim.memory_update=sparse --set optim.memory_catchup=true",
-    "runs/engram-4096": "tngram train mini-engram --set model.vocab_size=4096 --set "
-    '"model.memory.table_budget=[788,788,788,788]" --set optim.memory_table_lr=0.2 --set '
+    "runs/hsum-32768": "tngram train mini-tngram-hsum --set model.vocab_size=32768 --set "
     "run.dtype=fp32 --set optim.memory_update=sparse --set optim.memory_catchup=true",
+    "runs/engram-32768": "tngram train mini-engram --set model.vocab_size=32768 --set "
+    '"model.memory.table_budget=[23624,23624,23624,23624]" --set optim.memory_table_lr=0.2 '
+    "--set run.dtype=fp32 --set optim.memory_update=sparse --set optim.memory_catchup=true",
 }
 
 
@@ -516,24 +516,23 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
             "tuned Engram 81,920, default corpus",
         ],
     ]
-    v4k = ["this run (mini, fp32)", 4096, FAMILY_NAMES["tngram-hashed"]]
-    for r in big:  # the V 4096 pair decides the row: the better of the two, against the other
-        if r[:3] == v4k and r[5] == "default":
-            ahead = r[8] < 0
-            rows.append(
-                [
-                    "32k+ (V 4,096 pair; one seed at 32,768 agrees)",
-                    "extra parameters",
-                    "TN-gram, hashed factor rows" if ahead else "Engram",
-                    "`runs/hashed-4096`" if ahead else "`runs/engram-4096`",
-                    r[8] if ahead else -r[8],
-                    r[9] if ahead or r[9] is None else [-r[9][1], -r[9][0]],
-                    r[6],
-                    "Engram 788, default corpus"
-                    if ahead
-                    else "hashed factor rows, R/V' = 1, at <= its Δparams, default corpus",
-                ]
-            )
+    v32k = ["this run (mini, fp32)", 32768, FAMILY_NAMES["tngram-hsum"]]
+    r = next(r for r in big if r[:3] == v32k and r[5] == "default")  # decides the 32k row
+    ahead = r[8] < 0
+    rows.append(
+        [
+            "32k (measured at 32,768)",
+            "extra parameters",
+            "TN-gram sum + hashed" if ahead else "Engram",
+            "`runs/hsum-32768`" if ahead else "`runs/engram-32768`",
+            r[8] if ahead else -r[8],
+            r[9] if ahead or r[9] is None else [-r[9][1], -r[9][0]],
+            r[6],
+            "Engram 23,624, default corpus"
+            if ahead
+            else "TN-gram sum + hashed (R 64) at <= its Δparams, default corpus",
+        ]
+    )
     return {
         "kind": "table",
         "command": "python -m research.experiments.vocab_regime which-memory "
