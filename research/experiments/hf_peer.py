@@ -585,6 +585,19 @@ QUANT_CHECK = (
 )
 
 
+def quantized_steps(trainer_cls: Any, model: Any, work: str, bits: int, memory: Any) -> dict:
+    """FEATURE_STEPS steps of `trainer_cls` (each side's memory trainer) on the quantized `model`,
+    judged by training_result against QUANT_CHECK."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = train_args(f"{work}/q{bits}", FEATURE_STEPS, 3e-3)
+    data = Sequences(synthetic_tokens(8, 32, 257, 1))
+    trainer = trainer_cls(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    what = QUANT_CHECK.format(steps=FEATURE_STEPS, bits=bits)
+    return training_result(before, model, memory, losses, what)
+
+
 def expected_compression(tok: Any) -> list[int]:
     """DeepSeek's compression (engram_demo_v1.py's CompressedTokenizer), re-derived with
     unicodedata: key = the decoded token under NFKC, NFD, accents stripped, lower case, runs of
@@ -682,15 +695,7 @@ class TngramFeatures:
 
         model = quantized_base(self.work, bits)
         add_memory(model, tngram_engram_config(), layers=LAYERS, trainable="memory")
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        args = train_args(f"{self.work}/q{bits}", FEATURE_STEPS, 3e-3)
-        trainer = MemoryTrainer(
-            model=model, args=args, train_dataset=Sequences(synthetic_tokens(8, 32, 257, 1))
-        )
-        trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        what = QUANT_CHECK.format(steps=FEATURE_STEPS, bits=bits)
-        return training_result(before, model, self.is_mem, losses, what)
+        return quantized_steps(MemoryTrainer, model, self.work, bits, self.is_mem)
 
     def compression(self) -> dict[str, Any]:
         import sentencepiece as spm
@@ -799,15 +804,7 @@ class PeerFeatures:
 
     def quantized(self, bits: int) -> dict[str, Any]:
         model = peer_model(lambda: quantized_base(self.work, bits))
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        args = train_args(f"{self.work}/q{bits}", FEATURE_STEPS, 3e-3)
-        trainer = self.ep.EngramTrainer(
-            model=model, args=args, train_dataset=Sequences(synthetic_tokens(8, 32, 257, 1))
-        )
-        trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        what = QUANT_CHECK.format(steps=FEATURE_STEPS, bits=bits)
-        return training_result(before, model, self.is_mem, losses, what)
+        return quantized_steps(self.ep.EngramTrainer, model, self.work, bits, self.is_mem)
 
     def compression(self) -> dict[str, Any]:
         from engram_peft.compression import CompressedTokenizer
