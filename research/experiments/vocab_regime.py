@@ -30,6 +30,7 @@ cells are missing and what they would cost):
     q3   default@32768, seed 0: mini-tngram-hsum's memory (R 64, R/V 0.002; hash_budget 3929)
          and tngram-hashed R 256 / V' 256 / k 2, each against Engram at >= its Δparams
     q4   q3's first pair (hsum against Engram) at seeds 1 and 2
+    q5   q3's first pair on literature@32768 (the corpus settings are chosen on), seed 0
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1), q3 and q4 (V 32768: hsum against Engram at seeds 0-2, hashed rows at seed 0);
@@ -150,7 +151,7 @@ def pair(corpus: str, fam: str, size: Any, cfg: Any, seed: int, target: int = 0)
     ]
 
 
-QUEUES = ("q1", "q2", "q3", "q4")
+QUEUES = ("q1", "q2", "q3", "q4", "q5")
 HSUM_BUDGET = 3929  # mini-tngram-hsum's hash_budget (its V 1024 recipe), kept at V 32768
 
 
@@ -184,6 +185,9 @@ def raw_queue(name: str) -> list[Any]:
             *pair(d32, "tngram-hsum", HSUM_BUDGET, hsum(d32, HSUM_BUDGET), 1),
             *pair(d32, "tngram-hsum", HSUM_BUDGET, hsum(d32, HSUM_BUDGET), 2),
         ]
+    if name == "q5":
+        l32 = "literature@32768"
+        return pair(l32, "tngram-hsum", HSUM_BUDGET, hsum(l32, HSUM_BUDGET), 0)
     raise SystemExit(f"unknown queue {name!r}; valid: {', '.join(QUEUES)}")
 
 
