@@ -30,7 +30,7 @@ cells are missing and what they would cost):
     q3   default@32768, seed 0: mini-tngram-hsum's memory (R 64, R/V 0.002; hash_budget 3929)
          and tngram-hashed R 256 / V' 256 / k 2, each against Engram at >= its Δparams
     q4   q3's first pair (hsum against Engram) at seeds 1 and 2
-    q5   q3's first pair on literature@32768 (the corpus settings are chosen on), seed 0
+    q5   q3's first pair on literature@32768 (the corpus settings are chosen on), seeds 0 and 1
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1), q3 and q4 (V 32768: hsum against Engram at seeds 0-2, hashed rows at seed 0);
@@ -187,7 +187,11 @@ def raw_queue(name: str) -> list[Any]:
         ]
     if name == "q5":
         l32 = "literature@32768"
-        return pair(l32, "tngram-hsum", HSUM_BUDGET, hsum(l32, HSUM_BUDGET), 0)
+        cfg = hsum(l32, HSUM_BUDGET)
+        return [
+            *pair(l32, "tngram-hsum", HSUM_BUDGET, cfg, 0),
+            *pair(l32, "tngram-hsum", HSUM_BUDGET, cfg, 1),
+        ]
     raise SystemExit(f"unknown queue {name!r}; valid: {', '.join(QUEUES)}")
 
 
