@@ -239,7 +239,8 @@ def _summary(out: Path, label: str) -> dict[str, Any] | None:
 def pairs_table(out: Path) -> list[list[Any]]:
     """One row per (corpus, family point) with a finished pair: R/V (R/V' for hashed rows), seeds,
     Δparams and Engram's, then family − Engram (mean over seeds, 95% t interval) in val loss
-    (nats) and val BPB."""
+    (nats) and val BPB. A point paired on several corpora also gets their pooled row (corpus
+    "default+literature@V": every pair of each)."""
     groups: dict[tuple[str, str, str], list[tuple[dict, dict, dict]]] = {}
     for q in QUEUES:
         specs = raw_queue(q)
@@ -249,6 +250,13 @@ def pairs_table(out: Path) -> list[list[Any]]:
                 continue
             key = (s.tags["corpus"], s.tags["family"], str(s.tags["size"]))
             groups.setdefault(key, []).append((a, b, e.tags))
+    points: dict[tuple[int, str, str], list[str]] = {}  # one point on several corpora: pooled
+    for corpus, fam, size in list(groups):
+        points.setdefault((vocab_of(corpus), fam, size), []).append(corpus)
+    for (vocab, fam, size), corpora in points.items():
+        if len(corpora) > 1:
+            pooled = "+".join(c.split("@")[0] for c in corpora) + f"@{vocab}"
+            groups[(pooled, fam, size)] = [p for c in corpora for p in groups[(c, fam, size)]]
     rows = []
     for (corpus, fam, size), runs in groups.items():
         ml, cil = _stats([a["val_loss"] - b["val_loss"] for a, b, _ in runs])
@@ -525,7 +533,9 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
         ],
     ]
     v32k = ["this run (mini, fp32)", 32768, FAMILY_NAMES["tngram-hsum"]]
-    r = next(r for r in big if r[:3] == v32k and r[5] == "default")  # decides the 32k row
+    # the 32k row: the pooled pairs of every corpus trained there, else the default corpus's
+    r = next(r for r in big if r[:3] == v32k and r[5] in ("default+literature", "default"))
+    on = "default and literature corpora" if r[5] == "default+literature" else "default corpus"
     ahead = r[8] < 0
     rows.append(
         [
@@ -536,9 +546,9 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
             r[8] if ahead else -r[8],
             r[9] if ahead or r[9] is None else [-r[9][1], -r[9][0]],
             r[6],
-            "Engram 23,624, default corpus"
+            f"Engram 23,624, {on}"
             if ahead
-            else "TN-gram sum + hashed (R 64) at <= its Δparams, default corpus",
+            else f"TN-gram sum + hashed (R 64) at <= its Δparams, {on}",
         ]
     )
     return {

@@ -96,3 +96,22 @@ def test_v32768_cost_rows_are_their_rates_over_a_full_run():
         assert steps == VR.TIMED_STEPS
         assert hours == pytest.approx((256 * step_tokens / rate + outside) / 3600)
     assert snap["dataset"]["vocab_size"] == 32768
+
+
+def test_a_point_on_two_corpora_gets_a_pooled_row(no_data, tmp_path):
+    """q3's hsum pair on default (seed 0) and q5's on literature (seeds 0, 1): a row per corpus and
+    a pooled one whose mean and seed count are those of all three differences."""
+    pairs = VR.raw_queue("q3")[:2] + VR.raw_queue("q5")
+    losses = [6.25, 6.5, 6.0, 5.9, 6.1, 6.05]        # diffs: -0.25, +0.1, +0.05
+    for spec, loss in zip(pairs, losses):
+        d = tmp_path / "runs" / spec.label
+        d.mkdir(parents=True)
+        summary = {"val_loss": loss, "val_bpb": loss / 2, "delta_params": 1}
+        (d / "summary.json").write_text(json.dumps(summary))
+    rows = {r[0]: r for r in VR.pairs_table(tmp_path)}
+    assert set(rows) == {"default@32768", "literature@32768", "default+literature@32768"}
+    assert rows["literature@32768"][5] == 2
+    pooled = rows["default+literature@32768"]
+    assert pooled[5] == 3 and pooled[8] == pytest.approx((-0.25 + 0.1 + 0.05) / 3)
+    assert [r[5] for r in VR.new_rows(tmp_path) if r[5].startswith("default+")] == [
+        "default+literature"]
