@@ -8,6 +8,8 @@ Candidates, alternated in one process (rep i of each before rep i+1 of any; medi
     engram, tngram       the same model (same seed) with the memory at `--layers` (HF.md's
                          configs: Engram max_ngram 3, 4 heads x 64 per order; TN-gram max_ngram
                          3, cp_rank 64; non-zero value projections: the output is used)
+    hooks only           engram with each memory's forward replaced by zeros_like(h): what the
+                         integration (hooks, ids and mask checks, cache state) costs alone
 
 Per generated token = (t(prompt + n tokens) - t(prompt + 1 token)) / (n - 1), in wall time and in
 this process's CPU time (the second is less disturbed by other work on a shared machine). The
@@ -63,7 +65,7 @@ def build(kind: str, layers: tuple[int, ...]) -> Any:
             max_ngram=3, n_head_per_ngram=4, n_embed_per_ngram=64, pad_id=0, zero_init_value=False
         ),
         "tngram": TNGramConfig(max_ngram=3, cp_rank=64, zero_init_value=False),
-    }.get(kind)
+    }.get(kind.replace("hooks only", "engram"))
     if memory is not None:
         import warnings
 
@@ -81,8 +83,12 @@ def run(
     threads: int = 1,
 ) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    kinds = ["raw", "engram", "tngram"]
+    kinds = ["raw", "engram", "tngram", "hooks only"]
     models = {k: build(k, layers) for k in kinds}
+    from tngram.hf import memory_modules
+
+    for mem in memory_modules(models["hooks only"]).values():  # the memory's own work taken out
+        mem.forward = lambda h, *a, **k: torch.zeros_like(h)
     cands = {k: (models[k], nullcontext) for k in kinds}
     prompt = torch.randint(1, 32000, (1, prompt_len), generator=torch.Generator().manual_seed(0))
 

@@ -20,7 +20,7 @@ def test_a_short_run_times_every_candidate(tmp_path):
     out = tmp_path / "r.json"
     assert main(["--tokens", "3", "--prompt", "4", "--reps", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert set(res["rows"]) == {"raw", "engram", "tngram"}
+    assert set(res["rows"]) == {"raw", "engram", "tngram", "hooks only"}
     assert res["rows"]["raw"]["cpu_overhead"] == 0.0
     for row in res["rows"].values():
         assert row["cpu_ms_per_token"] > 0 and row["wall_ms_per_token"] > 0
