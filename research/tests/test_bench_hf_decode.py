@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "research" / "results" / "hf-decode-d305d58.json"
+RUN = ROOT / "research" / "results" / "hf-decode-53dcb8f.json"
 
 
 def test_a_short_run_times_every_candidate(tmp_path):
@@ -31,8 +31,9 @@ def test_docs_quote_the_committed_run():
     res = json.loads(RUN.read_text())
     perf = " ".join((ROOT / "research" / "PERFORMANCE.md").read_text().split())
     hf = " ".join((ROOT / "docs" / "HF.md").read_text().split())
-    assert res["commit"] == "d305d58" and res["reps"] == 40
-    for name, label in (("raw", "raw"), ("engram", "Engram"), ("tngram", "TN-gram")):
+    assert res["commit"] == "53dcb8f" and res["reps"] == 40
+    for name, label in (("raw", "raw"), ("engram", "Engram"), ("tngram", "TN-gram"),
+                        ("hooks only", "hooks only")):
         r = res["rows"][name]
         cells = [f"{r['cpu_ms_per_token']:.2f}", f"{r['cpu_tokens_per_s']:.1f}"]
         if name != "raw":
