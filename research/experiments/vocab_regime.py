@@ -425,27 +425,39 @@ def reproduction_rows() -> list[list[Any]]:
     ]
 
 
+RUN_KEYS = ("delta_params", "steps", "train_loss", "val_loss", "val_bpb", "tokens_per_s", "wall_s")
+
+
+def run_records(out: Path) -> dict[str, dict[str, Any]]:
+    """{label: its summary's RUN_KEYS} of every finished run of the queues: the per-seed values
+    behind each pair row."""
+    found = {s.label: _summary(out, s.label) for q in QUEUES for s in raw_queue(q)}
+    return {k: {f: v[f] for f in RUN_KEYS} for k, v in sorted(found.items()) if v is not None}
+
+
 def report(out: Path, path: Path) -> None:
-    """research/results/vocab-regime.json: every TN-gram − Engram pair by R/V."""
+    """research/results/vocab-regime.json: every TN-gram − Engram pair by R/V, and the runs'
+    own values (`runs`)."""
     rows = sorted(map_rows() + new_rows(out) + reproduction_rows(), key=lambda r: (r[1], r[4]))
     atomic_write_json(
         path,
         {
             "kind": "table",
             "command": (
-                "python -m research.experiments.vocab_regime run runs/vocab-regime q1 (and q2, "
-                "q3, q4; runs side by side); python -m research.experiments.vocab_regime report "
+                "python -m research.experiments.vocab_regime run runs/vocab-regime q1 (and q2, q3, "
+                "q4, q5; runs side by side); python -m research.experiments.vocab_regime report "
                 "runs/vocab-regime research/results/vocab-regime.json"
             ),
             "commit": (
                 "V 4096 runs: a snapshot of 3afa763 with tngram/memory/tngram_hashed.py as in "
                 "584b4cf, trained by a script listing this module's specs (same labels and "
                 "configs); V 32768 runs: worktrees of b007945 (seed 0) and 5111bc4 (seeds 1, 2), "
-                "each run as run_all([spec], OUT); map rows: pareto-vs-engram.json's"
+                "each run as run_all([spec], OUT); literature@32768 (q5): worktrees of 39ebc63 "
+                "(seed 0) and 9fe3f74 (seed 1); map rows: pareto-vs-engram.json's"
             ),
             "machine": (
-                "2-core AMD EPYC shared with other jobs (load 3-11); two to three training "
-                "runs side by side, one torch thread each, fp32"
+                "2-core AMD EPYC shared with other jobs (load 3-11); two to four training "
+                "runs side by side, one torch thread each, nice 19, fp32"
             ),
             "source": (
                 "V 4096/32768 rows: runs/vocab-regime/runs/*/summary.json (pairs by seed); "
@@ -455,6 +467,7 @@ def report(out: Path, path: Path) -> None:
             ),
             "columns": COLUMNS,
             "rows": rows,
+            "runs": run_records(out),
         },
     )
 

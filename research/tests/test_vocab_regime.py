@@ -115,3 +115,17 @@ def test_a_point_on_two_corpora_gets_a_pooled_row(no_data, tmp_path):
     assert pooled[5] == 3 and pooled[8] == pytest.approx((-0.25 + 0.1 + 0.05) / 3)
     assert [r[5] for r in VR.new_rows(tmp_path) if r[5].startswith("default+")] == [
         "default+literature"]
+
+
+def test_run_records_are_the_finished_runs_own_values(no_data, tmp_path):
+    """Each finished run of the queues (here two of q3) is recorded with its summary's RUN_KEYS and
+    nothing else; a queued run without a summary is absent."""
+    hs, eng = VR.raw_queue("q3")[:2]
+    for i, spec in enumerate((hs, eng)):
+        d = tmp_path / "runs" / spec.label
+        d.mkdir(parents=True)
+        summary = {k: float(i + j) for j, k in enumerate(VR.RUN_KEYS)} | {"recipe": "x"}
+        (d / "summary.json").write_text(json.dumps(summary))
+    recs = VR.run_records(tmp_path)
+    assert set(recs) == {hs.label, eng.label}
+    assert recs[eng.label] == {k: float(1 + j) for j, k in enumerate(VR.RUN_KEYS)}
