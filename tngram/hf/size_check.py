@@ -125,7 +125,7 @@ def regime_note(cfg: Any, d_model: int, vocab: int, ids: tuple[int, ...], model_
         f"where the paper's TN-gram was measured behind Engram at <= Engram's parameters (+0.012 "
         f"and +0.025 nats at V 8,192, R/V 0.09 and 0.04), and so were TN-gram with hashed factor "
         f"rows at R/V' = 1 (+0.0066 nats at V 4,096, 2 seeds; +0.020 at V 32,768, 1 seed) and "
-        f"TN-gram sum + hashed at V 32,768 (+0.014, 3 of 3 seeds; "
+        f"TN-gram sum + hashed at V 32,768 (+0.0087 pooled, Engram ahead in 4 of 5 seeds; "
         f"research/results/vocab-regime.json): use EngramConfig; "
         f"TNGramHashedConfig(cp_rank={r}, factor_rows={r}) is the TN-gram that keeps R/V' = 1 at "
         f"that size"
