@@ -35,8 +35,7 @@ cells are missing and what they would cost):
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1), q3, q4 and q5 (V 32768: hsum against Engram at seeds 0-2 on default and 0-1 on
 literature, hashed rows at seed 0); the R 256 pair and the literature@4096 runs did not fit the
-CPU time and are not in it. Queue q3 was
-timed (`time`, research/results/vocab-32768-cost.json).
+CPU time and are not in it. Queue q3 was timed (`time`, research/results/vocab-32768-cost.json).
 """
 
 from __future__ import annotations
@@ -458,7 +457,7 @@ def report(out: Path, path: Path) -> None:
             ),
             "machine": (
                 "2-core AMD EPYC shared with other jobs (load 3-11); two to four training "
-                "runs side by side, one torch thread each, nice 19, fp32"
+                "runs side by side, one torch thread each (the V 32768 runs at nice 19), fp32"
             ),
             "source": (
                 "V 4096/32768 rows: runs/vocab-regime/runs/*/summary.json (pairs by seed); "
