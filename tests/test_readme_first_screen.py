@@ -67,8 +67,9 @@ def test_which_memory_commands_train_the_points_the_answer_names(monkeypatch):
     parameters" view are, apart from the run's name, the map's `tngram-hsum` 3929 point, its
     Engram 3800 point and the iso view's Engram 400 point (MLP narrowed by
     pareto_iso.iso_backbone), each at its tuned table lr; the V 8192 command is the map's
-    `tngram-hsum` 94547 point there, and the V 32768 one the pair of vocab_regime's queues q3/q4
-    that the row names (its dataset folder aside); the README names the recipe and the tables' label of its family, and each command is the one its results file records."""
+    `tngram-hsum` 94547 point there, and the V 32768 one the pair of vocab_regime's queues q3-q5
+    that the row names (its dataset folder aside); the README names the recipe and the tables'
+    label of its family, and each command is the one its results file records."""
     import json
 
     from research.experiments import pareto as P

@@ -547,10 +547,8 @@ def which_memory(vocab_table: Path) -> dict[str, Any]:
     ]
     v32k = ["this run (mini, fp32)", 32768, FAMILY_NAMES["tngram-hsum"]]
     # the 32k row: the pooled pairs of every corpus trained there, else the default corpus's
-    r = min(
-        (r for r in big if r[:3] == v32k and r[5] in ("default+literature", "default")),
-        key=lambda r: r[5] != "default+literature",
-    )
+    at32k = {r[5]: r for r in big if r[:3] == v32k}
+    r = at32k.get("default+literature", at32k["default"])
     on = "default and literature corpora" if r[5] == "default+literature" else "default corpus"
     ahead = r[8] < 0
     rows.append(
