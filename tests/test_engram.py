@@ -343,6 +343,22 @@ def test_engram_errors():
         EngramConfig(kind="tngram")          # kind is a class attribute, not a field
 
 
+def test_table_init_std_scales_the_reference_draw():
+    """table_init_std s: the table is the default N(0, 1) draw times s (same seed), so its std is
+    s and every other parameter (drawn after the table) is unchanged; None keeps N(0, 1)."""
+    def build(**kw):
+        torch.manual_seed(3)
+        return small_cfg(**kw).build(d_model=16, vocab_size=40, layer_id=0, layer_ids=(0,))
+    ref, small = build(), build(table_init_std=0.02)
+    assert small_cfg().table_init_std is None
+    assert torch.equal(small.table.weight, ref.table.weight * 0.02)
+    rest = lambda m: {k: v for k, v in m.state_dict().items() if not k.startswith("table.")}
+    assert all(torch.equal(v, rest(ref)[k]) for k, v in rest(small).items())
+    for bad in (0, 0.0, -0.5, float("nan"), float("inf"), True, "0.02"):
+        with pytest.raises(TngramError, match="model.memory.table_init_std"):
+            small_cfg(table_init_std=bad)
+
+
 def test_config_defaults_and_frozen():
     cfg = EngramConfig()
     assert (cfg.max_ngram, cfg.n_head_per_ngram, cfg.pad_id, cfg.kernel_size, cfg.hc_mult) == \

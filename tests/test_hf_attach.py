@@ -73,6 +73,27 @@ def test_config_object_is_not_changed_and_the_spec_lives_on_model_config():
     assert json.loads(model.config.to_json_string())["tngram_memory"] == memory_spec(model)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_engram_tables_start_at_the_base_initializer_range(family):
+    """An EngramConfig without table_init_std draws its tables N(0, r^2), r the base config's
+    initializer_range (recorded in the spec): exactly the N(0, 1) draw of table_init_std=1.0
+    times r, every other tensor equal; a set value is kept; TN-gram's spec has no such field."""
+    import dataclasses
+
+    cfg = MEMORIES["engram"]
+    a = add_memory(tiny_model(family), cfg, layers=(0, 2), memory_seed=1)
+    one = dataclasses.replace(cfg, table_init_std=1.0)
+    b = add_memory(tiny_model(family), one, layers=(0, 2), memory_seed=1)
+    r = a.config.initializer_range
+    assert r == 0.02 and memory_spec(a)["memory"]["table_init_std"] == r
+    assert memory_spec(b)["memory"]["table_init_std"] == 1.0
+    for ma, mb in zip(memory_modules(a).values(), memory_modules(b).values(), strict=True):
+        assert torch.equal(ma.table.weight, mb.table.weight * r)
+        sa, sb = ma.state_dict(), mb.state_dict()
+        assert all(torch.equal(v, sb[k]) for k, v in sa.items() if not k.startswith("table."))
+    assert "table_init_std" not in memory_spec(with_memory(family, "tngram"))["memory"]
+
+
 def test_default_zero_init_memory_is_a_no_op_at_start():
     """With the default configs (zero-init value projection) the model's logits are unchanged:
     adding a memory to a trained model does not disturb it before training."""

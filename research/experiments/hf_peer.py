@@ -12,8 +12,9 @@ typing_extensions for it, since it imports the 3.12 name). Each side trains with
 Trainer (engram-peft's EngramTrainer, tngram's MemoryTrainer) at the same learning rate, tables
 at 5x (engram-peft's default `learning_rate_multiplier`), backbone frozen; tngram's Engram both
 with its default table update (Trainer's AdamW) and with memory_update="sparse" (LazyAdam, as
-engram-peft's SparseAdam), and again with its tables drawn N(0, 0.02^2) as engram-peft's (tngram
-keeps the reference's N(0, 1)). Measured:
+engram-peft's SparseAdam), and again with its tables drawn N(0, 1) as DeepSeek's reference
+(`table_init_std=1.0`; tngram.hf's default is the base's initializer_range, 0.02 here, which is
+also engram-peft's). Measured:
 
 - hash agreement: the fraction of (position, head) bucket ids equal to DeepSeek's reference
   hashing (engram_demo_v1.py's NgramHashMapping, re-derived in `reference_hashes`) on the same
@@ -49,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -349,21 +350,12 @@ def tngram_side(
     config_fn: Callable[[], Any],
     lr: float,
     memory_update: str = "dense",
-    table_std: float | None = None,
 ) -> Side:
-    """tngram.hf's side; `table_std` re-draws the memory tables N(0, table_std^2) after add_memory
-    (engram-peft's table init, 0.02, where tngram keeps the reference's N(0, 1))."""
+    """tngram.hf's side: the memory `config_fn()` at LAYERS, the backbone frozen."""
     from tngram.hf import MemoryTrainer, add_memory, memory_modules
 
     def build() -> nn.Module:
-        model = add_memory(tiny_base(), config_fn(), layers=LAYERS, trainable="memory")
-        if table_std is not None:
-            torch.manual_seed(0)
-            with torch.no_grad():
-                for m in memory_modules(model).values():
-                    for t in m.table_parameters():
-                        t.normal_(0.0, table_std)
-        return model
+        return add_memory(tiny_base(), config_fn(), layers=LAYERS, trainable="memory")
 
     def trainer(model: nn.Module, args: Any, data: Any) -> Any:
         return MemoryTrainer(
@@ -900,10 +892,9 @@ def run(steps: int, lr: float, peer: bool = True) -> dict[str, Any]:
     sides = [tngram_side("tngram Engram", tngram_engram_config, lr)]
     # the tables' optimiser of engram-peft (SparseAdam: Adam on the rows a batch reads)
     sides.append(tngram_side("tngram Engram, sparse", tngram_engram_config, lr, "sparse"))
-    # engram-peft's table init, N(0, 0.02^2)
-    sides.append(
-        tngram_side("tngram Engram, tables N(0, 0.02²)", tngram_engram_config, lr, table_std=0.02)
-    )
+    # DeepSeek's reference table init, N(0, 1) (tngram.hf's default: the base's initializer_range)
+    reference_init = lambda: replace(tngram_engram_config(), table_init_std=1.0)
+    sides.append(tngram_side("tngram Engram, tables N(0, 1)", reference_init, lr))
     tn_config = functools.partial(TNGramConfig, max_ngram=MAX_NGRAM, cp_rank=TN_CP_RANK)
     sides.append(tngram_side("tngram TN-gram", tn_config, lr))
     if peer:

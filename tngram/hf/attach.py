@@ -25,6 +25,7 @@ here).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -94,6 +95,8 @@ def add_memory(
 
     memory_config: TNGramConfig / EngramConfig (block memories, one per layer in `layers`) or
         OverEncodingConfig (one, at the input embedding; `layers` is ignored).
+        An EngramConfig without table_init_std draws its tables N(0, initializer_range^2) of
+        the base config (transformers' init of a new weight) instead of the reference's N(0, 1).
     layers: decoder-layer indices (negative counts from the end); default (1,) (or (0,) for a
         one-layer model). Each memory reads the residual stream entering its layer and adds its
         output there, before attention (as our GPT does).
@@ -159,6 +162,7 @@ def add_memory(
             f"layers (decoder layers at base_model.{path})",
         )
     warn_if_large(model, memory_config, hidden_size_of(base.config), rows, ids)
+    memory_config = with_base_init(memory_config, config)
     spec = {
         "memory": memory_config_to_dict(memory_config),
         "layers": list(ids),
@@ -174,6 +178,16 @@ def add_memory(
     convert_to_memory_class(model, spec)
     attach_from_spec(model, spec, name=name)
     return set_trainable(model, trainable)
+
+
+def with_base_init(memory_config: Any, config: Any) -> Any:
+    """An Engram config whose table_init_std is None gets the base's `initializer_range` (the
+    std transformers draws a new weight with; engram-peft's 0.02), so that its tables start as
+    small as the base's weights; a config that sets it, or a base without one, is kept."""
+    std = getattr(config, "initializer_range", None)
+    if getattr(memory_config, "table_init_std", 0) is not None or type(std) is not float:
+        return memory_config
+    return dataclasses.replace(memory_config, table_init_std=std) if std > 0 else memory_config
 
 
 def record_backbone(model: nn.Module) -> None:

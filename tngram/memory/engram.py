@@ -25,6 +25,7 @@ E n_embed_per_ngram, Dh = E / H.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -52,6 +53,9 @@ class EngramConfig(MemoryConfig):
     None -> 5 * vocab_size (the raw model vocabulary, as the reference's 5 * 129280) for every
     order. The table sizes also depend on every layer in `layer_ids` (global prime set, §2.4).
     pad_id is a raw id; with compress=True it is compressed before use.
+    table_init_std: None -> tables N(0, 1) (nn.Embedding's default, as the reference); a float s
+    -> N(0, s^2) (the same draw times s). tngram.hf.add_memory sets None to the base's
+    `initializer_range`, as transformers initialises a new weight.
     """
 
     kind: ClassVar[str] = "engram"
@@ -80,8 +84,12 @@ class EngramConfig(MemoryConfig):
     kv_bias: bool = True
     zero_init_value: bool = True
     zero_init_conv: bool = True
+    table_init_std: float | None = None
 
     def check_fields(self) -> None:
+        std = self.table_init_std
+        if std is not None and (type(std) not in (int, float) or not 0 < std < math.inf):
+            raise TngramError(f"model.memory.table_init_std must be None or > 0, got {std!r}")
         if self.max_ngram < 2:
             raise TngramError(f"Engram max_ngram must be >= 2 (orders 2..N), got {self.max_ngram}")
         if self.n_head_per_ngram < 1:
@@ -233,6 +241,8 @@ class Engram(RowSparse, MemoryModule, nn.Module):
 
         # ---- table (§2.5): one per layer, N(0, 1) init (nn.Embedding default) -------------
         self.table = nn.Embedding(self.n_rows, self.head_dim)
+        if cfg.table_init_std is not None:  # scaled, not redrawn: later draws stay as they were
+            self.table.weight.data.mul_(cfg.table_init_std)
         self.fusion = GatedFusion(
             self.d_mem,
             d_model,
