@@ -73,11 +73,15 @@ MEMORIES = {
 }
 
 
-def with_memory(family: str, kind: str, layers=(0, 2), seed: int = 0):
+def with_memory(family: str, kind: str, layers=(0, 2), seed: int = 0, **memory_fields):
+    """tiny_model(family) with MEMORIES[kind] (its fields changed by memory_fields) at layers."""
+    import dataclasses
+
     from tngram.hf import add_memory
 
     model = tiny_model(family, seed)
-    return add_memory(model, MEMORIES[kind], layers=layers, memory_seed=seed + 1)
+    cfg = dataclasses.replace(MEMORIES[kind], **memory_fields)
+    return add_memory(model, cfg, layers=layers, memory_seed=seed + 1)
 
 
 def prompt(batch: int = 2, length: int = 6, seed: int = 1) -> torch.Tensor:

@@ -78,7 +78,10 @@ def reference(model):
 
 
 def test_sparse_memory_update_equals_sparse_adam_by_hand(tmp_path):
-    model = with_memory("llama", "engram")
+    # tables at the reference's N(0, 1) (table_init_std=1.0), not add_memory's 0.02: with those
+    # the key projections' gradients are ~50x smaller and the two Adams' rounding (~1e-6) would
+    # exceed this comparison's atol; the update rule compared is the same at either scale
+    model = with_memory("llama", "engram", table_init_std=1.0)
     want = reference(copy.deepcopy(model))
     start = [t.detach().clone() for t in tables_of(model)]
     trainer = MemoryTrainer(
