@@ -34,6 +34,7 @@ cells are missing and what they would cost):
     q6   default@4096, seed 0: paper TN-gram R 1024 (R/V = 1/4) against Engram at >= its Δparams
     q7   the same with R 2048 (R/V = 1/2)
     q8   q6's pair at seed 1
+    q9   q6's pair on literature@4096, seed 0
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1), q3, q4 and q5 (V 32768: hsum against Engram at seeds 0-2 on default and 0-1 on
@@ -156,7 +157,7 @@ def pair(corpus: str, fam: str, size: Any, cfg: Any, seed: int, target: int = 0)
     ]
 
 
-QUEUES = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8")
+QUEUES = ("q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9")
 HSUM_BUDGET = 3929  # mini-tngram-hsum's hash_budget (its V 1024 recipe), kept at V 32768
 
 
@@ -197,9 +198,9 @@ def raw_queue(name: str) -> list[Any]:
             *pair(l32, "tngram-hsum", HSUM_BUDGET, cfg, 0),
             *pair(l32, "tngram-hsum", HSUM_BUDGET, cfg, 1),
         ]
-    if name in ("q6", "q7", "q8"):
-        r = 2048 if name == "q7" else 1024
-        return pair(d4, "tngram", r, tngram(d4, r), int(name == "q8"))
+    if name in ("q6", "q7", "q8", "q9"):
+        r, c = (2048 if name == "q7" else 1024), (l4 if name == "q9" else d4)
+        return pair(c, "tngram", r, tngram(c, r), int(name == "q8"))
     raise SystemExit(f"unknown queue {name!r}; valid: {', '.join(QUEUES)}")
 
 
