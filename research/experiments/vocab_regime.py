@@ -38,10 +38,10 @@ cells are missing and what they would cost):
 
 Trained for research/results/vocab-regime.json: the first two pairs of q1 and of q2 (default,
 seeds 0 and 1), q3, q4 and q5 (V 32768: hsum against Engram at seeds 0-2 on default and 0-1 on
-literature, hashed rows at seed 0), q6-q8 (V 4096: R 1024 at seeds 0-1, R 2048 at seed 0); the
-R 256 pair, the literature@4096 runs and R 4096 (stopped after 6 min of a core short of step 10;
-R 1024 reached it in 126 s beside it) did not fit the CPU time and are not in it. Queue q3
-was timed (`time`, research/results/vocab-32768-cost.json).
+literature, hashed rows at seed 0), q6-q9 (V 4096: R 1024 at seeds 0-1 and on literature, R 2048
+at seed 0); the R 256 pair, q2's literature@4096 runs and R 4096 (stopped after 6 min of a core
+short of step 10; R 1024 reached it in 126 s beside it) did not fit the CPU time and are not in
+it. Queue q3 was timed (`time`, research/results/vocab-32768-cost.json).
 """
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ def report(out: Path, path: Path) -> None:
         {
             "kind": "table",
             "command": (
-                "python -m research.experiments.vocab_regime run runs/vocab-regime q1 (and q2-q8; "
+                "python -m research.experiments.vocab_regime run runs/vocab-regime q1 (and q2-q9; "
                 "runs side by side); python -m research.experiments.vocab_regime report "
                 "runs/vocab-regime research/results/vocab-regime.json"
             ),
@@ -462,13 +462,13 @@ def report(out: Path, path: Path) -> None:
                 "584b4cf, trained by a script listing this module's specs (same labels and "
                 "configs); V 32768 runs: worktrees of b007945 (seed 0) and 5111bc4 (seeds 1, 2), "
                 "each run as run_all([spec], OUT); literature@32768 (q5): worktrees of 39ebc63 "
-                "(seed 0) and 9fe3f74 (seed 1); V 4096 R 1024 / 2048 (q6-q8): worktrees of "
-                "56ac341 (q6), 335f64c (q7), 7efedf1 (q8), each run as run_all([spec], OUT); map "
-                "rows: pareto-vs-engram.json's"
+                "(seed 0) and 9fe3f74 (seed 1); V 4096 R 1024 / 2048 (q6-q9): worktrees of "
+                "56ac341 (q6), 335f64c (q7), 7efedf1 (q8), cfe76a4 (q9), each run as "
+                "run_all([spec], OUT); map rows: pareto-vs-engram.json's"
             ),
             "machine": (
                 "2-core AMD EPYC shared with other jobs (load 3-11); two to four training "
-                "runs side by side, one torch thread each (the V 32768 and q6-q8 runs at nice "
+                "runs side by side, one torch thread each (the V 32768 and q6-q9 runs at nice "
                 "19), fp32"
             ),
             "source": (
